@@ -1,0 +1,24 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_models():
+    """float64 tiny models of each family, eager attention, random weights (built once)."""
+    from zorro_core.models import build_model, preset_config
+
+    cache = {}
+
+    def get(name: str, **overrides):
+        key = (name, tuple(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = build_model(preset_config(name, **overrides), dtype=torch.float64, attn_implementation="eager", seed=0)
+        return cache[key]
+
+    return get

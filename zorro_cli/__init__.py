@@ -1,0 +1,1 @@
+"""The `zorro` command line."""

@@ -1,0 +1,59 @@
+"""`zorro env`: what this machine can run."""
+
+from __future__ import annotations
+
+import json
+import platform
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+
+def environment() -> dict:
+    """Versions, devices and backend availability, as plain data (also written beside results)."""
+    import torch
+    import transformers
+
+    from zorro_core.models import SUPPORTED_MODEL_TYPES
+    from zorro_core.varlen import BACKENDS, backend_unavailable
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    info = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "device": device,
+        "varlen_backends": {n: backend_unavailable(n, device) or "ok" for n in BACKENDS},
+        "model_types": sorted(SUPPORTED_MODEL_TYPES),
+    }
+    for pkg in ("flash_attn", "liger_kernel", "fla", "peft"):
+        try:
+            mod = __import__(pkg)
+            info[pkg] = getattr(mod, "__version__", "installed")
+        except Exception:
+            info[pkg] = None
+    return info
+
+
+def env(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
+    info = environment()
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    console = Console()
+    table = Table(title="zorro env")
+    table.add_column("item")
+    table.add_column("value")
+    for k, v in info.items():
+        if k == "varlen_backends":
+            for name, why in v.items():
+                table.add_row(f"varlen backend {name}", "[green]ok[/]" if why == "ok" else f"[yellow]unavailable[/]: {why}")
+        else:
+            table.add_row(k, str(v))
+    console.print(table)

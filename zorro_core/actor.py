@@ -1,0 +1,176 @@
+"""The actors: per-sequence log-probs of a RolloutBatch, with dedup and without.
+
+DeduplicatedActor runs each unique prompt once (packed row, attention hook); BaselineActor
+runs every sequence, packed without padding through the same hook and backend (the strongest
+fair baseline), or with `padded=True` as the plain HF forward trainers run today.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .attention import ZORRO_ATTENTION, Route, attention_implementation
+from .batch import RolloutBatch
+from .logprobs import LOGITS_MODES, response_logprobs
+from .models import check_trainable_state, load_model, model_parts
+from .plan import DedupPlan, build_dedup_plan
+from .varlen import default_backend, get_backend
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ActorOutput:
+    """Per-token results in the batch's [B, R] layout."""
+
+    log_probs: torch.Tensor
+    """[B, R] log-prob of each response token; 0 at padding; float32 (float64 for a float64 model)."""
+    entropy: Optional[torch.Tensor]
+    """[B, R] entropy of each predictive distribution, or None."""
+    plan: Optional[DedupPlan] = None
+    """The plan used (None for the padded baseline)."""
+
+
+class _Actor:
+    dedup: bool = True
+
+    def __init__(
+        self,
+        model: Optional[nn.Module] = None,
+        model_name_or_path: Optional[str] = None,
+        device: Optional[str | torch.device] = None,
+        dtype: Optional[str | torch.dtype] = None,
+        use_split_attention: bool = True,
+        attn_implementation: Optional[str] = None,
+        logits_mode: str = "compute",
+        varlen_backend: Optional[str] = None,
+        logits_chunk_size: Optional[int] = None,
+    ) -> None:
+        if (model is None) == (model_name_or_path is None):
+            raise ValueError("pass exactly one of model= or model_name_or_path=")
+        if isinstance(dtype, str):
+            if dtype not in _DTYPES:
+                raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+            dtype = _DTYPES[dtype]
+        if model is None:
+            model = load_model(model_name_or_path, device=device or "cpu", dtype=dtype or torch.float32,
+                               attn_implementation=attn_implementation or "sdpa")
+        elif device is not None or dtype is not None:
+            model = model.to(device=device, dtype=dtype)
+        if logits_mode not in LOGITS_MODES:
+            raise ValueError(f"unknown logits_mode {logits_mode!r}; choose one of {LOGITS_MODES}")
+        self.model = model
+        self.parts = model_parts(model)
+        self.device = next(model.parameters()).device
+        self.attn_implementation = attn_implementation or model.config._attn_implementation or "sdpa"
+        self.use_split_attention = use_split_attention
+        self.logits_mode = logits_mode
+        self.logits_chunk_size = logits_chunk_size
+        if use_split_attention:
+            self.varlen_backend = varlen_backend or default_backend(self.attn_implementation, self.device)
+            self._varlen = get_backend(self.varlen_backend, self.device)
+        else:
+            if self.attn_implementation not in ("eager", "sdpa"):
+                raise ValueError(
+                    f"mask mode (use_split_attention=False) runs eager or sdpa, not {self.attn_implementation!r}"
+                )
+            self.varlen_backend = None
+            self._varlen = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.parts.lm_head.out_features
+
+    def plan(self, batch: RolloutBatch) -> DedupPlan:
+        return build_dedup_plan(batch.to(self.device), dedup=self.dedup)
+
+    def forward(self, batch: RolloutBatch, temperature: float = 1.0, calculate_entropy: bool = False) -> ActorOutput:
+        """Log-probs (and optionally entropy) of every response token, differentiable."""
+        batch.validate(vocab_size=self.vocab_size)
+        check_trainable_state(self.model)
+        plan = self.plan(batch)
+        mode = "split" if self.use_split_attention else "mask"
+        route = Route(plan=plan, mode=mode, backend=self._varlen, inner=self.attn_implementation)
+        with attention_implementation(self.model, ZORRO_ATTENTION):
+            hidden = self.parts.base(
+                input_ids=plan.input_ids[None], position_ids=plan.position_ids[None], use_cache=False, zorro_route=route,
+            ).last_hidden_state[0]
+        if route.calls != self.parts.num_attention_layers:
+            raise RuntimeError(
+                f"the attention hook served {route.calls} layers, expected {self.parts.num_attention_layers}: "
+                "some layer mixes tokens without calling transformers' attention interface, so the packed row "
+                "would be computed wrong; this model is not supported"
+            )
+        lp, ent = response_logprobs(hidden, self.parts.lm_head, plan.logit_index, plan.labels, temperature,
+                                    calculate_entropy, self.logits_mode, self.logits_chunk_size)
+        return ActorOutput(plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan)
+
+    __call__ = forward
+
+
+def _padded_mask(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """[B, 1, L, L] causal + key-padding mask in which a padding query sees itself.
+
+    transformers' own eager mask leaves padding queries with no key at all; in float64 that
+    softmax is NaN and the NaN reaches real tokens through the next layer's values.
+    """
+    if attn_implementation not in ("eager", "sdpa"):
+        return mask
+    real = mask.bool()
+    length = mask.shape[1]
+    i = torch.arange(length, device=mask.device)
+    allowed = (i[None, :] <= i[:, None])[None] & real[:, None, :]
+    allowed = allowed | (torch.eye(length, dtype=torch.bool, device=mask.device)[None] & ~real[:, :, None])
+    if attn_implementation == "sdpa":
+        return allowed[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+class DeduplicatedActor(_Actor):
+    """Each unique prompt computed once; responses attend to its keys/values."""
+
+    dedup = True
+
+
+class BaselineActor(_Actor):
+    """Every sequence computed on its own: packed without padding (default) or the padded HF forward."""
+
+    dedup = False
+
+    def __init__(self, *args, padded: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.padded = padded
+
+    def forward(self, batch: RolloutBatch, temperature: float = 1.0, calculate_entropy: bool = False) -> ActorOutput:
+        if not self.padded:
+            return super().forward(batch, temperature, calculate_entropy)
+        batch = batch.to(self.device)
+        batch.validate(vocab_size=self.vocab_size)
+        check_trainable_state(self.model)
+        ids = torch.cat([batch.prompts, batch.responses], 1).long()
+        mask = torch.cat([batch.prompt_mask, batch.response_mask], 1).long()
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        with attention_implementation(self.model, self.attn_implementation):
+            hidden = self.parts.base(input_ids=ids, attention_mask=_padded_mask(mask, self.attn_implementation, self.model.dtype),
+                                     position_ids=pos, use_cache=False).last_hidden_state
+        b, p = batch.prompts.shape
+        r = batch.responses.shape[1]
+        width = p + r
+        rm = batch.response_mask.bool().flatten()
+        flat = rm.nonzero().flatten()
+        rows, cols = flat // r, flat % r
+        index = rows * width + p - 1 + cols
+        labels = batch.responses.long().flatten()[flat]
+        lp, ent = response_logprobs(hidden.reshape(b * width, -1), self.parts.lm_head, index, labels, temperature,
+                                    calculate_entropy, self.logits_mode, self.logits_chunk_size)
+
+        def scatter(v):
+            return v.new_zeros(b * r).index_put((flat,), v).view(b, r)
+
+        return ActorOutput(scatter(lp), scatter(ent) if ent is not None else None, None)
+
+    __call__ = forward

@@ -1,0 +1,124 @@
+"""The attention hook: one function registered in transformers' AttentionInterface.
+
+The actor switches the model's attention implementation to "zorro" for the duration of its
+forward and passes a Route through the forward kwargs; every attention layer then lands
+here with q/k/v of the packed row and runs it the route's way:
+- split: the plan's `causal` segments, then its `cross` segments, through a varlen backend;
+- mask:  one attention over the packed row with the plan's block mask, through the model's
+         own eager function or transformers' sdpa function.
+No model source is edited; a layer that does not call the interface never sees the plan,
+which is why the actor counts the calls and refuses a model where the count is off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .plan import DedupPlan
+from .varlen import VarlenFn
+
+ZORRO_ATTENTION = "zorro"
+
+
+@dataclass
+class Route:
+    """How the hook runs the attention of one forward."""
+
+    plan: DedupPlan
+    """The batch's dedup plan."""
+    mode: str
+    """"split" (two varlen calls) or "mask" (one call with the block mask)."""
+    backend: Optional[VarlenFn] = None
+    """Varlen function, split mode."""
+    inner: str = "sdpa"
+    """"eager" or "sdpa", mask mode."""
+    calls: int = 0
+    """Attention layers served so far in this forward."""
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    def block_mask(self, kind: str, dtype: torch.dtype, window: Optional[int]) -> torch.Tensor:
+        key = (kind, dtype, window)
+        if key not in self._masks:
+            allowed = self.plan.attention_mask()
+            if window is not None:
+                pos = self.plan.position_ids
+                allowed = allowed & (pos[:, None] - pos[None, :] < window)
+            if kind == "eager":
+                m = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+                m = m.masked_fill(~allowed, torch.finfo(dtype).min)
+            else:
+                m = allowed
+            self._masks[key] = m[None, None]
+        return self._masks[key]
+
+
+def _model_eager(module: nn.Module):
+    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if fn is None:
+        raise ValueError(f"{type(module).__name__} has no eager_attention_forward in its module; use sdpa")
+    return fn
+
+
+def zorro_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    sliding_window: Optional[int] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    route: Optional[Route] = kwargs.get("zorro_route")
+    if route is None:
+        raise RuntimeError("zorro attention was called without a route: run the model through a zorro actor")
+    if dropout:
+        raise ValueError(f"attention dropout {dropout} is not supported by the dedup path (it would differ per copy)")
+    if query.shape[0] != 1:
+        raise ValueError(f"the packed row must have batch size 1, got {query.shape[0]}")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    route.calls += 1
+    if route.mode == "mask":
+        mask = route.block_mask(route.inner, query.dtype, sliding_window)
+        fn = _model_eager(module) if route.inner == "eager" else sdpa_attention_forward
+        extra = {"is_causal": False} if route.inner == "sdpa" else {}
+        out, _ = fn(module, query, key, value, mask, scaling=scale, dropout=0.0, **extra)
+        return out, None
+
+    plan = route.plan
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    seg = plan.causal
+    parts = [route.backend(q[seg.q_index], k[seg.k_index], v[seg.k_index], seg, scale, sliding_window)]
+    if plan.cross is not None:
+        seg = plan.cross
+        parts.append(route.backend(q[seg.q_index], k[seg.k_index], v[seg.k_index], seg, scale, sliding_window))
+    out = parts[0] if plan.merge_index is None else torch.cat(parts)[plan.merge_index]
+    return out.unsqueeze(0), None
+
+
+# Not registered in AttentionMaskInterface on purpose: transformers then builds no mask for
+# the packed row (the plan carries its structure), so no [T, T] tensor is ever made.
+AttentionInterface.register(ZORRO_ATTENTION, zorro_attention)
+
+
+@contextlib.contextmanager
+def attention_implementation(model: nn.Module, name: str) -> Iterator[None]:
+    """Switch every config of `model` to attention implementation `name`, and back."""
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}
+    saved = {k: c._attn_implementation for k, c in configs.items()}
+    try:
+        for c in configs.values():
+            c._attn_implementation = name
+        yield
+    finally:
+        for k, c in configs.items():
+            c._attn_implementation = saved[k]

@@ -1,0 +1,183 @@
+"""RolloutBatch: the trainer's layout (verl's): left-padded prompts, right-padded responses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """One batch of sampled sequences, as RL trainers hold it."""
+
+    prompts: torch.Tensor
+    """[B, P] token ids, left-padded."""
+    prompt_mask: torch.Tensor
+    """[B, P] 1 for a real prompt token, 0 for padding."""
+    responses: torch.Tensor
+    """[B, R] token ids, right-padded."""
+    response_mask: torch.Tensor
+    """[B, R] 1 for a real response token, 0 for padding."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.prompts.device
+
+    def to(self, device: str | torch.device) -> "RolloutBatch":
+        return RolloutBatch(*(t.to(device) for t in (self.prompts, self.prompt_mask, self.responses, self.response_mask)))
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first problem found in the batch."""
+        p, pm, r, rm = self.prompts, self.prompt_mask, self.responses, self.response_mask
+        for name, t in (("prompts", p), ("prompt_mask", pm), ("responses", r), ("response_mask", rm)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 2:
+                raise ValueError(f"{name} must be 2-D [batch, length], got shape {tuple(t.shape)}")
+        if p.shape[0] == 0:
+            raise ValueError("empty batch: prompts has 0 rows")
+        if pm.shape != p.shape:
+            raise ValueError(f"prompt_mask shape {tuple(pm.shape)} does not match prompts shape {tuple(p.shape)}")
+        if rm.shape != r.shape:
+            raise ValueError(f"response_mask shape {tuple(rm.shape)} does not match responses shape {tuple(r.shape)}")
+        if r.shape[0] != p.shape[0]:
+            raise ValueError(f"prompts has {p.shape[0]} rows but responses has {r.shape[0]}")
+        if p.shape[1] == 0 or r.shape[1] == 0:
+            raise ValueError(f"prompts and responses need at least one column, got {tuple(p.shape)} and {tuple(r.shape)}")
+        devices = {t.device for t in (p, pm, r, rm)}
+        if len(devices) != 1:
+            raise ValueError(f"batch tensors are on different devices: {sorted(map(str, devices))}")
+        for name, t in (("prompts", p), ("responses", r)):
+            if t.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"{name} must hold integer token ids (int64/int32), got {t.dtype}")
+        for name, m in (("prompt_mask", pm), ("response_mask", rm)):
+            if m.dtype == torch.bool:
+                continue
+            if m.is_floating_point() or m.is_complex():
+                if not bool(((m == 0) | (m == 1)).all()):
+                    raise ValueError(f"{name} must hold only 0 and 1")
+            elif not bool(((m == 0) | (m == 1)).all()):
+                raise ValueError(f"{name} must hold only 0 and 1")
+        pmb, rmb = pm.bool(), rm.bool()
+        empty_p = (~pmb.any(1)).nonzero().flatten()
+        if empty_p.numel():
+            raise ValueError(f"prompt of row {int(empty_p[0])} is all padding (prompt_mask is 0 everywhere)")
+        empty_r = (~rmb.any(1)).nonzero().flatten()
+        if empty_r.numel():
+            raise ValueError(f"response of row {int(empty_r[0])} is all padding (response_mask is 0 everywhere)")
+        # Left padding: once a real token starts, the mask never drops back to 0.
+        bad_p = (pmb[:, :-1] & ~pmb[:, 1:]).any(1).nonzero().flatten()
+        if bad_p.numel():
+            raise ValueError(
+                f"prompt of row {int(bad_p[0])} is not left-padded (a padding position follows a real token); "
+                "prompts must be left-padded, responses right-padded"
+            )
+        bad_r = (~rmb[:, :-1] & rmb[:, 1:]).any(1).nonzero().flatten()
+        if bad_r.numel():
+            raise ValueError(
+                f"response of row {int(bad_r[0])} is not right-padded (a real token follows padding); "
+                "responses must be right-padded"
+            )
+        for name, ids, m in (("prompts", p, pmb), ("responses", r, rmb)):
+            real = ids[m]
+            if real.numel() and int(real.min()) < 0:
+                raise ValueError(f"{name} holds a negative token id ({int(real.min())}) at a real position")
+            if vocab_size is not None and real.numel() and int(real.max()) >= vocab_size:
+                raise ValueError(
+                    f"{name} holds token id {int(real.max())} >= the model's vocab size {vocab_size}"
+                )
+
+    @classmethod
+    def from_lists(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        pad_token_id: int = 0,
+        device: str | torch.device = "cpu",
+    ) -> "RolloutBatch":
+        """Build a batch from unpadded token lists: prompts are left-padded, responses right-padded."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        if len(prompts) == 0:
+            raise ValueError("empty batch: no prompts given")
+        for i, (pl, rl) in enumerate(zip(prompts, responses)):
+            if len(pl) == 0:
+                raise ValueError(f"prompt of row {i} is empty")
+            if len(rl) == 0:
+                raise ValueError(f"response of row {i} is empty")
+        b = len(prompts)
+        pmax = max(len(x) for x in prompts)
+        rmax = max(len(x) for x in responses)
+        p = torch.full((b, pmax), pad_token_id, dtype=torch.long)
+        pm = torch.zeros((b, pmax), dtype=torch.long)
+        r = torch.full((b, rmax), pad_token_id, dtype=torch.long)
+        rm = torch.zeros((b, rmax), dtype=torch.long)
+        for i, (pl, rl) in enumerate(zip(prompts, responses)):
+            p[i, pmax - len(pl):] = torch.as_tensor(list(pl), dtype=torch.long)
+            pm[i, pmax - len(pl):] = 1
+            r[i, : len(rl)] = torch.as_tensor(list(rl), dtype=torch.long)
+            rm[i, : len(rl)] = 1
+        return cls(p.to(device), pm.to(device), r.to(device), rm.to(device))
+
+    def to_lists(self) -> tuple[list[list[int]], list[list[int]]]:
+        """The real tokens of each row, padding removed."""
+        ps = [row[m.bool()].tolist() for row, m in zip(self.prompts.cpu(), self.prompt_mask.cpu())]
+        rs = [row[m.bool()].tolist() for row, m in zip(self.responses.cpu(), self.response_mask.cpu())]
+        return ps, rs
+
+
+def create_dummy_batch(
+    batch_size: int = 16,
+    num_unique_prompts: int = 2,
+    prompt_len: int = 8192,
+    response_len: int = 512,
+    vocab_size: int = 151936,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    vary_lengths: bool = False,
+    pad_token_id: int = 0,
+    shuffle: bool = True,
+) -> RolloutBatch:
+    """A random batch of `batch_size` rows sharing `num_unique_prompts` distinct prompts.
+
+    Rows are spread over the prompts as evenly as possible and, with `shuffle`, duplicates are
+    not adjacent. With `vary_lengths`, prompts take lengths in [prompt_len/2, prompt_len] and
+    responses in [1, response_len], so both carry padding.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not 1 <= num_unique_prompts <= batch_size:
+        raise ValueError(f"num_unique_prompts must be in [1, batch_size={batch_size}], got {num_unique_prompts}")
+    if prompt_len < 1 or response_len < 1:
+        raise ValueError(f"prompt_len and response_len must be >= 1, got {prompt_len} and {response_len}")
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+    g = torch.Generator().manual_seed(seed)
+    if vary_lengths:
+        plens = torch.randint(max(1, prompt_len // 2), prompt_len + 1, (num_unique_prompts,), generator=g)
+        rlens = torch.randint(1, response_len + 1, (batch_size,), generator=g)
+    else:
+        plens = torch.full((num_unique_prompts,), prompt_len)
+        rlens = torch.full((batch_size,), response_len)
+    # Distinct prompts: resample in the (unlikely) event two random prompts collide.
+    uniq: list[list[int]] = []
+    while len(uniq) < num_unique_prompts:
+        n = int(plens[len(uniq)])
+        cand = torch.randint(1, vocab_size, (n,), generator=g).tolist()
+        if cand not in uniq:
+            uniq.append(cand)
+    owner = torch.arange(batch_size) % num_unique_prompts
+    if shuffle:
+        owner = owner[torch.randperm(batch_size, generator=g)]
+    prompts = [uniq[int(o)] for o in owner]
+    responses = [torch.randint(1, vocab_size, (int(n),), generator=g).tolist() for n in rlens]
+    return RolloutBatch.from_lists(prompts, responses, pad_token_id=pad_token_id, device=device)

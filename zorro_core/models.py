@@ -1,0 +1,128 @@
+"""Model presets (real published shapes, random weights), loading, and what the dedup path serves.
+
+Nothing is downloaded: `model_name_or_path` is a local checkpoint directory, a name already in
+the local Hugging Face cache, or a preset below. The speed of a model does not depend on its
+weights, so presets are built with random weights from their published hyperparameters.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+# One line per preset: family, then the config fields that differ from the family's defaults.
+_QWEN3 = dict(rope_theta=1e6, rms_norm_eps=1e-6, head_dim=128, num_key_value_heads=8, vocab_size=151936, max_position_embeddings=40960)
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "Qwen/Qwen3-0.6B": ("qwen3", dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, tie_word_embeddings=True)),
+    "Qwen/Qwen3-1.7B": ("qwen3", dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, tie_word_embeddings=True)),
+    "Qwen/Qwen3-4B": ("qwen3", dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, tie_word_embeddings=True)),
+    "Qwen/Qwen3-8B": ("qwen3", dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32)),
+    "Qwen/Qwen3-14B": ("qwen3", dict(_QWEN3, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40)),
+    "Qwen/Qwen3-32B": ("qwen3", dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64)),
+    "meta-llama/Llama-3.1-8B": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=131072, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+    "Qwen/Qwen2.5-7B": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=131072)),
+    # Small shapes of the same architectures: `tiny-*` for tests, `small-*` for CPU benchmarks.
+    "tiny-qwen3": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)),
+    "tiny-llama": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)),
+    "tiny-qwen2": ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)),
+    "small-qwen3": ("qwen3", dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=4096)),
+}
+
+# Families whose every layer goes through the attention hook, and nothing else mixes tokens.
+SUPPORTED_MODEL_TYPES = {"qwen3", "llama", "qwen2", "mistral"}
+
+
+def _config_class(family: str):
+    from transformers import AutoConfig
+
+    return type(AutoConfig.for_model(family))
+
+
+def preset_config(name: str, **overrides: Any):
+    """The transformers config of preset `name`, with `overrides` applied."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    family, fields = PRESETS[name]
+    return _config_class(family)(**{**fields, **overrides})
+
+
+def build_model(config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0, attn_implementation: str = "sdpa") -> nn.Module:
+    """A causal LM from `config` with seeded random weights."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config._attn_implementation = attn_implementation
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    return model.to(device)
+
+
+def _hf_cache_path(name: str) -> Optional[str]:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, local_files_only=True)
+    except Exception:
+        return None
+
+
+def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", seed: int = 0) -> nn.Module:
+    """A local checkpoint, a model in the local HF cache, or a preset (random weights). Never downloads."""
+    from transformers import AutoModelForCausalLM
+
+    path = name_or_path if os.path.isdir(name_or_path) else _hf_cache_path(name_or_path)
+    if path is not None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True)
+        return model.to(device)
+    if name_or_path in PRESETS:
+        return build_model(preset_config(name_or_path), dtype=dtype, device=device, seed=seed, attn_implementation=attn_implementation)
+    raise ValueError(
+        f"cannot resolve model {name_or_path!r}: it is not a local directory, not in the local Hugging Face "
+        f"cache, and not a preset (nothing is downloaded). Presets: {', '.join(PRESETS)}"
+    )
+
+
+@dataclass
+class ModelParts:
+    """The pieces of a causal LM the actors drive."""
+
+    base: nn.Module
+    """The decoder stack (embeddings, layers, final norm)."""
+    lm_head: nn.Linear
+    """The output projection."""
+    num_attention_layers: int
+    """Layers that must call the attention hook once per forward."""
+
+
+def model_parts(model: nn.Module) -> ModelParts:
+    """Split a causal LM into base and lm_head, refusing what the dedup path cannot serve."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no config: pass a transformers causal LM")
+    mtype = getattr(config, "model_type", None)
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model type {mtype!r} is not supported by the dedup path (supported: {sorted(SUPPORTED_MODEL_TYPES)}); "
+            "its layers may mix tokens outside the attention hook"
+        )
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if base is None or base is model or not isinstance(lm_head, nn.Linear):
+        raise ValueError(f"{type(model).__name__} is not a causal LM with a base model and a linear lm_head")
+    if getattr(config, "final_logit_softcapping", None):
+        raise ValueError("final_logit_softcapping is not supported by the dedup log-prob path")
+    return ModelParts(base=base, lm_head=lm_head, num_attention_layers=config.num_hidden_layers)
+
+
+def check_trainable_state(model: nn.Module) -> None:
+    """Refuse what would make copies of a prompt differ (so dedup could not equal the baseline)."""
+    if model.training:
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Dropout) and m.p > 0:
+                raise ValueError(f"dropout p={m.p} at {name} in training mode: each copy of a prompt would get its own mask; call model.eval() or set dropout to 0")
+        p = getattr(model.config, "attention_dropout", 0.0)
+        if p:
+            raise ValueError(f"attention_dropout={p} in training mode is not supported by the dedup path")

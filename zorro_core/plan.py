@@ -1,0 +1,274 @@
+"""The dedup plan: everything computed once per batch from token ids alone.
+
+Packed layout, one row: [prompt_1][resp_1,1]...[resp_1,n][prompt_2][resp_2,1]... Groups are
+numbered by first appearance in the batch; a group's responses keep batch order. Prompt
+tokens sit at positions 0..P-1 and each response continues at P.
+
+Attention is described by two variable-length calls over that row:
+- `causal`: self-causal segments (queries = keys). The prompt of every shared group, and
+  the whole [prompt][response] of a group with one member (nothing to share, so it runs
+  exactly like the baseline's packed sequence).
+- `cross`: each response of a shared group; its keys are its prompt followed by itself,
+  causal aligned bottom-right.
+Pure tensor code: no model, no per-token or per-row Python loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .batch import RolloutBatch
+
+
+@dataclass
+class Segments:
+    """The segments of one varlen attention call over the packed row."""
+
+    q_index: torch.Tensor
+    """[Tq] packed positions of the queries, segment after segment."""
+    k_index: torch.Tensor
+    """[Tk] packed positions of the keys/values, segment after segment."""
+    cu_q: torch.Tensor
+    """[n+1] int32 cumulative query lengths."""
+    cu_k: torch.Tensor
+    """[n+1] int32 cumulative key lengths."""
+    max_q: int
+    """Longest query segment."""
+    max_k: int
+    """Longest key segment."""
+    q_is_k: bool
+    """Queries and keys are the same tokens (self-causal segments)."""
+    cache: dict = field(default_factory=dict, repr=False)
+    """Per-backend derived indices (padded gathers), built once per plan, reused by every layer."""
+
+    @property
+    def num_segments(self) -> int:
+        return self.cu_q.numel() - 1
+
+    @property
+    def lens_q(self) -> torch.Tensor:
+        return (self.cu_q[1:] - self.cu_q[:-1]).long()
+
+    @property
+    def lens_k(self) -> torch.Tensor:
+        return (self.cu_k[1:] - self.cu_k[:-1]).long()
+
+
+@dataclass
+class DedupPlan:
+    """How one RolloutBatch maps onto the packed row and back. See the module docstring."""
+
+    batch_size: int
+    """B, rows of the batch."""
+    response_width: int
+    """R, padded width of the responses."""
+    num_groups: int
+    """G, distinct prompts (B when dedup is off)."""
+    deduplicated: bool
+    """Whether rows with identical prompts were merged."""
+    group_of_row: torch.Tensor
+    """[B] group of each batch row."""
+    group_rep_row: torch.Tensor
+    """[G] the first batch row of each group."""
+    group_size: torch.Tensor
+    """[G] rows in each group."""
+    prompt_lens: torch.Tensor
+    """[G] real prompt tokens of each group."""
+    response_lens: torch.Tensor
+    """[B] real response tokens of each row."""
+    prompt_start: torch.Tensor
+    """[G] packed position of each group's first prompt token."""
+    response_start: torch.Tensor
+    """[B] packed position of each row's first response token."""
+    input_ids: torch.Tensor
+    """[T] packed token ids."""
+    position_ids: torch.Tensor
+    """[T] positions: prompts from 0, responses continue from their prompt's length."""
+    token_group: torch.Tensor
+    """[T] group of each packed token."""
+    token_segment: torch.Tensor
+    """[T] segment of each packed token: g < G for prompt g, G + b for the response of row b."""
+    logit_index: torch.Tensor
+    """[N] packed position whose output predicts each real response token (row-major in [B, R])."""
+    labels: torch.Tensor
+    """[N] the response token predicted there."""
+    response_flat_index: torch.Tensor
+    """[N] index of each real response token in the flattened [B*R] layout."""
+    causal: Segments
+    """Self-causal segments: shared prompts, and whole sequences of one-member groups."""
+    cross: Segments | None
+    """Responses of shared groups against [their prompt + themselves]; None when nothing is shared."""
+    merge_index: torch.Tensor | None
+    """[T] gathers cat(causal out, cross out) back into packed order; None when that is the identity."""
+    logical_tokens: int
+    """Real tokens of the batch before dedup (sum of prompt + response lengths)."""
+    logical_prompt_tokens: int
+    """Real prompt tokens of the batch before dedup."""
+    unique_prompt_tokens: int
+    """Prompt tokens after dedup."""
+
+    @property
+    def num_tokens(self) -> int:
+        """T, tokens in the packed row (unique tokens)."""
+        return self.input_ids.numel()
+
+    @property
+    def prompt_dedup_ratio(self) -> float:
+        """1 - unique prompt tokens / all prompt tokens."""
+        return 1.0 - self.unique_prompt_tokens / self.logical_prompt_tokens
+
+    @property
+    def token_redundancy(self) -> float:
+        """1 - unique tokens / all tokens."""
+        return 1.0 - self.num_tokens / self.logical_tokens
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def scatter_responses(self, values: torch.Tensor) -> torch.Tensor:
+        """Put [N] per-response-token values back into the batch's [B, R] layout (0 at padding)."""
+        out = values.new_zeros(self.batch_size * self.response_width)
+        return out.index_put((self.response_flat_index,), values).view(self.batch_size, self.response_width)
+
+    def attention_mask(self) -> torch.Tensor:
+        """[T, T] bool: may query i attend key j (mask mode). Quadratic: small inputs only."""
+        i = torch.arange(self.num_tokens, device=self.device)
+        same_group = self.token_group[:, None] == self.token_group[None, :]
+        causal = i[None, :] <= i[:, None]
+        is_prompt_k = (self.token_segment < self.num_groups)[None, :]
+        same_seg = self.token_segment[:, None] == self.token_segment[None, :]
+        return same_group & causal & (is_prompt_k | same_seg)
+
+
+def _ranges(starts: torch.Tensor, lens: torch.Tensor, total: int) -> torch.Tensor:
+    """Concatenation of arange(s, s + n) for each (s, n), without a Python loop."""
+    if total == 0:
+        return starts.new_zeros(0)
+    seg_begin = torch.cumsum(lens, 0) - lens
+    within = torch.arange(total, device=starts.device) - torch.repeat_interleave(seg_begin, lens, output_size=total)
+    return torch.repeat_interleave(starts, lens, output_size=total) + within
+
+
+def _cu(lens: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32)
+
+
+def group_rows(batch: RolloutBatch, dedup: bool = True) -> torch.Tensor:
+    """[B] group id of each row, groups numbered by first appearance.
+
+    Rows share a group iff their real prompt tokens are identical, compared in full
+    (torch.unique over whole rows is exact, so no hash collision can merge two prompts).
+    Left padding right-aligns the real tokens, so a prompt that is a strict prefix of another
+    differs in some column and never merges; what the pad columns hold does not matter.
+    """
+    b = batch.batch_size
+    dev = batch.device
+    if not dedup:
+        return torch.arange(b, device=dev)
+    canon = torch.where(batch.prompt_mask.bool(), batch.prompts.long(), torch.full_like(batch.prompts, -1, dtype=torch.long))
+    _, inverse = torch.unique(canon, dim=0, return_inverse=True)
+    n = int(inverse.max()) + 1
+    rows = torch.arange(b, device=dev)
+    first = torch.full((n,), b, device=dev, dtype=torch.long).scatter_reduce(0, inverse, rows, reduce="amin")
+    rank = torch.empty_like(first)
+    rank[torch.argsort(first)] = torch.arange(n, device=dev)
+    return rank[inverse]
+
+
+def build_dedup_plan(batch: RolloutBatch, dedup: bool = True) -> DedupPlan:
+    """Build the plan of a batch. With `dedup=False` every row is its own group (the baseline)."""
+    batch.validate()
+    dev = batch.device
+    b, pw = batch.prompts.shape
+    rw = batch.responses.shape[1]
+    pm, rm = batch.prompt_mask.bool(), batch.response_mask.bool()
+    group_of_row = group_rows(batch, dedup)
+    rows = torch.arange(b, device=dev)
+
+    plen_row = pm.sum(1)
+    rlen = rm.sum(1)
+    g_count = int(group_of_row.max()) + 1
+    rep_row = torch.full((g_count,), b, device=dev, dtype=torch.long).scatter_reduce(0, group_of_row, rows, reduce="amin")
+    group_size = torch.bincount(group_of_row, minlength=g_count)
+    plen = plen_row[rep_row]
+
+    # Segments in packed order: prompt g, then the responses of its rows in batch order.
+    seg_key = torch.cat([torch.arange(g_count, device=dev) * (b + 1), group_of_row * (b + 1) + 1 + rows])
+    order = torch.argsort(seg_key)
+    seg_len = torch.cat([plen, rlen])
+    seg_len_sorted = seg_len[order]
+    seg_start_sorted = torch.cumsum(seg_len_sorted, 0) - seg_len_sorted
+    seg_start = torch.empty_like(seg_start_sorted)
+    seg_start[order] = seg_start_sorted
+    prompt_start, response_start = seg_start[:g_count], seg_start[g_count:]
+
+    single = group_size == 1
+    single_row = single[group_of_row]
+    # Self-causal segments, one per group: the prompt, or prompt + response for a lone row.
+    lone_rlen = torch.zeros(g_count, device=dev, dtype=torch.long).index_add(0, group_of_row, torch.where(single_row, rlen, 0))
+    causal_len = plen + lone_rlen
+    cross_rows = (~single_row).nonzero().flatten()
+    cross_rows = cross_rows[torch.argsort(response_start[cross_rows])]
+    cross_qlen = rlen[cross_rows]
+    cross_klen = plen[group_of_row[cross_rows]] + cross_qlen
+
+    # One host sync for every size the rest needs.
+    sizes = torch.stack([
+        seg_len.sum(), causal_len.sum(), causal_len.max(),
+        cross_qlen.sum() if cross_rows.numel() else seg_len.new_zeros(()),
+        cross_klen.sum() if cross_rows.numel() else seg_len.new_zeros(()),
+        cross_qlen.max() if cross_rows.numel() else seg_len.new_zeros(()),
+        cross_klen.max() if cross_rows.numel() else seg_len.new_zeros(()),
+        plen_row.sum(), plen.sum(), rlen.sum(),
+    ]).tolist()
+    t, c_tot, c_max, x_qtot, x_ktot, x_qmax, x_kmax, logical_p, unique_p, n_resp = sizes
+
+    # Per packed token: its segment and offset inside it.
+    seg_ids_sorted = torch.arange(g_count + b, device=dev)[order]
+    token_segment = torch.repeat_interleave(seg_ids_sorted, seg_len_sorted, output_size=t)
+    offset = torch.arange(t, device=dev) - torch.repeat_interleave(seg_start_sorted, seg_len_sorted, output_size=t)
+    is_prompt = token_segment < g_count
+    pg = token_segment.clamp(max=g_count - 1)
+    rb = (token_segment - g_count).clamp(min=0)
+    token_group = torch.where(is_prompt, pg, group_of_row[rb])
+    prompt_tok = batch.prompts[rep_row[pg], (pw - plen[pg] + offset).clamp(0, pw - 1)]
+    resp_tok = batch.responses[rb, offset.clamp(0, rw - 1)]
+    input_ids = torch.where(is_prompt, prompt_tok, resp_tok).long()
+    position_ids = torch.where(is_prompt, offset, plen[token_group] + offset)
+
+    # Response token (b, j) is predicted at the previous packed position; j = 0 from the
+    # prompt's last position. Each response keeps its own labels.
+    j = torch.arange(rw, device=dev)[None, :]
+    g_of_b = group_of_row[:, None]
+    pred = torch.where(j == 0, prompt_start[g_of_b] + plen[g_of_b] - 1, response_start[:, None] + j - 1)
+    flat_mask = rm.flatten()
+    response_flat_index = flat_mask.nonzero().flatten()
+    logit_index = pred.flatten()[response_flat_index]
+    labels = batch.responses.long().flatten()[response_flat_index]
+
+    causal_q = _ranges(prompt_start, causal_len, c_tot)
+    causal = Segments(causal_q, causal_q, _cu(causal_len), _cu(causal_len), c_max, c_max, True)
+    cross = None
+    merge_index = None
+    if cross_rows.numel():
+        xq = _ranges(response_start[cross_rows], cross_qlen, x_qtot)
+        kg = group_of_row[cross_rows]
+        starts = torch.stack([prompt_start[kg], response_start[cross_rows]], 1).flatten()
+        lens = torch.stack([plen[kg], cross_qlen], 1).flatten()
+        xk = _ranges(starts, lens, x_ktot)
+        cross = Segments(xq, xk, _cu(cross_qlen), _cu(cross_klen), x_qmax, x_kmax, False)
+        merge_index = torch.empty(t, dtype=torch.long, device=dev)
+        merge_index[torch.cat([causal_q, xq])] = torch.arange(t, device=dev)
+
+    return DedupPlan(
+        batch_size=b, response_width=rw, num_groups=g_count, deduplicated=dedup,
+        group_of_row=group_of_row, group_rep_row=rep_row, group_size=group_size,
+        prompt_lens=plen, response_lens=rlen, prompt_start=prompt_start, response_start=response_start,
+        input_ids=input_ids, position_ids=position_ids, token_group=token_group, token_segment=token_segment,
+        logit_index=logit_index, labels=labels, response_flat_index=response_flat_index,
+        causal=causal, cross=cross, merge_index=merge_index,
+        logical_tokens=logical_p + n_resp, logical_prompt_tokens=logical_p, unique_prompt_tokens=unique_p,
+    )
