@@ -1,0 +1,183 @@
+"""Analytic FLOP cost of a batch, with and without dedup -> the ideal speedup.
+
+Counted analytically because torch's FlopCounterMode does not see flash-attn or flex ops.
+Per forward, per layer:
+- linear layers (q/k/v/o projections, gated MLP): 2 x their parameters per token;
+- attention: 4 x heads x head_dim per attended query-key pair (QK^T and PV, 2 FLOPs a MAC);
+- lm_head: 2 x hidden x vocab per position that gets logits (all packed positions with
+  logits_mode "none", only the positions that predict a response token otherwise).
+Backward is 2 x forward; logits_mode "memory" recomputes the lm_head forward once more.
+Norms, RoPE, softmax and the embedding lookup are ignored (a few percent at most).
+Sliding windows are ignored (the count is an upper bound for windowed layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from .plan import DedupPlan, Segments
+
+COMPONENTS = ("linear", "attention", "lm_head")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer that its FLOPs depend on."""
+
+    hidden_size: int
+    """Width of the residual stream."""
+    intermediate_size: int
+    """Width of the gated MLP."""
+    num_layers: int
+    """Decoder layers."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (GQA)."""
+    head_dim: int
+    """Width of one head."""
+    vocab_size: int
+    """Rows of lm_head."""
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        """Read the shape from a transformers config (Qwen3/Llama/Qwen2/Mistral field names)."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim, vocab_size=config.vocab_size,
+        )
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        """Parameters of one layer's projections and MLP (norms excluded)."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2  # q, o ; k, v
+        mlp = 3 * h * self.intermediate_size  # gate, up, down
+        return attn + mlp
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the FLOPs of one forward depend on."""
+
+    tokens: int
+    """Tokens through the layers."""
+    attended_pairs: int
+    """Query-key pairs attention computes, summed over segments (per layer, per head)."""
+    logit_positions: int
+    """Positions that go through lm_head."""
+
+
+@dataclass(frozen=True)
+class Flops:
+    """FLOPs of one forward (and of forward + backward), per component."""
+
+    linear: float
+    attention: float
+    lm_head: float
+    lm_head_recompute: bool = False
+    """logits_mode "memory": lm_head's forward runs again in backward."""
+
+    @property
+    def forward(self) -> float:
+        return self.linear + self.attention + self.lm_head
+
+    @property
+    def forward_backward(self) -> float:
+        return 3 * self.forward + (self.lm_head if self.lm_head_recompute else 0.0)
+
+    def phase(self, phase: str) -> float:
+        if phase == "forward":
+            return self.forward
+        if phase == "forward_backward":
+            return self.forward_backward
+        raise ValueError(f"unknown phase {phase!r}; choose forward or forward_backward")
+
+
+def flops(shape: ModelShape, work: Workload, logits_mode: str = "compute") -> Flops:
+    """FLOPs of one forward of `work` through a model of `shape`."""
+    return Flops(
+        linear=2.0 * shape.linear_params_per_layer * shape.num_layers * work.tokens,
+        attention=4.0 * shape.num_heads * shape.head_dim * shape.num_layers * work.attended_pairs,
+        lm_head=2.0 * shape.hidden_size * shape.vocab_size * work.logit_positions,
+        lm_head_recompute=logits_mode == "memory",
+    )
+
+
+def causal_pairs(q_len: int, k_len: int) -> int:
+    """Pairs of a causal segment of q_len queries over k_len keys, aligned bottom-right."""
+    if q_len > k_len:
+        raise ValueError(f"a segment cannot have more queries ({q_len}) than keys ({k_len})")
+    return q_len * (k_len - q_len) + q_len * (q_len + 1) // 2
+
+
+def _segment_pairs(seg: Optional[Segments]) -> int:
+    if seg is None:
+        return 0
+    lq, lk = seg.lens_q.tolist(), seg.lens_k.tolist()
+    return sum(causal_pairs(q, k) for q, k in zip(lq, lk))
+
+
+def plan_workload(plan: DedupPlan, logits_mode: str = "compute") -> Workload:
+    """The workload a plan runs (a baseline plan is `build_dedup_plan(batch, dedup=False)`)."""
+    logits = plan.num_tokens if logits_mode == "none" else int(plan.logit_index.numel())
+    return Workload(plan.num_tokens, _segment_pairs(plan.causal) + _segment_pairs(plan.cross), logits)
+
+
+def shape_workloads(prompt_lens: Sequence[int], group_sizes: Sequence[int],
+                    response_lens: Sequence[Sequence[int]], logits_mode: str = "compute") -> tuple[Workload, Workload]:
+    """(baseline, dedup) workloads from lengths alone: group g has a prompt of prompt_lens[g]
+    tokens shared by group_sizes[g] responses of response_lens[g][i] tokens."""
+    if not (len(prompt_lens) == len(group_sizes) == len(response_lens)):
+        raise ValueError("prompt_lens, group_sizes and response_lens need one entry per group")
+    b_tok = b_pairs = d_tok = d_pairs = n_resp = 0
+    for p, n, rs in zip(prompt_lens, group_sizes, response_lens):
+        if len(rs) != n:
+            raise ValueError(f"group of size {n} has {len(rs)} response lengths")
+        if p < 1 or n < 1 or any(r < 1 for r in rs):
+            raise ValueError("prompt and response lengths and group sizes must be >= 1")
+        for r in rs:
+            b_tok += p + r
+            b_pairs += causal_pairs(p + r, p + r)
+        n_resp += sum(rs)
+        d_tok += p + sum(rs)
+        if n == 1:
+            d_pairs += causal_pairs(p + rs[0], p + rs[0])
+        else:
+            d_pairs += causal_pairs(p, p) + sum(causal_pairs(r, p + r) for r in rs)
+    logit_b = b_tok if logits_mode == "none" else n_resp
+    logit_d = d_tok if logits_mode == "none" else n_resp
+    return Workload(b_tok, b_pairs, logit_b), Workload(d_tok, d_pairs, logit_d)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Baseline vs dedup FLOPs, and the speedup they imply."""
+
+    baseline: Flops
+    dedup: Flops
+
+    def ideal_speedup(self, phase: str = "forward_backward") -> float:
+        """Baseline FLOPs / dedup FLOPs of a phase."""
+        return self.baseline.phase(phase) / self.dedup.phase(phase)
+
+    def component_speedup(self, component: str) -> float:
+        """Baseline / dedup FLOPs of one component ("linear", "attention", "lm_head")."""
+        if component not in COMPONENTS:
+            raise ValueError(f"unknown component {component!r}; choose one of {COMPONENTS}")
+        d = getattr(self.dedup, component)
+        return getattr(self.baseline, component) / d if d else float("nan")
+
+
+def compare(shape: ModelShape, baseline: Workload, dedup: Workload, logits_mode: str = "compute") -> Comparison:
+    return Comparison(flops(shape, baseline, logits_mode), flops(shape, dedup, logits_mode))
+
+
+def compare_plans(shape: ModelShape, baseline_plan: DedupPlan, dedup_plan: DedupPlan, logits_mode: str = "compute") -> Comparison:
+    """Cost of the two plans of one batch (baseline: `dedup=False`)."""
+    return compare(shape, plan_workload(baseline_plan, logits_mode), plan_workload(dedup_plan, logits_mode), logits_mode)

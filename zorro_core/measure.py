@@ -1,0 +1,177 @@
+"""Timing harness: warm up, alternate the arms, synchronize before every clock read, summarize.
+
+A speedup is a ratio from one run: both arms are timed in the same process, interleaved
+(ABBA order, so neither arm always runs first), and the speedup of round i is
+baseline_i / dedup_i. The reported speedup is the median of those paired ratios (a slow
+spell of the machine hits both arms of a round, so it cancels), p20/p80 are their spread,
+and the uncertainty is the standard error of that median, estimated from the p20-p80 spread
+(robust to the odd slow round). It can differ slightly from baseline_p50 / dedup_p50.
+
+Peak memory, named by what it is (`peak_mem_kind`):
+- CUDA: torch.cuda.max_memory_allocated over one run of the arm (weights included).
+- CPU: peak RSS growth of a fresh process that runs the arm once: reset the high-water mark
+  (write 5 to /proc/self/clear_refs), run, read VmHWM minus the RSS before. glibc keeps freed
+  memory, so each arm and phase must get its own process (tracemalloc does not see tensors).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+PHASES = ("forward", "forward_backward")
+CUDA_PEAK_KIND = "cuda_max_memory_allocated"
+CPU_PEAK_KIND = "cpu_peak_rss_growth_fresh_process"
+
+
+@dataclass
+class Stats:
+    """Summary of repeated timings, in milliseconds."""
+
+    p50: float
+    p20: float
+    p80: float
+    n: int
+    samples: list[float] = field(default_factory=list, repr=False)
+
+    def __str__(self) -> str:
+        return f"{self.p50:.2f} ms [p20 {self.p20:.2f}, p80 {self.p80:.2f}, n={self.n}]"
+
+
+def summarize(samples: Sequence[float]) -> Stats:
+    """Median, p20 and p80 of the samples."""
+    if len(samples) == 0:
+        raise ValueError("no samples to summarize")
+    a = np.asarray(samples, dtype=float)
+    return Stats(float(np.median(a)), float(np.percentile(a, 20)), float(np.percentile(a, 80)), len(a), [float(x) for x in a])
+
+
+@dataclass
+class Speedup:
+    """baseline / dedup, from paired repeats."""
+
+    value: float
+    """Median of the paired ratios baseline_i / dedup_i."""
+    err: float
+    """Standard error of the median paired ratio (normal approximation from its p20-p80 spread)."""
+    p20: float
+    """20th percentile of the paired ratios."""
+    p80: float
+    """80th percentile of the paired ratios."""
+
+    def __str__(self) -> str:
+        return format_speedup(self.value, self.err)
+
+
+def format_speedup(value: float, err: float) -> str:
+    if not math.isfinite(value):
+        return "-"
+    digits = 2 if not math.isfinite(err) or err == 0 else max(2, min(4, 1 - int(math.floor(math.log10(err)))))
+    return f"{value:.{digits}f} ± {err:.{digits}f}x"
+
+
+# p20..p80 of a normal spans 2 x 0.8416 sigma; the median's standard error is 1.2533 sigma / sqrt(n).
+_SPREAD_TO_SIGMA = 1.0 / (2 * 0.8416)
+_MEDIAN_SE = 1.2533
+
+
+def speedup(baseline_ms: Sequence[float], dedup_ms: Sequence[float]) -> Speedup:
+    """Speedup of paired (interleaved) repeats."""
+    if len(baseline_ms) != len(dedup_ms) or not baseline_ms:
+        raise ValueError(f"need the same non-zero number of baseline and dedup repeats, got {len(baseline_ms)} and {len(dedup_ms)}")
+    b, d = np.asarray(baseline_ms, float), np.asarray(dedup_ms, float)
+    ratios = b / d
+    p20, p80 = float(np.percentile(ratios, 20)), float(np.percentile(ratios, 80))
+    sigma = (p80 - p20) * _SPREAD_TO_SIGMA
+    err = _MEDIAN_SE * sigma / math.sqrt(len(ratios))
+    return Speedup(float(np.median(ratios)), err, p20, p80)
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work, so that a clock read means the work is done."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def time_once(fn: Callable[[], object], device: torch.device | str) -> float:
+    """Milliseconds of one call of fn, synchronized before both clock reads."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_interleaved(arms: dict[str, Callable[[], object]], device: torch.device | str, warmup: int = 1,
+                     repeats: int = 5, between: Optional[Callable[[], None]] = None) -> dict[str, list[float]]:
+    """Times of each arm over `repeats` rounds, arms alternating (order reversed every round).
+
+    `between` runs before every call, outside the clock (e.g. zeroing gradients)."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    names = list(arms)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(warmup + repeats):
+        order = names if i % 2 == 0 else names[::-1]
+        for name in order:
+            if between is not None:
+                between()
+            gc.collect()
+            ms = time_once(arms[name], device)
+            if i >= warmup:
+                times[name].append(ms)
+    return times
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux)."""
+    return _status_kib("VmRSS") * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the RSS high-water mark of this process; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """High-water mark of the RSS since the last reset (VmHWM, Linux)."""
+    return _status_kib("VmHWM") * 1024
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{key} not found in /proc/self/status (peak RSS needs Linux)")
+
+
+def peak_memory_mib(fn: Callable[[], object], device: torch.device | str) -> tuple[float, str]:
+    """(peak memory of one call of fn in MiB, what the figure is). On CPU call it in a fresh process."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        synchronize(device)
+        return torch.cuda.max_memory_allocated(device) / 2**20, CUDA_PEAK_KIND
+    gc.collect()
+    if not reset_peak_rss():
+        raise OSError("cannot reset the RSS high-water mark (/proc/self/clear_refs): peak memory needs Linux")
+    before = rss_bytes()
+    fn()
+    return (peak_rss_bytes() - before) / 2**20, CPU_PEAK_KIND

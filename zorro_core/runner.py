@@ -1,0 +1,389 @@
+"""Run one benchmark case in fresh processes and turn it into result rows (one per phase).
+
+- The timing process builds the model, the batch and both actors, then times baseline and
+  dedup interleaved for each phase (a speedup is a ratio from one run). On CUDA it also
+  reads max_memory_allocated for each arm.
+- On CPU, peak memory needs a fresh process per arm and phase (glibc keeps freed memory, so
+  a second measurement in the same process would see the first one's heap): see measure.py.
+- A raise, an out-of-memory, a crash or a timeout becomes the case's status; the caller goes on.
+Processes come from a fork server that has imported torch and transformers once, so a case
+pays for building its model, not for the imports. The server never touches CUDA.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from .cost import ModelShape, compare_plans
+from .measure import CPU_PEAK_KIND, Stats, peak_memory_mib, speedup, summarize, time_interleaved
+from .suite import Case, Measure
+
+# Status of a row. Only "ok" rows carry timings; "oom" may carry the arm that fit.
+STATUSES = ("ok", "error", "oom", "timeout", "crashed", "skipped")
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_config(name: str):
+    """The config of a preset, a local checkpoint or a model in the local HF cache (no download)."""
+    from .models import PRESETS, preset_config
+
+    if name in PRESETS:
+        return preset_config(name)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name, local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"cannot resolve model {name!r} (not a preset, a local checkpoint or in the local HF cache; "
+                         f"nothing is downloaded). Presets: {', '.join(PRESETS)}") from e
+
+
+def make_batch(case: Case, vocab_size: int, device: str = "cpu"):
+    from .batch import create_dummy_batch
+
+    return create_dummy_batch(batch_size=case.batch_size, num_unique_prompts=case.num_unique_prompts,
+                              prompt_len=case.prompt_len, response_len=case.response_len, vocab_size=vocab_size,
+                              device=device, seed=case.seed, vary_lengths=case.padding)
+
+
+@dataclass
+class Workload:
+    """What the case computes, known before anything runs."""
+
+    logical_tokens: int
+    """Real tokens before dedup (what both arms' tokens/s count)."""
+    unique_tokens: int
+    """Tokens in the packed row after dedup."""
+    prompt_dedup_ratio: float
+    token_redundancy: float
+    ideal_speedup: dict[str, float]
+    """Per phase: baseline FLOPs / dedup FLOPs."""
+    baseline_gflops: dict[str, float]
+    dedup_gflops: dict[str, float]
+
+
+def case_workload(case: Case) -> Workload:
+    """Tokens, redundancy and ideal speedup of a case, from its config and batch (no weights)."""
+    from .plan import build_dedup_plan
+
+    config = model_config(case.model)
+    batch = make_batch(case, config.vocab_size)
+    base, dedup = build_dedup_plan(batch, dedup=False), build_dedup_plan(batch, dedup=True)
+    cmp = compare_plans(ModelShape.from_config(config), base, dedup, case.logits_mode)
+    phases = ("forward", "forward_backward")
+    return Workload(
+        logical_tokens=dedup.logical_tokens, unique_tokens=dedup.num_tokens,
+        prompt_dedup_ratio=dedup.prompt_dedup_ratio, token_redundancy=dedup.token_redundancy,
+        ideal_speedup={p: cmp.ideal_speedup(p) for p in phases},
+        baseline_gflops={p: cmp.baseline.phase(p) / 1e9 for p in phases},
+        dedup_gflops={p: cmp.dedup.phase(p) / 1e9 for p in phases},
+    )
+
+
+# ---------------------------------------------------------------- inside the case process
+
+class _Bench:
+    """Model, batch and the two actors of a case, built inside the case process."""
+
+    def __init__(self, case: Case, threads: int, arms: tuple[str, ...] = ("baseline", "dedup")) -> None:
+        from .actor import BaselineActor, DeduplicatedActor
+        from .models import load_model
+
+        if threads:
+            torch.set_num_threads(threads)
+        if case.device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(f"device {case.device} requested but CUDA is not available here")
+        self.device = torch.device(case.device)
+        self.model = load_model(case.model, device=self.device, dtype=_DTYPES[case.dtype],
+                                attn_implementation=case.attn_implementation, seed=case.seed)
+        self.model.eval()  # no dropout; gradients still flow
+        self.batch = make_batch(case, self.model.config.vocab_size, device=str(self.device))
+        self.n_response = int(self.batch.response_mask.sum())
+        common = dict(model=self.model, attn_implementation=case.attn_implementation, logits_mode=case.logits_mode)
+        self.actors: dict[str, Any] = {}
+        if "baseline" in arms:
+            if case.baseline == "padded":
+                self.actors["baseline"] = BaselineActor(padded=True, **common)
+            else:
+                self.actors["baseline"] = BaselineActor(use_split_attention=True, varlen_backend=case.varlen_backend, **common)
+        if "dedup" in arms:
+            self.actors["dedup"] = DeduplicatedActor(use_split_attention=case.split_attention,
+                                                     varlen_backend=case.varlen_backend if case.split_attention else None,
+                                                     **common)
+
+    def baseline_kind(self) -> str:
+        a = self.actors["baseline"]
+        if getattr(a, "padded", False):
+            return f"padded_hf_{a.attn_implementation}"
+        return f"packed_varlen_{a.varlen_backend}"
+
+    def dedup_kind(self) -> str:
+        a = self.actors["dedup"]
+        return f"split_{a.varlen_backend}" if a.use_split_attention else f"mask_{a.attn_implementation}"
+
+    def step(self, arm: str, phase: str) -> Callable[[], None]:
+        actor, batch, n = self.actors[arm], self.batch, self.n_response
+
+        def forward() -> None:
+            with torch.no_grad():
+                actor.forward(batch)
+
+        def forward_backward() -> None:
+            out = actor.forward(batch)
+            (out.log_probs.sum() / n).backward()
+
+        return forward if phase == "forward" else forward_backward
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:500]
+
+
+def _apply_fault(fault: Optional[str]) -> None:
+    """Test hook: make the case process fail on purpose ("raise", "exit", "sleep")."""
+    if fault == "raise":
+        raise RuntimeError("injected fault")
+    if fault == "exit":
+        os._exit(3)
+    if fault == "sleep":
+        time.sleep(3600)
+
+
+def _time_phase(bench: _Bench, phase: str, measure: Measure) -> dict[str, Any]:
+    """Warm up each arm (dropping an arm that runs out of memory), then time them interleaved."""
+    res: dict[str, Any] = {"status": "ok", "error": ""}
+    arms = {}
+    for arm in ("baseline", "dedup"):
+        fn = bench.step(arm, phase)
+        try:
+            for _ in range(max(1, measure.warmup)):
+                bench.zero_grad()
+                fn()
+            arms[arm] = fn
+        except Exception as e:
+            if not _is_oom(e):
+                raise
+            res.update(status="oom", error=f"{arm}: {_error_text(e)}")
+            _free(bench.device)
+    if arms:
+        times = time_interleaved(arms, bench.device, warmup=0, repeats=measure.repeats, between=bench.zero_grad)
+        res["times"] = times
+    if bench.device.type == "cuda" and measure.memory:
+        for arm, fn in arms.items():
+            bench.zero_grad()
+            _free(bench.device)
+            res[f"{arm}_peak_mib"], res["peak_mem_kind"] = peak_memory_mib(fn, bench.device)
+    bench.zero_grad()
+    return res
+
+
+def _free(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def timing_process(case: Case, measure: Measure, fault: Optional[str], conn) -> None:
+    """Entry point of the timing process: sends {phase: result} or {"error": text}."""
+    try:
+        _apply_fault(fault)
+        bench = _Bench(case, measure.threads)
+        out: dict[str, Any] = {"baseline_kind": bench.baseline_kind(), "dedup_kind": bench.dedup_kind(),
+                               "threads": torch.get_num_threads(), "phases": {}}
+        for phase in measure.phases:
+            try:
+                out["phases"][phase] = _time_phase(bench, phase, measure)
+            except Exception as e:
+                status = "oom" if _is_oom(e) else "error"
+                out["phases"][phase] = {"status": status, "error": _error_text(e), "traceback": traceback.format_exc()}
+                _free(bench.device)
+        conn.send(out)
+    except BaseException as e:  # the parent must always hear why
+        conn.send({"error": _error_text(e), "status": "oom" if _is_oom(e) else "error", "traceback": traceback.format_exc()})
+    finally:
+        conn.close()
+
+
+def memory_process(case: Case, measure: Measure, arm: str, phase: str, conn) -> None:
+    """Entry point of a CPU memory process: one cold run of one arm and phase."""
+    try:
+        bench = _Bench(case, measure.threads, arms=(arm,))
+        fn = bench.step(arm, phase)
+        mib, kind = peak_memory_mib(fn, bench.device)
+        conn.send({"peak_mib": mib, "kind": kind})
+    except BaseException as e:
+        conn.send({"error": _error_text(e), "status": "oom" if _is_oom(e) else "error"})
+    finally:
+        conn.close()
+
+
+# ---------------------------------------------------------------- in the parent
+
+_CTX: Optional[mp.context.BaseContext] = None
+
+
+def _context() -> mp.context.BaseContext:
+    global _CTX
+    if _CTX is None:
+        if "forkserver" in mp.get_all_start_methods():
+            _CTX = mp.get_context("forkserver")
+            _CTX.set_forkserver_preload(["zorro_core.runner", "zorro_core.actor"])
+        else:  # pragma: no cover (macOS/Windows)
+            _CTX = mp.get_context("spawn")
+    return _CTX
+
+
+@dataclass
+class ChildResult:
+    """What came back from a case process."""
+
+    status: str
+    payload: dict = field(default_factory=dict)
+    error: str = ""
+
+
+def run_isolated(target: Callable, args: tuple, timeout_s: float) -> ChildResult:
+    """Run target(*args, conn) in a fresh process; a timeout, crash or kill becomes the status."""
+    ctx = _context()
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(*args, writer), daemon=True)
+    proc.start()
+    writer.close()
+    try:
+        if not reader.poll(timeout_s):
+            proc.kill()
+            proc.join()
+            return ChildResult("timeout", error=f"no result within {timeout_s:g} s; process killed")
+        try:
+            payload = reader.recv()
+        except EOFError:
+            proc.join()
+            code = proc.exitcode
+            why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            if code == -9:
+                why += " (likely out of memory: the kernel's OOM killer sends SIGKILL)"
+            return ChildResult("crashed", error=f"case process died without a result: {why}")
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        if "error" in payload and "phases" not in payload:
+            return ChildResult(payload.get("status", "error"), payload, payload["error"])
+        return ChildResult("ok", payload)
+    finally:
+        reader.close()
+
+
+def case_rows(case: Case, measure: Measure, fault: Optional[str] = None,
+              on_phase: Optional[Callable[[dict], None]] = None) -> list[dict[str, Any]]:
+    """The result rows of a case, one per phase; failures become rows with their status."""
+    base = case_base_row(case, measure)
+    try:
+        work = case_workload(case)
+    except Exception as e:
+        rows = [dict(base, phase=p, status="error", error=_error_text(e)) for p in measure.phases]
+        for r in rows:
+            _emit(r, on_phase)
+        return rows
+    _fill_workload(base, work)
+    if case.device.startswith("cuda") and not torch.cuda.is_available():
+        rows = []
+        for p in measure.phases:
+            rows.append(_phase_row(base, work, p, status="skipped", error=f"device {case.device} is not available on this machine (no CUDA)"))
+            _emit(rows[-1], on_phase)
+        return rows
+    timing = run_isolated(timing_process, (case, measure, fault), measure.timeout_s)
+    base["baseline_kind"] = timing.payload.get("baseline_kind", "")
+    base["dedup_kind"] = timing.payload.get("dedup_kind", "")
+    base["threads"] = timing.payload.get("threads", measure.threads or "")
+    rows = []
+    for phase in measure.phases:
+        if timing.status != "ok":
+            row = _phase_row(base, work, phase, status=timing.status, error=timing.error)
+        else:
+            res = timing.payload["phases"][phase]
+            row = _phase_row(base, work, phase, status=res["status"], error=res.get("error", ""))
+            _fill_timing(row, res, work, phase)
+            if measure.memory and not case.device.startswith("cuda"):
+                _fill_cpu_memory(row, case, measure, phase, res)
+        rows.append(row)
+        _emit(row, on_phase)
+    return rows
+
+
+def _emit(row: dict, on_phase: Optional[Callable[[dict], None]]) -> None:
+    if on_phase is not None:
+        on_phase(row)
+
+
+def case_base_row(case: Case, measure: Measure) -> dict[str, Any]:
+    return {
+        "case_id": case.case_id, "model": case.model, "attn_implementation": case.attn_implementation,
+        "split_attention": case.split_attention, "logits_mode": case.logits_mode, "dtype": case.dtype,
+        "device": case.device, "batch_size": case.batch_size, "num_unique_prompts": case.num_unique_prompts,
+        "prompt_len": case.prompt_len, "response_len": case.response_len, "padding": case.padding,
+        "baseline_kind": "", "dedup_kind": "", "warmup": measure.warmup, "repeats": measure.repeats,
+        "threads": measure.threads or "", "seed": case.seed, "peak_mem_kind": "not_measured",
+    }
+
+
+def _fill_workload(row: dict, work: Workload) -> None:
+    row.update(prompt_dedup_ratio=round(work.prompt_dedup_ratio, 6), token_redundancy=round(work.token_redundancy, 6),
+               logical_tokens=work.logical_tokens, unique_tokens=work.unique_tokens)
+
+
+def _phase_row(base: dict, work: Workload, phase: str, status: str, error: str = "") -> dict[str, Any]:
+    return dict(base, phase=phase, status=status, error=error, ideal_speedup=round(work.ideal_speedup[phase], 4),
+                baseline_gflops=round(work.baseline_gflops[phase], 3), dedup_gflops=round(work.dedup_gflops[phase], 3))
+
+
+def _fill_timing(row: dict, res: dict, work: Workload, phase: str) -> None:
+    times = res.get("times", {})
+    stats: dict[str, Stats] = {arm: summarize(t) for arm, t in times.items()}
+    for arm, s in stats.items():
+        row.update({f"{arm}_ms_p50": round(s.p50, 3), f"{arm}_ms_p20": round(s.p20, 3), f"{arm}_ms_p80": round(s.p80, 3),
+                    f"{arm}_tokens_per_s": round(work.logical_tokens / (s.p50 / 1e3), 1)})
+        row["n"] = s.n
+    if len(stats) == 2:
+        sp = speedup(times["baseline"], times["dedup"])
+        row.update(speedup=round(sp.value, 4), speedup_err=round(sp.err, 4), speedup_p20=round(sp.p20, 4),
+                   speedup_p80=round(sp.p80, 4), efficiency=round(sp.value / work.ideal_speedup[phase], 4))
+    for arm in ("baseline", "dedup"):
+        if f"{arm}_peak_mib" in res:
+            row[f"{arm}_peak_mem_mib"] = round(res[f"{arm}_peak_mib"], 1)
+            row["peak_mem_kind"] = res["peak_mem_kind"]
+
+
+def _fill_cpu_memory(row: dict, case: Case, measure: Measure, phase: str, res: dict) -> None:
+    """One fresh process per arm for this phase (only arms that ran)."""
+    notes = []
+    for arm in ("baseline", "dedup"):
+        if arm not in res.get("times", {}):
+            continue
+        mem = run_isolated(memory_process, (case, measure, arm, phase), measure.timeout_s)
+        if mem.status == "ok" and "peak_mib" in mem.payload:
+            row[f"{arm}_peak_mem_mib"] = round(mem.payload["peak_mib"], 1)
+            row["peak_mem_kind"] = mem.payload["kind"]
+        else:
+            notes.append(f"{arm} memory: {mem.status} {mem.error}".strip())
+    if notes:
+        row["error"] = "; ".join(x for x in [row.get("error", "")] + notes if x)
+    elif row["peak_mem_kind"] == "not_measured":
+        row["peak_mem_kind"] = CPU_PEAK_KIND

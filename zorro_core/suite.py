@@ -1,0 +1,275 @@
+"""Benchmark suites: TOML files of axes, expanded into cases.
+
+    name = "quick"                 # top level: name, description, device, seed
+    [measure]                      # warmup, repeats, phases, memory, timeout_s, threads
+    repeats = 5
+    [defaults]                     # a value for any axis (Case field)
+    model = "small-qwen3"
+    [[grid]]                       # each grid: axes as lists (or scalars); cases = product
+    num_unique_prompts = [1, 2, 8]
+    prompt_len = [128, 512]
+
+The cases are the union over grids of the product of each grid's axes, on top of the
+defaults (no grid: the defaults are one case). An axis may give `prompt_dedup_ratio`
+instead of `num_unique_prompts` (rows share prompts evenly: unique = round(B x (1 - ratio))).
+Unknown keys are an error that suggests the closest valid one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import itertools
+import sys
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+LOGITS_MODES = ("none", "compute", "memory")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+BASELINES = ("packed", "padded")
+PHASES = ("forward", "forward_backward")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark case: a model, a way to run it, and a workload."""
+
+    model: str = "small-qwen3"
+    """Preset name, local checkpoint, or a name in the local HF cache."""
+    attn_implementation: str = "sdpa"
+    """eager, sdpa, flash_attention_2 or flash_attention_3 (both arms)."""
+    split_attention: bool = True
+    """Dedup arm: two varlen calls (True) or one masked call over the packed row (False)."""
+    logits_mode: str = "compute"
+    """none, compute or memory (both arms)."""
+    dtype: str = "float32"
+    """Model dtype."""
+    device: str = "cpu"
+    """cpu or cuda."""
+    batch_size: int = 8
+    """Rows of the batch (B)."""
+    num_unique_prompts: Optional[int] = None
+    """Distinct prompts among the rows (None: from prompt_dedup_ratio)."""
+    prompt_dedup_ratio: Optional[float] = None
+    """Alternative to num_unique_prompts: 1 - unique prompt tokens / all prompt tokens."""
+    prompt_len: int = 256
+    """Prompt tokens (the maximum when padding is on)."""
+    response_len: int = 32
+    """Response tokens (the maximum when padding is on)."""
+    padding: bool = False
+    """Vary lengths (prompts in [P/2, P], responses in [1, R]) so rows carry padding."""
+    baseline: str = "packed"
+    """packed: BaselineActor without padding, same backend (fair); padded: the plain HF forward."""
+    varlen_backend: Optional[str] = None
+    """Split-mode varlen backend (None: the default for attn_implementation and device)."""
+    seed: int = 0
+    """Seed of the weights and the batch."""
+
+    def __post_init__(self) -> None:
+        _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
+        _check_choice("logits_mode", self.logits_mode, LOGITS_MODES)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("baseline", self.baseline, BASELINES)
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        for name in ("split_attention", "padding"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("batch_size", "prompt_len", "response_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if (self.num_unique_prompts is None) == (self.prompt_dedup_ratio is None):
+            raise ValueError("give exactly one of num_unique_prompts and prompt_dedup_ratio")
+        if self.num_unique_prompts is not None and not 1 <= self.num_unique_prompts <= self.batch_size:
+            raise ValueError(f"num_unique_prompts must be in [1, batch_size={self.batch_size}], got {self.num_unique_prompts}")
+        if self.prompt_dedup_ratio is not None:
+            if not 0 <= self.prompt_dedup_ratio < 1:
+                raise ValueError(f"prompt_dedup_ratio must be in [0, 1), got {self.prompt_dedup_ratio}")
+            # Normalize to a count, so one workload has one case id whichever way it was given.
+            unique = max(1, round(self.batch_size * (1 - self.prompt_dedup_ratio)))
+            object.__setattr__(self, "num_unique_prompts", unique)
+            object.__setattr__(self, "prompt_dedup_ratio", None)
+
+    @property
+    def case_id(self) -> str:
+        """Stable id of the case (the resume key, with the phase)."""
+        parts = [self.model, self.attn_implementation, "split" if self.split_attention else "mask", self.logits_mode,
+                 self.dtype, self.device, f"b{self.batch_size}u{self.num_unique_prompts}p{self.prompt_len}r{self.response_len}"]
+        if self.padding:
+            parts.append("pad")
+        if self.baseline != "packed":
+            parts.append(f"base-{self.baseline}")
+        if self.varlen_backend:
+            parts.append(self.varlen_backend)
+        if self.seed:
+            parts.append(f"seed{self.seed}")
+        return ":".join(parts)
+
+    @property
+    def nominal_prompt_dedup_ratio(self) -> float:
+        """Prompt dedup ratio with equal prompt lengths (the plan gives the exact one)."""
+        return 1 - self.num_unique_prompts / self.batch_size
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Measure:
+    """How each case is measured."""
+
+    warmup: int = 1
+    """Untimed rounds per phase before the timed ones (each round runs both arms)."""
+    repeats: int = 5
+    """Timed rounds per phase."""
+    phases: tuple[str, ...] = PHASES
+    """forward (log-probs under no_grad) and/or forward_backward (log-probs, loss, backward)."""
+    memory: bool = True
+    """Measure peak memory (CPU: one extra fresh process per arm and phase)."""
+    timeout_s: float = 600.0
+    """Wall-clock limit of one case's process; past it the case is a status=timeout row."""
+    threads: int = 0
+    """torch intra-op threads in the case process (0: torch's default)."""
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0 or self.repeats < 1:
+            raise ValueError(f"need warmup >= 0 and repeats >= 1, got {self.warmup} and {self.repeats}")
+        object.__setattr__(self, "phases", tuple(self.phases))
+        for p in self.phases:
+            _check_choice("phases", p, PHASES)
+        if not self.phases:
+            raise ValueError("phases must name at least one phase")
+        if self.timeout_s <= 0 or self.threads < 0:
+            raise ValueError("timeout_s must be > 0 and threads >= 0")
+
+
+@dataclass
+class Suite:
+    """A named list of cases and how to measure them."""
+
+    name: str
+    cases: list[Case]
+    measure: Measure = field(default_factory=Measure)
+    description: str = ""
+    device: str = "cpu"
+    seed: int = 0
+    source: Optional[str] = None
+    """Path of the TOML file, if any."""
+
+    def filtered(self, exprs: Iterable[str]) -> "Suite":
+        """Only the cases matching every expression (see `case_matches`)."""
+        exprs = list(exprs)
+        return replace(self, cases=[c for c in self.cases if all(case_matches(c, e) for e in exprs)])
+
+    def on_device(self, device: str) -> "Suite":
+        return replace(self, device=device, cases=[replace(c, device=device) for c in self.cases])
+
+
+def case_matches(case: Case, expr: str) -> bool:
+    """`key=value` compares a case field (as text; value may hold * and ?), anything else is a
+    substring or glob of the case id."""
+    if "=" in expr:
+        key, value = (s.strip() for s in expr.split("=", 1))
+        names = [f.name for f in fields(Case)]
+        if key not in names:
+            raise ValueError(f"unknown filter key {key!r}{_suggest(key, names)}")
+        actual = getattr(case, key)
+        text = str(actual).lower() if isinstance(actual, bool) else str(actual)
+        return fnmatch.fnmatchcase(text, value.lower() if isinstance(actual, bool) else value)
+    if any(ch in expr for ch in "*?["):
+        return fnmatch.fnmatchcase(case.case_id, expr)
+    return expr in case.case_id
+
+
+def _suggest(key: str, valid: Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
+
+
+def _check_choice(name: str, value: Any, choices: Iterable[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} {value!r} is not one of {', '.join(choices)}")
+
+
+def _check_keys(where: str, table: dict, valid: Iterable[str]) -> None:
+    valid = list(valid)
+    for key in table:
+        if key not in valid:
+            raise ValueError(f"unknown key {key!r} in {where}{_suggest(key, valid)}")
+
+
+_TOP = ("name", "description", "device", "seed", "measure", "defaults", "grid")
+_AXES = tuple(f.name for f in fields(Case))
+_MEASURE = tuple(f.name for f in fields(Measure))
+
+
+def expand(defaults: dict[str, Any], grids: list[dict[str, Any]]) -> list[Case]:
+    """Cases of the product of each grid's axes over the defaults, in order, duplicates dropped."""
+    cases: list[Case] = []
+    seen: set[str] = set()
+    for grid in grids or [{}]:
+        axes = {k: (v if isinstance(v, list) else [v]) for k, v in grid.items()}
+        for k, v in axes.items():
+            if not v:
+                raise ValueError(f"axis {k!r} is an empty list")
+        keys = list(axes)
+        for combo in itertools.product(*(axes[k] for k in keys)):
+            values = dict(zip(keys, combo))
+            spec = {**defaults, **values}
+            # A grid that gives one way of saying "how many prompts" overrides the other default.
+            if "prompt_dedup_ratio" in values and "num_unique_prompts" not in values:
+                spec.pop("num_unique_prompts", None)
+            if "num_unique_prompts" in values and "prompt_dedup_ratio" not in values:
+                spec.pop("prompt_dedup_ratio", None)
+            case = Case(**spec)
+            if case.case_id not in seen:
+                seen.add(case.case_id)
+                cases.append(case)
+    return cases
+
+
+def parse_suite(data: dict[str, Any], source: Optional[str] = None, name: Optional[str] = None) -> Suite:
+    """A Suite from the parsed TOML table."""
+    _check_keys("the suite", data, _TOP)
+    measure_t = data.get("measure", {})
+    defaults = dict(data.get("defaults", {}))
+    grids = data.get("grid", [])
+    if isinstance(grids, dict):
+        grids = [grids]
+    _check_keys("[measure]", measure_t, _MEASURE)
+    _check_keys("[defaults]", defaults, _AXES)
+    for i, g in enumerate(grids):
+        _check_keys(f"[[grid]] #{i + 1}", g, _AXES)
+    device = data.get("device", "cpu")
+    seed = data.get("seed", 0)
+    defaults.setdefault("device", device)
+    defaults.setdefault("seed", seed)
+    if "prompt_dedup_ratio" not in defaults:
+        defaults.setdefault("num_unique_prompts", 1)
+    return Suite(
+        name=data.get("name") or name or "suite", cases=expand(defaults, grids), measure=Measure(**measure_t),
+        description=data.get("description", ""), device=device, seed=seed, source=source,
+    )
+
+
+def load_suite(path: str | Path) -> Suite:
+    """Read and expand a suite file; errors name the file and the problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"suite file {str(path)!r} not found")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: not valid TOML: {e}") from e
+    try:
+        return parse_suite(data, source=str(path), name=path.stem)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from e
