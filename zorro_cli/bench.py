@@ -146,7 +146,7 @@ def run_suite(suite: Suite, out: Path, mode: str = "replace", fault: Optional[st
             measure = suite.measure
             phases = tuple(p for p in measure.phases if (case.case_id, p) not in done)
             if phases != measure.phases:
-                measure = Measure(**{**{k: getattr(measure, k) for k in measure.__dataclass_fields__}, "phases": phases})
+                measure = Measure(**{**dataclasses.asdict(measure), "phases": phases})
             case_rows(case, measure, fault=fault, on_phase=on_row)
             progress.advance(task)
     update_last_run(sidecar_path(out), finished_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -174,6 +174,7 @@ def sweep(
     device: Optional[str] = typer.Option(None, "--device", help="Run every case on this device instead of the suite's."),
     repeats: Optional[int] = typer.Option(None, "--repeats", help="Override the suite's timed repeats."),
     warmup: Optional[int] = typer.Option(None, "--warmup", help="Override the suite's warmup rounds."),
+    memory: Optional[bool] = typer.Option(None, "--memory/--no-memory", help="Override the suite's peak-memory setting."),
     list_only: bool = typer.Option(False, "--list", help="Print the cases and exit."),
 ) -> None:
     """Run every case of a suite, each in its own process, appending one row per case and phase."""
@@ -185,10 +186,9 @@ def sweep(
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)
-    if repeats is not None or warmup is not None:
-        m = {k: getattr(suite.measure, k) for k in suite.measure.__dataclass_fields__}
-        m.update({k: v for k, v in (("repeats", repeats), ("warmup", warmup)) if v is not None})
-        suite.measure = Measure(**m)
+    overrides = {k: v for k, v in (("repeats", repeats), ("warmup", warmup), ("memory", memory)) if v is not None}
+    if overrides:
+        suite.measure = Measure(**{**dataclasses.asdict(suite.measure), **overrides})
     if list_only:
         for c in suite.cases:
             typer.echo(c.case_id)

@@ -72,7 +72,7 @@ class Speedup:
 def format_speedup(value: float, err: float) -> str:
     if not math.isfinite(value):
         return "-"
-    digits = 2 if not math.isfinite(err) or err == 0 else max(2, min(4, 1 - int(math.floor(math.log10(err)))))
+    digits = 2 if not math.isfinite(err) or err == 0 else max(2, min(4, -int(math.floor(math.log10(err)))))
     return f"{value:.{digits}f} ± {err:.{digits}f}x"
 
 

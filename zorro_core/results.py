@@ -43,12 +43,26 @@ def _header(path: Path) -> list[str] | None:
         return next(csv.reader(f), None)
 
 
+def _drop_partial_line(path: Path) -> None:
+    """A process killed mid-write can leave a last line without its newline: drop it (that row
+    never finished, so a resumed sweep runs it again) rather than glue the next row onto it."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if data.endswith(b"\n"):
+        return
+    cut = data.rfind(b"\n") + 1
+    with path.open("r+b") as f:
+        f.truncate(cut)
+
+
 class ResultWriter:
     """Appends rows to a CSV, writing the header first if the file is new."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_partial_line(self.path)
         header = _header(self.path)
         if header is not None:
             missing = [c for c in REQUIRED_COLUMNS if c not in header]
@@ -79,8 +93,12 @@ def done_keys(path: str | Path) -> set[tuple[str, str]]:
     if not path.exists() or path.stat().st_size == 0:
         return set()
     last: dict[tuple[str, str], str] = {}
-    for r in read_rows(path):
-        last[(r["case_id"], r["phase"])] = r.get("status", "")
+    data = path.read_text()
+    lines = data.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):  # a row cut off by a kill is not done
+        lines = lines[:-1]
+    for r in csv.DictReader(lines):
+        last[(r["case_id"], r["phase"])] = r.get("status") or ""
     return {k for k, s in last.items() if s in DONE_STATUSES}
 
 

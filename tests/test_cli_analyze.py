@@ -1,0 +1,45 @@
+"""`zorro analyze`: the DESIGN's example and the ideal speedup per kind of work."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from zorro_cli.main import app
+
+runner = CliRunner()
+EXAMPLE = ["analyze", "--prompt-len", "10000", "--responses", "10", "--response-len", "1000"]
+
+
+def test_design_example_table():
+    res = runner.invoke(app, EXAMPLE)
+    assert res.exit_code == 0, res.output
+    for text in ("110,000 (110K)", "20,000 (20K)", "82% of total", "5.50x", "linear", "attention", "lm_head", "total"):
+        assert text in res.output, text
+
+
+@pytest.mark.parametrize("model", ["Qwen/Qwen3-8B", "Qwen/Qwen3-0.6B", "small-qwen3"])
+def test_json(model):
+    res = runner.invoke(app, EXAMPLE + ["--model", model, "--json"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    assert (d["total_tokens"], d["unique_tokens"], d["redundant_tokens"]) == (110_000, 20_000, 90_000)
+    assert d["token_redundancy"] == pytest.approx(0.818, abs=1e-3) and d["prompt_dedup_ratio"] == pytest.approx(0.9)
+    sp = d["ideal_speedup"]
+    assert sp["linear"] == pytest.approx(5.5) and sp["lm_head"] == pytest.approx(1.0)
+    assert 3.5 < sp["attention"] < 4.0
+    assert 1.0 < sp["total_forward"] < 5.5 and sum(d["flops_share_baseline"].values()) == pytest.approx(1.0)
+
+
+def test_logits_none_and_several_prompts():
+    d = json.loads(runner.invoke(app, EXAMPLE + ["--logits-mode", "none", "--prompts", "3", "--json"]).output)
+    assert d["total_tokens"] == 330_000 and d["unique_tokens"] == 60_000
+    assert d["ideal_speedup"]["lm_head"] == pytest.approx(5.5)
+
+
+@pytest.mark.parametrize("args", [["--prompt-len", "0"], ["--logits-mode", "x"], ["--model", "nope"]])
+def test_bad_input_exits_2(args):
+    base = {"--prompt-len": "10", "--responses": "2", "--response-len": "3"}
+    base.update(dict(zip(args[::2], args[1::2])))
+    res = runner.invoke(app, ["analyze", *[x for kv in base.items() for x in kv]])
+    assert res.exit_code == 2

@@ -1,0 +1,83 @@
+"""Suite files: expansion, validation, filters, and the shipped suites."""
+
+from pathlib import Path
+
+import pytest
+
+from zorro_core.suite import Case, Measure, case_matches, load_suite, parse_suite
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_grids_expand_over_defaults():
+    s = parse_suite({"defaults": {"model": "tiny-qwen3", "batch_size": 4},
+                     "grid": [{"num_unique_prompts": [1, 2, 4], "prompt_len": [8, 16]}, {"num_unique_prompts": 1, "prompt_len": 8}]})
+    assert len(s.cases) == 6  # the second grid's case duplicates one of the first
+    assert {c.model for c in s.cases} == {"tiny-qwen3"} and {c.batch_size for c in s.cases} == {4}
+    assert len({c.case_id for c in s.cases}) == 6
+
+
+def test_dedup_ratio_axis_becomes_unique_prompts():
+    s = parse_suite({"defaults": {"batch_size": 8}, "grid": [{"prompt_dedup_ratio": [0.0, 0.5, 0.875]}]})
+    assert [c.num_unique_prompts for c in s.cases] == [8, 4, 1]
+    assert s.cases[2].nominal_prompt_dedup_ratio == 0.875
+    assert Case(batch_size=8, prompt_dedup_ratio=0.75).case_id == Case(batch_size=8, num_unique_prompts=2).case_id
+
+
+@pytest.mark.parametrize("data,expect", [
+    ({"defaults": {"prompt_length": 8}}, "did you mean 'prompt_len'"),
+    ({"grid": [{"num_unique_prompt": [1]}]}, "did you mean 'num_unique_prompts'"),
+    ({"measure": {"repeat": 3}}, "did you mean 'repeats'"),
+    ({"mesure": {}}, "did you mean 'measure'"),
+    ({"defaults": {"logits_mode": "fast"}}, "logits_mode 'fast' is not one of"),
+    ({"defaults": {"batch_size": 0}}, "batch_size must be an integer >= 1"),
+    ({"defaults": {"batch_size": 4, "num_unique_prompts": 5}}, "num_unique_prompts must be in"),
+    ({"measure": {"phases": ["backward"]}}, "phases 'backward' is not one of"),
+    ({"defaults": {"split_attention": "yes"}}, "split_attention must be true or false"),
+    ({"grid": [{"prompt_len": []}]}, "empty list"),
+])
+def test_bad_suites_say_why(data, expect):
+    with pytest.raises(ValueError, match=expect):
+        parse_suite(data)
+
+
+def test_load_suite_names_the_file(tmp_path):
+    p = tmp_path / "s.toml"
+    p.write_text("[defaults]\nmodle = 'tiny-qwen3'\n")
+    with pytest.raises(ValueError, match=r"s\.toml.*did you mean 'model'"):
+        load_suite(p)
+    p.write_text("not toml [")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_suite(p)
+    with pytest.raises(ValueError, match="not found"):
+        load_suite(tmp_path / "missing.toml")
+
+
+def test_filters():
+    c = Case(model="tiny-qwen3", batch_size=8, num_unique_prompts=2, prompt_len=128)
+    assert case_matches(c, "u2p128")
+    assert case_matches(c, "prompt_len=128") and not case_matches(c, "prompt_len=512")
+    assert case_matches(c, "model=tiny-*") and case_matches(c, "split_attention=true")
+    assert case_matches(c, "*:b8u2*")
+    with pytest.raises(ValueError, match="did you mean 'prompt_len'"):
+        case_matches(c, "promptlen=128")
+
+
+def test_shipped_suites_load():
+    suites = {p.stem: load_suite(p) for p in sorted((ROOT / "suites").glob("*.toml"))}
+    assert {"quick", "cpu", "gpu"} <= set(suites)
+    quick = suites["quick"]
+    assert quick.device == "cpu" and all(c.dtype == "float32" for c in quick.cases)
+    assert len(quick.cases) <= 8
+    gpu = suites["gpu"]
+    assert gpu.device == "cuda" and all(c.device == "cuda" for c in gpu.cases)
+    shapes = {(c.batch_size, c.prompt_len, c.response_len, c.num_unique_prompts) for c in gpu.cases}
+    assert {(16, 8192, 512, 2), (16, 8192, 1024, 1), (16, 8192, 1024, 4), (16, 8192, 1024, 16)} <= shapes
+    assert {16384, 32768} <= {c.prompt_len for c in gpu.cases}
+    assert quick.on_device("cuda").cases[0].device == "cuda"
+
+
+def test_measure_validates():
+    with pytest.raises(ValueError):
+        Measure(repeats=0)
+    assert Measure(phases=["forward"]).phases == ("forward",)
