@@ -25,7 +25,6 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-PHASES = ("forward", "forward_backward")
 CUDA_PEAK_KIND = "cuda_max_memory_allocated"
 CPU_PEAK_KIND = "cpu_peak_rss_growth_fresh_process"
 

@@ -23,7 +23,7 @@ import torch
 
 from .cost import ModelShape, compare_plans
 from .measure import CPU_PEAK_KIND, Stats, peak_memory_mib, speedup, summarize, time_interleaved
-from .suite import Case, Measure
+from .suite import PHASES, Case, Measure
 
 # Status of a row. Only "ok" rows carry timings; "oom" may carry the arm that fit.
 STATUSES = ("ok", "error", "oom", "timeout", "crashed", "skipped")
@@ -78,13 +78,12 @@ def case_workload(case: Case) -> Workload:
     batch = make_batch(case, config.vocab_size)
     base, dedup = build_dedup_plan(batch, dedup=False), build_dedup_plan(batch, dedup=True)
     cmp = compare_plans(ModelShape.from_config(config), base, dedup, case.logits_mode)
-    phases = ("forward", "forward_backward")
     return Workload(
         logical_tokens=dedup.logical_tokens, unique_tokens=dedup.num_tokens,
         prompt_dedup_ratio=dedup.prompt_dedup_ratio, token_redundancy=dedup.token_redundancy,
-        ideal_speedup={p: cmp.ideal_speedup(p) for p in phases},
-        baseline_gflops={p: cmp.baseline.phase(p) / 1e9 for p in phases},
-        dedup_gflops={p: cmp.dedup.phase(p) / 1e9 for p in phases},
+        ideal_speedup={p: cmp.ideal_speedup(p) for p in PHASES},
+        baseline_gflops={p: cmp.baseline.phase(p) / 1e9 for p in PHASES},
+        dedup_gflops={p: cmp.dedup.phase(p) / 1e9 for p in PHASES},
     )
 
 
