@@ -30,7 +30,7 @@ def naive(q, k, v, lens_q, lens_k, scale, window=None):
 def segments(lens_q, lens_k, device="cpu"):
     lq, lk = torch.tensor(lens_q), torch.tensor(lens_k)
     tq, tk = int(lq.sum()), int(lk.sum())
-    return Segments(torch.arange(tq), torch.arange(tk), _cu(lq).to(device), _cu(lk).to(device), max(lens_q), max(lens_k), lens_q == lens_k)
+    return Segments(0, torch.arange(tk), _cu(lq).to(device), _cu(lk).to(device), max(lens_q), max(lens_k), lens_q == lens_k, tq, tk)
 
 
 CASES = {
