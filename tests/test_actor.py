@@ -114,7 +114,7 @@ def test_all_unique_prompts_take_the_causal_path(tiny_models):
     model = tiny_models("tiny-llama")
     w = token_weights(batch, seed=6)
     out = check(DeduplicatedActor(model=model), batch, w, per_sequence(model, batch, 1.0, w), 1.0)
-    assert out.plan.cross is None and out.plan.merge_index is None
+    assert out.plan.cross is None
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-4), (torch.bfloat16, 0.15)])
@@ -140,8 +140,10 @@ def corrupt(plan, what):
         plan.logit_index = plan.logit_index.clone()
         first = plan.response_flat_index % plan.response_width == 0
         plan.logit_index[first] = plan.logit_index[first] + 1
-    elif what == "wrong_prompt":
-        plan.cross.k_index = plan.cross.k_index.roll(7)
+    elif what == "wrong_prompt":  # two responses see another group's prompt
+        x = plan.cross
+        x.k_index = x.k_index.roll(7)
+        x.kv_prompt_start, x.kv_prompt_len, x.kv_group = (t.roll(1) for t in (x.kv_prompt_start, x.kv_prompt_len, x.kv_group))
     return plan
 
 

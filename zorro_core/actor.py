@@ -72,14 +72,13 @@ class _Actor:
         self.logits_chunk_size = logits_chunk_size
         if use_split_attention:
             self.varlen_backend = varlen_backend or default_backend(self.attn_implementation, self.device)
-            self._varlen = get_backend(self.varlen_backend, self.device)
+            get_backend(self.varlen_backend, self.device)  # refuses an unavailable backend now
         else:
             if self.attn_implementation not in ("eager", "sdpa"):
                 raise ValueError(
                     f"mask mode (use_split_attention=False) runs eager or sdpa, not {self.attn_implementation!r}"
                 )
             self.varlen_backend = None
-            self._varlen = None
 
     @property
     def vocab_size(self) -> int:
@@ -94,7 +93,7 @@ class _Actor:
         check_trainable_state(self.model)
         plan = self.plan(batch)
         mode = "split" if self.use_split_attention else "mask"
-        route = Route(plan=plan, mode=mode, backend=self._varlen, inner=self.attn_implementation)
+        route = Route(plan=plan, mode=mode, backend=self.varlen_backend or "reference", inner=self.attn_implementation)
         with attention_implementation(self.model, ZORRO_ATTENTION):
             hidden = self.parts.base(
                 input_ids=plan.input_ids[None], position_ids=plan.position_ids[None], use_cache=False, zorro_route=route,

@@ -23,7 +23,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .plan import DedupPlan
-from .varlen import VarlenFn
+from .padded import cross_attention
+from .varlen import BACKENDS, PADDED
 
 ZORRO_ATTENTION = "zorro"
 
@@ -36,8 +37,8 @@ class Route:
     """The batch's dedup plan."""
     mode: str
     """"split" (two varlen calls) or "mask" (one call with the block mask)."""
-    backend: Optional[VarlenFn] = None
-    """Varlen function, split mode."""
+    backend: str = "reference"
+    """Varlen backend name (zorro_core.varlen.BACKENDS), split mode."""
     inner: str = "sdpa"
     """"eager" or "sdpa", mask mode."""
     calls: int = 0
@@ -58,6 +59,24 @@ class Route:
                 m = allowed
             self._masks[key] = m[None, None]
         return self._masks[key]
+
+
+def split_attention(plan: DedupPlan, q, k, v, scale: float, window: Optional[int], backend: str) -> torch.Tensor:
+    """Split mode over the packed row: q [T, Hq, D], k, v [T, Hkv, D] -> [T, Hq, D]."""
+    seg = plan.causal
+    tc = seg.total_q
+    fn = BACKENDS[backend]
+    if plan.cross is None:
+        return fn(q, k, v, seg, scale, window)
+    q_c, q_x = q.split([tc, q.shape[0] - tc])
+    k_c, v_c = k[:tc], v[:tc]
+    out_c = fn(q_c, k_c, v_c, seg, scale, window)
+    seg = plan.cross
+    if backend in PADDED:
+        out_x = cross_attention(q_x, k, v, seg, scale, window, exact=backend == "reference")
+    else:
+        out_x = fn(q_x, k[seg.k_index], v[seg.k_index], seg, scale, window)
+    return torch.cat([out_c, out_x])
 
 
 def _model_eager(module: nn.Module):
@@ -94,14 +113,8 @@ def zorro_attention(
         out, _ = fn(module, query, key, value, mask, scaling=scale, dropout=0.0, **extra)
         return out, None
 
-    plan = route.plan
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
-    seg = plan.causal
-    parts = [route.backend(q[seg.q_index], k[seg.k_index], v[seg.k_index], seg, scale, sliding_window)]
-    if plan.cross is not None:
-        seg = plan.cross
-        parts.append(route.backend(q[seg.q_index], k[seg.k_index], v[seg.k_index], seg, scale, sliding_window))
-    out = parts[0] if plan.merge_index is None else torch.cat(parts)[plan.merge_index]
+    out = split_attention(route.plan, q, k, v, scale, sliding_window, route.backend)
     return out.unsqueeze(0), None
 
 

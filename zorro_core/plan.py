@@ -1,21 +1,23 @@
 """The dedup plan: everything computed once per batch from token ids alone.
 
-Packed layout, one row: [prompt_1][resp_1,1]...[resp_1,n][prompt_2][resp_2,1]... Groups are
-numbered by first appearance in the batch; a group's responses keep batch order. Prompt
-tokens sit at positions 0..P-1 and each response continues at P.
+Packed layout, one row: first the self-causal segments, one per group in order of first
+appearance (the prompt of a shared group; prompt + response of a group with one member),
+then the responses of the shared groups (by group, then batch order). Prompt tokens sit at
+positions 0..P-1 and each response continues at P. Each unique prompt appears once.
 
-Attention is described by two variable-length calls over that row:
-- `causal`: self-causal segments (queries = keys). The prompt of every shared group, and
-  the whole [prompt][response] of a group with one member (nothing to share, so it runs
-  exactly like the baseline's packed sequence).
-- `cross`: each response of a shared group; its keys are its prompt followed by itself,
-  causal aligned bottom-right.
-Pure tensor code: no model, no per-token or per-row Python loop.
+Attention is two variable-length calls over that row, each on a contiguous slice of queries:
+- `causal`: tokens [0, Tc): self-causal segments (queries = keys). A one-member group runs
+  exactly like the baseline's packed sequence.
+- `cross`: tokens [Tc, T): each response of a shared group; its keys are its prompt followed
+  by itself, causal aligned bottom-right.
+Pure tensor code: no model, no per-token or per-row Python loop, a bounded number of host
+synchronisations.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -26,8 +28,8 @@ from .batch import RolloutBatch
 class Segments:
     """The segments of one varlen attention call over the packed row."""
 
-    q_index: torch.Tensor
-    """[Tq] packed positions of the queries, segment after segment."""
+    q_start: int
+    """The queries are packed positions [q_start, q_start + Tq), segment after segment."""
     k_index: torch.Tensor
     """[Tk] packed positions of the keys/values, segment after segment."""
     cu_q: torch.Tensor
@@ -40,8 +42,22 @@ class Segments:
     """Longest key segment."""
     q_is_k: bool
     """Queries and keys are the same tokens (self-causal segments)."""
+    total_q: int
+    """Tq, all queries."""
+    total_k: int
+    """Tk, all keys."""
+    kv_prompt_start: Optional[torch.Tensor] = None
+    """Cross call only: [n] packed position of each segment's prompt (its keys start there)."""
+    kv_prompt_len: Optional[torch.Tensor] = None
+    """Cross call only: [n] length of each segment's prompt."""
+    kv_group: Optional[torch.Tensor] = None
+    """Cross call only: [n] group of each segment (segments of a group are adjacent)."""
     cache: dict = field(default_factory=dict, repr=False)
     """Per-backend derived indices (padded gathers), built once per plan, reused by every layer."""
+
+    @property
+    def q_index(self) -> torch.Tensor:
+        return torch.arange(self.q_start, self.q_start + self.total_q, device=self.cu_q.device)
 
     @property
     def num_segments(self) -> int:
@@ -100,8 +116,6 @@ class DedupPlan:
     """Self-causal segments: shared prompts, and whole sequences of one-member groups."""
     cross: Segments | None
     """Responses of shared groups against [their prompt + themselves]; None when nothing is shared."""
-    merge_index: torch.Tensor | None
-    """[T] gathers cat(causal out, cross out) back into packed order; None when that is the identity."""
     logical_tokens: int
     """Real tokens of the batch before dedup (sum of prompt + response lengths)."""
     logical_prompt_tokens: int
@@ -195,21 +209,23 @@ def build_dedup_plan(batch: RolloutBatch, dedup: bool = True) -> DedupPlan:
     group_size = torch.bincount(group_of_row, minlength=g_count)
     plen = plen_row[rep_row]
 
-    # Segments in packed order: prompt g, then the responses of its rows in batch order.
-    seg_key = torch.cat([torch.arange(g_count, device=dev) * (b + 1), group_of_row * (b + 1) + 1 + rows])
-    order = torch.argsort(seg_key)
+    single = group_size == 1
+    single_row = single[group_of_row]
+    # Self-causal segments, one per group: the prompt, or prompt + response for a lone row.
+    lone_rlen = torch.zeros(g_count, device=dev, dtype=torch.long).index_add(0, group_of_row, torch.where(single_row, rlen, 0))
+    causal_len = plen + lone_rlen
+
+    # Pieces in packed order: prompt g, the response of a lone row right after its prompt,
+    # then the responses of shared groups, by group then row.
+    garange = torch.arange(g_count, device=dev)
+    resp_key = torch.where(single_row, group_of_row * (b + 2) + 1, g_count * (b + 2) + group_of_row * b + rows)
+    order = torch.argsort(torch.cat([garange * (b + 2), resp_key]))
     seg_len = torch.cat([plen, rlen])
     seg_len_sorted = seg_len[order]
     seg_start_sorted = torch.cumsum(seg_len_sorted, 0) - seg_len_sorted
     seg_start = torch.empty_like(seg_start_sorted)
     seg_start[order] = seg_start_sorted
     prompt_start, response_start = seg_start[:g_count], seg_start[g_count:]
-
-    single = group_size == 1
-    single_row = single[group_of_row]
-    # Self-causal segments, one per group: the prompt, or prompt + response for a lone row.
-    lone_rlen = torch.zeros(g_count, device=dev, dtype=torch.long).index_add(0, group_of_row, torch.where(single_row, rlen, 0))
-    causal_len = plen + lone_rlen
     cross_rows = (~single_row).nonzero().flatten()
     cross_rows = cross_rows[torch.argsort(response_start[cross_rows])]
     cross_qlen = rlen[cross_rows]
@@ -249,19 +265,15 @@ def build_dedup_plan(batch: RolloutBatch, dedup: bool = True) -> DedupPlan:
     logit_index = pred.flatten()[response_flat_index]
     labels = batch.responses.long().flatten()[response_flat_index]
 
-    causal_q = _ranges(prompt_start, causal_len, c_tot)
-    causal = Segments(causal_q, causal_q, _cu(causal_len), _cu(causal_len), c_max, c_max, True)
+    causal = Segments(0, torch.arange(c_tot, device=dev), _cu(causal_len), _cu(causal_len), c_max, c_max, True, c_tot, c_tot)
     cross = None
-    merge_index = None
     if cross_rows.numel():
-        xq = _ranges(response_start[cross_rows], cross_qlen, x_qtot)
         kg = group_of_row[cross_rows]
         starts = torch.stack([prompt_start[kg], response_start[cross_rows]], 1).flatten()
         lens = torch.stack([plen[kg], cross_qlen], 1).flatten()
         xk = _ranges(starts, lens, x_ktot)
-        cross = Segments(xq, xk, _cu(cross_qlen), _cu(cross_klen), x_qmax, x_kmax, False)
-        merge_index = torch.empty(t, dtype=torch.long, device=dev)
-        merge_index[torch.cat([causal_q, xq])] = torch.arange(t, device=dev)
+        cross = Segments(c_tot, xk, _cu(cross_qlen), _cu(cross_klen), x_qmax, x_kmax, False, x_qtot, x_ktot,
+                         kv_prompt_start=prompt_start[kg], kv_prompt_len=plen[kg], kv_group=kg)
 
     return DedupPlan(
         batch_size=b, response_width=rw, num_groups=g_count, deduplicated=dedup,
@@ -269,6 +281,6 @@ def build_dedup_plan(batch: RolloutBatch, dedup: bool = True) -> DedupPlan:
         prompt_lens=plen, response_lens=rlen, prompt_start=prompt_start, response_start=response_start,
         input_ids=input_ids, position_ids=position_ids, token_group=token_group, token_segment=token_segment,
         logit_index=logit_index, labels=labels, response_flat_index=response_flat_index,
-        causal=causal, cross=cross, merge_index=merge_index,
+        causal=causal, cross=cross,
         logical_tokens=logical_p + n_resp, logical_prompt_tokens=logical_p, unique_prompt_tokens=unique_p,
     )
