@@ -25,7 +25,8 @@ def test_speedup_is_paired_and_has_an_error():
     noisy = speedup([10, 11, 9, 10.5, 9.5], [5, 5, 5, 5, 5])
     assert noisy.value == pytest.approx(2.0) and 0 < noisy.err < 0.2 and noisy.p20 < 2 < noisy.p80
     assert format_speedup(3.4123, 0.0512) == "3.41 ± 0.05x"
-    assert format_speedup(float("nan"), 0) == "-"
+    assert format_speedup(float("nan"), 0) == "-" and format_speedup(2.0, float("nan")) == "2.00x"
+    assert math.isnan(speedup([2.0, 2.0], [1.0, 1.0]).err)  # two rounds: no spread to speak of
     with pytest.raises(ValueError):
         speedup([1.0], [1.0, 2.0])
 

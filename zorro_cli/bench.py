@@ -93,7 +93,7 @@ def results_table(rows: list[dict], title: str) -> Table:
                       ("status", "left")]:
         t.add_column(col, justify=just)
     for label, r in zip(labels, rows):
-        sp = format_speedup(float(r["speedup"]), float(r.get("speedup_err") or 0)) if r.get("speedup") not in (None, "") else "-"
+        sp = format_speedup(float(r["speedup"]), float(r.get("speedup_err") or "nan")) if r.get("speedup") not in (None, "") else "-"
         status = r["status"] if r["status"] == "ok" else f"[red]{r['status']}[/]: {str(r.get('error', ''))[:60]}"
         mem = f"{_cell(r, 'baseline_peak_mem_mib', '{:.0f}')}/{_cell(r, 'dedup_peak_mem_mib', '{:.0f}')}"
         t.add_row(label, r["phase"].replace("forward_backward", "fwd+bwd"), _cell(r, "baseline_ms_p50"), _cell(r, "dedup_ms_p50"), sp,
@@ -113,9 +113,11 @@ def run_suite(suite: Suite, out: Path, mode: str = "replace", fault: Optional[st
     if mode not in ("replace", "resume", "append"):
         raise ValueError(f"unknown mode {mode!r}")
     if out.exists() and mode == "replace":
-        console.print(f"[yellow]replacing {out}[/] (pass --resume to continue it instead)")
-        out.unlink()
-        sidecar_path(out).unlink(missing_ok=True)
+        backup = out.with_name(out.name + ".bak")
+        console.print(f"[yellow]starting {out} afresh[/]; the old one is now {backup} (--resume continues a file instead)")
+        out.replace(backup)
+        if sidecar_path(out).exists():
+            sidecar_path(out).replace(out.with_name(out.stem + ".json.bak"))
     done = done_keys(out) if mode == "resume" else set()
     todo = [c for c in suite.cases if any((c.case_id, p) not in done for p in suite.measure.phases)]
     skipped_done = len(suite.cases) - len(todo)
@@ -136,7 +138,7 @@ def run_suite(suite: Suite, out: Path, mode: str = "replace", fault: Optional[st
         row["finished_utc"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         writer.append(row)
         rows.append(row)
-        sp = format_speedup(float(row["speedup"]), float(row.get("speedup_err") or 0)) if row.get("speedup") not in (None, "") else "-"
+        sp = format_speedup(float(row["speedup"]), float(row.get("speedup_err") or "nan")) if row.get("speedup") not in (None, "") else "-"
         progress.console.print(f"  {row['case_id']} {row['phase']}: {sp} (ideal {row.get('ideal_speedup', '-')}) {row['status']}")
 
     with progress:

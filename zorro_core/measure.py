@@ -71,6 +71,8 @@ class Speedup:
 def format_speedup(value: float, err: float) -> str:
     if not math.isfinite(value):
         return "-"
+    if not math.isfinite(err):
+        return f"{value:.2f}x"
     digits = 2 if not math.isfinite(err) or err == 0 else max(2, min(4, -int(math.floor(math.log10(err)))))
     return f"{value:.{digits}f} ± {err:.{digits}f}x"
 
@@ -88,7 +90,8 @@ def speedup(baseline_ms: Sequence[float], dedup_ms: Sequence[float]) -> Speedup:
     ratios = b / d
     p20, p80 = float(np.percentile(ratios, 20)), float(np.percentile(ratios, 80))
     sigma = (p80 - p20) * _SPREAD_TO_SIGMA
-    err = _MEDIAN_SE * sigma / math.sqrt(len(ratios))
+    # Fewer than 3 rounds say nothing about the spread: no error rather than a false 0.
+    err = _MEDIAN_SE * sigma / math.sqrt(len(ratios)) if len(ratios) >= 3 else float("nan")
     return Speedup(float(np.median(ratios)), err, p20, p80)
 
 

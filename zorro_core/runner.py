@@ -12,6 +12,7 @@ pays for building its model, not for the imports. The server never touches CUDA.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import time
@@ -169,6 +170,7 @@ def _time_phase(bench: _Bench, phase: str, measure: Measure) -> dict[str, Any]:
     arms = {}
     for arm in ("baseline", "dedup"):
         fn = bench.step(arm, phase)
+        oom = False
         try:
             for _ in range(max(1, measure.warmup)):
                 bench.zero_grad()
@@ -178,6 +180,9 @@ def _time_phase(bench: _Bench, phase: str, measure: Measure) -> dict[str, Any]:
             if not _is_oom(e):
                 raise
             res.update(status="oom", error=f"{arm}: {_error_text(e)}")
+            oom = True
+        if oom:  # outside the except block, where the traceback no longer pins the arm's tensors
+            bench.zero_grad()
             _free(bench.device)
     if arms:
         times = time_interleaved(arms, bench.device, warmup=0, repeats=measure.repeats, between=bench.zero_grad)
@@ -212,7 +217,8 @@ def timing_process(case: Case, measure: Measure, fault: Optional[str], conn) -> 
             except Exception as e:
                 status = "oom" if _is_oom(e) else "error"
                 out["phases"][phase] = {"status": status, "error": _error_text(e), "traceback": traceback.format_exc()}
-                _free(bench.device)
+            bench.zero_grad()
+            _free(bench.device)
         conn.send(out)
     except BaseException as e:  # the parent must always hear why
         conn.send({"error": _error_text(e), "status": "oom" if _is_oom(e) else "error", "traceback": traceback.format_exc()})
@@ -362,7 +368,7 @@ def _fill_timing(row: dict, res: dict, work: Workload, phase: str) -> None:
         row["n"] = s.n
     if len(stats) == 2:
         sp = speedup(times["baseline"], times["dedup"])
-        row.update(speedup=round(sp.value, 4), speedup_err=round(sp.err, 4), speedup_p20=round(sp.p20, 4),
+        row.update(speedup=round(sp.value, 4), speedup_err=round(sp.err, 4) if math.isfinite(sp.err) else "", speedup_p20=round(sp.p20, 4),
                    speedup_p80=round(sp.p80, 4), efficiency=round(sp.value / work.ideal_speedup[phase], 4))
     for arm in ("baseline", "dedup"):
         if f"{arm}_peak_mib" in res:

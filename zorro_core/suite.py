@@ -127,7 +127,7 @@ class Measure:
     """How each case is measured."""
 
     warmup: int = 1
-    """Untimed rounds per phase before the timed ones (each round runs both arms)."""
+    """Untimed runs of each arm per phase before the timed rounds (at least one is always run)."""
     repeats: int = 5
     """Timed rounds per phase."""
     phases: tuple[str, ...] = PHASES
