@@ -122,15 +122,23 @@ def time_interleaved(arms: dict[str, Callable[[], object]], device: torch.device
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     names = list(arms)
     times: dict[str, list[float]] = {n: [] for n in names}
-    for i in range(warmup + repeats):
-        order = names if i % 2 == 0 else names[::-1]
-        for name in order:
-            if between is not None:
-                between()
-            gc.collect()
-            ms = time_once(arms[name], device)
-            if i >= warmup:
-                times[name].append(ms)
+    # The collector off while timing (as timeit does): a full collection of a process that has
+    # imported transformers takes ~0.1 s and would land in whichever call triggers it.
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for i in range(warmup + repeats):
+            order = names if i % 2 == 0 else names[::-1]
+            for name in order:
+                if between is not None:
+                    between()
+                ms = time_once(arms[name], device)
+                if i >= warmup:
+                    times[name].append(ms)
+    finally:
+        if was_enabled:
+            gc.enable()
     return times
 
 
