@@ -377,12 +377,15 @@ def _fill_timing(row: dict, res: dict, work: Workload, phase: str) -> None:
 
 
 def _fill_cpu_memory(row: dict, case: Case, measure: Measure, phase: str, res: dict) -> None:
-    """One fresh process per arm for this phase (only arms that ran)."""
+    """One fresh process per arm for this phase (only arms that ran), the two side by side:
+    a peak RSS is per process, so they do not disturb each other's figure (timing is done)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     notes = []
-    for arm in ("baseline", "dedup"):
-        if arm not in res.get("times", {}):
-            continue
-        mem = run_isolated(memory_process, (case, measure, arm, phase), measure.timeout_s)
+    arms = [a for a in ("baseline", "dedup") if a in res.get("times", {})]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda a: run_isolated(memory_process, (case, measure, a, phase), measure.timeout_s), arms))
+    for arm, mem in zip(arms, results):
         if mem.status == "ok" and "peak_mib" in mem.payload:
             row[f"{arm}_peak_mem_mib"] = round(mem.payload["peak_mib"], 1)
             row["peak_mem_kind"] = mem.payload["kind"]
