@@ -9,9 +9,12 @@ and the uncertainty is the standard error of that median, estimated from the p20
 
 Peak memory, named by what it is (`peak_mem_kind`):
 - CUDA: torch.cuda.max_memory_allocated over one run of the arm (weights included).
-- CPU: peak RSS growth of a fresh process that runs the arm once: reset the high-water mark
-  (write 5 to /proc/self/clear_refs), run, read VmHWM minus the RSS before. glibc keeps freed
-  memory, so each arm and phase must get its own process (tracemalloc does not see tensors).
+- CPU: peak RSS growth of one run in a fresh process: run the arm once untimed (so that code
+  pages of the kernels it uses and one-time buffers are mapped: otherwise the figure moves by
+  tens of MiB with the page cache's state), hand the freed heap back to the OS (malloc_trim),
+  reset the high-water mark (write 5 to /proc/self/clear_refs), run again, read VmHWM minus
+  the RSS before. Each arm and phase gets its own process (a process's heap history would
+  otherwise leak into the next figure; tracemalloc does not see tensors).
 """
 
 from __future__ import annotations
@@ -170,6 +173,17 @@ def _status_kib(key: str) -> int:
     raise OSError(f"{key} not found in /proc/self/status (peak RSS needs Linux)")
 
 
+def release_free_memory() -> None:
+    """Collect garbage and return glibc's free heap to the OS (no-op without glibc)."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def peak_memory_mib(fn: Callable[[], object], device: torch.device | str) -> tuple[float, str]:
     """(peak memory of one call of fn in MiB, what the figure is). On CPU call it in a fresh process."""
     device = torch.device(device)
@@ -179,7 +193,7 @@ def peak_memory_mib(fn: Callable[[], object], device: torch.device | str) -> tup
         fn()
         synchronize(device)
         return torch.cuda.max_memory_allocated(device) / 2**20, CUDA_PEAK_KIND
-    gc.collect()
+    release_free_memory()
     if not reset_peak_rss():
         raise OSError("cannot reset the RSS high-water mark (/proc/self/clear_refs): peak memory needs Linux")
     before = rss_bytes()

@@ -3,8 +3,7 @@
 - The timing process builds the model, the batch and both actors, then times baseline and
   dedup interleaved for each phase (a speedup is a ratio from one run). On CUDA it also
   reads max_memory_allocated for each arm.
-- On CPU, peak memory needs a fresh process per arm and phase (glibc keeps freed memory, so
-  a second measurement in the same process would see the first one's heap): see measure.py.
+- On CPU, peak memory is measured in a fresh process per arm and phase (see measure.py).
 - A raise, an out-of-memory, a crash or a timeout becomes the case's status; the caller goes on.
 Processes come from a fork server that has imported torch and transformers once, so a case
 pays for building its model, not for the imports. The server never touches CUDA.
@@ -231,6 +230,8 @@ def memory_process(case: Case, measure: Measure, arm: str, phase: str, conn) -> 
     try:
         bench = _Bench(case, measure.threads, arms=(arm,))
         fn = bench.step(arm, phase)
+        fn()  # untimed first run: see measure.py on why the figure is of a second run
+        bench.zero_grad()
         mib, kind = peak_memory_mib(fn, bench.device)
         conn.send({"peak_mib": mib, "kind": kind})
     except BaseException as e:
