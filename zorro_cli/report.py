@@ -60,9 +60,9 @@ def load_results(paths: list[Path]):
 def _fmt(v: float, err: float | None = None) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return ""
-    if err is None or (isinstance(err, float) and math.isnan(err)):
-        return f"{v:.2f}x"
-    return f"{v:.2f} ± {err:.2f}x"
+    from zorro_core.measure import format_speedup
+
+    return format_speedup(float(v), float("nan") if err is None else float(err))
 
 
 def _group_title(key: tuple) -> str:
