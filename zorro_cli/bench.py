@@ -45,7 +45,9 @@ def run_record(suite: Suite) -> dict[str, Any]:
 
     rec: dict[str, Any] = {
         "started_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "command": " ".join(["zorro" if Path(sys.argv[0]).name in ("zorro", "main.py", "__main__.py") else sys.argv[0]]
+                            + sys.argv[1:]),
+        "python": sys.executable,
         **git_state(),
         "suite": suite.name, "suite_file": suite.source,
         "suite_text": Path(suite.source).read_text() if suite.source and Path(suite.source).is_file() else None,
