@@ -11,8 +11,8 @@ from zorro_core.logprobs import ChunkedLogProbs, chunk_size_for_budget, response
 
 LP_ATOL = 1e-6      # float64 floor (see test_actor.py)
 GRAD_RTOL = 1e-5
-F32_LP_ATOL = 2e-5  # float32, mode vs mode: same hidden states, only the lm_head matmul chunking differs
-F32_GRAD_RTOL = 1e-4
+F32_LP_ATOL = 2e-5  # float32, mode vs mode (measured: log-prob 4.8e-7, entropy 3.3e-6, grads 8.7e-7 rel)
+F32_GRAD_RTOL = 1e-5
 MODES = ["none", "compute", "memory"]
 TEMPERATURE = 0.7
 
