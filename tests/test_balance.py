@@ -181,3 +181,23 @@ def test_select_rows_trims_prompt_padding():
 def test_bad_input_raises(bad, match):
     with pytest.raises(ValueError, match=match):
         bad()
+
+
+def test_large_batch_is_fast():
+    """2,048 rows under a tight budget: bounded KK tries, no quadratic search over k."""
+    import time
+
+    rng = random.Random(5)
+    gor = [g for g in range(256) for _ in range(8)]
+    work = Workload(gor, [rng.randint(64, 2048) for _ in range(256)], [rng.randint(16, 1024) for _ in gor])
+    t0 = time.perf_counter()
+    part = partition_micro_batches(work, 4096)
+    assert time.perf_counter() - t0 < 20
+    assert not part.over_budget and max(part.tokens) <= 4096
+
+
+def test_attention_cost_counts_query_key_pairs():
+    # prompt 3 (6 causal pairs) + responses 2 and 1 (2*3 + 3 and 1*3 + 1 pairs): 19 pairs, 6 tokens
+    work = Workload([0, 0], [3], [2, 1])
+    assert work.cost([0, 1], attention_weight=0.5) == 6 + 0.5 * 19
+    assert work.cost([0, 1]) == 6.0

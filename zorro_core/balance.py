@@ -12,9 +12,10 @@ on purpose into pieces (first-fit decreasing over its responses), and each piece
 the prompt: a split costs (pieces - 1) * P extra tokens, reported as
 `recomputed_prompt_tokens`. Pieces are balanced over k micro-batches with Karmarkar-Karp
 (k-way largest differencing); k starts at ceil(tokens / budget) and grows until every
-micro-batch fits. That always happens by k = number of pieces (one piece each), except for a
-piece that alone exceeds the budget (one prompt + one response longer than it), which cannot
-fit anywhere and is reported in `over_budget`.
+micro-batch fits (a bounded number of tries, then the k of a first-fit-decreasing packing,
+then that packing itself, which always fits). Only a piece that alone exceeds the budget
+(one prompt + one response longer than it) cannot fit anywhere: it is reported in
+`over_budget`.
 
 Data-parallel shards (`partition_ranks`): every rank gets the same number of rows. Groups
 stay whole when the group sizes allow it; otherwise they are cut into equal chunks (the
@@ -188,19 +189,8 @@ _BALANCERS = {"kk": karmarkar_karp, "greedy": greedy_partition}
 
 def _split_group(work: Workload, g: int, rows: list[int], budget: int) -> list[list[int]]:
     """Pieces of a group that fit the budget (first-fit decreasing); an unfittable row stays alone."""
-    cap = budget - work.prompt_lens[g]
-    pieces: list[list[int]] = []
-    room: list[int] = []
-    for r in sorted(rows, key=lambda r: -work.response_lens[r]):
-        n = work.response_lens[r]
-        j = next((j for j, left in enumerate(room) if n <= left), None)
-        if j is None:
-            pieces.append([r])
-            room.append(cap - n)
-        else:
-            pieces[j].append(r)
-            room[j] -= n
-    return pieces
+    sizes = [work.response_lens[r] for r in rows]
+    return [[rows[i] for i in b] for b in _first_fit_decreasing(sizes, budget - work.prompt_lens[g])]
 
 
 def partition_micro_batches(
@@ -227,15 +217,41 @@ def partition_micro_batches(
     total = sum(work.tokens(p) for p in pieces)
     k = max(min_micro_batches, 1 if max_tokens is None else math.ceil(total / max_tokens))
     k = min(k, len(pieces))
-    while True:
+    if max_tokens is None:
+        return _finish(work, _assemble(pieces, _BALANCERS[balance](costs, k)), attention_weight, None)
+    # First-fit decreasing by tokens always fits (k_fit bins); try balanced partitions from the
+    # lower bound up (a bounded number of tries: each costs O(pieces x k)), then k_fit itself.
+    fit = _first_fit_decreasing([work.tokens(p) for p in pieces], max_tokens)
+    k_fit = max(len(fit), min(min_micro_batches, len(pieces)))
+    for k in sorted(set(range(k, min(k + _MAX_TRIES, k_fit))) | {k_fit}):
         assign = _BALANCERS[balance](costs, k)
-        parts = [[r for i in items for r in pieces[i]] for items in assign]
+        parts = _assemble(pieces, assign)
         # Feasible when every part over the budget is a single piece that cannot fit anywhere.
-        if max_tokens is None or k >= len(pieces) or all(
-            work.tokens(p) <= max_tokens or len(items) == 1 for p, items in zip(parts, assign)
-        ):
+        if all(work.tokens(p) <= max_tokens or len(items) == 1 for p, items in zip(parts, assign)):
             return _finish(work, parts, attention_weight, max_tokens)
-        k += 1
+    return _finish(work, _assemble(pieces, fit), attention_weight, max_tokens)
+
+
+_MAX_TRIES = 16
+
+
+def _assemble(pieces: list[list[int]], assign: list[list[int]]) -> list[list[int]]:
+    return [[r for i in items for r in pieces[i]] for items in assign]
+
+
+def _first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of item indices, each within capacity (an item above it alone in its bin)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        j = next((j for j, left in enumerate(room) if sizes[i] <= left), None)
+        if j is None:
+            bins.append([i])
+            room.append(capacity - sizes[i])
+        else:
+            bins[j].append(i)
+            room[j] -= sizes[i]
+    return bins
 
 
 def partition_ranks(work: Workload, world_size: int, attention_weight: float = 0.0, balance: str = "kk") -> Partition:
