@@ -1,5 +1,8 @@
 """Imbalance (max/mean cost) of Karmarkar-Karp against the greedy baseline on random workloads.
 
+max/ideal: the largest part's cost over (unique tokens / parts), so a split's recomputed
+prompts count against it too.
+
     PYTHONPATH=. python benchmarks/balance_imbalance.py [--n 300] [--seed 0]
 
 Workloads are GRPO-like: G prompts of 64..2048 tokens, each sampled n in {2, 4, 8, 16} times,
@@ -44,6 +47,7 @@ def figures(n: int = 300, seed: int = 0) -> dict[str, dict[str, list[float]]]:
             add("micro-batches", balance, "imbalance", p.imbalance)
             add("micro-batches", balance, "micro-batches", len(p.parts))
             add("micro-batches", balance, "recomputed %", 100 * p.recomputed_prompt_tokens / unique)
+            add("micro-batches", balance, "max/ideal", max(p.costs) * len(p.parts) / unique)
         for whole in (True, False):
             ranks = rng.choice([2, 4, 8])
             work = workload(rng, ranks, whole)
@@ -53,6 +57,7 @@ def figures(n: int = 300, seed: int = 0) -> dict[str, dict[str, list[float]]]:
                 scen = "ranks, groups " + ("whole" if whole else "cut")
                 add(scen, balance, "imbalance", p.imbalance)
                 add(scen, balance, "recomputed %", 100 * p.recomputed_prompt_tokens / unique)
+                add(scen, balance, "max/ideal", max(p.costs) * ranks / unique)
     return out
 
 
@@ -63,12 +68,12 @@ def main() -> None:
     args = ap.parse_args()
     figs = figures(args.n, args.seed)
     print(f"{args.n} random workloads, seed {args.seed}")
-    print(f"{'scenario / balancer':34s} {'imbalance mean':>14s} {'p90':>7s} {'worst':>7s} {'recomputed %':>13s} {'parts':>6s}")
+    print(f"{'scenario / balancer':34s} {'imbalance mean':>14s} {'p90':>7s} {'worst':>7s} {'recomputed %':>13s} {'max/ideal':>10s} {'parts':>6s}")
     for name, f in figs.items():
         imb = sorted(f["imbalance"])
         parts = f"{statistics.mean(f['micro-batches']):6.2f}" if "micro-batches" in f else "     -"
         print(f"{name:34s} {statistics.mean(imb):14.4f} {imb[int(0.9 * len(imb))]:7.4f} {imb[-1]:7.4f} "
-              f"{statistics.mean(f['recomputed %']):13.2f} {parts}")
+              f"{statistics.mean(f['recomputed %']):13.2f} {statistics.mean(f['max/ideal']):10.4f} {parts}")
 
 
 if __name__ == "__main__":

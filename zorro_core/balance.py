@@ -18,8 +18,9 @@ then that packing itself, which always fits). Only a piece that alone exceeds th
 `over_budget`.
 
 Data-parallel shards (`partition_ranks`): every rank gets the same number of rows. Groups
-stay whole when the group sizes allow it; otherwise they are cut into equal chunks (the
-largest chunk size that makes equal counts possible), balanced with equal-count KK.
+stay whole when the group sizes allow it (equal-count KK over groups); otherwise the better
+of equal chunks (equal-count KK) and whole-groups-first with the rest cut into the rooms
+left.
 Host-side Python on lengths only: no model, no tensors beyond the grouping.
 """
 
@@ -257,10 +258,13 @@ def _first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]
 def partition_ranks(work: Workload, world_size: int, attention_weight: float = 0.0, balance: str = "kk") -> Partition:
     """Rows for each of `world_size` ranks, the same number each, balanced by cost.
 
-    Units are chunks of u consecutive rows of a group, u the largest divisor of the gcd of
-    the group sizes with (B / u) divisible by world_size: u = group size (groups whole) when
-    the number of groups divides evenly, smaller chunks (the prompt then recomputed on each
-    rank holding a chunk) when not.
+    Two candidates, the one with the lower maximum cost wins:
+    - equal chunks: units of u consecutive rows of a group, u the largest divisor of the gcd
+      of the group sizes with (B / u) divisible by world_size, balanced by `balance` with
+      equal unit counts. u = group size (groups whole) when the groups divide evenly.
+    - whole groups first: heaviest group first into the least-loaded rank with room for all
+      its rows; groups that fit nowhere are cut into the largest rooms left (the prompt then
+      recomputed on each rank holding a piece).
     """
     b = len(work.group_of_row)
     if world_size < 1:
@@ -274,7 +278,36 @@ def partition_ranks(work: Workload, world_size: int, attention_weight: float = 0
     u = max(d for d in range(1, gcd + 1) if gcd % d == 0 and (b // d) % world_size == 0)
     units = [rows[s:s + u] for rows in groups for s in range(0, len(rows), u)]
     assign = _BALANCERS[balance]([work.cost(x, attention_weight) for x in units], world_size, equal_size=True)
-    return _finish(work, [[r for i in items for r in units[i]] for items in assign], attention_weight, None)
+    chunks = _finish(work, [[r for i in items for r in units[i]] for items in assign], attention_weight, None)
+    if not chunks.split_groups:
+        return chunks
+    whole = _finish(work, _whole_groups_first(work, world_size, attention_weight), attention_weight, None)
+    return min((chunks, whole), key=lambda p: (max(p.costs), p.recomputed_prompt_tokens))
+
+
+def _whole_groups_first(work: Workload, world_size: int, attention_weight: float) -> list[list[int]]:
+    room = [len(work.group_of_row) // world_size] * world_size
+    parts: list[list[int]] = [[] for _ in range(world_size)]
+    load = [0.0] * world_size
+    cut: list[list[int]] = []
+    for rows in sorted(work.rows_of_group, key=lambda r: -work.cost(r, attention_weight)):
+        fits = [j for j in range(world_size) if room[j] >= len(rows)]
+        if not fits:
+            cut.append(rows)
+            continue
+        j = min(fits, key=lambda j: load[j])
+        parts[j] += rows
+        room[j] -= len(rows)
+        load[j] = work.cost(parts[j], attention_weight)
+    for rows in cut:
+        rows = sorted(rows, key=lambda r: -work.response_lens[r])
+        while rows:
+            j = max(range(world_size), key=lambda j: (room[j], -load[j]))
+            take, rows = rows[:room[j]], rows[room[j]:]
+            parts[j] += take
+            room[j] -= len(take)
+            load[j] = work.cost(parts[j], attention_weight)
+    return parts
 
 
 def select_rows(batch: RolloutBatch, rows: torch.Tensor | Sequence[int]) -> RolloutBatch:
