@@ -186,6 +186,8 @@ def greedy_partition(costs: Sequence[float], k: int, equal_size: bool = False) -
 
 
 _BALANCERS = {"kk": karmarkar_karp, "greedy": greedy_partition}
+_MAX_TRIES = 16
+"""Balanced partitions tried per micro-batch plan before falling back to first-fit decreasing."""
 
 
 def _split_group(work: Workload, g: int, rows: list[int], budget: int) -> list[list[int]]:
@@ -232,8 +234,6 @@ def partition_micro_batches(
             return _finish(work, parts, attention_weight, max_tokens)
     return _finish(work, _assemble(pieces, fit), attention_weight, max_tokens)
 
-
-_MAX_TRIES = 16
 
 
 def _assemble(pieces: list[list[int]], assign: list[list[int]]) -> list[list[int]]:
