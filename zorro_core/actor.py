@@ -49,6 +49,7 @@ class _Actor:
         logits_mode: str = "compute",
         varlen_backend: Optional[str] = None,
         logits_chunk_size: Optional[int] = None,
+        logits_memory_budget_mib: Optional[float] = None,
     ) -> None:
         if (model is None) == (model_name_or_path is None):
             raise ValueError("pass exactly one of model= or model_name_or_path=")
@@ -63,6 +64,8 @@ class _Actor:
             model = model.to(device=device, dtype=dtype)
         if logits_mode not in LOGITS_MODES:
             raise ValueError(f"unknown logits_mode {logits_mode!r}; choose one of {LOGITS_MODES}")
+        if logits_memory_budget_mib is not None and not logits_memory_budget_mib > 0:
+            raise ValueError(f"logits_memory_budget_mib must be > 0, got {logits_memory_budget_mib}")
         self.model = model
         self.parts = model_parts(model)
         self.device = next(model.parameters()).device
@@ -70,6 +73,9 @@ class _Actor:
         self.use_split_attention = use_split_attention
         self.logits_mode = logits_mode
         self.logits_chunk_size = logits_chunk_size
+        # `memory` mode: chunk size from this budget (MiB of one chunk's temporaries) unless
+        # logits_chunk_size is given; see logprobs.chunk_size_for_budget.
+        self.logits_memory_budget_mib = logits_memory_budget_mib
         if use_split_attention:
             self.varlen_backend = varlen_backend or default_backend(self.attn_implementation, self.device)
             get_backend(self.varlen_backend, self.device)  # refuses an unavailable backend now
@@ -105,10 +111,19 @@ class _Actor:
                 "would be computed wrong; this model is not supported"
             )
         lp, ent = response_logprobs(hidden, self.parts.lm_head, plan.logit_index, plan.labels, temperature,
-                                    calculate_entropy, self.logits_mode, self.logits_chunk_size)
+                                    calculate_entropy, self.logits_mode, self.logits_chunk_size,
+                                    self.logits_memory_budget_mib)
         return ActorOutput(plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan)
 
     __call__ = forward
+
+    def forward_backward(self, batch: RolloutBatch, loss_fn, max_tokens_per_micro_batch: Optional[int] = None,
+                         temperature: float = 1.0, calculate_entropy: bool = False, attention_weight: float = 0.0):
+        """Accumulate gradients over balanced micro-batches; see zorro_core.microbatch.forward_backward."""
+        from .microbatch import forward_backward
+
+        return forward_backward(self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy,
+                                attention_weight)
 
 
 def _padded_mask(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor | None:
@@ -165,7 +180,8 @@ class BaselineActor(_Actor):
         index = rows * width + p - 1 + cols
         labels = batch.responses.long().flatten()[flat]
         lp, ent = response_logprobs(hidden.reshape(b * width, -1), self.parts.lm_head, index, labels, temperature,
-                                    calculate_entropy, self.logits_mode, self.logits_chunk_size)
+                                    calculate_entropy, self.logits_mode, self.logits_chunk_size,
+                                    self.logits_memory_budget_mib)
 
         def scatter(v):
             return v.new_zeros(b * r).index_put((flat,), v).view(b, r)
