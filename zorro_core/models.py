@@ -24,11 +24,18 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "Qwen/Qwen3-14B": ("qwen3", dict(_QWEN3, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40)),
     "Qwen/Qwen3-32B": ("qwen3", dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64)),
     "meta-llama/Llama-3.1-8B": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=131072, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+    "Qwen/Qwen3-30B-A3B": ("qwen3_moe", dict(_QWEN3, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)),
+    "Qwen/Qwen3-Next-80B-A3B-Instruct": ("qwen3_next", dict(hidden_size=2048, intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=512, num_experts_per_tok=10, norm_topk_prob=True, full_attention_interval=4, partial_rotary_factor=0.25, rope_theta=1e7, vocab_size=151936, max_position_embeddings=262144, rms_norm_eps=1e-6)),
+    "mistralai/Mistral-7B-v0.1": ("mistral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=32768, sliding_window=4096)),
     "Qwen/Qwen2.5-7B": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=131072)),
     # Small shapes of the same architectures: `tiny-*` for tests, `small-*` for CPU benchmarks.
     "tiny-qwen3": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)),
     "tiny-llama": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)),
     "tiny-qwen2": ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)),
+    "tiny-qwen3-moe": ("qwen3_moe", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, vocab_size=256)),
+    "tiny-qwen3-next": ("qwen3_next", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, full_attention_interval=2, vocab_size=256)),
+    "tiny-mistral": ("mistral", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256, sliding_window=5)),
+    "tiny-qwen2-sliding": ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256, use_sliding_window=True, sliding_window=5, max_window_layers=1)),
     "small-qwen3": ("qwen3", dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=4096)),
 }
 
@@ -50,13 +57,22 @@ def preset_config(name: str, **overrides: Any):
     return _config_class(family)(**{**fields, **overrides})
 
 
-def build_model(config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0, attn_implementation: str = "sdpa") -> nn.Module:
-    """A causal LM from `config` with seeded random weights."""
+def build_model(config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0, attn_implementation: str = "sdpa", experts_implementation: Optional[str] = None) -> nn.Module:
+    """A causal LM from `config` with seeded random weights.
+
+    MoE experts default to transformers' choice, except in float64 where they run "eager"
+    (grouped_mm has no float64 kernel).
+    """
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config._attn_implementation = attn_implementation
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    extra = {}
+    if experts_implementation is None and dtype == torch.float64 and getattr(config, "num_experts", 0):
+        experts_implementation = "eager"
+    if experts_implementation is not None:
+        extra["experts_implementation"] = experts_implementation
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation, **extra)
     return model.to(device)
 
 
