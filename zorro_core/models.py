@@ -39,8 +39,18 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "small-qwen3": ("qwen3", dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=4096)),
 }
 
-# Families whose every layer goes through the attention hook, and nothing else mixes tokens.
-SUPPORTED_MODEL_TYPES = {"qwen3", "llama", "qwen2", "mistral"}
+# Families the dedup path serves: every token-mixing layer is softmax attention through the hook
+# (full or sliding window) or a gated DeltaNet layer through zorro_core.families.linear_attention;
+# everything else (MLP, MoE experts and router, norms) is token-wise.
+SUPPORTED_MODEL_TYPES = {"qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "qwen3_next"}
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+LINEAR_LAYER_TYPES = ("linear_attention",)
+# Config fields of attention features the hook does not implement (it would silently skip them).
+_UNSUPPORTED_ATTENTION_FEATURES = ("attn_logit_softcapping", "attention_chunk_size", "use_alibi", "alibi")
+
+
+class UnsupportedModelError(ValueError):
+    """The model, or a feature it uses, cannot be run by the dedup path without changing the result."""
 
 
 def _config_class(family: str):
@@ -111,6 +121,25 @@ class ModelParts:
     """The output projection."""
     num_attention_layers: int
     """Layers that must call the attention hook once per forward."""
+    num_linear_layers: int = 0
+    """Gated DeltaNet layers that must go through the linear-attention adapter once per forward."""
+    moe: bool = False
+    """Whether the model routes tokens to experts (has a router aux loss)."""
+
+
+def layer_types(config) -> list[str]:
+    """The token mixer of each layer, refusing a type the dedup path does not handle."""
+    n = config.num_hidden_layers
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
+    if len(types) != n:
+        raise UnsupportedModelError(f"config.layer_types has {len(types)} entries for {n} layers")
+    for i, t in enumerate(types):
+        if t not in ATTENTION_LAYER_TYPES + LINEAR_LAYER_TYPES:
+            raise UnsupportedModelError(
+                f"layer {i} has type {t!r}, which the dedup path does not handle "
+                f"(handled: {', '.join(ATTENTION_LAYER_TYPES + LINEAR_LAYER_TYPES)})"
+            )
+    return types
 
 
 def model_parts(model: nn.Module) -> ModelParts:
@@ -120,7 +149,7 @@ def model_parts(model: nn.Module) -> ModelParts:
         raise ValueError(f"{type(model).__name__} has no config: pass a transformers causal LM")
     mtype = getattr(config, "model_type", None)
     if mtype not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
+        raise UnsupportedModelError(
             f"model type {mtype!r} is not supported by the dedup path (supported: {sorted(SUPPORTED_MODEL_TYPES)}); "
             "its layers may mix tokens outside the attention hook"
         )
@@ -129,8 +158,31 @@ def model_parts(model: nn.Module) -> ModelParts:
     if base is None or base is model or not isinstance(lm_head, nn.Linear):
         raise ValueError(f"{type(model).__name__} is not a causal LM with a base model and a linear lm_head")
     if getattr(config, "final_logit_softcapping", None):
-        raise ValueError("final_logit_softcapping is not supported by the dedup log-prob path")
-    return ModelParts(base=base, lm_head=lm_head, num_attention_layers=config.num_hidden_layers)
+        raise UnsupportedModelError("final_logit_softcapping is not supported by the dedup log-prob path")
+    for name in _UNSUPPORTED_ATTENTION_FEATURES:
+        if getattr(config, name, None):
+            raise UnsupportedModelError(f"attention feature {name}={getattr(config, name)!r} is not implemented by the dedup attention hook")
+    types = layer_types(config)
+    from .families.moe import is_moe
+
+    return ModelParts(base=base, lm_head=lm_head,
+                      num_attention_layers=sum(t in ATTENTION_LAYER_TYPES for t in types),
+                      num_linear_layers=sum(t in LINEAR_LAYER_TYPES for t in types), moe=is_moe(config))
+
+
+def check_layers_served(parts: ModelParts, route) -> None:
+    """After a forward: every token-mixing layer went through the hook or its adapter, exactly once."""
+    served = {"attention": route.calls,
+              "linear_attention": route.adapter_calls.get("linear_attention", 0),
+              "linear_conv": route.adapter_calls.get("linear_conv", 0)}
+    expected = {"attention": parts.num_attention_layers,
+                "linear_attention": parts.num_linear_layers, "linear_conv": parts.num_linear_layers}
+    if served != expected:
+        raise RuntimeError(
+            f"the dedup hooks served {served}, expected {expected}: some layer mixes tokens without going "
+            "through the attention hook or its adapter, so the packed row would be computed wrong; "
+            "this model is not supported"
+        )
 
 
 def check_trainable_state(model: nn.Module) -> None:
@@ -138,7 +190,7 @@ def check_trainable_state(model: nn.Module) -> None:
     if model.training:
         for name, m in model.named_modules():
             if isinstance(m, nn.Dropout) and m.p > 0:
-                raise ValueError(f"dropout p={m.p} at {name} in training mode: each copy of a prompt would get its own mask; call model.eval() or set dropout to 0")
+                raise UnsupportedModelError(f"dropout p={m.p} at {name} in training mode: each copy of a prompt would get its own mask; call model.eval() or set dropout to 0")
         p = getattr(model.config, "attention_dropout", 0.0)
         if p:
-            raise ValueError(f"attention_dropout={p} in training mode is not supported by the dedup path")
+            raise UnsupportedModelError(f"attention_dropout={p} in training mode is not supported by the dedup path")
