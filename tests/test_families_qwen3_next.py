@@ -115,11 +115,13 @@ def test_unmodified_float32_kernel(tiny_models):
     assert max_rel_grad_error(grads, ref[2])[0] < 1e-3
 
 
-@pytest.mark.parametrize("what", ["zero_state", "no_conv_carry", "no_replay"])
+@pytest.mark.parametrize("what", ["zero_state", "no_conv_carry", "fork_at_prompt_end"])
 def test_carried_state_matters(tiny_models, exact_references, exact_kernel, monkeypatch, what):
-    """Dropping the carried recurrent state or the carried conv inputs fails by orders of magnitude;
-    forking at the prompt's end instead of its last chunk boundary (no tail replay) is exact in
-    float64 (same math), so it is checked to still run and to equal the reference."""
+    """Dropping the carried recurrent state or the carried conv inputs fails by orders of magnitude.
+    Forking at the prompt's end (no tail replay, a layout chunk of 1) is the same math, so in float64
+    it equals the reference too: the replay is about numerics, not correctness. (Measured in float32
+    with transformers' kernel, seeds 1-2: boundary fork equals the packed one-shot baseline bitwise,
+    fork at the prompt's end differs by 4.8e-7.)"""
     import zorro_core.families.linear_attention as la
 
     real_layout, real_conv = la.build_linear_layout, la.conv_sources
@@ -138,12 +140,12 @@ def test_carried_state_matters(tiny_models, exact_references, exact_kernel, monk
             return torch.where(cut, plan.num_tokens, src)
         monkeypatch.setattr(la, "conv_sources", conv)
     else:
-        monkeypatch.setattr(la, "build_linear_layout", lambda plan, chunk=64: real_layout(plan, 1 << 30))
+        monkeypatch.setattr(la, "build_linear_layout", lambda plan, chunk=64: real_layout(plan, 1))
     batch, w, ref = exact_references("chunks_padded")
     lp, ent, grads, _ = actor_run(DeduplicatedActor(model=tiny_models(FAMILY)), batch, 1.0, w)
     lp_err = (lp - ref[0]).abs().max().item()
     g_err = max_rel_grad_error(grads, ref[2])[0]
-    if what == "no_replay":
+    if what == "fork_at_prompt_end":
         assert lp_err < LP_ATOL and g_err < GRAD_RTOL
     else:
         assert lp_err > 1e3 * LP_ATOL or g_err > 1e3 * GRAD_RTOL, (lp_err, g_err)

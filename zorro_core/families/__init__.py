@@ -16,10 +16,10 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from .linear_attention import linear_attention_hooks
+from .linear_attention import fla_available, linear_attention_hooks
 from .moe import AUX_WEIGHTINGS, load_balancing_loss, router_aux_loss, token_multiplicity
 
-__all__ = ["AUX_WEIGHTINGS", "family_hooks", "forward_kwargs", "load_balancing_loss", "router_aux_loss",
+__all__ = ["AUX_WEIGHTINGS", "family_hooks", "family_support", "forward_kwargs", "load_balancing_loss", "router_aux_loss",
            "token_multiplicity", "wants_router_logits"]
 
 
@@ -49,3 +49,20 @@ def aux_loss_of(parts, config, outputs, plan, weighting: str) -> Optional[torch.
     if not wants_router_logits(parts, config):
         return None
     return router_aux_loss(outputs.router_logits, config, plan, weighting)
+
+
+def family_support(device: str | torch.device = "cpu") -> dict[str, str]:
+    """Each model type the dedup path serves, and how it runs on `device` (for `zorro env`)."""
+    device = torch.device(device)
+    if device.type == "cuda" and fla_available() is None:
+        linear = "flash-linear-attention varlen kernel"
+    else:
+        linear = "PyTorch fallback over a padded batch, slow (" + ("fla needs CUDA" if fla_available() is None else "fla not installed") + ")"
+    return {
+        "llama": "ok",
+        "qwen2": "ok (sliding window by absolute position)",
+        "qwen3": "ok (sliding window by absolute position)",
+        "mistral": "ok (sliding window by absolute position)",
+        "qwen3_moe": "ok (router aux loss: multiplicity weights by default)",
+        "qwen3_next": f"ok (gated DeltaNet: {linear}; MoE aux loss as qwen3_moe)",
+    }

@@ -222,6 +222,10 @@ def _dedup_conv(original, hidden_states, weight, bias=None, activation=None, **k
         raise ValueError(f"the packed row must have batch size 1, got {hidden_states.shape[0]}")
     k = weight.shape[-1]
     plan = route.plan
+    if hidden_states.shape[-1] != plan.num_tokens:
+        raise UnsupportedModelError(
+            f"the conv input has {hidden_states.shape[-1]} positions for a packed row of {plan.num_tokens}: "
+            "a conv cache is in use; the dedup path runs a full forward without cache")
     src = _cached(plan, ("linear_conv", k), lambda: conv_sources(plan, k))
     x = hidden_states[0].t()  # [T, C]
     acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
