@@ -13,7 +13,13 @@ from test_actor import check, mixed_batch
 from zorro_core import BaselineActor, DeduplicatedActor, create_dummy_batch
 from zorro_core.models import preset_config
 
-FAMILIES = ["tiny-mistral", "tiny-qwen2-sliding"]
+FAMILIES = ["tiny-mistral", "tiny-qwen2-sliding", "tiny-qwen3-sliding"]
+OVERRIDES = {"tiny-qwen3-sliding": ("tiny-qwen3", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1))}
+
+
+def model_of(tiny_models, family):
+    name, overrides = OVERRIDES.get(family, (family, {}))
+    return tiny_models(name, **overrides)
 MODES = [(True, "eager"), (True, "sdpa"), (False, "eager"), (False, "sdpa")]
 BATCHES = {
     "mixed": mixed_batch,
@@ -25,6 +31,8 @@ BATCHES = {
 def test_tiny_presets_have_a_window_shorter_than_the_prompts():
     assert preset_config("tiny-mistral").sliding_window == 5
     cfg = preset_config("tiny-qwen2-sliding")
+    assert cfg.sliding_window == 5 and cfg.layer_types == ["full_attention", "sliding_attention"]
+    cfg = preset_config("tiny-qwen3", **OVERRIDES["tiny-qwen3-sliding"][1])
     assert cfg.sliding_window == 5 and cfg.layer_types == ["full_attention", "sliding_attention"]
 
 
@@ -46,7 +54,7 @@ def references(tiny_models):
         if (family, batch_name) not in cache:
             batch = BATCHES[batch_name]()
             w = token_weights(batch, seed=3)
-            cache[family, batch_name] = (batch, w, per_sequence(tiny_models(family), batch, 0.9, w))
+            cache[family, batch_name] = (batch, w, per_sequence(model_of(tiny_models, family), batch, 0.9, w))
         return cache[family, batch_name]
 
     return get
@@ -57,7 +65,7 @@ def references(tiny_models):
 @pytest.mark.parametrize("batch_name", list(BATCHES))
 def test_sliding_window_dedup_matches_per_sequence(tiny_models, references, family, split, attn, batch_name):
     batch, w, ref = references(family, batch_name)
-    actor = DeduplicatedActor(model=tiny_models(family), use_split_attention=split, attn_implementation=attn)
+    actor = DeduplicatedActor(model=model_of(tiny_models, family), use_split_attention=split, attn_implementation=attn)
     out = check(actor, batch, w, ref, 0.9)
     assert out.plan.num_groups < batch.batch_size
 
@@ -65,7 +73,7 @@ def test_sliding_window_dedup_matches_per_sequence(tiny_models, references, fami
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sliding_window_packed_baseline(tiny_models, references, family):
     batch, w, ref = references(family, "mixed")
-    check(BaselineActor(model=tiny_models(family)), batch, w, ref, 0.9)
+    check(BaselineActor(model=model_of(tiny_models, family)), batch, w, ref, 0.9)
 
 
 @pytest.mark.parametrize("window", [1, 4, 6, 7, 8])

@@ -37,6 +37,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-mistral": ("mistral", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256, sliding_window=5)),
     "tiny-qwen2-sliding": ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256, use_sliding_window=True, sliding_window=5, max_window_layers=1)),
     "small-qwen3": ("qwen3", dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=4096)),
+    "small-qwen3-moe": ("qwen3_moe", dict(hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, vocab_size=4096)),
+    "small-qwen3-next": ("qwen3_next", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8, moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, full_attention_interval=4, vocab_size=4096)),
 }
 
 # Families the dedup path serves: every token-mixing layer is softmax attention through the hook

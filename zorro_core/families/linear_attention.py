@@ -7,9 +7,9 @@ exactly those two functions of the layer's module for the duration of a zorro fo
 layer passes its forward kwargs, hence the route, to both); everything else in the layer
 (projections, gates, norms) is token-wise and runs untouched.
 
-- Convolution: each packed token gathers its own K-1 predecessors of its sequence, i.e. for the
-  first K-1 tokens of a response, the last pre-conv inputs of its prompt (zeros before a
-  sequence's start). Computed once per packed token: prompt tokens are not repeated.
+- Convolution: the model's own conv over the packed row, then the first K-1 tokens of each
+  packed segment recomputed over their own sequence's window: for a response, the prompt's last
+  K-1 pre-conv inputs; for a prompt, zeros before its start. Prompt tokens are never repeated.
 - Delta rule, two varlen calls, the chunk partition of every sequence kept as in a one-shot run:
   head:   each shared prompt up to its last chunk boundary c = floor(P / chunk) * chunk, from a
           zero state, returning its final state; the whole sequence of a one-member group.
@@ -226,18 +226,33 @@ def _dedup_conv(original, hidden_states, weight, bias=None, activation=None, **k
         raise UnsupportedModelError(
             f"the conv input has {hidden_states.shape[-1]} positions for a packed row of {plan.num_tokens}: "
             "a conv cache is in use; the dedup path runs a full forward without cache")
-    src = _cached(plan, ("linear_conv", k), lambda: conv_sources(plan, k))
-    x = hidden_states[0].t()  # [T, C]
-    acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    xz = torch.cat([x, x.new_zeros(1, x.shape[1])]).to(acc)
-    out = torch.einsum("tkc,ck->tc", xz[src], weight.to(acc))
-    if bias is not None:
-        out = out + bias.to(acc)
-    out = out.to(weight.dtype)
-    if activation is not None:
-        out = ACT2FN[activation](out)
+    src, fix = _cached(plan, ("linear_conv", k), lambda: _conv_fixes(plan, k))
+    # The model's own conv over the packed row is right wherever a token's window lies inside its
+    # own packed segment; only the first K-1 tokens of a segment see the wrong neighbours.
+    out = original(hidden_states, weight, bias, activation=activation, **kwargs)
+    if fix.numel():
+        x = hidden_states[0].t()  # [T, C]
+        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        xz = torch.cat([x, x.new_zeros(1, x.shape[1])]).to(acc)
+        rows = torch.einsum("nkc,ck->nc", xz[src[fix]], weight.to(acc))
+        if bias is not None:
+            rows = rows + bias.to(acc)
+        rows = rows.to(weight.dtype)
+        if activation is not None:
+            rows = ACT2FN[activation](rows)
+        out = out[0].t().index_copy(0, fix, rows.to(out.dtype)).t()[None]
     route.adapter_calls["linear_conv"] = route.adapter_calls.get("linear_conv", 0) + 1
-    return out.to(hidden_states.dtype).t()[None]
+    return out
+
+
+def _conv_fixes(plan: DedupPlan, kernel_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """conv_sources, and the packed positions whose sources differ from the packed row's own window."""
+    src = conv_sources(plan, kernel_size)
+    t = plan.num_tokens
+    tok = torch.arange(t, device=src.device)[:, None]
+    natural = tok - torch.arange(kernel_size - 1, -1, -1, device=src.device)[None, :]
+    natural = torch.where(natural >= 0, natural, t)
+    return src, (src != natural).any(1).nonzero().flatten()
 
 
 def linear_layers(model: nn.Module) -> list[nn.Module]:
