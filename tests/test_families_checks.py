@@ -124,3 +124,11 @@ def test_family_support_lists_every_supported_type():
     support = family_support("cpu")
     assert set(support) == SUPPORTED_MODEL_TYPES
     assert "PyTorch fallback" in support["qwen3_next"] or "flash-linear-attention" in support["qwen3_next"]
+
+
+def test_gradient_checkpointing_in_training_mode():
+    model = fresh()
+    model.gradient_checkpointing_enable()
+    model.train()
+    with pytest.raises(UnsupportedModelError, match="gradient checkpointing"):
+        DeduplicatedActor(model=model).forward(mixed_batch())

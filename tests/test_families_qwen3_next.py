@@ -38,6 +38,7 @@ def chunk_batch() -> RolloutBatch:
 
 BATCHES = {
     "chunks_padded": chunk_batch,
+    "all_short_shared": lambda: create_dummy_batch(batch_size=4, num_unique_prompts=2, prompt_len=20, response_len=8, vocab_size=256, vary_lengths=True, seed=6),
     "unpadded": lambda: create_dummy_batch(batch_size=3, num_unique_prompts=1, prompt_len=70, response_len=10, vocab_size=256, seed=5),
 }
 MODES = [(True, "eager"), (True, "sdpa"), (False, "eager")]
@@ -197,3 +198,10 @@ def test_fla_varlen_matches_baseline_on_gpu():
     d = DeduplicatedActor(model=model).forward(batch).log_probs
     b = BaselineActor(model=model).forward(batch).log_probs
     assert (d - b).abs().max().item() < 1e-4
+
+
+def test_layout_all_prompts_shorter_than_a_chunk():
+    plan = build_dedup_plan(BATCHES["all_short_shared"]())
+    lay = build_linear_layout(plan)
+    assert lay.head.index.numel() == 0 and torch.all(lay.branch_state == 0)  # every branch starts from zeros
+    assert lay.branch.cu.numel() - 1 == plan.batch_size

@@ -196,3 +196,8 @@ def check_trainable_state(model: nn.Module) -> None:
         p = getattr(model.config, "attention_dropout", 0.0)
         if p:
             raise UnsupportedModelError(f"attention_dropout={p} in training mode is not supported by the dedup path")
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+            # The recompute runs in backward, after the actor's forward has switched the attention
+            # implementation back and removed its adapters: it would not be the forward it replaces.
+            raise UnsupportedModelError("gradient checkpointing in training mode is not supported by the dedup path "
+                                        "(layers are recomputed outside its hooks); disable it or call model.eval()")

@@ -27,6 +27,7 @@ layer passes its forward kwargs, hence the route, to both); everything else in t
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -155,6 +156,7 @@ def _cached(plan: DedupPlan, key: tuple, build):
     return cache[key]
 
 
+@functools.lru_cache(maxsize=None)
 def fla_available() -> Optional[str]:
     """None when flash-linear-attention's gated delta rule is importable, else why not."""
     try:
