@@ -71,9 +71,11 @@ def test_sliding_window_dedup_matches_per_sequence(tiny_models, references, fami
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_sliding_window_packed_baseline(tiny_models, references, family):
+@pytest.mark.parametrize("padded,attn", [(False, "eager"), (True, "eager"), (True, "sdpa")])
+def test_sliding_window_baselines(tiny_models, references, family, padded, attn):
+    """Packed and padded baselines; the padded one builds its own 4D mask, which must carry the window."""
     batch, w, ref = references(family, "mixed")
-    check(BaselineActor(model=model_of(tiny_models, family)), batch, w, ref, 0.9)
+    check(BaselineActor(model=model_of(tiny_models, family), padded=padded, attn_implementation=attn), batch, w, ref, 0.9)
 
 
 @pytest.mark.parametrize("window", [1, 4, 6, 7, 8])

@@ -16,6 +16,7 @@ from torch import nn
 from .attention import ZORRO_ATTENTION, Route, attention_implementation
 from .batch import RolloutBatch
 from .families import AUX_WEIGHTINGS, aux_loss_of, family_hooks, forward_kwargs, load_balancing_loss
+from .families.sliding import custom_masks
 from .logprobs import LOGITS_MODES, response_logprobs
 from .models import UnsupportedModelError, check_layers_served, check_trainable_state, load_model, model_parts
 from .plan import DedupPlan, build_dedup_plan
@@ -118,7 +119,7 @@ class _Actor:
     __call__ = forward
 
 
-def _padded_mask(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor | None:
+def _padded_mask(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype, window: Optional[int] = None) -> torch.Tensor | None:
     """[B, 1, L, L] causal + key-padding mask in which a padding query sees itself.
 
     transformers' own eager mask leaves padding queries with no key at all; in float64 that
@@ -130,6 +131,8 @@ def _padded_mask(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtyp
     length = mask.shape[1]
     i = torch.arange(length, device=mask.device)
     allowed = (i[None, :] <= i[:, None])[None] & real[:, None, :]
+    if window is not None:  # real tokens sit in contiguous columns, so column distance is position distance
+        allowed = allowed & (i[:, None] - i[None, :] < window)[None]
     allowed = allowed | (torch.eye(length, dtype=torch.bool, device=mask.device)[None] & ~real[:, :, None])
     if attn_implementation == "sdpa":
         return allowed[:, None]
@@ -164,7 +167,11 @@ class BaselineActor(_Actor):
         mask = torch.cat([batch.prompt_mask, batch.response_mask], 1).long()
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         with attention_implementation(self.model, self.attn_implementation):
-            outputs = self.parts.base(input_ids=ids, attention_mask=_padded_mask(mask, self.attn_implementation, self.model.dtype),
+            if self.attn_implementation in ("eager", "sdpa"):
+                attention_mask = custom_masks(self.model.config, lambda w: _padded_mask(mask, self.attn_implementation, self.model.dtype, w))
+            else:
+                attention_mask = mask
+            outputs = self.parts.base(input_ids=ids, attention_mask=attention_mask,
                                       position_ids=pos, use_cache=False, **forward_kwargs(self.parts, self.model.config))
         hidden = outputs.last_hidden_state
         aux = None

@@ -4,8 +4,9 @@
   multiplicity weights so that it equals the baseline's.
 - `linear_attention`: Qwen3-Next's gated DeltaNet layers: recurrent state and conv window carried
   from each prompt into its responses, chunk partition kept.
-Sliding-window attention (Mistral, Qwen2/Qwen3 `use_sliding_window`) needs no adapter: the
-attention hook receives the layer's `sliding_window` and applies it by absolute position.
+- `sliding`: sliding-window attention (Mistral, Qwen2/Qwen3 `use_sliding_window`) needs no
+  adapter in the dedup path (the hook applies each layer's window by absolute position); it
+  builds the per-layer-type 4D masks of the padded baseline.
 """
 
 from __future__ import annotations
