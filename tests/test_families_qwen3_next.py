@@ -221,3 +221,20 @@ def test_layout_all_prompts_shorter_than_a_chunk():
     lay = build_linear_layout(plan)
     assert lay.head.index.numel() == 0 and torch.all(lay.branch_state == 0)  # every branch starts from zeros
     assert lay.branch.cu.numel() - 1 == plan.batch_size
+
+
+def test_hooks_are_removed_after_the_forward(tiny_models):
+    """The adapter patches the layer module's conv and delta-rule functions only inside the actor's
+    forward, and restores them even when the forward fails."""
+    conv, delta = qwen3_next.causal_conv1d_fn, qwen3_next.torch_chunk_gated_delta_rule
+    model = tiny_models(FAMILY)
+    DeduplicatedActor(model=model).forward(chunk_batch())
+    assert qwen3_next.causal_conv1d_fn is conv and qwen3_next.torch_chunk_gated_delta_rule is delta
+    from zorro_core.families import family_hooks
+    from zorro_core.models import model_parts
+
+    with pytest.raises(RuntimeError, match="fails inside"):
+        with family_hooks(model, model_parts(model)):
+            assert qwen3_next.causal_conv1d_fn is not conv
+            raise RuntimeError("fails inside the hooks")
+    assert qwen3_next.causal_conv1d_fn is conv and qwen3_next.torch_chunk_gated_delta_rule is delta
