@@ -36,8 +36,16 @@ def chunk_batch() -> RolloutBatch:
     return RolloutBatch.from_lists(prompts, responses)
 
 
+def boundary_batch() -> RolloutBatch:
+    """Prompts one token either side of the first two chunk boundaries, each shared by two rows."""
+    gen = torch.Generator().manual_seed(1)
+    ps = [_tokens(n, gen) for n in (63, 65, 127, 129)]
+    return RolloutBatch.from_lists(ps + ps[::-1], [_tokens(n, gen) for n in (2, 64, 1, 7, 3, 62, 66, 1)])
+
+
 BATCHES = {
     "chunks_padded": chunk_batch,
+    "boundaries": boundary_batch,
     "all_short_shared": lambda: create_dummy_batch(batch_size=4, num_unique_prompts=2, prompt_len=20, response_len=8, vocab_size=256, vary_lengths=True, seed=6),
     "unpadded": lambda: create_dummy_batch(batch_size=3, num_unique_prompts=1, prompt_len=70, response_len=10, vocab_size=256, seed=5),
 }
