@@ -15,6 +15,7 @@ def environment() -> dict:
     import torch
     import transformers
 
+    from zorro_core.families import family_support
     from zorro_core.models import SUPPORTED_MODEL_TYPES
     from zorro_core.varlen import BACKENDS, backend_unavailable
 
@@ -31,6 +32,7 @@ def environment() -> dict:
         "device": device,
         "varlen_backends": {n: backend_unavailable(n, device) or "ok" for n in BACKENDS},
         "model_types": sorted(SUPPORTED_MODEL_TYPES),
+        "model_families": family_support(device),
     }
     for pkg in ("flash_attn", "liger_kernel", "fla", "peft"):
         try:
@@ -54,6 +56,9 @@ def env(as_json: bool = typer.Option(False, "--json", help="Print JSON instead o
         if k == "varlen_backends":
             for name, why in v.items():
                 table.add_row(f"varlen backend {name}", "[green]ok[/]" if why == "ok" else f"[yellow]unavailable[/]: {why}")
+        elif k == "model_families":
+            for name, how in v.items():
+                table.add_row(f"family {name}", how)
         else:
             table.add_row(k, str(v))
     console.print(table)

@@ -43,6 +43,8 @@ class Route:
     """"eager" or "sdpa", mask mode."""
     calls: int = 0
     """Attention layers served so far in this forward."""
+    adapter_calls: dict = field(default_factory=dict)
+    """Calls served by the family adapters (e.g. "linear_attention"), by kind."""
     _masks: dict = field(default_factory=dict, repr=False)
 
     def block_mask(self, kind: str, dtype: torch.dtype, window: Optional[int]) -> torch.Tensor:
@@ -86,6 +88,24 @@ def _model_eager(module: nn.Module):
     return fn
 
 
+# Attention kwargs of features this hook does not implement: refused rather than ignored.
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+
+
+def check_attention_call(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> None:
+    """Refuse an attention call the hook would compute wrong: a KV cache, or a feature it skips."""
+    from .models import UnsupportedModelError
+
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise UnsupportedModelError(f"attention feature {name!r} is not implemented by the dedup attention hook")
+    if key.shape[-2] != query.shape[-2]:
+        raise UnsupportedModelError(
+            f"keys ({key.shape[-2]}) outnumber queries ({query.shape[-2]}): a KV cache is in use; "
+            "the dedup path runs a full forward without cache"
+        )
+
+
 def zorro_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -104,6 +124,7 @@ def zorro_attention(
         raise ValueError(f"attention dropout {dropout} is not supported by the dedup path (it would differ per copy)")
     if query.shape[0] != 1:
         raise ValueError(f"the packed row must have batch size 1, got {query.shape[0]}")
+    check_attention_call(query, key, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     route.calls += 1
     if route.mode == "mask":
