@@ -89,9 +89,15 @@ class _Actor:
             self.varlen_backend = varlen_backend or default_backend(self.attn_implementation, self.device)
             get_backend(self.varlen_backend, self.device)  # refuses an unavailable backend now
         else:
-            if self.attn_implementation not in ("eager", "sdpa"):
+            if self.attn_implementation == "flex_attention":
+                from .flex import flex_unavailable
+
+                why = flex_unavailable(self.device)
+                if why:
+                    raise ValueError(f"mask mode with flex_attention: {why}")
+            elif self.attn_implementation not in ("eager", "sdpa"):
                 raise ValueError(
-                    f"mask mode (use_split_attention=False) runs eager or sdpa, not {self.attn_implementation!r}"
+                    f"mask mode (use_split_attention=False) runs eager, sdpa or flex_attention, not {self.attn_implementation!r}"
                 )
             self.varlen_backend = None
 

@@ -40,7 +40,7 @@ class Route:
     backend: str = "reference"
     """Varlen backend name (zorro_core.varlen.BACKENDS), split mode."""
     inner: str = "sdpa"
-    """"eager" or "sdpa", mask mode."""
+    """"eager", "sdpa" or "flex_attention", mask mode."""
     calls: int = 0
     """Attention layers served so far in this forward."""
     adapter_calls: dict = field(default_factory=dict)
@@ -50,10 +50,15 @@ class Route:
     def block_mask(self, kind: str, dtype: torch.dtype, window: Optional[int]) -> torch.Tensor:
         key = (kind, dtype, window)
         if key not in self._masks:
-            allowed = self.plan.attention_mask()
-            if window is not None:
+            allowed = self.plan.attention_mask() if kind != "flex_attention" else None
+            if allowed is not None and window is not None:
                 pos = self.plan.position_ids
                 allowed = allowed & (pos[:, None] - pos[None, :] < window)
+            if kind == "flex_attention":
+                from .flex import block_mask
+
+                self._masks[key] = block_mask(self.plan, window)
+                return self._masks[key]
             if kind == "eager":
                 m = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
                 m = m.masked_fill(~allowed, torch.finfo(dtype).min)
@@ -129,6 +134,10 @@ def zorro_attention(
     route.calls += 1
     if route.mode == "mask":
         mask = route.block_mask(route.inner, query.dtype, sliding_window)
+        if route.inner == "flex_attention":
+            from .flex import flex_packed_attention
+
+            return flex_packed_attention(query, key, value, mask, scale), None
         fn = _model_eager(module) if route.inner == "eager" else sdpa_attention_forward
         extra = {"is_causal": False} if route.inner == "sdpa" else {}
         out, _ = fn(module, query, key, value, mask, scaling=scale, dropout=0.0, **extra)
