@@ -34,6 +34,7 @@ def environment() -> dict:
         "model_types": sorted(SUPPORTED_MODEL_TYPES),
         "model_families": family_support(device),
     }
+    info.update(stack_support(device))
     for pkg in ("flash_attn", "liger_kernel", "fla", "peft"):
         try:
             mod = __import__(pkg)
@@ -41,6 +42,26 @@ def environment() -> dict:
         except Exception:
             info[pkg] = None
     return info
+
+
+def stack_support(device: str) -> dict:
+    """The precision policy, the "auto" attention choice, and Liger/LoRA/QLoRA, on this machine."""
+    from zorro_core.auto import choose_attention
+    from zorro_core.liger import liger_unavailable
+    from zorro_core.lora import LoraSettings, lora_unavailable
+    from zorro_core.precision import precision_policy
+
+    policy = precision_policy(device)
+    choice = choose_attention(device, policy.compute_dtype, None)
+    scaling = "dynamic loss scaling" if policy.loss_scaling else "no loss scaling"
+    return {
+        "precision": f"{str(policy.compute_dtype).removeprefix('torch.')} compute, {scaling}, "
+                     f"float32 weights/grads/optimizer state ({policy.reason})",
+        "attn auto": f"{choice.implementation} ({choice.reason})",
+        "liger": liger_unavailable("qwen3", device) or "ok",
+        "lora": lora_unavailable(None, device) or "ok",
+        "qlora": lora_unavailable(LoraSettings(quantize_base="nf4"), device) or "ok",
+    }
 
 
 def env(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:

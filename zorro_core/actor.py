@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .attention import ZORRO_ATTENTION, Route, attention_implementation
+from .auto import AUTO, AttentionChoice, choose_attention
 from .batch import RolloutBatch
 from .families import AUX_WEIGHTINGS, aux_loss_of, family_hooks, forward_kwargs, load_balancing_loss
 from .families.sliding import custom_masks
@@ -56,6 +57,7 @@ class _Actor:
         logits_chunk_size: Optional[int] = None,
         logits_memory_budget_mib: Optional[float] = None,
         router_aux_weighting: str = "multiplicity",
+        max_seq_len: Optional[int] = None,
     ) -> None:
         if (model is None) == (model_name_or_path is None):
             raise ValueError("pass exactly one of model= or model_name_or_path=")
@@ -63,6 +65,16 @@ class _Actor:
             if dtype not in _DTYPES:
                 raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
             dtype = _DTYPES[dtype]
+        # attn_implementation="auto": resolved here (zorro_core.auto) from the device, the compute
+        # dtype and max_seq_len (longest prompt + response; None: assumed long); actor.attn_choice
+        # records what was chosen and why.
+        auto_choice = None
+        if attn_implementation == AUTO:
+            ref = next((p for p in model.parameters() if p.is_floating_point()), None) if model is not None else None
+            auto_choice = choose_attention(device if device is not None else (ref.device if ref is not None else "cpu"),
+                                           dtype or (ref.dtype if ref is not None else torch.float32),
+                                           max_seq_len, use_split_attention)
+            attn_implementation = auto_choice.implementation
         if model is None:
             model = load_model(model_name_or_path, device=device or "cpu", dtype=dtype or torch.float32,
                                attn_implementation=attn_implementation or "sdpa")
@@ -79,6 +91,8 @@ class _Actor:
         self.parts = model_parts(model)
         self.device = next(model.parameters()).device
         self.attn_implementation = attn_implementation or model.config._attn_implementation or "sdpa"
+        self.attn_choice = auto_choice or AttentionChoice(
+            self.attn_implementation, "requested explicitly" if attn_implementation else "the model's own attention implementation")
         self.use_split_attention = use_split_attention
         self.logits_mode = logits_mode
         self.logits_chunk_size = logits_chunk_size

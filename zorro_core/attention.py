@@ -130,6 +130,12 @@ def zorro_attention(
     if query.shape[0] != 1:
         raise ValueError(f"the packed row must have batch size 1, got {query.shape[0]}")
     check_attention_call(query, key, kwargs)
+    dev = query.device.type
+    if torch.is_autocast_enabled(dev):
+        # Under autocast q/k can leave a float32-weighted q_norm/k_norm in float32 while v is in
+        # the autocast dtype; autocast casts SDPA's inputs to its dtype, and so does the hook (the
+        # varlen kernels and the CPU flash op are not autocast-aware and refuse mixed dtypes).
+        query, key, value = (x.to(torch.get_autocast_dtype(dev)) for x in (query, key, value))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     route.calls += 1
     if route.mode == "mask":

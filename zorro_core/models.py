@@ -145,7 +145,14 @@ def layer_types(config) -> list[str]:
 
 
 def model_parts(model: nn.Module) -> ModelParts:
-    """Split a causal LM into base and lm_head, refusing what the dedup path cannot serve."""
+    """Split a causal LM into base and lm_head, refusing what the dedup path cannot serve.
+
+    A peft-wrapped model (LoRA/QLoRA) is unwrapped to its causal LM; the adapter layers sit
+    inside its decoder, so they stay in the graph (zorro_core.lora).
+    """
+    from .lora import unwrap_adapters
+
+    model = unwrap_adapters(model)
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError(f"{type(model).__name__} has no config: pass a transformers causal LM")
@@ -157,6 +164,9 @@ def model_parts(model: nn.Module) -> ModelParts:
         )
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(lm_head).__module__.startswith("peft."):
+        raise UnsupportedModelError(f"lm_head is wrapped by peft ({type(lm_head).__name__}): an adapter on lm_head is not "
+                                    "supported by the dedup log-prob path; target the decoder's projections only")
     if base is None or base is model or not isinstance(lm_head, nn.Linear):
         raise ValueError(f"{type(model).__name__} is not a causal LM with a base model and a linear lm_head")
     if getattr(config, "final_logit_softcapping", None):
