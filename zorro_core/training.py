@@ -24,7 +24,7 @@ from .actor import BaselineActor, DeduplicatedActor
 from .batch import RolloutBatch
 from .plan import group_rows
 from .reference import sequence_forward
-from .verify import DTYPES, FACTOR, LAYOUTS, VerifyCase, case_unavailable, inject_bug, verify_batch
+from .verify import DTYPES, FACTOR, LAYOUTS, VerifyCase, build_verify_model, case_unavailable, inject_bug, verify_batch
 
 # AdamW divides each gradient entry by its running RMS, so an entry whose gradient is near zero
 # turns float noise into a full-size step: the baseline's own float64 drift from ref64 is
@@ -207,9 +207,7 @@ class _Run:
 
 
 def _train(cfg: TrainConfig, device: str, factor: float, bug: Optional[str], result: TrainingResult, on_step) -> None:
-    from .models import build_model, preset_config
-
-    base32 = build_model(preset_config(cfg.model), dtype=torch.float32, device=device, seed=cfg.seed, attn_implementation="eager")
+    base32 = build_verify_model(cfg.model, device, cfg.seed)
     m_base = base32.to(DTYPES[cfg.dtype])
     m_dedup = copy.deepcopy(m_base)
     m_ref = copy.deepcopy(m_base).to(torch.float64)  # the same (possibly bf16-rounded) weights

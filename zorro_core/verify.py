@@ -15,7 +15,7 @@ import copy
 import itertools
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
@@ -202,6 +202,16 @@ def case_unavailable(case: VerifyCase, device: str) -> Optional[str]:
     return None
 
 
+def build_verify_model(name: str, device: str = "cpu", seed: int = 0) -> nn.Module:
+    """Preset `name` in float32 with seeded weights, ready to cast to any dtype.
+
+    MoE experts run the eager loop: grouped_mm has no float64 on CPU, and the reference must
+    run in float64 (the option is ignored by dense configs).
+    """
+    return build_model(preset_config(name, experts_implementation="eager"), dtype=torch.float32, device=device,
+                       seed=seed, attn_implementation="eager")
+
+
 # ---------------------------------------------------------------- deliberate bugs
 
 def _wrong_prompt(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
@@ -277,12 +287,6 @@ def inject_bug(name: Optional[str]) -> Iterator[dict]:
 
 # ---------------------------------------------------------------- running cases
 
-@dataclass
-class _Weights:
-    models: dict = field(default_factory=dict)
-    refs: dict = field(default_factory=dict)
-
-
 class Verifier:
     """Runs cases, building each model's weights and each reference once."""
 
@@ -291,32 +295,32 @@ class Verifier:
         self.seed = seed
         self.factor = factor
         self.bug = bug
-        self._cache = _Weights()
+        self._models: dict[tuple[str, str], nn.Module] = {}
+        self._refs: dict[tuple[str, str, str], tuple] = {}
 
     def model(self, name: str, dtype: str) -> nn.Module:
         """Weights are drawn once in float32 and cast, so every dtype holds the same model."""
         key = (name, dtype)
-        if key not in self._cache.models:
-            if (name, "float32") not in self._cache.models:
-                m = build_model(preset_config(name), dtype=torch.float32, device=self.device, seed=self.seed,
-                                attn_implementation="eager")
-                self._cache.models[(name, "float32")] = m
-            base = self._cache.models[(name, "float32")]
-            self._cache.models[key] = copy.deepcopy(base).to(DTYPES[dtype])
-        return self._cache.models[key]
+        if key not in self._models:
+            if (name, "float32") not in self._models:
+                m = build_verify_model(name, self.device, self.seed)
+                self._models[(name, "float32")] = m
+            base = self._models[(name, "float32")]
+            self._models[key] = copy.deepcopy(base).to(DTYPES[dtype])
+        return self._models[key]
 
     def reference(self, name: str, dtype: str, layout: str):
         """(batch, loss weights, ref64 results) on the float64 copy of the case's weights."""
         weights_of = "bfloat16" if dtype == "bfloat16" else "float32"
         key = (name, weights_of, layout)
-        if key not in self._cache.refs:
+        if key not in self._refs:
             m64 = copy.deepcopy(self.model(name, weights_of)).to(torch.float64)
             m64.config._attn_implementation = "eager"
             batch = verify_batch(layout, m64.config.vocab_size, seed=self.seed + 1).to(self.device)
             w = token_weights(batch, seed=self.seed + 2)
-            self._cache.refs[key] = (batch, w, per_sequence(m64, batch, TEMPERATURE, w))
+            self._refs[key] = (batch, w, per_sequence(m64, batch, TEMPERATURE, w))
             del m64
-        return self._cache.refs[key]
+        return self._refs[key]
 
     def errors(self, actor, batch, w, ref) -> tuple[Errors, torch.Tensor]:
         lp, ent, grads, _ = actor_run(actor, batch, TEMPERATURE, w)
