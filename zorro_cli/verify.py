@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from zorro_core.logprobs import LOGITS_MODES
-from zorro_core.training import TRAIN_RULE
+from zorro_core.training import TRAIN_FACTOR, TRAIN_RULE
 from zorro_core.verify import ATTNS, BUGS, DTYPES, FACTOR, LAYOUTS, MODES, RULE
 
 # Column notes printed under the gradients table.
@@ -177,7 +177,7 @@ def training(
     logits_mode: str = typer.Option("compute", "--logits-mode", help=f"Log-prob mode ({', '.join(LOGITS_MODES)})."),
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
-    factor: float = typer.Option(FACTOR, "--factor", help="Allowance: dedup drift <= factor x baseline drift + floor."),
+    factor: float = typer.Option(TRAIN_FACTOR, "--factor", help="Allowance: dedup drift <= factor x baseline drift + floor."),
     seed: int = typer.Option(0, "--seed", help="Seeds weights, batches and rewards."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     inject_bug: Optional[str] = typer.Option(None, "--inject-bug", hidden=True, help=_BUG_HELP),
@@ -234,6 +234,6 @@ def training(
         if r.status in ("fail", "error"):
             console.print(f"  {_STYLE[r.status]} {r.config.model}/{r.config.dtype}: {r.reason}")
     console.print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['error']} errors, {counts['skip']} skipped "
-                  f"in {seconds:.0f} s. drift = max over parameters of |theta - theta_ref64| / |theta_ref64 - theta_0|; "
+                  f"in {seconds:.0f} s. drift = |theta - theta_ref64| / |theta_ref64 - theta_0| over all parameters; "
                   "rule: `zorro verify training --help`.")
     raise typer.Exit(0 if ok else 1)

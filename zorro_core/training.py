@@ -5,8 +5,8 @@ Three runs start from the same weights and see the same batches, rewards and old
 - baseline: BaselineActor (same backend, no dedup) in the case's dtype;
 - dedup:    DeduplicatedActor in the case's dtype.
 After every step each run's parameters are compared with ref64's, relative to how far ref64 has
-moved that parameter from the start: drift = max over parameters of
-||theta - theta_ref|| / ||theta_ref - theta_0||. The pass rule is TRAIN_RULE.
+moved the model from the start: drift = ||theta - theta_ref|| / ||theta_ref - theta_0|| over all
+parameters. The pass rule is TRAIN_RULE.
 """
 
 from __future__ import annotations
@@ -24,22 +24,25 @@ from .actor import BaselineActor, DeduplicatedActor
 from .batch import RolloutBatch
 from .plan import group_rows
 from .reference import sequence_forward
-from .verify import DTYPES, FACTOR, LAYOUTS, VerifyCase, build_verify_model, case_unavailable, inject_bug, verify_batch
+from .verify import DTYPES, LAYOUTS, VerifyCase, build_verify_model, case_unavailable, inject_bug, verify_batch
 
 # AdamW divides each gradient entry by its running RMS, so an entry whose gradient is near zero
-# turns float noise into a full-size step: the baseline's own float64 drift from ref64 is
-# ~1e-5..7e-5 after a few steps on the tiny presets, while a wrong plan drifts by ~0.5..1.
+# turns float noise into a full-size step. Measured on the tiny presets (3 steps, seeds 0-3, split
+# and mask, 120 runs per dtype): float64 drift <= 2e-5 with dedup and baseline alike; bfloat16
+# drift ~0.1, dedup/baseline ratio <= 1.03; float32 ratio <= 1.08; a wrong plan drifts by
+# 0.29..0.84 (>= 3.0x the baseline in bfloat16, >= 900x in float32).
 TRAIN_FLOOR = 1e-4
+TRAIN_FACTOR = 2.0
 
 TRAIN_RULE = (
     "Pass rule (training): ref64 trains the same initial weights on the same batches in float64, "
     "one sequence at a time; 16-bit runs keep float32 master weights, as mixed-precision trainers "
-    "do. After every step, drift(run) = max over parameters of "
-    "||theta_run - theta_ref64|| / ||theta_ref64 - theta_0|| (error relative to how far training "
-    f"moved that parameter). dedup passes a step when drift(dedup) <= {FACTOR:g} x drift(baseline) "
-    f"+ {TRAIN_FLOOR:g}: the baseline's drift is the noise of this dtype and of AdamW, which turns "
-    "near-zero gradient noise into full steps; the floor covers float64, where that noise is "
-    "~1e-5..7e-5 and a wrong plan drifts by ~0.5."
+    "do. After every step, drift(run) = ||theta_run - theta_ref64|| / ||theta_ref64 - theta_0|| over "
+    "all parameters (the error relative to how far training moved the model). dedup passes a step "
+    f"when drift(dedup) <= {TRAIN_FACTOR:g} x drift(baseline) + {TRAIN_FLOOR:g}. The baseline's drift is the "
+    "noise of the dtype amplified by AdamW (which turns near-zero gradient noise into full steps): "
+    "~1e-5 in float64, ~1e-1 in bfloat16, where dedup's drift measures within 3% of it and a wrong "
+    "plan's is >= 3x it."
 )
 
 
@@ -90,9 +93,9 @@ class StepResult:
     drift_baseline: float
     drift_dedup: float
     dedup_vs_baseline: float
-    """max over parameters of ||theta_dedup - theta_baseline|| / ||theta_baseline - theta_0||."""
+    """||theta_dedup - theta_baseline|| / ||theta_baseline - theta_0|| over all parameters."""
     worst_param: str
-    """Parameter where dedup drifts most."""
+    """The parameter where dedup is furthest from ref64."""
     tolerance: float
     passed: bool
 
@@ -144,19 +147,15 @@ def grpo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: 
 
 
 def _drift(params: dict, ref: dict, start: dict) -> tuple[float, str]:
-    worst, name = 0.0, ""
-    for n, p_ref in ref.items():
-        moved = (p_ref - start[n]).norm().item()
-        diff = (params[n].detach().double() - p_ref).norm().item()
-        d = diff / moved if moved > 0 else diff
-        if not d <= worst:  # nan counts as worst
-            worst, name = d, n
-            if math.isnan(d):
-                break
-    return worst, name
+    """(||params - ref|| / ||ref - start|| over all parameters, the parameter furthest from ref)."""
+    diffs = {n: (params[n] - p_ref).norm().item() for n, p_ref in ref.items()}
+    moved = math.sqrt(sum((p_ref - start[n]).norm().item() ** 2 for n, p_ref in ref.items()))
+    diff = math.sqrt(sum(d * d for d in diffs.values()))
+    worst = max(diffs, key=lambda n: (math.isnan(diffs[n]), diffs[n]))
+    return (diff / moved if moved > 0 else diff), worst
 
 
-def verify_training(cfg: TrainConfig, device: str = "cpu", factor: float = FACTOR, bug: Optional[str] = None,
+def verify_training(cfg: TrainConfig, device: str = "cpu", factor: float = TRAIN_FACTOR, bug: Optional[str] = None,
                     on_step: Optional[Callable[[StepResult], None]] = None) -> TrainingResult:
     """Train ref64, baseline and dedup side by side and judge every step (TRAIN_RULE)."""
     case = VerifyCase(cfg.model, cfg.attn, cfg.dtype, cfg.layout, cfg.split, cfg.logits_mode)
