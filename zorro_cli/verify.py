@@ -129,7 +129,7 @@ def gradients(
     if as_json:
         out = {"rule": RULE, "device": dev, "injected_bug": bug, "seconds": round(seconds, 2), "summary": counts,
                "passed": ok, "results": [r.to_dict() for r in results]}
-        typer.echo(json.dumps(out, indent=2, default=str))
+        typer.echo(json.dumps(out, indent=2, allow_nan=False))
     else:
         _gradients_table(results, counts, seconds, dev, bug, top)
     raise typer.Exit(0 if ok else 1)
@@ -210,7 +210,7 @@ def training(
     ok = counts["fail"] == counts["error"] == 0 and counts["pass"] > 0
     if as_json:
         typer.echo(json.dumps({"rule": TRAIN_RULE, "device": dev, "injected_bug": bug, "seconds": round(seconds, 2),
-                               "summary": counts, "passed": ok, "results": [r.to_dict() for r in results]}, indent=2))
+                               "summary": counts, "passed": ok, "results": [r.to_dict() for r in results]}, indent=2, allow_nan=False))
         raise typer.Exit(0 if ok else 1)
     console = _console()
     table = Table(title=f"zorro verify training ({dev}, {steps} AdamW steps, lr {lr:g})" + (f" [red]with injected bug {bug}[/]" if bug else ""))

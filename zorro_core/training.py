@@ -24,7 +24,9 @@ from .actor import BaselineActor, DeduplicatedActor
 from .batch import RolloutBatch
 from .plan import group_rows
 from .reference import sequence_forward
-from .verify import DTYPES, LAYOUTS, VerifyCase, build_verify_model, case_unavailable, inject_bug, verify_batch
+from .verify import (
+    DTYPES, LAYOUTS, VerifyCase, build_verify_model, case_unavailable, finite_or_none, inject_bug, verify_batch,
+)
 
 # AdamW divides each gradient entry by its running RMS, so an entry whose gradient is near zero
 # turns float noise into a full-size step. Measured on the tiny presets (3 steps, seeds 0-3, split
@@ -111,7 +113,8 @@ class TrainingResult:
 
     def to_dict(self) -> dict:
         return {"config": asdict(self.config), "status": self.status, "reason": self.reason,
-                "seconds": round(self.seconds, 3), "steps": [asdict(s) for s in self.steps]}
+                "seconds": round(self.seconds, 3),
+                "steps": [{k: finite_or_none(v) if isinstance(v, float) else v for k, v in asdict(s).items()} for s in self.steps]}
 
 
 def group_advantages(batch: RolloutBatch, rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

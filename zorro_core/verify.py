@@ -118,15 +118,22 @@ class CaseResult:
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
+        """Plain data for JSON (nan and inf become None, so the output is strict JSON)."""
+        f = finite_or_none
         d = {"case": self.case.name, **asdict(self.case), "status": self.status, "reason": self.reason,
-             "dedup_vs_baseline_log_prob": self.dedup_vs_baseline, "worst_ratio": self.worst_ratio,
+             "dedup_vs_baseline_log_prob": f(self.dedup_vs_baseline), "worst_ratio": f(self.worst_ratio),
              "worst_check": self.worst_check, "seconds": round(self.seconds, 3)}
         for who, e in (("dedup", self.dedup), ("baseline", self.baseline)):
             if e is not None:
                 name, err = e.worst_param
-                d[who] = {"log_prob_err": e.log_prob, "entropy_err": e.entropy, "worst_param": name,
-                          "worst_param_rel_err": err, "grad_rel_err": e.grads}
+                d[who] = {"log_prob_err": f(e.log_prob), "entropy_err": f(e.entropy), "worst_param": name,
+                          "worst_param_rel_err": f(err), "grad_rel_err": {k: f(v) for k, v in e.grads.items()}}
         return d
+
+
+def finite_or_none(x: float) -> Optional[float]:
+    """x, or None for nan/inf (strict JSON has neither)."""
+    return x if math.isfinite(x) else None
 
 
 def judge(dtype: str, dedup: Errors, baseline: Errors, factor: float = FACTOR) -> tuple[float, str, list[str]]:
@@ -246,9 +253,12 @@ def _first_label_shared(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
 
 BUGS: dict[str, tuple[str, Callable[[DedupPlan, RolloutBatch], DedupPlan]]] = {
     "wrong_prompt": ("a response is grouped with (attends to) another row's prompt", _wrong_prompt),
-    "positions_restart": ("response positions restart at 0 instead of continuing after the prompt", _positions_restart),
-    "first_label_dropped": ("each response's first token is read one position late (first label dropped)", _first_label_dropped),
-    "first_label_shared": ("every response of a group gets the first response's first-token label (rolled packed row)", _first_label_shared),
+    "positions_restart": ("response positions restart at 0 instead of continuing after the prompt",
+                          _positions_restart),
+    "first_label_dropped": ("each response's first token is read one position late (first label dropped)",
+                            _first_label_dropped),
+    "first_label_shared": ("every response of a group gets the first response's first-token label (rolled row)",
+                           _first_label_shared),
 }
 
 
