@@ -70,3 +70,14 @@ def test_training_passes_and_fails_on_a_broken_plan():
     assert res.exit_code == 1
     out = json.loads(res.output)
     assert not out["passed"] and out["results"][0]["status"] == "fail"
+
+
+def test_lora_compares_adapter_gradients_and_can_fail():
+    pytest.importorskip("peft")
+    args = ["--models", "tiny-qwen3", "--dtype", "float64", "--layout", "padded", "--logits-mode", "compute",
+            "--attn", "sdpa", "--mode", "split", "--lora", "4", "--json"]
+    res = invoke("gradients", *args)
+    assert res.exit_code == 0, res.output
+    case = json.loads(res.output)["results"][0]
+    assert "lora_A" in case["dedup"]["worst_param"] or "lora_B" in case["dedup"]["worst_param"]
+    assert invoke("gradients", *args, "--inject-bug", "wrong_prompt").exit_code == 1

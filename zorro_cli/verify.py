@@ -103,6 +103,7 @@ def gradients(
     top: int = typer.Option(5, "--top", help="Worst offenders to list."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (rule, one object per case, summary) instead of tables."),
     inject_bug: Optional[str] = typer.Option(None, "--inject-bug", hidden=True, help=_BUG_HELP),
+    lora: Optional[int] = typer.Option(None, "--lora", min=1, help="Wrap each model in a LoRA adapter of this rank (peft) and compare the adapter weights' gradients."),
 ) -> None:
     from zorro_core.verify import expand_cases, verify_cases
 
@@ -122,7 +123,7 @@ def gradients(
             done[0] += 1
             status.update(f"[{done[0]}/{len(cases)}] {res.case.name}: {res.status}")
 
-        results = verify_cases(cases, device=dev, seed=seed, factor=factor, bug=bug, on_result=progress)
+        results = verify_cases(cases, device=dev, seed=seed, factor=factor, bug=bug, on_result=progress, lora_rank=lora)
     seconds = time.perf_counter() - t0
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "error", "skip")}
     ok = counts["fail"] == counts["error"] == 0 and counts["pass"] > 0

@@ -300,7 +300,9 @@ def inject_bug(name: Optional[str]) -> Iterator[dict]:
 class Verifier:
     """Runs cases, building each model's weights and each reference once."""
 
-    def __init__(self, device: str = "cpu", seed: int = 0, factor: float = FACTOR, bug: Optional[str] = None) -> None:
+    def __init__(self, device: str = "cpu", seed: int = 0, factor: float = FACTOR, bug: Optional[str] = None,
+                 lora_rank: Optional[int] = None) -> None:
+        self.lora_rank = lora_rank
         self.device = device
         self.seed = seed
         self.factor = factor
@@ -314,6 +316,13 @@ class Verifier:
         if key not in self._models:
             if (name, "float32") not in self._models:
                 m = build_verify_model(name, self.device, self.seed)
+                if self.lora_rank:
+                    from .lora import LoraSettings, apply_lora
+
+                    # Random adapter init (peft's default B = 0 would make the adapter the identity
+                    # and its A-gradients zero): every adapter weight gets a gradient to compare.
+                    torch.manual_seed(self.seed)
+                    m = apply_lora(m, LoraSettings(r=self.lora_rank, init_lora_weights=False))
                 self._models[(name, "float32")] = m
             base = self._models[(name, "float32")]
             self._models[key] = copy.deepcopy(base).to(DTYPES[dtype])
@@ -364,9 +373,14 @@ def expand_cases(models: Iterable[str], attns: Iterable[str], dtypes: Iterable[s
 
 
 def verify_cases(cases: Iterable[VerifyCase], device: str = "cpu", seed: int = 0, factor: float = FACTOR,
-                 bug: Optional[str] = None, on_result: Optional[Callable[[CaseResult], None]] = None) -> list[CaseResult]:
-    """Run cases (sharing models and references) and return their results."""
-    verifier = Verifier(device=device, seed=seed, factor=factor, bug=bug)
+                 bug: Optional[str] = None, on_result: Optional[Callable[[CaseResult], None]] = None,
+                 lora_rank: Optional[int] = None) -> list[CaseResult]:
+    """Run cases (sharing models and references) and return their results.
+
+    lora_rank: wrap every model in a LoRA adapter of that rank (peft); only the adapter
+    weights train, so the gradients compared are the adapter's.
+    """
+    verifier = Verifier(device=device, seed=seed, factor=factor, bug=bug, lora_rank=lora_rank)
     results = []
     for case in cases:
         res = verifier.run(case)
