@@ -15,6 +15,7 @@ def environment() -> dict:
     import torch
     import transformers
 
+    from zorro_core.families import family_support
     from zorro_core.models import SUPPORTED_MODEL_TYPES
     from zorro_core.varlen import BACKENDS, backend_unavailable
 
@@ -31,7 +32,9 @@ def environment() -> dict:
         "device": device,
         "varlen_backends": {n: backend_unavailable(n, device) or "ok" for n in BACKENDS},
         "model_types": sorted(SUPPORTED_MODEL_TYPES),
+        "model_families": family_support(device),
     }
+    info.update(stack_support(device))
     for pkg in ("flash_attn", "liger_kernel", "fla", "peft"):
         try:
             mod = __import__(pkg)
@@ -39,6 +42,26 @@ def environment() -> dict:
         except Exception:
             info[pkg] = None
     return info
+
+
+def stack_support(device: str) -> dict:
+    """The precision policy, the "auto" attention choice, and Liger/LoRA/QLoRA, on this machine."""
+    from zorro_core.auto import choose_attention
+    from zorro_core.liger import liger_unavailable
+    from zorro_core.lora import LoraSettings, lora_unavailable
+    from zorro_core.precision import precision_policy
+
+    policy = precision_policy(device)
+    choice = choose_attention(device, policy.compute_dtype, None)
+    scaling = "dynamic loss scaling" if policy.loss_scaling else "no loss scaling"
+    return {
+        "precision": f"{str(policy.compute_dtype).removeprefix('torch.')} compute, {scaling}, "
+                     f"float32 weights/grads/optimizer state ({policy.reason})",
+        "attn auto": f"{choice.implementation} ({choice.reason})",
+        "liger": liger_unavailable("qwen3", device) or "ok",
+        "lora": lora_unavailable(None, device) or "ok",
+        "qlora": lora_unavailable(LoraSettings(quantize_base="nf4"), device) or "ok",
+    }
 
 
 def env(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
@@ -54,6 +77,9 @@ def env(as_json: bool = typer.Option(False, "--json", help="Print JSON instead o
         if k == "varlen_backends":
             for name, why in v.items():
                 table.add_row(f"varlen backend {name}", "[green]ok[/]" if why == "ok" else f"[yellow]unavailable[/]: {why}")
+        elif k == "model_families":
+            for name, how in v.items():
+                table.add_row(f"family {name}", how)
         else:
             table.add_row(k, str(v))
     console.print(table)

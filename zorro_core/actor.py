@@ -14,9 +14,12 @@ import torch
 from torch import nn
 
 from .attention import ZORRO_ATTENTION, Route, attention_implementation
+from .auto import AUTO, AttentionChoice, choose_attention
 from .batch import RolloutBatch
+from .families import AUX_WEIGHTINGS, aux_loss_of, family_hooks, forward_kwargs, load_balancing_loss
+from .families.sliding import custom_masks
 from .logprobs import LOGITS_MODES, response_logprobs
-from .models import check_trainable_state, load_model, model_parts
+from .models import UnsupportedModelError, check_layers_served, check_trainable_state, load_model, model_parts
 from .plan import DedupPlan, build_dedup_plan
 from .varlen import default_backend, get_backend
 
@@ -33,6 +36,9 @@ class ActorOutput:
     """[B, R] entropy of each predictive distribution, or None."""
     plan: Optional[DedupPlan] = None
     """The plan used (None for the padded baseline)."""
+    aux_loss: Optional[torch.Tensor] = None
+    """Router load-balancing loss (MoE models with config.output_router_logits), else None.
+    Counted per the actor's router_aux_weighting: "multiplicity" (default) equals the baseline's."""
 
 
 class _Actor:
@@ -49,6 +55,9 @@ class _Actor:
         logits_mode: str = "compute",
         varlen_backend: Optional[str] = None,
         logits_chunk_size: Optional[int] = None,
+        logits_memory_budget_mib: Optional[float] = None,
+        router_aux_weighting: str = "multiplicity",
+        max_seq_len: Optional[int] = None,
     ) -> None:
         if (model is None) == (model_name_or_path is None):
             raise ValueError("pass exactly one of model= or model_name_or_path=")
@@ -56,27 +65,53 @@ class _Actor:
             if dtype not in _DTYPES:
                 raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
             dtype = _DTYPES[dtype]
+        # attn_implementation="auto": resolved here (zorro_core.auto) from the device, the compute
+        # dtype and max_seq_len (longest prompt + response; None: assumed long); actor.attn_choice
+        # records what was chosen and why.
+        auto_choice = None
+        if attn_implementation == AUTO:
+            ref = next((p for p in model.parameters() if p.is_floating_point()), None) if model is not None else None
+            auto_choice = choose_attention(device if device is not None else (ref.device if ref is not None else "cpu"),
+                                           dtype or (ref.dtype if ref is not None else torch.float32),
+                                           max_seq_len, use_split_attention)
+            attn_implementation = auto_choice.implementation
         if model is None:
             model = load_model(model_name_or_path, device=device or "cpu", dtype=dtype or torch.float32,
                                attn_implementation=attn_implementation or "sdpa")
         elif device is not None or dtype is not None:
             model = model.to(device=device, dtype=dtype)
+        if router_aux_weighting not in AUX_WEIGHTINGS:
+            raise ValueError(f"unknown router_aux_weighting {router_aux_weighting!r}; choose one of {AUX_WEIGHTINGS}")
+        self.router_aux_weighting = router_aux_weighting
         if logits_mode not in LOGITS_MODES:
             raise ValueError(f"unknown logits_mode {logits_mode!r}; choose one of {LOGITS_MODES}")
+        if logits_memory_budget_mib is not None and not logits_memory_budget_mib > 0:
+            raise ValueError(f"logits_memory_budget_mib must be > 0, got {logits_memory_budget_mib}")
         self.model = model
         self.parts = model_parts(model)
         self.device = next(model.parameters()).device
         self.attn_implementation = attn_implementation or model.config._attn_implementation or "sdpa"
+        self.attn_choice = auto_choice or AttentionChoice(
+            self.attn_implementation, "requested explicitly" if attn_implementation else "the model's own attention implementation")
         self.use_split_attention = use_split_attention
         self.logits_mode = logits_mode
         self.logits_chunk_size = logits_chunk_size
+        # `memory` mode: chunk size from this budget (MiB of one chunk's temporaries) unless
+        # logits_chunk_size is given; see logprobs.chunk_size_for_budget.
+        self.logits_memory_budget_mib = logits_memory_budget_mib
         if use_split_attention:
             self.varlen_backend = varlen_backend or default_backend(self.attn_implementation, self.device)
             get_backend(self.varlen_backend, self.device)  # refuses an unavailable backend now
         else:
-            if self.attn_implementation not in ("eager", "sdpa"):
+            if self.attn_implementation == "flex_attention":
+                from .flex import flex_unavailable
+
+                why = flex_unavailable(self.device)
+                if why:
+                    raise ValueError(f"mask mode with flex_attention: {why}")
+            elif self.attn_implementation not in ("eager", "sdpa"):
                 raise ValueError(
-                    f"mask mode (use_split_attention=False) runs eager or sdpa, not {self.attn_implementation!r}"
+                    f"mask mode (use_split_attention=False) runs eager, sdpa or flex_attention, not {self.attn_implementation!r}"
                 )
             self.varlen_backend = None
 
@@ -94,24 +129,31 @@ class _Actor:
         plan = self.plan(batch)
         mode = "split" if self.use_split_attention else "mask"
         route = Route(plan=plan, mode=mode, backend=self.varlen_backend or "reference", inner=self.attn_implementation)
-        with attention_implementation(self.model, ZORRO_ATTENTION):
-            hidden = self.parts.base(
+        with attention_implementation(self.model, ZORRO_ATTENTION), family_hooks(self.model, self.parts):
+            outputs = self.parts.base(
                 input_ids=plan.input_ids[None], position_ids=plan.position_ids[None], use_cache=False, zorro_route=route,
-            ).last_hidden_state[0]
-        if route.calls != self.parts.num_attention_layers:
-            raise RuntimeError(
-                f"the attention hook served {route.calls} layers, expected {self.parts.num_attention_layers}: "
-                "some layer mixes tokens without calling transformers' attention interface, so the packed row "
-                "would be computed wrong; this model is not supported"
+                **forward_kwargs(self.parts, self.model.config),
             )
+        hidden = outputs.last_hidden_state[0]
+        check_layers_served(self.parts, route)
+        aux = aux_loss_of(self.parts, self.model.config, outputs, plan, self.router_aux_weighting)
         lp, ent = response_logprobs(hidden, self.parts.lm_head, plan.logit_index, plan.labels, temperature,
-                                    calculate_entropy, self.logits_mode, self.logits_chunk_size)
-        return ActorOutput(plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan)
+                                    calculate_entropy, self.logits_mode, self.logits_chunk_size,
+                                    self.logits_memory_budget_mib)
+        return ActorOutput(plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan, aux)
 
     __call__ = forward
 
+    def forward_backward(self, batch: RolloutBatch, loss_fn, max_tokens_per_micro_batch: Optional[int] = None,
+                         temperature: float = 1.0, calculate_entropy: bool = False, attention_weight: float = 0.0):
+        """Accumulate gradients over balanced micro-batches; see zorro_core.microbatch.forward_backward."""
+        from .microbatch import forward_backward
 
-def _padded_mask(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor | None:
+        return forward_backward(self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy,
+                                attention_weight)
+
+
+def _padded_mask(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype, window: Optional[int] = None) -> torch.Tensor | None:
     """[B, 1, L, L] causal + key-padding mask in which a padding query sees itself.
 
     transformers' own eager mask leaves padding queries with no key at all; in float64 that
@@ -123,6 +165,8 @@ def _padded_mask(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtyp
     length = mask.shape[1]
     i = torch.arange(length, device=mask.device)
     allowed = (i[None, :] <= i[:, None])[None] & real[:, None, :]
+    if window is not None:  # real tokens sit in contiguous columns, so column distance is position distance
+        allowed = allowed & (i[:, None] - i[None, :] < window)[None]
     allowed = allowed | (torch.eye(length, dtype=torch.bool, device=mask.device)[None] & ~real[:, :, None])
     if attn_implementation == "sdpa":
         return allowed[:, None]
@@ -147,6 +191,9 @@ class BaselineActor(_Actor):
     def forward(self, batch: RolloutBatch, temperature: float = 1.0, calculate_entropy: bool = False) -> ActorOutput:
         if not self.padded:
             return super().forward(batch, temperature, calculate_entropy)
+        if self.parts.num_linear_layers:
+            raise UnsupportedModelError("the padded baseline does not support linear-attention layers (padding would "
+                                        "enter their recurrent state); use BaselineActor(padded=False)")
         batch = batch.to(self.device)
         batch.validate(vocab_size=self.vocab_size)
         check_trainable_state(self.model)
@@ -154,8 +201,17 @@ class BaselineActor(_Actor):
         mask = torch.cat([batch.prompt_mask, batch.response_mask], 1).long()
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         with attention_implementation(self.model, self.attn_implementation):
-            hidden = self.parts.base(input_ids=ids, attention_mask=_padded_mask(mask, self.attn_implementation, self.model.dtype),
-                                     position_ids=pos, use_cache=False).last_hidden_state
+            if self.attn_implementation in ("eager", "sdpa"):
+                attention_mask = custom_masks(self.model.config, lambda w: _padded_mask(mask, self.attn_implementation, self.model.dtype, w))
+            else:
+                attention_mask = mask
+            outputs = self.parts.base(input_ids=ids, attention_mask=attention_mask,
+                                      position_ids=pos, use_cache=False, **forward_kwargs(self.parts, self.model.config))
+        hidden = outputs.last_hidden_state
+        aux = None
+        if forward_kwargs(self.parts, self.model.config):
+            c = self.model.config
+            aux = load_balancing_loss(outputs.router_logits, c.num_experts, c.num_experts_per_tok, mask.flatten())
         b, p = batch.prompts.shape
         r = batch.responses.shape[1]
         width = p + r
@@ -165,11 +221,12 @@ class BaselineActor(_Actor):
         index = rows * width + p - 1 + cols
         labels = batch.responses.long().flatten()[flat]
         lp, ent = response_logprobs(hidden.reshape(b * width, -1), self.parts.lm_head, index, labels, temperature,
-                                    calculate_entropy, self.logits_mode, self.logits_chunk_size)
+                                    calculate_entropy, self.logits_mode, self.logits_chunk_size,
+                                    self.logits_memory_budget_mib)
 
         def scatter(v):
             return v.new_zeros(b * r).index_put((flat,), v).view(b, r)
 
-        return ActorOutput(scatter(lp), scatter(ent) if ent is not None else None, None)
+        return ActorOutput(scatter(lp), scatter(ent) if ent is not None else None, None, aux)
 
     __call__ = forward

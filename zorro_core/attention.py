@@ -40,18 +40,25 @@ class Route:
     backend: str = "reference"
     """Varlen backend name (zorro_core.varlen.BACKENDS), split mode."""
     inner: str = "sdpa"
-    """"eager" or "sdpa", mask mode."""
+    """"eager", "sdpa" or "flex_attention", mask mode."""
     calls: int = 0
     """Attention layers served so far in this forward."""
+    adapter_calls: dict = field(default_factory=dict)
+    """Calls served by the family adapters (e.g. "linear_attention"), by kind."""
     _masks: dict = field(default_factory=dict, repr=False)
 
     def block_mask(self, kind: str, dtype: torch.dtype, window: Optional[int]) -> torch.Tensor:
         key = (kind, dtype, window)
         if key not in self._masks:
-            allowed = self.plan.attention_mask()
-            if window is not None:
+            allowed = self.plan.attention_mask() if kind != "flex_attention" else None
+            if allowed is not None and window is not None:
                 pos = self.plan.position_ids
                 allowed = allowed & (pos[:, None] - pos[None, :] < window)
+            if kind == "flex_attention":
+                from .flex import block_mask
+
+                self._masks[key] = block_mask(self.plan, window)
+                return self._masks[key]
             if kind == "eager":
                 m = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
                 m = m.masked_fill(~allowed, torch.finfo(dtype).min)
@@ -86,6 +93,24 @@ def _model_eager(module: nn.Module):
     return fn
 
 
+# Attention kwargs of features this hook does not implement: refused rather than ignored.
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+
+
+def check_attention_call(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> None:
+    """Refuse an attention call the hook would compute wrong: a KV cache, or a feature it skips."""
+    from .models import UnsupportedModelError
+
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise UnsupportedModelError(f"attention feature {name!r} is not implemented by the dedup attention hook")
+    if key.shape[-2] != query.shape[-2]:
+        raise UnsupportedModelError(
+            f"keys ({key.shape[-2]}) outnumber queries ({query.shape[-2]}): a KV cache is in use; "
+            "the dedup path runs a full forward without cache"
+        )
+
+
 def zorro_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -104,10 +129,21 @@ def zorro_attention(
         raise ValueError(f"attention dropout {dropout} is not supported by the dedup path (it would differ per copy)")
     if query.shape[0] != 1:
         raise ValueError(f"the packed row must have batch size 1, got {query.shape[0]}")
+    check_attention_call(query, key, kwargs)
+    dev = query.device.type
+    if torch.is_autocast_enabled(dev):
+        # Under autocast q/k can leave a float32-weighted q_norm/k_norm in float32 while v is in
+        # the autocast dtype; autocast casts SDPA's inputs to its dtype, and so does the hook (the
+        # varlen kernels and the CPU flash op are not autocast-aware and refuse mixed dtypes).
+        query, key, value = (x.to(torch.get_autocast_dtype(dev)) for x in (query, key, value))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     route.calls += 1
     if route.mode == "mask":
         mask = route.block_mask(route.inner, query.dtype, sliding_window)
+        if route.inner == "flex_attention":
+            from .flex import flex_packed_attention
+
+            return flex_packed_attention(query, key, value, mask, scale), None
         fn = _model_eager(module) if route.inner == "eager" else sdpa_attention_forward
         extra = {"is_causal": False} if route.inner == "sdpa" else {}
         out, _ = fn(module, query, key, value, mask, scaling=scale, dropout=0.0, **extra)

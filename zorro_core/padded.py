@@ -54,13 +54,23 @@ def self_layout(seg: Segments, device: torch.device) -> dict:
     return lay
 
 
-def padded_mask(lay: dict, window: Optional[int]) -> torch.Tensor:
-    """[n, 1, Lq, Lk] allowed pairs, with the sliding window (by position) when set."""
-    allowed = lay["allowed"]
-    if window is not None:
-        near = lay["q_pos"][:, :, None] - lay["k_pos"][:, None, :] < window
-        allowed = allowed & (near | ~lay["valid_q"][:, :, None])
-    return allowed[:, None]
+def padded_mask(lay: dict, window: Optional[int], dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """[n, 1, Lq, Lk] allowed pairs (bool), or as an additive float mask of `dtype`.
+
+    Cached in the layout: every layer shares one mask tensor instead of saving its own
+    converted copy for backward.
+    """
+    key = ("mask", window, dtype)
+    if key not in lay:
+        allowed = lay["allowed"]
+        if window is not None:
+            near = lay["q_pos"][:, :, None] - lay["k_pos"][:, None, :] < window
+            allowed = allowed & (near | ~lay["valid_q"][:, :, None])
+        mask = allowed[:, None]
+        if dtype is not None:
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        lay[key] = mask
+    return lay[key]
 
 
 def pad(x: torch.Tensor, idx: torch.Tensor, uniform: bool, n: int, length: int) -> torch.Tensor:
@@ -85,23 +95,27 @@ def from_padded(out_p: torch.Tensor, lay: dict) -> torch.Tensor:
     return out if lay["uniform_q"] else out[lay["valid_q_flat"]]
 
 
-def attend(qp, kp, vp, mask: Optional[torch.Tensor], scale: float, exact: bool) -> torch.Tensor:
-    """softmax(QK^T * scale + mask) V over a padded batch; mask None means top-left causal.
+def attend(qp, kp, vp, lay: Optional[dict], window: Optional[int], scale: float, exact: bool) -> torch.Tensor:
+    """softmax(QK^T * scale + mask) V over a padded batch; lay None means top-left causal.
 
     exact: explicit scores with softmax in float32 (float64 for float64 inputs), the
     reference; otherwise F.scaled_dot_product_attention.
     """
     if not exact:
-        if mask is None:
-            return F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=qp.shape[1] != kp.shape[1])
-        return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=qp.shape[1] != kp.shape[1])
+        gqa = qp.shape[1] != kp.shape[1]
+        if lay is None:
+            return F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
+        mask = padded_mask(lay, window, qp.dtype)
+        return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
     rep = qp.shape[1] // kp.shape[1]
     kp, vp = kp.repeat_interleave(rep, dim=1), vp.repeat_interleave(rep, dim=1)
     acc = torch.float64 if qp.dtype == torch.float64 else torch.float32
     scores = torch.matmul(qp.to(acc), kp.to(acc).transpose(-1, -2)) * scale
-    if mask is None:
+    if lay is None:
         lq, lk = scores.shape[-2:]
         mask = torch.ones(lq, lk, dtype=torch.bool, device=scores.device).tril()
+    else:
+        mask = padded_mask(lay, window)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), vp.to(acc)).to(qp.dtype)
 
@@ -138,13 +152,8 @@ def cross_layout(seg: Segments, device: torch.device) -> dict:
     return lay
 
 
-def cross_attention(q, k, v, seg: Segments, scale: float, window: Optional[int], exact: bool) -> torch.Tensor:
-    """Responses of shared groups against [their prompt | themselves].
-
-    q [Tq, Hq, D] holds the responses' queries (seg's query segments); k, v [T, Hkv, D] are
-    the whole packed row's keys/values, with the responses' own at seg.q_start onwards.
-    """
-    lay = cross_layout(seg, q.device)
+def _cross_blocks(q, k, v, seg: Segments, lay: dict):
+    """Padded queries [n, Hq, Lq, D] and keys/values [n, Hkv, P_max + Lq, D]: [prompt | own]."""
     n, tq = lay["n"], seg.total_q
     blocks = []
     for x in (k, v):
@@ -156,5 +165,80 @@ def cross_attention(q, k, v, seg: Segments, scale: float, window: Optional[int],
         own = own.view(n, seg.max_q, *x.shape[1:])
         blocks.append(torch.cat([prompt, own], 1).transpose(1, 2))
     qp = pad(q, lay["idx_q"], lay["uniform_q"], n, seg.max_q)
-    out = attend(qp, blocks[0], blocks[1], padded_mask(lay, window), scale, exact)
-    return from_padded(out, lay)
+    return qp, blocks[0], blocks[1]
+
+
+def _repeat_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
+    if rep == 1:
+        return x
+    n, h, length, d = x.shape
+    return x[:, :, None].expand(n, h, rep, length, d).reshape(n, h * rep, length, d)
+
+
+class _FlashCross(torch.autograd.Function):
+    """The cross call through PyTorch's CPU flash kernel, saving no copy of the prompt's K/V.
+
+    Forward keeps only what the kernel needs besides the packed q/k/v (its output and
+    log-sum-exp); backward rebuilds the [prompt | own] blocks, runs the kernel's backward, and
+    folds each block's gradient back onto the packed row: the prompt block summed over the
+    responses of its group, the own block onto the response's own tokens.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, seg, lay, scale, mask):
+        qp, kp, vp = _cross_blocks(q, k, v, seg, lay)
+        rep = qp.shape[1] // kp.shape[1]
+        out_p, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qp, _repeat_heads(kp, rep), _repeat_heads(vp, rep), 0.0, False, attn_mask=mask, scale=scale)
+        ctx.save_for_backward(q, k, v, out_p, lse)
+        ctx.seg, ctx.lay, ctx.scale, ctx.mask, ctx.rep = seg, lay, scale, mask, rep
+        return from_padded(out_p, lay)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out_p, lse = ctx.saved_tensors
+        seg, lay, rep = ctx.seg, ctx.lay, ctx.rep
+        qp, kp, vp = _cross_blocks(q, k, v, seg, lay)
+        n, h, lq, d = qp.shape
+        if lay["uniform_q"]:
+            gp = grad.reshape(n, lq, h, d)
+        else:
+            gp = grad.new_zeros(n * lq, h, d).index_put_((lay["valid_q_flat"],), grad).view(n, lq, h, d)
+        dq_p, dk_p, dv_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            gp.transpose(1, 2), qp, _repeat_heads(kp, rep), _repeat_heads(vp, rep), out_p, lse, 0.0, False,
+            attn_mask=ctx.mask, scale=ctx.scale)
+        return from_padded(dq_p, lay), _fold(dk_p, k, seg, lay, rep), _fold(dv_p, v, seg, lay, rep), None, None, None, None
+
+
+def _fold(dx_p: torch.Tensor, x: torch.Tensor, seg: Segments, lay: dict, rep: int) -> torch.Tensor:
+    """Gradient of the [n, Hq, P_max + Lq, D] key blocks onto the packed [T, Hkv, D] row."""
+    n, hq, _, d = dx_p.shape
+    hk = hq // rep
+    dx_p = dx_p.view(n, hk, rep, -1, d).sum(2).transpose(1, 2)  # [n, Lk, Hkv, D]
+    p_max = lay["p_max"]
+    prompt, own = dx_p[:, :p_max], dx_p[:, p_max:]
+    prompt = prompt.sum(0, keepdim=True) if lay["gs"] == 1 else \
+        prompt.new_zeros(lay["gs"], *prompt.shape[1:]).index_add_(0, lay["local"], prompt)
+    out = x.new_zeros(x.shape)
+    prompt = prompt.reshape(-1, hk, d)
+    if lay["uniform_p"]:
+        out[: prompt.shape[0]] += prompt
+    else:  # padded prompt positions carry exactly zero gradient (masked keys)
+        out.index_put_((lay["prompt_rows"],), prompt, accumulate=True)
+    own = own.reshape(-1, hk, d)
+    own = own if lay["uniform_q"] else own[lay["valid_q_flat"]]
+    out[seg.q_start: seg.q_start + seg.total_q] += own
+    return out
+
+
+def cross_attention(q, k, v, seg: Segments, scale: float, window: Optional[int], exact: bool) -> torch.Tensor:
+    """Responses of shared groups against [their prompt | themselves].
+
+    q [Tq, Hq, D] holds the responses' queries (seg's query segments); k, v [T, Hkv, D] are
+    the whole packed row's keys/values, with the responses' own at seg.q_start onwards.
+    """
+    lay = cross_layout(seg, q.device)
+    if not exact and q.device.type == "cpu":
+        return _FlashCross.apply(q, k, v, seg, lay, scale, padded_mask(lay, window, q.dtype))
+    qp, kp, vp = _cross_blocks(q, k, v, seg, lay)
+    return from_padded(attend(qp, kp, vp, lay, window, scale, exact), lay)

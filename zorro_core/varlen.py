@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .padded import attend, from_padded, padded_mask, to_padded
+from .padded import attend, from_padded, to_padded
 from .plan import Segments
 
 VarlenFn = Callable[..., torch.Tensor]
@@ -30,7 +30,7 @@ VarlenFn = Callable[..., torch.Tensor]
 
 def reference_varlen(q, k, v, seg: Segments, scale: float, window: Optional[int] = None) -> torch.Tensor:
     lay, qp, kp, vp = to_padded(q, k, v, seg)
-    return from_padded(attend(qp, kp, vp, padded_mask(lay, window), scale, exact=True), lay)
+    return from_padded(attend(qp, kp, vp, lay, window, scale, exact=True), lay)
 
 
 def sdpa_varlen(q, k, v, seg: Segments, scale: float, window: Optional[int] = None) -> torch.Tensor:
@@ -39,8 +39,8 @@ def sdpa_varlen(q, k, v, seg: Segments, scale: float, window: Optional[int] = No
         # Self-causal segments padded at their end: top-left `is_causal` is then exact for the
         # real queries (padding keys come after them) and lets the kernel skip masked blocks,
         # about half the work of an explicit mask.
-        return from_padded(attend(qp, kp, vp, None, scale, exact=False), lay)
-    return from_padded(attend(qp, kp, vp, padded_mask(lay, window), scale, exact=False), lay)
+        return from_padded(attend(qp, kp, vp, None, None, scale, exact=False), lay)
+    return from_padded(attend(qp, kp, vp, lay, window, scale, exact=False), lay)
 
 
 def torch_varlen(q, k, v, seg: Segments, scale: float, window: Optional[int] = None) -> torch.Tensor:

@@ -1,0 +1,83 @@
+"""`zorro verify gradients` and `zorro verify training` through the CLI: tables, JSON, exit codes."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from zorro_cli.main import app
+
+runner = CliRunner()
+SMALL = ["--models", "tiny-qwen3", "--dtype", "float64,bfloat16", "--layout", "padded", "--logits-mode", "compute",
+         "--attn", "sdpa"]
+
+
+def invoke(*args):
+    return runner.invoke(app, ["verify", *args])
+
+
+def test_help_states_the_rules_and_hides_the_bug_option():
+    text = " ".join(invoke("gradients", "--help").output.split())
+    assert "4 x the baseline's + the float64 floor" in text and "1e-06" in text and "1e-05" in text
+    assert "--inject-bug" not in text
+    train = " ".join(invoke("training", "--help").output.split())
+    assert "drift(dedup) <= 2 x drift(baseline) + 0.0001" in train
+
+
+def test_gradients_pass_with_a_table():
+    res = invoke("gradients", *SMALL, "--mode", "split", "--mode", "mask")
+    assert res.exit_code == 0, res.output
+    assert res.output.count("pass") >= 4 and "4 passed, 0 failed" in res.output and "Worst offenders" in res.output
+
+
+@pytest.mark.parametrize("bug", ["wrong_prompt", "positions_restart", "first_label_dropped"])
+def test_gradients_fail_on_a_broken_plan(bug):
+    res = invoke("gradients", *SMALL, "--mode", "split", "--inject-bug", bug)
+    assert res.exit_code == 1, res.output
+    assert "FAIL" in res.output and "0 passed, 2 failed" in res.output
+
+
+def test_gradients_json():
+    res = invoke("gradients", "--models", "tiny-llama", "--dtype", "float32", "--layout", "unpadded",
+                 "--mode", "split", "--logits-mode", "none", "--attn", "eager,flash_attention_2", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["passed"] and out["summary"] == {"pass": 1, "fail": 0, "error": 0, "skip": 1}
+    ok = next(r for r in out["results"] if r["status"] == "pass")
+    assert ok["dedup"]["worst_param"] and ok["dedup"]["grad_rel_err"] and "Pass rule" in out["rule"]
+
+
+def test_nothing_verified_is_not_a_pass():
+    res = invoke("gradients", "--models", "tiny-qwen3", "--attn", "flash_attention_2", "--mode", "split",
+                 "--dtype", "bfloat16", "--layout", "padded", "--logits-mode", "compute")
+    assert res.exit_code == 1 and "0 passed" in res.output
+
+
+@pytest.mark.parametrize("args,hint", [
+    (["--models", "tiny-nope"], "--models"), (["--dtype", "float8"], "--dtype"), (["--inject-bug", "typo"], "--inject-bug"),
+])
+def test_bad_options_exit_2(args, hint):
+    res = invoke("gradients", *args)
+    assert res.exit_code == 2 and hint in res.output
+
+
+def test_training_passes_and_fails_on_a_broken_plan():
+    args = ["training", "--steps", "2", "--models", "tiny-qwen3", "--dtype", "float64"]
+    res = invoke(*args)
+    assert res.exit_code == 0, res.output
+    assert "1 passed, 0 failed" in res.output and "drift dedup" in res.output
+    res = invoke(*args, "--inject-bug", "first_label_shared", "--json")
+    assert res.exit_code == 1
+    out = json.loads(res.output)
+    assert not out["passed"] and out["results"][0]["status"] == "fail"
+
+
+def test_lora_compares_adapter_gradients_and_can_fail():
+    pytest.importorskip("peft")
+    args = ["--models", "tiny-qwen3", "--dtype", "float64", "--layout", "padded", "--logits-mode", "compute",
+            "--attn", "sdpa", "--mode", "split", "--lora", "4", "--json"]
+    res = invoke("gradients", *args)
+    assert res.exit_code == 0, res.output
+    case = json.loads(res.output)["results"][0]
+    assert "lora_A" in case["dedup"]["worst_param"] or "lora_B" in case["dedup"]["worst_param"]
+    assert invoke("gradients", *args, "--inject-bug", "wrong_prompt").exit_code == 1

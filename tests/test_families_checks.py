@@ -1,0 +1,134 @@
+"""Fail closed: every configuration the dedup path cannot compute exactly is refused with an error
+that names it (UnsupportedModelError, a ValueError)."""
+
+import pytest
+import torch
+
+from test_actor import mixed_batch
+from zorro_core import BaselineActor, DeduplicatedActor
+from zorro_core.attention import ZORRO_ATTENTION, Route, attention_implementation
+from zorro_core.models import PRESETS, UnsupportedModelError, build_model, model_parts, preset_config
+from zorro_core.plan import build_dedup_plan
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def fresh(name="tiny-qwen3", **overrides):
+    return build_model(preset_config(name, **overrides), dtype=torch.float64, attn_implementation="eager")
+
+
+def test_unsupported_model_type():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="model type 'gpt2'"):
+        DeduplicatedActor(model=model)
+
+
+def test_unhandled_layer_type():
+    model = fresh()
+    model.config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(UnsupportedModelError, match="layer 1 has type 'chunked_attention'"):
+        model_parts(model)
+
+
+@pytest.mark.parametrize("feature,value", [("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0), ("attention_chunk_size", 8)])
+def test_attention_feature_in_config(feature, value):
+    model = fresh()
+    setattr(model.config, feature, value)
+    with pytest.raises(UnsupportedModelError, match=feature):
+        DeduplicatedActor(model=model)
+
+
+@pytest.mark.parametrize("kwarg", ["softcap", "s_aux"])
+def test_attention_feature_at_call_time(monkeypatch, kwarg):
+    """A layer that passes a feature the hook does not implement (softcapping, attention sinks)."""
+    import zorro_core.attention as attention_mod
+
+    model = fresh()
+    layer = model.model.layers[0].self_attn
+    real = attention_mod.zorro_attention
+    monkeypatch.setitem(attention_mod.AttentionInterface._global_mapping, ZORRO_ATTENTION,
+                        lambda m, *a, **kw: real(m, *a, **({kwarg: torch.ones(1)} if m is layer else {}), **kw))
+    with pytest.raises(UnsupportedModelError, match=kwarg):
+        DeduplicatedActor(model=model).forward(mixed_batch())
+
+
+@pytest.mark.parametrize("where", ["attention_dropout", "dropout_module"])
+def test_dropout_in_training_mode(where):
+    model = fresh(attention_dropout=0.1) if where == "attention_dropout" else fresh()
+    if where == "dropout_module":
+        model.model.layers[0].mlp.act_fn = torch.nn.Sequential(model.model.layers[0].mlp.act_fn, torch.nn.Dropout(0.2))
+    actor = DeduplicatedActor(model=model)
+    model.train()
+    with pytest.raises(UnsupportedModelError, match="dropout"):
+        actor.forward(mixed_batch())
+    model.eval()
+    actor.forward(mixed_batch())  # inference mode: dropout is off, so it runs
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen3", "tiny-qwen3-next"])
+def test_kv_cache(family):
+    """A forward with a filled cache: attention keys outnumber queries / the recurrence has a prior state."""
+    from transformers import DynamicCache
+
+    model = fresh(family)
+    batch = mixed_batch()
+    plan = build_dedup_plan(batch)
+    cache = DynamicCache(config=model.config)
+    model.model(input_ids=torch.tensor([[1, 2, 3]]), cache=cache, use_cache=True)
+    route = Route(plan=plan, mode="split", backend=DeduplicatedActor(model=model).varlen_backend)
+    from zorro_core.families import family_hooks
+
+    with pytest.raises(UnsupportedModelError, match="cache"):
+        with attention_implementation(model, ZORRO_ATTENTION), family_hooks(model, model_parts(model)):
+            model.model(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None] + 3, cache=cache,
+                        use_cache=True, zorro_route=route)
+
+
+@pytest.mark.parametrize("family,layer_attr", [("tiny-qwen3", "self_attn"), ("tiny-qwen3-next", "linear_attn")])
+def test_layer_that_bypasses_the_hooks(family, layer_attr):
+    """A token-mixing layer that never reaches the hook or its adapter is caught by the call count."""
+    model = fresh(family)
+    layer = getattr(model.model.layers[0], layer_attr)
+    if layer_attr == "self_attn":
+        layer.forward = lambda hidden_states, **kw: (hidden_states.cumsum(1), None)
+    else:
+        layer.forward = lambda hidden_states, **kw: hidden_states.cumsum(1)
+    with pytest.raises(RuntimeError, match="served"):
+        DeduplicatedActor(model=model).forward(mixed_batch())
+
+
+def test_every_preset_is_a_supported_family():
+    for name in PRESETS:
+        cfg = preset_config(name)
+        assert cfg.model_type in {"qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "qwen3_next"}
+    assert preset_config("Qwen/Qwen3-30B-A3B").num_experts == 128
+    assert preset_config("Qwen/Qwen3-Next-80B-A3B-Instruct").layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"]
+
+
+def test_padded_baseline_still_runs_for_attention_models():
+    BaselineActor(model=fresh(), padded=True).forward(mixed_batch())
+
+
+def test_family_support_lists_every_supported_type():
+    from zorro_core.families import family_support
+    from zorro_core.models import SUPPORTED_MODEL_TYPES
+
+    support = family_support("cpu")
+    assert set(support) == SUPPORTED_MODEL_TYPES
+    assert "PyTorch fallback" in support["qwen3_next"] or "flash-linear-attention" in support["qwen3_next"]
+
+
+def test_gradient_checkpointing_in_training_mode():
+    model = fresh()
+    model.gradient_checkpointing_enable()
+    model.train()
+    with pytest.raises(UnsupportedModelError, match="gradient checkpointing"):
+        DeduplicatedActor(model=model).forward(mixed_batch())

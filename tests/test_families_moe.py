@@ -1,0 +1,135 @@
+"""Qwen3-MoE (and Qwen3-Next's MoE blocks) against the per-sequence float64 reference, and the
+router load-balancing (aux) loss: with multiplicity weights (the default) it equals the baseline's;
+with router_aux_weighting="unique" it is the loss of the deduplicated token set (each shared
+prompt token once), which is what the test expects it to differ by."""
+
+import pytest
+import torch
+
+from reference import max_rel_grad_error, per_sequence, token_weights
+from test_actor import GRAD_RTOL, check, mixed_batch
+from zorro_core import BaselineActor, DeduplicatedActor, create_dummy_batch
+from zorro_core.families.moe import load_balancing_loss, token_multiplicity
+from zorro_core.plan import build_dedup_plan
+
+MODES = [(True, "eager"), (True, "sdpa"), (False, "eager"), (False, "sdpa")]
+BATCHES = {
+    "mixed": mixed_batch,
+    "dummy_padded": lambda: create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=12, response_len=6, vocab_size=256, vary_lengths=True, seed=3),
+    "dummy_unpadded": lambda: create_dummy_batch(batch_size=4, num_unique_prompts=1, prompt_len=9, response_len=5, vocab_size=256, seed=4),
+}
+AUX_RTOL = 1e-7  # measured 1.7e-10 relative in float64 (router softmax runs in float32 upstream)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny shapes: one thread is faster, and two spin-wait badly on a shared, loaded machine."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def moe(tiny_models, family="tiny-qwen3-moe"):
+    return tiny_models(family, output_router_logits=True)
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    cache = {}
+
+    def get(batch_name):
+        if batch_name not in cache:
+            batch = BATCHES[batch_name]()
+            w = token_weights(batch, seed=1)
+            cache[batch_name] = (batch, w, per_sequence(moe(tiny_models), batch, 0.8, w))
+        return cache[batch_name]
+
+    return get
+
+
+@pytest.mark.parametrize("split,attn", MODES)
+@pytest.mark.parametrize("batch_name", list(BATCHES))
+def test_moe_dedup_matches_per_sequence(tiny_models, references, split, attn, batch_name):
+    batch, w, ref = references(batch_name)
+    out = check(DeduplicatedActor(model=moe(tiny_models), use_split_attention=split, attn_implementation=attn), batch, w, ref, 0.8)
+    assert out.aux_loss is not None and out.plan.num_groups < batch.batch_size
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_moe_baseline_matches_per_sequence(tiny_models, references, padded):
+    batch, w, ref = references("mixed")
+    check(BaselineActor(model=moe(tiny_models), padded=padded, attn_implementation="eager"), batch, w, ref, 0.8)
+
+
+def per_sequence_router_logits(model, batch, drop_repeated_prompts: bool = False):
+    """Each layer's router logits of every sequence run alone, concatenated (optionally without the
+    prompt tokens of a row whose prompt appeared in an earlier row)."""
+    prompts, responses = batch.to_lists()
+    layers, seen = None, set()
+    for p, r in zip(prompts, responses):
+        out = model.model(input_ids=torch.tensor([p + r]), use_cache=False, output_router_logits=True)
+        skip = len(p) if drop_repeated_prompts and tuple(p) in seen else 0
+        seen.add(tuple(p))
+        layers = layers or [[] for _ in out.router_logits]
+        for acc, logits in zip(layers, out.router_logits):
+            acc.append(logits[skip:])
+    return tuple(torch.cat(x) for x in layers)
+
+
+def aux_grads(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen3-moe", "tiny-qwen3-next"])
+@pytest.mark.parametrize("batch_name", ["mixed", "dummy_padded"])
+def test_aux_loss_with_multiplicity_equals_baseline(tiny_models, family, batch_name):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    model = moe(tiny_models, family)
+    cfg = model.config
+    batch = BATCHES[batch_name]()
+    ref_logits = per_sequence_router_logits(model, batch)
+    ref = load_balancing_loss(ref_logits, cfg.num_experts, cfg.num_experts_per_tok)
+    ref_grads = aux_grads(model, ref)
+    hf = load_balancing_loss_func(tuple(x.detach() for x in ref_logits), cfg.num_experts, cfg.num_experts_per_tok)
+    assert abs(hf.item() - ref.item()) < 1e-6 * ref.item()  # transformers' own (float32) loss: the same quantity
+    actors = [DeduplicatedActor(model=model), BaselineActor(model=model)]
+    if family == "tiny-qwen3-moe":  # the padded baseline refuses linear-attention models
+        actors.append(BaselineActor(model=model, padded=True, attn_implementation="eager"))
+    for actor in actors:
+        aux = actor.forward(batch).aux_loss
+        assert aux.dtype == torch.float64
+        assert abs(aux.item() - ref.item()) < AUX_RTOL * ref.item(), (type(actor).__name__, aux.item(), ref.item())
+        g_err, g_name = max_rel_grad_error(aux_grads(model, aux), ref_grads)
+        assert g_err < GRAD_RTOL, f"aux-loss gradient of {g_name} off by {g_err:.2e}"
+
+
+def test_aux_loss_unique_counts_shared_prompt_tokens_once(tiny_models):
+    model = moe(tiny_models)
+    cfg = model.config
+    batch = mixed_batch()
+    baseline = load_balancing_loss(per_sequence_router_logits(model, batch), cfg.num_experts, cfg.num_experts_per_tok)
+    unique = load_balancing_loss(per_sequence_router_logits(model, batch, drop_repeated_prompts=True), cfg.num_experts, cfg.num_experts_per_tok)
+    aux = DeduplicatedActor(model=model, router_aux_weighting="unique").forward(batch).aux_loss
+    assert abs(aux.item() - unique.item()) < AUX_RTOL * unique.item()
+    assert abs(aux.item() - baseline.item()) > 1e3 * AUX_RTOL * baseline.item()  # the documented difference is real here
+
+
+def test_token_multiplicity():
+    plan = build_dedup_plan(mixed_batch())
+    m = token_multiplicity(plan)
+    is_prompt = plan.token_segment < plan.num_groups
+    assert m.sum().item() == plan.logical_tokens
+    assert torch.equal(m[is_prompt], plan.group_size[plan.token_group[is_prompt]].double())
+    assert torch.all(m[~is_prompt] == 1)
+
+
+def test_aux_loss_off_unless_router_logits_requested(tiny_models):
+    assert DeduplicatedActor(model=tiny_models("tiny-qwen3-moe")).forward(mixed_batch()).aux_loss is None
+    with pytest.raises(ValueError, match="router_aux_weighting"):
+        DeduplicatedActor(model=tiny_models("tiny-qwen3-moe"), router_aux_weighting="tokens")

@@ -1,0 +1,248 @@
+"""Qwen3-Next (gated DeltaNet + full attention) against the per-sequence float64 reference.
+
+transformers' PyTorch delta-rule kernel computes in float32 even in a float64 model, which puts
+float32 noise (measured ~1.2e-4 relative on A_log's gradient, dedup vs one-shot) on every
+gradient through it. The exactness tests therefore run both the reference and zorro with
+`chunk_gated_delta_rule_exact` (same algorithm, float64) installed as the model module's kernel;
+`test_unmodified_float32_kernel` runs transformers' own kernel at its measured floor.
+Prompts cover shorter than one chunk (40), exactly one (64), longer (100) and two chunks (128).
+"""
+
+import pytest
+import torch
+
+from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
+from test_actor import GRAD_RTOL, LP_ATOL, check
+from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
+from zorro_core.families.delta_rule import chunk_gated_delta_rule_exact
+from zorro_core.families.linear_attention import build_linear_layout, conv_sources, fla_available
+from zorro_core.plan import build_dedup_plan
+
+qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+FAMILY = "tiny-qwen3-next"
+
+
+def _tokens(n, gen):
+    return torch.randint(1, 256, (n,), generator=gen).tolist()
+
+
+def chunk_batch() -> RolloutBatch:
+    """Shared prompts of 40, 64, 100 and 128 tokens (duplicates not adjacent), one lone prompt of 70;
+    responses from 1 token to long enough that tail + response crosses a chunk boundary."""
+    gen = torch.Generator().manual_seed(0)
+    a, b, c, d, e = (_tokens(n, gen) for n in (40, 64, 100, 128, 70))
+    prompts = [a, b, c, a, e, b, c, d, d, a]
+    responses = [_tokens(n, gen) for n in (5, 30, 70, 9, 12, 1, 3, 20, 66, 2)]
+    return RolloutBatch.from_lists(prompts, responses)
+
+
+def boundary_batch() -> RolloutBatch:
+    """Prompts one token either side of the first two chunk boundaries, each shared by two rows."""
+    gen = torch.Generator().manual_seed(1)
+    ps = [_tokens(n, gen) for n in (63, 65, 127, 129)]
+    return RolloutBatch.from_lists(ps + ps[::-1], [_tokens(n, gen) for n in (2, 64, 1, 7, 3, 62, 66, 1)])
+
+
+BATCHES = {
+    "chunks_padded": chunk_batch,
+    "boundaries": boundary_batch,
+    "all_short_shared": lambda: create_dummy_batch(batch_size=4, num_unique_prompts=2, prompt_len=20, response_len=8, vocab_size=256, vary_lengths=True, seed=6),
+    "unpadded": lambda: create_dummy_batch(batch_size=3, num_unique_prompts=1, prompt_len=70, response_len=10, vocab_size=256, seed=5),
+}
+MODES = [(True, "eager"), (True, "sdpa"), (False, "eager")]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny shapes: one thread is faster, and two spin-wait badly on a shared, loaded machine
+    (measured: a new sequence length cost ~2.5 s per forward with 2 threads at load 6, 0.02 s with 1)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture
+def exact_kernel(monkeypatch):
+    monkeypatch.setattr(qwen3_next, "torch_chunk_gated_delta_rule", chunk_gated_delta_rule_exact)
+
+
+@pytest.fixture(scope="module")
+def exact_references(tiny_models):
+    cache = {}
+
+    def get(batch_name):
+        if batch_name not in cache:
+            saved = qwen3_next.torch_chunk_gated_delta_rule
+            qwen3_next.torch_chunk_gated_delta_rule = chunk_gated_delta_rule_exact
+            try:
+                batch = BATCHES[batch_name]()
+                w = token_weights(batch, seed=2)
+                cache[batch_name] = (batch, w, per_sequence(tiny_models(FAMILY), batch, 1.0, w))
+            finally:
+                qwen3_next.torch_chunk_gated_delta_rule = saved
+        return cache[batch_name]
+
+    return get
+
+
+def test_exact_kernel_agrees_with_transformers_kernel():
+    gen = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(2, 100, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(2, 100, 4, 8, generator=gen, dtype=torch.float64)
+    g, beta = -torch.rand(2, 100, 4, generator=gen, dtype=torch.float64), torch.rand(2, 100, 4, generator=gen, dtype=torch.float64)
+    s0 = torch.randn(2, 4, 8, 8, generator=gen, dtype=torch.float64)
+    kw = dict(g=g, beta=beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_ref, s_ref = qwen3_next.torch_chunk_gated_delta_rule(q, k, v, **kw)
+    o, s = chunk_gated_delta_rule_exact(q, k, v, **kw)
+    assert o.dtype == torch.float64 and s.dtype == torch.float64
+    assert (o - o_ref).abs().max() < 1e-5 and (s - s_ref).abs().max() < 1e-5  # float32 precision of the reference
+
+
+@pytest.mark.parametrize("batch_name", list(BATCHES))
+@pytest.mark.parametrize("split,attn", MODES)
+@pytest.mark.parametrize("actor_cls", [DeduplicatedActor, BaselineActor])
+def test_qwen3_next_matches_per_sequence(tiny_models, exact_references, exact_kernel, batch_name, split, attn, actor_cls):
+    batch, w, ref = exact_references(batch_name)
+    actor = actor_cls(model=tiny_models(FAMILY), use_split_attention=split, attn_implementation=attn)
+    out = check(actor, batch, w, ref, 1.0)
+    if actor_cls is DeduplicatedActor:
+        assert out.plan.num_groups < batch.batch_size
+
+
+def test_unmodified_float32_kernel(tiny_models):
+    """transformers' own kernel (float32 inside): log-probs at the float64 tolerance; gradients at
+    that kernel's measured floor (1.2e-4 relative on A_log, asserted at 1e-3). A lost carried state
+    or a wrong conv window is off by >1e-2 (test_carried_state_matters)."""
+    model = tiny_models(FAMILY)
+    batch = chunk_batch()
+    w = token_weights(batch, seed=2)
+    ref = per_sequence(model, batch, 1.0, w)
+    lp, ent, grads, _ = actor_run(DeduplicatedActor(model=model), batch, 1.0, w)
+    assert (lp - ref[0]).abs().max().item() < LP_ATOL
+    assert (ent - ref[1]).abs().max().item() < LP_ATOL
+    assert max_rel_grad_error(grads, ref[2])[0] < 1e-3
+
+
+@pytest.mark.parametrize("what", ["zero_state", "no_conv_carry", "fork_at_prompt_end"])
+def test_carried_state_matters(tiny_models, exact_references, exact_kernel, monkeypatch, what):
+    """Dropping the carried recurrent state or the carried conv inputs fails by orders of magnitude.
+    Forking at the prompt's end (no tail replay, a layout chunk of 1) is the same math, so in float64
+    it equals the reference too: the replay is about numerics, not correctness. (Measured in float32
+    with transformers' kernel, seeds 1-2: boundary fork equals the packed one-shot baseline bitwise,
+    fork at the prompt's end differs by 4.8e-7.)"""
+    import zorro_core.families.linear_attention as la
+
+    real_layout, real_conv = la.build_linear_layout, la.conv_sources
+    if what == "zero_state":
+        def layout(plan, chunk=64):
+            lay = real_layout(plan, chunk)
+            lay.branch_state = torch.zeros_like(lay.branch_state)
+            return lay
+        monkeypatch.setattr(la, "build_linear_layout", layout)
+    elif what == "no_conv_carry":
+        def conv(plan, k):
+            src = real_conv(plan, k).clone()
+            is_resp = plan.token_segment >= plan.num_groups
+            offset = plan.position_ids - plan.prompt_lens[plan.token_group]
+            cut = is_resp[:, None] & (offset[:, None] < torch.arange(k - 1, -1, -1)[None, :])
+            return torch.where(cut, plan.num_tokens, src)
+        monkeypatch.setattr(la, "conv_sources", conv)
+    else:
+        monkeypatch.setattr(la, "build_linear_layout", lambda plan, chunk=64: real_layout(plan, 1))
+    batch, w, ref = exact_references("chunks_padded")
+    lp, ent, grads, _ = actor_run(DeduplicatedActor(model=tiny_models(FAMILY)), batch, 1.0, w)
+    lp_err = (lp - ref[0]).abs().max().item()
+    g_err = max_rel_grad_error(grads, ref[2])[0]
+    if what == "fork_at_prompt_end":
+        assert lp_err < LP_ATOL and g_err < GRAD_RTOL
+    else:
+        assert lp_err > 1e3 * LP_ATOL or g_err > 1e3 * GRAD_RTOL, (lp_err, g_err)
+
+
+def test_layout_forks_at_the_last_chunk_boundary():
+    batch = RolloutBatch.from_lists([[1] * 10, [2] * 3, [1] * 10, [3] * 8], [[5, 6], [7], [8, 9, 9], [4]])
+    plan = build_dedup_plan(batch)
+    lay = build_linear_layout(plan, chunk=4)
+    # Packed: prompt A (10) @0, [B + resp1] (3+1) @10, [C + resp3] (8+1) @14, then resp0 (2) @23, resp2 (3) @25.
+    assert lay.head.cu.tolist() == [0, 8, 12, 21]           # A up to 8; lone B+r1 and C+r3 whole
+    assert lay.head.index[:8].tolist() == list(range(8))
+    assert lay.branch.cu.tolist() == [0, 4, 9]              # tail [8,10) + response, per row of A
+    assert lay.branch.index.tolist() == [8, 9, 23, 24, 8, 9, 25, 26, 27]
+    assert lay.branch_state.tolist() == [1, 1]              # both start from head segment 0's state
+    # Every packed token takes its output from exactly one place; A's tail from its first row's branch.
+    n_head = lay.head.index.numel()
+    assert sorted(lay.out_index.tolist()) == sorted(set(lay.out_index.tolist()))
+    assert lay.out_index[8:10].tolist() == [n_head + 0, n_head + 1]
+    assert lay.out_index[25:28].tolist() == [n_head + 6, n_head + 7, n_head + 8]
+
+
+def test_conv_sources_reach_into_the_prompt():
+    batch = RolloutBatch.from_lists([[1, 2, 3], [1, 2, 3]], [[4, 5], [6, 7, 8]])
+    plan = build_dedup_plan(batch)
+    src = conv_sources(plan, 4)
+    t = plan.num_tokens  # packed: prompt @0..2, resp0 @3..4, resp1 @5..7; t = zero
+    assert src[0].tolist() == [t, t, t, 0]
+    assert src[2].tolist() == [t, 0, 1, 2]
+    assert src[3].tolist() == [0, 1, 2, 3]       # first token of response 0: prompt's last 3
+    assert src[5].tolist() == [0, 1, 2, 5]       # first token of response 1: the same prompt inputs
+    assert src[7].tolist() == [2, 5, 6, 7]
+
+
+def test_padded_baseline_is_refused(tiny_models):
+    from zorro_core.models import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="linear-attention"):
+        BaselineActor(model=tiny_models(FAMILY), padded=True).forward(chunk_batch())
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.15)])
+def test_low_precision_close_to_baseline(dtype, atol):
+    """transformers' own kernel in float32/bf16: dedup and the packed one-shot baseline agree to the
+    dtype's noise (measured 4.8e-7 in float32, 0 in bf16)."""
+    from zorro_core.models import build_model, preset_config
+
+    model = build_model(preset_config(FAMILY), dtype=dtype, attn_implementation="sdpa")
+    batch = chunk_batch()
+    d = DeduplicatedActor(model=model).forward(batch).log_probs
+    b = BaselineActor(model=model).forward(batch).log_probs
+    assert (d - b).abs().max().item() < atol
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or fla_available() is not None,
+                    reason="flash-linear-attention kernels need CUDA and the fla package")
+def test_fla_varlen_matches_per_sequence_on_gpu():
+    """GPU: the varlen fla path (one initial state per response) against each sequence alone through
+    the unmodified model (which uses fla too). bf16: some fla versions refuse float32."""
+    from zorro_core.models import build_model, preset_config
+
+    model = build_model(preset_config(FAMILY), dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
+    batch = chunk_batch().to("cuda")
+    ref_lp, _, _ = per_sequence(model, batch, 1.0)
+    for actor in (DeduplicatedActor(model=model), BaselineActor(model=model)):
+        lp = actor.forward(batch).log_probs.cpu()
+        assert (lp - ref_lp.float()).abs().max().item() < 0.15
+
+
+def test_layout_all_prompts_shorter_than_a_chunk():
+    plan = build_dedup_plan(BATCHES["all_short_shared"]())
+    lay = build_linear_layout(plan)
+    assert lay.head.index.numel() == 0 and torch.all(lay.branch_state == 0)  # every branch starts from zeros
+    assert lay.branch.cu.numel() - 1 == plan.batch_size
+
+
+def test_hooks_are_removed_after_the_forward(tiny_models):
+    """The adapter patches the layer module's conv and delta-rule functions only inside the actor's
+    forward, and restores them even when the forward fails."""
+    conv, delta = qwen3_next.causal_conv1d_fn, qwen3_next.torch_chunk_gated_delta_rule
+    model = tiny_models(FAMILY)
+    DeduplicatedActor(model=model).forward(chunk_batch())
+    assert qwen3_next.causal_conv1d_fn is conv and qwen3_next.torch_chunk_gated_delta_rule is delta
+    from zorro_core.families import family_hooks
+    from zorro_core.models import model_parts
+
+    with pytest.raises(RuntimeError, match="fails inside"):
+        with family_hooks(model, model_parts(model)):
+            assert qwen3_next.causal_conv1d_fn is not conv
+            raise RuntimeError("fails inside the hooks")
+    assert qwen3_next.causal_conv1d_fn is conv and qwen3_next.torch_chunk_gated_delta_rule is delta

@@ -1,0 +1,289 @@
+"""Gated DeltaNet layers (Qwen3-Next's linear attention) over the packed row.
+
+A linear-attention layer mixes tokens in two places, neither of them transformers' attention
+interface: a causal depthwise convolution over the pre-conv q/k/v (kernel K), and the chunked
+gated delta rule, a recurrence whose state after a prompt summarises it. The adapter replaces
+exactly those two functions of the layer's module for the duration of a zorro forward (the
+layer passes its forward kwargs, hence the route, to both); everything else in the layer
+(projections, gates, norms) is token-wise and runs untouched.
+
+- Convolution: the model's own conv over the packed row, then the first K-1 tokens of each
+  packed segment recomputed over their own sequence's window: for a response, the prompt's last
+  K-1 pre-conv inputs; for a prompt, zeros before its start. Prompt tokens are never repeated.
+- Delta rule, two varlen calls, the chunk partition of every sequence kept as in a one-shot run:
+  head:   each shared prompt up to its last chunk boundary c = floor(P / chunk) * chunk, from a
+          zero state, returning its final state; the whole sequence of a one-member group.
+  branch: per response of a shared prompt, the prompt's tail [c, P) followed by the response,
+          starting from the head's state. The tail is replayed once per response (< chunk
+          tokens) so that its chunk holds the same tokens as in the one-shot run; the prompt's
+          own tail outputs are taken from its first response's branch.
+  Gradients reach the prompt through the carried state, the replayed tail and the conv window.
+- Backends: flash-linear-attention's chunk_gated_delta_rule when transformers resolved to it
+  (varlen with cu_seqlens, one initial state per segment); otherwise transformers' PyTorch
+  fallback, which ignores cu_seqlens, over a zero-padded batch of the segments (a zero token,
+  with g = beta = 0 and k = v = 0, leaves the state untouched, so right-padding is exact).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from ..models import LINEAR_LAYER_TYPES, UnsupportedModelError
+from ..plan import DedupPlan, _cu, _ranges
+
+DEFAULT_CHUNK = 64
+_CONV_FN = "causal_conv1d_fn"
+_DELTA_FN = "torch_chunk_gated_delta_rule"
+
+
+@dataclass
+class _Calls:
+    """Varlen segments of one delta-rule call: packed positions back to back, cu_seqlens."""
+
+    index: torch.Tensor
+    """[N] packed positions of the segments' tokens."""
+    cu: torch.Tensor
+    """[n+1] int32 cumulative lengths."""
+    max_len: int
+    """Longest segment."""
+    padded: torch.Tensor
+    """[n, max_len] packed positions as a right-padded batch; T (a zero row) at padding."""
+    valid: torch.Tensor
+    """[n, max_len] real entries of `padded`."""
+
+
+@dataclass
+class LinearLayout:
+    """What every gated DeltaNet layer of one forward needs; built once per plan."""
+
+    head: _Calls
+    """Shared prompts up to their last chunk boundary, and whole one-member sequences."""
+    head_group: torch.Tensor
+    """[n_head] group of each head segment."""
+    branch: Optional[_Calls]
+    """Per response of a shared prompt: prompt tail + response. None when nothing is shared."""
+    branch_state: Optional[torch.Tensor]
+    """[n_branch] which initial state each branch starts from: 0 = zeros, 1 + i = head segment i's final state."""
+    out_index: torch.Tensor
+    """[T] position in cat(head outputs, branch outputs) of each packed token's output."""
+
+
+def _segments(pieces_start: torch.Tensor, pieces_len: torch.Tensor, pieces_per_segment: int, t: int) -> _Calls:
+    dev = pieces_start.device
+    n_tot = int(pieces_len.sum())
+    index = _ranges(pieces_start, pieces_len, n_tot)
+    seg_len = pieces_len.view(-1, pieces_per_segment).sum(1)
+    max_len = int(seg_len.max()) if seg_len.numel() else 0
+    cu = _cu(seg_len)
+    a = torch.arange(max_len, device=dev)
+    valid = a[None, :] < seg_len[:, None]
+    flat = torch.where(valid, cu[:-1, None].long() + a[None, :], 0)
+    padded = torch.where(valid, index[flat] if n_tot else flat, t)
+    return _Calls(index, cu, max_len, padded, valid)
+
+
+def conv_sources(plan: DedupPlan, kernel_size: int) -> torch.Tensor:
+    """[T, K] packed position of each token's conv inputs, oldest first (itself last); T where none (zero)."""
+    dev = plan.device
+    t = plan.num_tokens
+    # Conv inputs: the d-th predecessor of a response token inside its response is t - d, before
+    # it the prompt's position pos - d; of a prompt token, its prompt's position pos - d.
+    pos = plan.position_ids
+    grp = plan.token_group
+    is_resp = plan.token_segment >= plan.num_groups
+    offset = pos - plan.prompt_lens[grp]
+    tok = torch.arange(t, device=dev)
+    d = torch.arange(kernel_size - 1, -1, -1, device=dev)[None, :]  # oldest first
+    src = torch.where(is_resp[:, None] & (offset[:, None] >= d), tok[:, None] - d, plan.prompt_start[grp][:, None] + pos[:, None] - d)
+    return torch.where(pos[:, None] >= d, src, t)
+
+
+def build_linear_layout(plan: DedupPlan, chunk: int = DEFAULT_CHUNK) -> LinearLayout:
+    """The head/branch segments of `plan` (see the module docstring)."""
+    dev = plan.device
+    t = plan.num_tokens
+    g_count = plan.num_groups
+    plen = plan.prompt_lens
+    shared = plan.group_size > 1
+
+    # Head: shared prompts up to the fork (maybe empty: then the branches start from zeros), and
+    # the whole [prompt][response] of one-member groups (contiguous in the packed row).
+    lone_len = torch.zeros(g_count, dtype=torch.long, device=dev).index_add(
+        0, plan.group_of_row, torch.where(shared[plan.group_of_row], 0, plan.response_lens))
+    fork = torch.where(shared, plen // chunk * chunk, plen)
+    head_len = fork + lone_len
+    keep = (head_len > 0).nonzero().flatten()
+    head = _segments(plan.prompt_start[keep], head_len[keep], 1, t)
+    seg_of_group = torch.full((g_count,), -1, dtype=torch.long, device=dev)
+    seg_of_group[keep] = torch.arange(keep.numel(), device=dev)
+
+    merge = torch.empty(t, dtype=torch.long, device=dev)
+    merge[head.index] = torch.arange(head.index.numel(), device=dev)
+    branch = branch_state = None
+    rows = (shared[plan.group_of_row]).nonzero().flatten()
+    if rows.numel():
+        rows = rows[torch.argsort(plan.response_start[rows])]
+        g = plan.group_of_row[rows]
+        tail_start = plan.prompt_start[g] + fork[g]
+        tail_len = plen[g] - fork[g]
+        starts = torch.stack([tail_start, plan.response_start[rows]], 1).flatten()
+        lens = torch.stack([tail_len, plan.response_lens[rows]], 1).flatten()
+        branch = _segments(starts, lens, 2, t)
+        branch_state = seg_of_group[g] + 1
+        # Every response token from its own branch; a prompt's tail from its first row's branch.
+        n_b = branch.index.numel()
+        seg_len = tail_len + plan.response_lens[rows]
+        in_tail = torch.arange(n_b, device=dev) - torch.repeat_interleave(branch.cu[:-1].long(), seg_len, output_size=n_b) \
+            < torch.repeat_interleave(tail_len, seg_len, output_size=n_b)
+        first_row = torch.repeat_interleave(plan.group_rep_row[g] == rows, seg_len, output_size=n_b)
+        use = ~in_tail | first_row
+        merge[branch.index[use]] = head.index.numel() + torch.arange(n_b, device=dev)[use]
+    return LinearLayout(head, keep, branch, branch_state, merge)
+
+
+def _cached(plan: DedupPlan, key: tuple, build):
+    # Built once per plan, reused by every linear layer (the plan's segment cache lives as long as it).
+    cache = plan.causal.cache
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
+
+
+@functools.lru_cache(maxsize=None)
+def fla_available() -> Optional[str]:
+    """None when flash-linear-attention's gated delta rule is importable, else why not."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means "not here"
+        return f"flash-linear-attention is not importable ({type(e).__name__}: {e})"
+    return None
+
+
+def _delta_varlen(kernel, calls: _Calls, x: tuple, init: Optional[torch.Tensor], chunk: int, final: bool, use_fla: bool):
+    """Run the delta rule over the segments of `calls`; returns ([N, Hv, Dv] outputs in segment order, final states)."""
+    if use_fla:
+        args = [a[calls.index][None] for a in x]
+        out, state = kernel(*args[:3], g=args[3], beta=args[4], initial_state=init, output_final_state=final,
+                            use_qk_l2norm_in_kernel=True, cu_seqlens=calls.cu.long())
+        return out[0], state
+    # PyTorch fallback: right-padded batch (it ignores cu_seqlens; its wrapper refuses them).
+    args = [torch.cat([a, a.new_zeros(1, *a.shape[1:])])[calls.padded] for a in x]
+    out, state = kernel(*args[:3], g=args[3], beta=args[4], chunk_size=chunk, initial_state=init,
+                        output_final_state=final, use_qk_l2norm_in_kernel=True)
+    return out[calls.valid], state
+
+
+def _dedup_delta_rule(original, query, key, value, g, beta, chunk_size: int = DEFAULT_CHUNK, initial_state=None,
+                      output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False, cu_seqlens=None, **kwargs):
+    route = kwargs.get("zorro_route")
+    if route is None:
+        return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
+                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                        cu_seqlens=cu_seqlens, **kwargs)
+    if initial_state is not None or output_final_state or cu_seqlens is not None:
+        raise UnsupportedModelError("a recurrent cache (initial_state / output_final_state) is not supported by the dedup path")
+    if not use_qk_l2norm_in_kernel:
+        raise UnsupportedModelError("the dedup gated DeltaNet adapter expects use_qk_l2norm_in_kernel=True (Qwen3-Next)")
+    if query.shape[0] != 1:
+        raise ValueError(f"the packed row must have batch size 1, got {query.shape[0]}")
+    plan = route.plan
+    lay = _cached(plan, ("linear_layout", chunk_size), lambda: build_linear_layout(plan, chunk_size))
+    # transformers resolves the delta rule to flash-linear-attention when it is importable;
+    # that kernel takes cu_seqlens (true varlen), the PyTorch fallback does not.
+    use_fla = query.is_cuda and fla_available() is None
+    x = tuple(a[0] for a in (query, key, value, g, beta))
+    outs, head_state = [], None
+    if lay.head.index.numel():
+        head_out, head_state = _delta_varlen(original, lay.head, x, None, chunk_size, lay.branch is not None, use_fla)
+        outs.append(head_out)
+    if lay.branch is not None:
+        hv, dk, dv = value.shape[2], key.shape[3], value.shape[3]
+        zero = torch.zeros(1, hv, dk, dv, dtype=torch.float32 if head_state is None else head_state.dtype, device=query.device)
+        states = zero if head_state is None else torch.cat([zero, head_state])
+        branch_out, _ = _delta_varlen(original, lay.branch, x, states[lay.branch_state], chunk_size, False, use_fla)
+        outs.append(branch_out)
+    route.adapter_calls["linear_attention"] = route.adapter_calls.get("linear_attention", 0) + 1
+    return torch.cat(outs)[lay.out_index][None], None
+
+
+def _dedup_conv(original, hidden_states, weight, bias=None, activation=None, **kwargs):
+    """Causal depthwise conv of the packed row [1, C, T], each token over its own sequence's inputs."""
+    route = kwargs.get("zorro_route")
+    if route is None:
+        return original(hidden_states, weight, bias, activation=activation, **kwargs)
+    from transformers.activations import ACT2FN
+
+    if hidden_states.shape[0] != 1:
+        raise ValueError(f"the packed row must have batch size 1, got {hidden_states.shape[0]}")
+    k = weight.shape[-1]
+    plan = route.plan
+    if hidden_states.shape[-1] != plan.num_tokens:
+        raise UnsupportedModelError(
+            f"the conv input has {hidden_states.shape[-1]} positions for a packed row of {plan.num_tokens}: "
+            "a conv cache is in use; the dedup path runs a full forward without cache")
+    src, fix = _cached(plan, ("linear_conv", k), lambda: _conv_fixes(plan, k))
+    # The model's own conv over the packed row is right wherever a token's window lies inside its
+    # own packed segment; only the first K-1 tokens of a segment see the wrong neighbours.
+    out = original(hidden_states, weight, bias, activation=activation, **kwargs)
+    if fix.numel():
+        x = hidden_states[0].t()  # [T, C]
+        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        xz = torch.cat([x, x.new_zeros(1, x.shape[1])]).to(acc)
+        rows = torch.einsum("nkc,ck->nc", xz[src[fix]], weight.to(acc))
+        if bias is not None:
+            rows = rows + bias.to(acc)
+        rows = rows.to(weight.dtype)
+        if activation is not None:
+            rows = ACT2FN[activation](rows)
+        out = out[0].t().index_copy(0, fix, rows.to(out.dtype)).t()[None]
+    route.adapter_calls["linear_conv"] = route.adapter_calls.get("linear_conv", 0) + 1
+    return out
+
+
+def _conv_fixes(plan: DedupPlan, kernel_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """conv_sources, and the packed positions whose sources differ from the packed row's own window."""
+    src = conv_sources(plan, kernel_size)
+    t = plan.num_tokens
+    tok = torch.arange(t, device=src.device)[:, None]
+    natural = tok - torch.arange(kernel_size - 1, -1, -1, device=src.device)[None, :]
+    natural = torch.where(natural >= 0, natural, t)
+    return src, (src != natural).any(1).nonzero().flatten()
+
+
+def linear_layers(model: nn.Module) -> list[nn.Module]:
+    """The gated DeltaNet layers of `model` (modules whose layer_type is linear attention)."""
+    return [m for m in model.modules() if getattr(m, "layer_type", None) in LINEAR_LAYER_TYPES and hasattr(m, "conv1d")]
+
+
+@contextlib.contextmanager
+def linear_attention_hooks(model: nn.Module) -> Iterator[None]:
+    """Route the conv and delta rule of every gated DeltaNet layer of `model` through the adapter, then restore."""
+    modules = {sys.modules[type(m).__module__] for m in linear_layers(model)}
+    saved = []
+    try:
+        for mod in modules:
+            for name, fn in ((_CONV_FN, _dedup_conv), (_DELTA_FN, _dedup_delta_rule)):
+                original = getattr(mod, name, None)
+                if original is None:
+                    raise UnsupportedModelError(f"{mod.__name__} has no {name}: this transformers version's gated DeltaNet is not supported")
+                saved.append((mod, name, original))
+                setattr(mod, name, _bind(fn, original))
+        yield
+    finally:
+        for mod, name, original in reversed(saved):
+            setattr(mod, name, original)
+
+
+def _bind(fn, original):
+    def patched(*args, **kwargs):
+        return fn(original, *args, **kwargs)
+
+    patched.zorro_original = original
+    return patched

@@ -1,0 +1,74 @@
+"""Gradient accumulation over balanced micro-batches of one batch.
+
+Loss normalisation: gradients add up over micro-batches, so the accumulated gradient equals
+the full batch's exactly when the loss is a sum over rows. Make `loss_fn` return a SUM of
+per-token (or per-row) terms scaled by constants of the FULL batch, e.g.
+    n = batch.response_mask.sum()                     # computed once, over the whole batch
+    loss_fn = lambda out, rows: -(adv[rows] * out.log_probs * mask[rows]).sum() / n
+(token-mean over the batch), or divide per-row sums by each row's length and by B
+(sequence-mean). A per-micro-batch mean would weight the micro-batches wrongly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+from .balance import Partition, Workload, partition_micro_batches, select_rows
+
+if TYPE_CHECKING:
+    from .actor import ActorOutput, _Actor
+
+
+@dataclass
+class MicroBatchOutput:
+    """What `forward_backward` leaves besides the accumulated `.grad`s."""
+
+    log_probs: torch.Tensor
+    """[B, R] log-probs in the batch's original row order, detached; 0 at padding."""
+    entropy: Optional[torch.Tensor]
+    """[B, R] entropy, detached, or None."""
+    loss: float
+    """Sum of the micro-batch losses."""
+    partition: Partition
+    """The micro-batches (row indices), their tokens and costs, splits and imbalance."""
+
+
+def forward_backward(
+    actor: "_Actor",
+    batch,
+    loss_fn: Callable[["ActorOutput", torch.Tensor], torch.Tensor],
+    max_tokens_per_micro_batch: Optional[int] = None,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    attention_weight: float = 0.0,
+) -> MicroBatchOutput:
+    """Forward and backward each micro-batch in turn, accumulating into the parameters' `.grad`.
+
+    `loss_fn(out, rows)` gets the micro-batch's ActorOutput ([b, R], rows in the order of
+    `rows`, a 1-D long tensor of indices into the full batch) and returns a scalar (see the
+    module doc for normalisation). `.grad` is accumulated, not reset: zero it before.
+    """
+    batch.validate(vocab_size=actor.vocab_size)
+    batch = batch.to(actor.device)
+    part = partition_micro_batches(Workload.of(batch, dedup=actor.dedup), max_tokens_per_micro_batch, attention_weight)
+    b, r = batch.responses.shape
+    log_probs = entropy = None
+    total = 0.0
+    for rows in part.parts:
+        idx = torch.tensor(rows, dtype=torch.long, device=batch.device)
+        out = actor.forward(select_rows(batch, idx), temperature=temperature, calculate_entropy=calculate_entropy)
+        loss = loss_fn(out, idx)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError("loss_fn must return a scalar tensor")
+        loss.backward()
+        total += float(loss.detach())
+        if log_probs is None:
+            log_probs = out.log_probs.new_zeros(b, r)
+            entropy = out.log_probs.new_zeros(b, r) if out.entropy is not None else None
+        log_probs[idx] = out.log_probs.detach()
+        if entropy is not None:
+            entropy[idx] = out.entropy.detach()
+    return MicroBatchOutput(log_probs, entropy, total, part)

@@ -1,0 +1,390 @@
+"""Prove a configuration: the deduplicated actor against the per-sequence reference and the baseline.
+
+One *case* is a model, an attention implementation, a dtype, a batch layout, split or mask
+attention and a logits mode. For each case the deduplicated actor and the baseline actor (same
+backend, no dedup) run one batch with a loss whose per-token weights differ per response; their
+per-token log-probs, entropies and every parameter's gradient are compared with the
+independent per-sequence computation (zorro_core.reference) in float64 on the same weights.
+The pass rule is RULE below; `zorro verify gradients` prints it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from .actor import BaselineActor, DeduplicatedActor
+from .batch import RolloutBatch, create_dummy_batch
+from .logprobs import LOGITS_MODES
+from .models import PRESETS, SUPPORTED_MODEL_TYPES, build_model, preset_config
+from .plan import DedupPlan, build_dedup_plan
+from .reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
+
+# Measured float64 floor (transformers keeps RMSNorm, RoPE and eager softmax in float32 even in a
+# float64 model): log-probs ~6e-8 abs, gradients ~6e-7 relative. Asserted an order above.
+LP_FLOOR = 1e-6
+GRAD_FLOOR = 1e-5
+FACTOR = 4.0
+TEMPERATURE = 0.7
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+LAYOUTS = ("padded", "unpadded")
+MODES = ("split", "mask")
+ATTNS = ("eager", "sdpa", "flash_attention_2")
+# GPU varlen kernels that take 16-bit inputs only (float32/float64 cases skip there).
+HALF_ONLY_BACKENDS = {"flash_attn", "torch_varlen"}
+
+RULE = (
+    "Pass rule. Every case runs the deduplicated actor (dedup) and the baseline actor (same "
+    "backend, no dedup) and compares both with each sequence run alone through the unmodified "
+    "model in float64 on the same weights (ref64). "
+    f"float64: |log-prob - ref64| <= {LP_FLOOR:g} and |entropy - ref64| <= {LP_FLOOR:g} on every "
+    f"token, and ||grad - ref64|| / ||ref64|| <= {GRAD_FLOOR:g} for every parameter (the measured "
+    "float64 floor, ~6e-8 and ~6e-7, with margin). "
+    "float32/bfloat16: the dtype's own noise is the baseline's error against ref64; dedup passes "
+    f"when its error against ref64 is <= {FACTOR:g} x the baseline's + the float64 floor, for the "
+    "max log-prob error, the max entropy error and each parameter's gradient error. "
+    "A case that cannot run here (a backend needs a GPU) is skipped with the reason; an error "
+    "counts as a failure."
+)
+
+
+@dataclass(frozen=True)
+class VerifyCase:
+    """One configuration to prove."""
+
+    model: str
+    """Preset name (tiny shapes of a supported family)."""
+    attn: str
+    """Attention implementation: eager, sdpa, flash_attention_2."""
+    dtype: str
+    """float64, float32 or bfloat16."""
+    layout: str
+    """padded (varied prompt and response lengths, a lone row, a prefix prompt) or unpadded (equal lengths)."""
+    split: bool
+    """Split attention (two varlen calls) or one masked attention over the packed row."""
+    logits_mode: str
+    """none, compute or memory."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/{self.attn}/{self.dtype}/{self.layout}/{'split' if self.split else 'mask'}/{self.logits_mode}"
+
+
+@dataclass
+class Errors:
+    """One actor's errors against ref64."""
+
+    log_prob: float
+    """max |log-prob - ref| over real tokens."""
+    entropy: float
+    """max |entropy - ref| over real tokens."""
+    grads: dict[str, float]
+    """||grad - ref|| / ||ref|| per parameter."""
+
+    @property
+    def worst_param(self) -> tuple[str, float]:
+        if not self.grads:
+            return "", 0.0
+        name = max(self.grads, key=self.grads.get)
+        return name, self.grads[name]
+
+
+@dataclass
+class CaseResult:
+    """The verdict of one case."""
+
+    case: VerifyCase
+    status: str
+    """pass, fail, skip or error."""
+    reason: str = ""
+    """Why it failed, was skipped or errored."""
+    dedup: Optional[Errors] = None
+    baseline: Optional[Errors] = None
+    dedup_vs_baseline: float = float("nan")
+    """max |dedup log-prob - baseline log-prob|."""
+    worst_ratio: float = float("nan")
+    """max over checks of dedup error / its tolerance (> 1 fails)."""
+    worst_check: str = ""
+    """Which check has that ratio."""
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        """Plain data for JSON (nan and inf become None, so the output is strict JSON)."""
+        f = finite_or_none
+        d = {"case": self.case.name, **asdict(self.case), "status": self.status, "reason": self.reason,
+             "dedup_vs_baseline_log_prob": f(self.dedup_vs_baseline), "worst_ratio": f(self.worst_ratio),
+             "worst_check": self.worst_check, "seconds": round(self.seconds, 3)}
+        for who, e in (("dedup", self.dedup), ("baseline", self.baseline)):
+            if e is not None:
+                name, err = e.worst_param
+                d[who] = {"log_prob_err": f(e.log_prob), "entropy_err": f(e.entropy), "worst_param": name,
+                          "worst_param_rel_err": f(err), "grad_rel_err": {k: f(v) for k, v in e.grads.items()}}
+        return d
+
+
+def finite_or_none(x: float) -> Optional[float]:
+    """x, or None for nan/inf (strict JSON has neither)."""
+    return x if math.isfinite(x) else None
+
+
+def judge(dtype: str, dedup: Errors, baseline: Errors, factor: float = FACTOR) -> tuple[float, str, list[str]]:
+    """Apply RULE: (worst error/tolerance ratio, its check, the failing checks with figures)."""
+    low = dtype != "float64"
+
+    def tol(base_err: float, floor: float) -> float:
+        return factor * base_err + floor if low else floor
+
+    checks = [("log-prob", dedup.log_prob, tol(baseline.log_prob, LP_FLOOR)),
+              ("entropy", dedup.entropy, tol(baseline.entropy, LP_FLOOR))]
+    checks += [(f"grad {n}", e, tol(baseline.grads.get(n, 0.0), GRAD_FLOOR)) for n, e in dedup.grads.items()]
+    worst, worst_name, failing = 0.0, "", []
+    for name, err, limit in checks:
+        ratio = err / limit if math.isfinite(err) else math.inf
+        if ratio > worst or not worst_name:
+            worst, worst_name = ratio, name
+        if not ratio <= 1.0:
+            failing.append(f"{name} {err:.2e} > {limit:.2e}")
+    return worst, worst_name, failing
+
+
+def tiny_models() -> list[str]:
+    """Every `tiny-*` preset whose family the dedup path supports (new families are picked up)."""
+    return [n for n, (family, _) in PRESETS.items() if n.startswith("tiny-") and family in SUPPORTED_MODEL_TYPES]
+
+
+def verify_batch(layout: str, vocab_size: int, seed: int = 0) -> RolloutBatch:
+    """The batch of a layout.
+
+    padded: groups of 3, 2 and 1 rows with different prompt lengths, duplicates not adjacent,
+    one prompt a strict prefix of another (must not merge), a response of length 1.
+    unpadded: 6 rows, 2 prompts of 8 tokens, responses of 5 tokens, no padding anywhere.
+    """
+    if layout == "unpadded":
+        return create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=8, response_len=5,
+                                  vocab_size=vocab_size, seed=seed)
+    if layout != "padded":
+        raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+    g = torch.Generator().manual_seed(seed)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(1, vocab_size, (n,), generator=g).tolist()
+
+    a, b = toks(9), toks(5)
+    c = a[:5]
+    prompts = [a, c, b, a, c, a]
+    responses = [toks(n) for n in (4, 2, 1, 5, 6, 3)]
+    return RolloutBatch.from_lists(prompts, responses)
+
+
+def case_unavailable(case: VerifyCase, device: str) -> Optional[str]:
+    """Why a case cannot run on `device`, or None."""
+    from .varlen import backend_unavailable, default_backend
+
+    if case.model not in PRESETS:
+        return f"unknown preset {case.model!r}"
+    if case.dtype not in DTYPES:
+        return f"unknown dtype {case.dtype!r}"
+    if case.logits_mode not in LOGITS_MODES:
+        return f"unknown logits mode {case.logits_mode!r}"
+    if not case.split and case.attn not in ("eager", "sdpa"):
+        return f"mask mode runs eager or sdpa, not {case.attn}"
+    if case.attn.startswith("flash_attention") and torch.device(device).type != "cuda":
+        return f"{case.attn} needs a CUDA device"
+    if case.split:
+        backend = default_backend(case.attn, device)
+        why = backend_unavailable(backend, device)
+        if why:
+            return why
+        if backend in HALF_ONLY_BACKENDS and case.dtype not in ("bfloat16", "float16"):
+            return f"varlen backend {backend} runs float16/bfloat16 only, not {case.dtype}"
+    return None
+
+
+def build_verify_model(name: str, device: str = "cpu", seed: int = 0) -> nn.Module:
+    """Preset `name` in float32 with seeded weights, ready to cast to any dtype.
+
+    MoE experts run the eager loop: grouped_mm has no float64 on CPU, and the reference must
+    run in float64 (the option is ignored by dense configs).
+    """
+    return build_model(preset_config(name, experts_implementation="eager"), dtype=torch.float32, device=device,
+                       seed=seed, attn_implementation="eager")
+
+
+# ---------------------------------------------------------------- deliberate bugs
+
+def _wrong_prompt(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
+    rows = (plan.group_of_row != plan.group_of_row[0]).nonzero().flatten()
+    if not rows.numel():
+        raise ValueError("wrong_prompt needs a batch with two distinct prompts")
+    r = int(rows[0])
+    prompts, mask = batch.prompts.clone(), batch.prompt_mask.clone()
+    prompts[r], mask[r] = prompts[0], mask[0]
+    return build_dedup_plan(RolloutBatch(prompts, mask, batch.responses, batch.response_mask), dedup=plan.deduplicated)
+
+
+def _positions_restart(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
+    is_resp = plan.token_segment >= plan.num_groups
+    plan.position_ids = torch.where(is_resp, plan.position_ids - plan.prompt_lens[plan.token_group], plan.position_ids)
+    return plan
+
+
+def _first_label_dropped(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
+    first = plan.response_flat_index % plan.response_width == 0
+    plan.logit_index = torch.where(first, plan.logit_index + 1, plan.logit_index)
+    return plan
+
+
+def _first_label_shared(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
+    first = plan.response_flat_index % plan.response_width == 0
+    row = plan.response_flat_index // plan.response_width
+    rep = plan.group_rep_row[plan.group_of_row[row]]
+    plan.labels = torch.where(first, batch.responses.long()[rep, 0], plan.labels)
+    return plan
+
+
+BUGS: dict[str, tuple[str, Callable[[DedupPlan, RolloutBatch], DedupPlan]]] = {
+    "wrong_prompt": ("a response is grouped with (attends to) another row's prompt", _wrong_prompt),
+    "positions_restart": ("response positions restart at 0 instead of continuing after the prompt",
+                          _positions_restart),
+    "first_label_dropped": ("each response's first token is read one position late (first label dropped)",
+                            _first_label_dropped),
+    "first_label_shared": ("every response of a group gets the first response's first-token label (rolled row)",
+                           _first_label_shared),
+}
+
+
+@contextlib.contextmanager
+def inject_bug(name: Optional[str]) -> Iterator[dict]:
+    """Corrupt every plan the DeduplicatedActor builds, for proving that verification can fail.
+
+    Yields a counter; raises RuntimeError at exit if the bug was never applied (so a refactor of
+    the actor cannot silently turn the check into a no-op).
+    """
+    counter = {"applied": 0}
+    if name is None:
+        yield counter
+        return
+    if name not in BUGS:
+        raise ValueError(f"unknown bug {name!r}; choose one of {sorted(BUGS)}")
+    corrupt = BUGS[name][1]
+    had_own = "plan" in DeduplicatedActor.__dict__
+    original = DeduplicatedActor.plan
+
+    def plan(self, batch):
+        counter["applied"] += 1
+        return corrupt(original(self, batch), batch.to(self.device))
+
+    DeduplicatedActor.plan = plan
+    try:
+        yield counter
+    finally:
+        if had_own:
+            DeduplicatedActor.plan = original
+        else:
+            del DeduplicatedActor.plan
+    if counter["applied"] == 0:
+        raise RuntimeError(f"bug {name!r} was never injected: DeduplicatedActor no longer builds plans through .plan()")
+
+
+# ---------------------------------------------------------------- running cases
+
+class Verifier:
+    """Runs cases, building each model's weights and each reference once."""
+
+    def __init__(self, device: str = "cpu", seed: int = 0, factor: float = FACTOR, bug: Optional[str] = None,
+                 lora_rank: Optional[int] = None) -> None:
+        self.lora_rank = lora_rank
+        self.device = device
+        self.seed = seed
+        self.factor = factor
+        self.bug = bug
+        self._models: dict[tuple[str, str], nn.Module] = {}
+        self._refs: dict[tuple[str, str, str], tuple] = {}
+
+    def model(self, name: str, dtype: str) -> nn.Module:
+        """Weights are drawn once in float32 and cast, so every dtype holds the same model."""
+        key = (name, dtype)
+        if key not in self._models:
+            if (name, "float32") not in self._models:
+                m = build_verify_model(name, self.device, self.seed)
+                if self.lora_rank:
+                    from .lora import LoraSettings, apply_lora
+
+                    # Random adapter init (peft's default B = 0 would make the adapter the identity
+                    # and its A-gradients zero): every adapter weight gets a gradient to compare.
+                    torch.manual_seed(self.seed)
+                    m = apply_lora(m, LoraSettings(r=self.lora_rank, init_lora_weights=False))
+                self._models[(name, "float32")] = m
+            base = self._models[(name, "float32")]
+            self._models[key] = copy.deepcopy(base).to(DTYPES[dtype])
+        return self._models[key]
+
+    def reference(self, name: str, dtype: str, layout: str):
+        """(batch, loss weights, ref64 results) on the float64 copy of the case's weights."""
+        weights_of = "bfloat16" if dtype == "bfloat16" else "float32"
+        key = (name, weights_of, layout)
+        if key not in self._refs:
+            m64 = copy.deepcopy(self.model(name, weights_of)).to(torch.float64)
+            m64.config._attn_implementation = "eager"
+            batch = verify_batch(layout, m64.config.vocab_size, seed=self.seed + 1).to(self.device)
+            w = token_weights(batch, seed=self.seed + 2)
+            self._refs[key] = (batch, w, per_sequence(m64, batch, TEMPERATURE, w))
+            del m64
+        return self._refs[key]
+
+    def errors(self, actor, batch, w, ref) -> tuple[Errors, torch.Tensor]:
+        lp, ent, grads, _ = actor_run(actor, batch, TEMPERATURE, w)
+        ref_lp, ref_ent, ref_grads = ref
+        return Errors(max_abs_error(lp, ref_lp), max_abs_error(ent, ref_ent), rel_grad_errors(grads, ref_grads)), lp
+
+    def run(self, case: VerifyCase) -> CaseResult:
+        why = case_unavailable(case, self.device)
+        if why:
+            return CaseResult(case, "skip", why)
+        t0 = time.perf_counter()
+        try:
+            model = self.model(case.model, case.dtype)
+            batch, w, ref = self.reference(case.model, case.dtype, case.layout)
+            kw = dict(model=model, use_split_attention=case.split, attn_implementation=case.attn, logits_mode=case.logits_mode)
+            base, base_lp = self.errors(BaselineActor(**kw), batch, w, ref)
+            with inject_bug(self.bug):
+                dedup, dedup_lp = self.errors(DeduplicatedActor(**kw), batch, w, ref)
+        except Exception as e:  # a crash is a failed proof, reported as a row
+            return CaseResult(case, "error", f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
+        ratio, check, failing = judge(case.dtype, dedup, base, self.factor)
+        return CaseResult(case, "fail" if failing else "pass", "; ".join(failing[:3]), dedup, base,
+                          max_abs_error(dedup_lp, base_lp), ratio, check, time.perf_counter() - t0)
+
+
+def expand_cases(models: Iterable[str], attns: Iterable[str], dtypes: Iterable[str], layouts: Iterable[str],
+                 modes: Iterable[str], logits_modes: Iterable[str]) -> list[VerifyCase]:
+    """Every combination, in a stable order (model outermost)."""
+    return [VerifyCase(m, a, d, lay, mode == "split", lm)
+            for m, d, lay, a, mode, lm in itertools.product(models, dtypes, layouts, attns, modes, logits_modes)]
+
+
+def verify_cases(cases: Iterable[VerifyCase], device: str = "cpu", seed: int = 0, factor: float = FACTOR,
+                 bug: Optional[str] = None, on_result: Optional[Callable[[CaseResult], None]] = None,
+                 lora_rank: Optional[int] = None) -> list[CaseResult]:
+    """Run cases (sharing models and references) and return their results.
+
+    lora_rank: wrap every model in a LoRA adapter of that rank (peft); only the adapter
+    weights train, so the gradients compared are the adapter's.
+    """
+    verifier = Verifier(device=device, seed=seed, factor=factor, bug=bug, lora_rank=lora_rank)
+    results = []
+    for case in cases:
+        res = verifier.run(case)
+        results.append(res)
+        if on_result is not None:
+            on_result(res)
+    return results
