@@ -208,7 +208,7 @@ def sweep(
 @bench_app.command("run")
 def run(
     model: str = typer.Option("small-qwen3", "--model", help="Preset, local checkpoint, or a model in the local HF cache."),
-    attn: str = typer.Option("sdpa", "--attn", help="eager, sdpa, flash_attention_2 or flash_attention_3."),
+    attn: str = typer.Option("sdpa", "--attn", help="eager, sdpa, flash_attention_2/3, flex_attention (with --mask) or auto."),
     split: bool = typer.Option(True, "--split/--mask", help="Dedup arm: split attention (two varlen calls) or one masked call."),
     logits_mode: str = typer.Option("compute", "--logits-mode", help="none, compute or memory."),
     dtype: str = typer.Option("float32", "--dtype"),

@@ -101,12 +101,18 @@ class _Bench:
         if case.device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"device {case.device} requested but CUDA is not available here")
         self.device = torch.device(case.device)
+        attn = case.attn_implementation
+        if attn == "auto":  # resolved once, the same for both arms (zorro_core.auto's rule)
+            from .auto import choose_attention
+
+            attn = choose_attention(self.device, _DTYPES[case.dtype], case.prompt_len + case.response_len,
+                                    case.split_attention).implementation
         self.model = load_model(case.model, device=self.device, dtype=_DTYPES[case.dtype],
-                                attn_implementation=case.attn_implementation, seed=case.seed)
+                                attn_implementation=attn, seed=case.seed)
         self.model.eval()  # no dropout; gradients still flow
         self.batch = make_batch(case, self.model.config.vocab_size, device=str(self.device))
         self.n_response = int(self.batch.response_mask.sum())
-        common = dict(model=self.model, attn_implementation=case.attn_implementation, logits_mode=case.logits_mode)
+        common = dict(model=self.model, attn_implementation=attn, logits_mode=case.logits_mode)
         self.actors: dict[str, Any] = {}
         if "baseline" in arms:
             if case.baseline == "padded":

@@ -30,7 +30,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "auto")
 LOGITS_MODES = ("none", "compute", "memory")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 BASELINES = ("packed", "padded")
@@ -44,7 +44,7 @@ class Case:
     model: str = "small-qwen3"
     """Preset name, local checkpoint, or a name in the local HF cache."""
     attn_implementation: str = "sdpa"
-    """eager, sdpa, flash_attention_2 or flash_attention_3 (both arms)."""
+    """eager, sdpa, flash_attention_2/3, flex_attention (mask mode) or auto (zorro_core.auto picks; both arms)."""
     split_attention: bool = True
     """Dedup arm: two varlen calls (True) or one masked call over the packed row (False)."""
     logits_mode: str = "compute"
