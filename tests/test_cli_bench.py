@@ -146,7 +146,7 @@ def test_bench_run_one_case_from_flags(tmp_path):
     assert rows[0]["case_id"] == "tiny-qwen3:eager:split:compute:float32:cpu:b4u2p12r3"
     res = runner.invoke(app, args + ["--dedup-ratio", "0.5", "--mask"])
     assert res.exit_code == 0, res.output
-    assert "mask" in res.output
+    assert ":mask:" in res.output and "\U0001f637" not in res.output  # an id, not rich's :mask: emoji
 
 
 def test_bench_bad_input_exits_2(tmp_path):

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -20,9 +21,9 @@ from zorro_core.results import ResultWriter, done_keys, sidecar_path, update_las
 from zorro_core.suite import PHASES, Case, Measure, Suite, load_suite
 
 bench_app = typer.Typer(help="Time the deduplicated actor against the packed baseline.", no_args_is_help=True)
-console = Console()
+console = Console(emoji=False)  # case ids hold ":mask:", which rich would draw as an emoji
 if not console.is_terminal:  # logs and pipes: wide enough that case ids stay readable
-    console = Console(width=140)
+    console = Console(width=140, emoji=False)
 
 FAILED = ("error", "crashed", "timeout")
 
@@ -96,9 +97,9 @@ def results_table(rows: list[dict], title: str) -> Table:
         t.add_column(col, justify=just)
     for label, r in zip(labels, rows):
         sp = format_speedup(float(r["speedup"]), float(r.get("speedup_err") or "nan")) if r.get("speedup") not in (None, "") else "-"
-        status = r["status"] if r["status"] == "ok" else f"[red]{r['status']}[/]: {str(r.get('error', ''))[:60]}"
+        status = r["status"] if r["status"] == "ok" else f"[red]{r['status']}[/]: {escape(str(r.get('error', ''))[:60])}"
         mem = f"{_cell(r, 'baseline_peak_mem_mib', '{:.0f}')}/{_cell(r, 'dedup_peak_mem_mib', '{:.0f}')}"
-        t.add_row(label, r["phase"].replace("forward_backward", "fwd+bwd"), _cell(r, "baseline_ms_p50"), _cell(r, "dedup_ms_p50"), sp,
+        t.add_row(escape(label), r["phase"].replace("forward_backward", "fwd+bwd"), _cell(r, "baseline_ms_p50"), _cell(r, "dedup_ms_p50"), sp,
                   _cell(r, "ideal_speedup"), _cell(r, "efficiency"), mem, status)
     return t
 
@@ -141,7 +142,7 @@ def run_suite(suite: Suite, out: Path, mode: str = "replace", fault: Optional[st
         writer.append(row)
         rows.append(row)
         sp = format_speedup(float(row["speedup"]), float(row.get("speedup_err") or "nan")) if row.get("speedup") not in (None, "") else "-"
-        progress.console.print(f"  {row['case_id']} {row['phase']}: {sp} (ideal {row.get('ideal_speedup', '-')}) {row['status']}")
+        progress.console.print(f"  {escape(row['case_id'])} {row['phase']}: {sp} (ideal {row.get('ideal_speedup', '-')}) {row['status']}")
 
     with progress:
         task = progress.add_task(suite.name, total=len(todo), case="")

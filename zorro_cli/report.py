@@ -9,12 +9,13 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
-console = Console()
+console = Console(emoji=False)  # case ids hold ":mask:", which rich would draw as an emoji
 if not console.is_terminal:
-    console = Console(width=140)
+    console = Console(width=140, emoji=False)
 
 # Columns that define a configuration: one pivot table (and one plot) per combination.
 GROUP_COLUMNS = ["model", "attn_implementation", "split_attention", "logits_mode", "dtype", "device", "batch_size",
@@ -210,7 +211,8 @@ def show(
         summary = bad.groupby("status").size().to_dict()
         (typer.echo if markdown else console.print)(f"not ok: {summary}")
         for _, r in bad.iterrows():
-            (typer.echo if markdown else console.print)(f"  {r['case_id']} {r['phase']}: {r['status']} {r.get('error', '') or ''}")
+            line = f"  {r['case_id']} {r['phase']}: {r['status']} {r.get('error', '') or ''}"
+            typer.echo(line) if markdown else console.print(escape(line))
     if csv_out is not None:
         import pandas as pd
 
@@ -312,7 +314,7 @@ def compare(
     for case, phase, vo, vn, change, verdict in rows:
         regressions += verdict.startswith("REGRESSION")
         style = "red" if verdict.startswith("REGRESSION") else ("green" if verdict == "improved" else "")
-        t.add_row(case, phase, "" if vo is None else f"{vo:.3f}", "" if vn is None else f"{vn:.3f}",
+        t.add_row(escape(case), phase, "" if vo is None else f"{vo:.3f}", "" if vn is None else f"{vn:.3f}",
                   "" if change is None else f"{change:+.1%}", f"[{style}]{verdict}[/]" if style else verdict)
     console.print(t)
     if regressions:
