@@ -27,15 +27,9 @@ import subprocess
 import sys
 import time
 
+from zorro_core.measure import proc_status_kib  # VmRSS / VmHWM of this process, in KiB
+
 MODES = ("none", "compute", "memory")
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def child(args: argparse.Namespace) -> None:
@@ -65,13 +59,13 @@ def child(args: argparse.Namespace) -> None:
     response_logprobs(hidden[:8], head, torch.arange(4), labels[:4], 1.0, args.entropy, args.mode, 2)[0].sum().backward()
     head.zero_grad(set_to_none=True)
     hidden.grad = None
-    before = _rss_kib("VmRSS")
+    before = proc_status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     t0 = time.perf_counter()
     lp = step()
     seconds = time.perf_counter() - t0
-    peak = _rss_kib("VmHWM") - before
+    peak = proc_status_kib("VmHWM") - before
     stats = dict(lp_sum=float(lp.double().sum()), grad_w_norm=float(head.weight.grad.norm()),
                  grad_h_norm=float(hidden.grad.norm()))
 

@@ -11,14 +11,6 @@ from zorro_core.models import PRESETS, UnsupportedModelError, build_model, model
 from zorro_core.plan import build_dedup_plan
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 def fresh(name="tiny-qwen3", **overrides):
     return build_model(preset_config(name, **overrides), dtype=torch.float64, attn_implementation="eager")
 

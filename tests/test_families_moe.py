@@ -21,15 +21,6 @@ BATCHES = {
 AUX_RTOL = 1e-7  # measured 1.7e-10 relative in float64 (router softmax runs in float32 upstream)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: one thread is faster, and two spin-wait badly on a shared, loaded machine."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 def moe(tiny_models, family="tiny-qwen3-moe"):
     return tiny_models(family, output_router_logits=True)
 

@@ -52,16 +52,6 @@ BATCHES = {
 MODES = [(True, "eager"), (True, "sdpa"), (False, "eager")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: one thread is faster, and two spin-wait badly on a shared, loaded machine
-    (measured: a new sequence length cost ~2.5 s per forward with 2 threads at load 6, 0.02 s with 1)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 @pytest.fixture
 def exact_kernel(monkeypatch):
     monkeypatch.setattr(qwen3_next, "torch_chunk_gated_delta_rule", chunk_gated_delta_rule_exact)

@@ -36,16 +36,6 @@ def test_tiny_presets_have_a_window_shorter_than_the_prompts():
     assert cfg.sliding_window == 5 and cfg.layer_types == ["full_attention", "sliding_attention"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: one thread is faster, and two spin-wait badly on a shared, loaded machine
-    (measured: a new sequence length cost ~2.5 s per forward with 2 threads at load 6, 0.02 s with 1)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 @pytest.fixture(scope="module")
 def references(tiny_models):
     cache = {}

@@ -147,7 +147,7 @@ def time_interleaved(arms: dict[str, Callable[[], object]], device: torch.device
 
 def rss_bytes() -> int:
     """Resident set size of this process (Linux)."""
-    return _status_kib("VmRSS") * 1024
+    return proc_status_kib("VmRSS") * 1024
 
 
 def reset_peak_rss() -> bool:
@@ -162,10 +162,10 @@ def reset_peak_rss() -> bool:
 
 def peak_rss_bytes() -> int:
     """High-water mark of the RSS since the last reset (VmHWM, Linux)."""
-    return _status_kib("VmHWM") * 1024
+    return proc_status_kib("VmHWM") * 1024
 
 
-def _status_kib(key: str) -> int:
+def proc_status_kib(key: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The prepared device check for a lent GPU (issue 7): one script, under 10 minutes on one H200.
+#   1. every GPU path against the reference: torch varlen and flash-attn varlen vs the exact
+#      reference backend, flex_attention mask mode vs the baseline, Liger and LoRA/QLoRA
+#      (pytest's CUDA cases; each skips with its reason when its package is absent);
+#   2. `zorro verify gradients` on CUDA (bf16/fp32 against a float64 reference);
+#   3. the GPU suites' timings (seed shapes; OOM cases become rows, nothing is lost).
+# Run from the repository root. Results land in $OUT (default results/gpu).
+# Optional wheels (liger-kernel, flash-attn, flash-linear-attention) are installed from .whl/
+# when present (see /work/.library/device/README.md for how to carry them).
+set -uo pipefail
+OUT=${OUT:-results/gpu}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PWD:/tmp/site"
+fi
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_check: no CUDA device here; nothing to check (every GPU test and suite skips with its reason on CPU)"
+  exit 0
+fi
+start=$(date +%s)
+left() { echo $(( ${1} - ($(date +%s) - start) )); }
+
+$PY -m zorro_cli.main env --json > "$OUT/env.json" 2>&1
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+
+echo "== 1. GPU paths against the reference"
+timeout "$(left 150)" $PY -m pytest -q -rs tests/test_varlen.py tests/test_flex.py tests/test_liger.py \
+  tests/test_lora.py tests/test_precision.py tests/test_auto.py 2>&1 | tee "$OUT/pytest.txt"
+
+echo "== 2. zorro verify gradients on CUDA"
+timeout "$(left 270)" $PY -m zorro_cli.main verify gradients --device cuda --models tiny-qwen3,tiny-llama,tiny-qwen3-moe \
+  --dtype bfloat16,float32 --logits-mode compute --json > "$OUT/verify.json" 2> "$OUT/verify.err"
+echo "verify exit code: $?"
+
+echo "== 3. GPU suite timings"
+timeout "$(left 560)" $PY -m zorro_cli.main bench sweep suites/gpu.toml --out "$OUT/gpu.csv" --repeats 5 --warmup 2 \
+  2>&1 | tail -40
+$PY -m zorro_cli.main report "$OUT/gpu.csv" --markdown > "$OUT/gpu.md" 2>&1
+echo "done in $(( $(date +%s) - start )) s; results in $OUT"
