@@ -48,12 +48,14 @@ def _title(key: dict) -> str:
 
 
 def _notes(g) -> list[str]:
-    notes = []
+    """Why rows have no figures and where a row came from another case, configs with the same text joined."""
+    by_text: dict[str, list[str]] = {}
     for _, r in g.iterrows():
         if r["status"] != "ok":
-            notes.append(f"{r['config']}: {r['status']}" + (f" ({r['reason']})" if r.get("reason") else ""))
+            by_text.setdefault(f"{r['status']}" + (f" ({r['reason']})" if r.get("reason") else ""), []).append(r["config"])
         if r.get("note"):
-            notes.append(f"{r['config']}: {r['note']}")
+            by_text.setdefault(str(r["note"]), []).append(r["config"])
+    notes = [f"{', '.join(configs)}: {text}" for text, configs in by_text.items()]
     if (g["status"] != "ok").any():
         notes.append("rows without figures are left out of the chain: the next row's step is over the nearest row above with figures")
     return notes
