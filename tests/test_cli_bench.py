@@ -156,3 +156,31 @@ def test_bench_bad_input_exits_2(tmp_path):
     res = sweep(bad)
     assert res.exit_code == 2 and "did you mean 'batch_size'" in res.output
     assert sweep(TINY, "--filter", "nothing-matches").exit_code == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path of the liger axis")
+def test_liger_case_is_skipped_with_the_reason_here(tmp_path):
+    import multiprocessing as mp
+
+    from zorro_core.runner import timing_process
+
+    case = Case(model="tiny-qwen3", batch_size=2, prompt_len=4, response_len=2, num_unique_prompts=1, liger=True)
+    assert case.case_id.endswith(":liger")
+    rows = case_rows(case, Measure(repeats=1, memory=False))  # known up front: no process started
+    assert [r["status"] for r in rows] == ["skipped", "skipped"] and "CUDA" in rows[0]["error"] and rows[0]["liger"] is True
+    # In the case process (where a GPU case is checked, with the model on its device) it is a skip too.
+    reader, writer = mp.Pipe(duplex=False)
+    timing_process(case, Measure(repeats=1, memory=False), None, writer)
+    payload = reader.recv()
+    assert payload["status"] == "skipped" and payload["error"].startswith("Liger kernels")
+    # A sweep writes the column and does not fail on the skipped case.
+    suite = tmp_path / "liger.toml"
+    suite.write_text(TINY.read_text().replace("num_unique_prompts = [1, 4]", "num_unique_prompts = 1\nliger = [false, true]"))
+    out = tmp_path / "liger.csv"
+    res = sweep(suite, "--list")
+    assert res.output.split() == ["tiny-qwen3:sdpa:split:compute:float32:cpu:b4u1p16r4",
+                                  "tiny-qwen3:sdpa:split:compute:float32:cpu:b4u1p16r4:liger"]
+    res = sweep(suite, "--out", out, "--no-memory", "--repeats", "1", "--warmup", "0", "--filter", "liger=true")
+    assert res.exit_code == 0, res.output
+    got = read_rows(out)
+    assert [(r["liger"], r["status"]) for r in got] == [("True", "skipped")] * 2 and "need a CUDA GPU" in got[0]["error"]

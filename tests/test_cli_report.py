@@ -120,3 +120,49 @@ def test_fail_above_parsing_and_bad_input(old, tmp_path):
     assert runner.invoke(app, ["report", str(tmp_path / "missing.csv")]).exit_code == 2
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     assert runner.invoke(app, ["report", str(tmp_path / "other.csv")]).exit_code == 2
+
+
+def stack_rows():
+    """Bench rows of suites/stack_cpu.toml's cases on a machine without a GPU (two arms each)."""
+    no_gpu = "Liger kernels are Triton kernels and need a CUDA GPU (got cpu)"
+    out = []
+    for attn, split, liger, base, dedup in [("eager", "True", False, 2500, 8000), ("sdpa", "True", False, 3200, 8800),
+                                            ("sdpa", "True", True, None, None), ("sdpa", "False", False, 3300, 6000),
+                                            ("sdpa", "False", True, None, None)]:
+        mode = "split" if split == "True" else "mask"
+        r = row(2, 512, "forward_backward", 1.0, case_id=f"m:{attn}:{mode}:compute:float32:cpu:b8u2p512r32" + (":liger" if liger else ""),
+                attn_implementation=attn, split_attention=split, liger=liger)
+        if base is None:
+            r.update(status="skipped", error=no_gpu, baseline_tokens_per_s="", dedup_tokens_per_s="",
+                     baseline_peak_mem_mib="", dedup_peak_mem_mib="")
+        else:
+            r.update(baseline_tokens_per_s=base, dedup_tokens_per_s=dedup, baseline_peak_mem_mib=800.0, dedup_peak_mem_mib=300.0)
+        out.append(r)
+    return out
+
+
+def test_stack_view_rich_markdown_csv(tmp_path):
+    res_csv = write(tmp_path / "stack.csv", stack_rows())
+    res = runner.invoke(app, ["report", "stack", str(res_csv)])
+    assert res.exit_code == 0, res.output
+    for text in ("+flash_attention", "3,250", "1.30x", "skipped", "dedup: sdpa mask", "need a CUDA GPU", "without liger"):
+        assert text in res.output, text
+    md = runner.invoke(app, ["report", "stack", str(res_csv), "--markdown"])
+    assert md.exit_code == 0, md.output
+    assert "| config | tokens/s | peak MiB | step | step MiB | total | total MiB | status | from |" in md.output
+    assert "| baseline | 2,500 | 800 |  |  | 1.00x | +0.0 | ok | baseline: eager packed |" in md.output
+    assert "| +split_attention | 8,800 | 300 | 1.47x | +0.0 | 3.52x | -500 | ok | dedup: sdpa split |" in md.output
+    assert "- +liger: skipped (Liger kernels are Triton kernels and need a CUDA GPU (got cpu))" in md.output
+    out = tmp_path / "table.csv"
+    assert runner.invoke(app, ["report", "stack", str(res_csv), "--csv", str(out)]).exit_code == 0
+    with out.open() as f:
+        table = list(csv.DictReader(f))
+    assert [r["config"] for r in table] == ["baseline", "+flash_attention", "+liger", "+dedup", "+split_attention"]
+    assert table[3]["source"] == "dedup arm of m:sdpa:mask:compute:float32:cpu:b8u2p512r32"
+
+
+def test_stack_view_without_stack_cases_and_shorthand_still_works(old):
+    res = runner.invoke(app, ["report", "stack", str(old)])  # sdpa split only: no eager baseline, no liger case
+    assert res.exit_code == 0 and "+flash_attention" in res.output and "baseline " not in res.output
+    assert runner.invoke(app, ["report", "stack", str(old), "--phase", "nothing"]).exit_code == 1
+    assert "3.41 ± 0.02x" in runner.invoke(app, ["report", str(old)]).output

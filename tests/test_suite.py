@@ -34,6 +34,7 @@ def test_dedup_ratio_axis_becomes_unique_prompts():
     ({"defaults": {"batch_size": 4, "num_unique_prompts": 5}}, "num_unique_prompts must be in"),
     ({"measure": {"phases": ["backward"]}}, "phases 'backward' is not one of"),
     ({"defaults": {"split_attention": "yes"}}, "split_attention must be true or false"),
+    ({"defaults": {"liger": 1}}, "liger must be true or false"),
     ({"grid": [{"prompt_len": []}]}, "empty list"),
 ])
 def test_bad_suites_say_why(data, expect):
@@ -81,3 +82,16 @@ def test_measure_validates():
     with pytest.raises(ValueError):
         Measure(repeats=0)
     assert Measure(phases=["forward"]).phases == ("forward",)
+
+
+@pytest.mark.parametrize("name,device", [("stack", "cuda"), ("stack_cpu", "cpu")])
+def test_stack_suites_have_a_case_for_every_row_of_the_table(name, device):
+    from zorro_core.stack import STACK, STACK_ATTENTION, STACK_SOURCES
+
+    suite = load_suite(ROOT / "suites" / f"{name}.toml")
+    assert suite.device == device and len({(c.batch_size, c.num_unique_prompts, c.prompt_len, c.response_len) for c in suite.cases}) == 1
+    roles = STACK_ATTENTION[device]
+    for config in STACK:
+        arm, part, split, liger = STACK_SOURCES[config]
+        assert any(c.attn_implementation == getattr(roles, part) and c.liger == liger and split in (None, c.split_attention)
+                   for c in suite.cases), config

@@ -1,4 +1,5 @@
-"""`zorro report RESULTS...` (tables, pivot, plots) and `zorro report compare OLD NEW` (regression gate)."""
+"""`zorro report RESULTS...` (tables, pivot, plots), `zorro report compare OLD NEW` (regression gate)
+and `zorro report stack RESULTS...` (the cumulative optimization stack, report_stack.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ KEY = ["case_id", "phase"]
 
 
 class _DefaultShow(TyperGroup):
-    """`zorro report X.csv` means `zorro report show X.csv`; `compare` stays a sub-command."""
+    """`zorro report X.csv` means `zorro report show X.csv`; `compare` and `stack` stay sub-commands."""
 
     def parse_args(self, ctx, args):
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
@@ -321,6 +322,11 @@ def compare(
         console.print(f"[red]{regressions} regression(s)[/]")
         raise typer.Exit(1)
     console.print("no regression beyond the threshold and the noise")
+
+
+from .report_stack import stack as _stack  # noqa: E402 (imports this module's helpers lazily)
+
+report_app.command("stack")(_stack)
 
 
 def register(app: typer.Typer) -> None:

@@ -5,6 +5,8 @@
   reads max_memory_allocated for each arm.
 - On CPU, peak memory is measured in a fresh process per arm and phase (see measure.py).
 - A raise, an out-of-memory, a crash or a timeout becomes the case's status; the caller goes on.
+- A case that cannot run here (CUDA absent; Liger where liger_unavailable says why) is a
+  status=skipped row with the reason, not an error.
 Processes come from a fork server that has imported torch and transformers once, so a case
 pays for building its model, not for the imports. The server never touches CUDA.
 """
@@ -87,6 +89,10 @@ def case_workload(case: Case) -> Workload:
     )
 
 
+class CaseSkipped(Exception):
+    """The case cannot run on this machine (the message says why): a status=skipped row."""
+
+
 # ---------------------------------------------------------------- inside the case process
 
 class _Bench:
@@ -110,6 +116,14 @@ class _Bench:
         self.model = load_model(case.model, device=self.device, dtype=_DTYPES[case.dtype],
                                 attn_implementation=attn, seed=case.seed)
         self.model.eval()  # no dropout; gradients still flow
+        self.liger_kernels = ""
+        if case.liger:  # before the actors: liger swaps the instance's modules (and RoPE module-wide)
+            from .liger import apply_liger, liger_unavailable
+
+            why = liger_unavailable(self.model)
+            if why:
+                raise CaseSkipped(why)
+            self.liger_kernels = ",".join(apply_liger(self.model).applied)
         self.batch = make_batch(case, self.model.config.vocab_size, device=str(self.device))
         self.n_response = int(self.batch.response_mask.sum())
         common = dict(model=self.model, attn_implementation=attn, logits_mode=case.logits_mode)
@@ -156,7 +170,13 @@ def _is_oom(e: BaseException) -> bool:
 
 
 def _error_text(e: BaseException) -> str:
+    if isinstance(e, CaseSkipped):
+        return str(e)[:500]
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:500]
+
+
+def _status_of(e: BaseException) -> str:
+    return "skipped" if isinstance(e, CaseSkipped) else "oom" if _is_oom(e) else "error"
 
 
 def _apply_fault(fault: Optional[str]) -> None:
@@ -215,6 +235,7 @@ def timing_process(case: Case, measure: Measure, fault: Optional[str], conn) -> 
         _apply_fault(fault)
         bench = _Bench(case, measure.threads)
         out: dict[str, Any] = {"baseline_kind": bench.baseline_kind(), "dedup_kind": bench.dedup_kind(),
+                               "liger_kernels": bench.liger_kernels,
                                "threads": torch.get_num_threads(), "phases": {}}
         for phase in measure.phases:
             try:
@@ -226,7 +247,7 @@ def timing_process(case: Case, measure: Measure, fault: Optional[str], conn) -> 
             _free(bench.device)
         conn.send(out)
     except BaseException as e:  # the parent must always hear why
-        conn.send({"error": _error_text(e), "status": "oom" if _is_oom(e) else "error", "traceback": traceback.format_exc()})
+        conn.send({"error": _error_text(e), "status": _status_of(e), "traceback": traceback.format_exc()})
     finally:
         conn.close()
 
@@ -241,7 +262,7 @@ def memory_process(case: Case, measure: Measure, arm: str, phase: str, conn) -> 
         mib, kind = peak_memory_mib(fn, bench.device)
         conn.send({"peak_mib": mib, "kind": kind})
     except BaseException as e:
-        conn.send({"error": _error_text(e), "status": "oom" if _is_oom(e) else "error"})
+        conn.send({"error": _error_text(e), "status": _status_of(e)})
     finally:
         conn.close()
 
@@ -315,13 +336,15 @@ def case_rows(case: Case, measure: Measure, fault: Optional[str] = None,
             _emit(r, on_phase)
         return rows
     _fill_workload(base, work)
-    if case.device.startswith("cuda") and not torch.cuda.is_available():
+    why = skip_reason(case)
+    if why:
         rows = []
         for p in measure.phases:
-            rows.append(_phase_row(base, work, p, status="skipped", error=f"device {case.device} is not available on this machine (no CUDA)"))
+            rows.append(_phase_row(base, work, p, status="skipped", error=why))
             _emit(rows[-1], on_phase)
         return rows
     timing = run_isolated(timing_process, (case, measure, fault), measure.timeout_s)
+    base["liger_kernels"] = timing.payload.get("liger_kernels", "")
     base["baseline_kind"] = timing.payload.get("baseline_kind", "")
     base["dedup_kind"] = timing.payload.get("dedup_kind", "")
     base["threads"] = timing.payload.get("threads", measure.threads or "")
@@ -340,6 +363,18 @@ def case_rows(case: Case, measure: Measure, fault: Optional[str] = None,
     return rows
 
 
+def skip_reason(case: Case) -> Optional[str]:
+    """Why the case cannot run on this machine, known without starting it (None: try it).
+    Liger on a CUDA device is checked in the case process, which has the model on the GPU."""
+    if case.device.startswith("cuda") and not torch.cuda.is_available():
+        return f"device {case.device} is not available on this machine (no CUDA)"
+    if case.liger and not case.device.startswith("cuda"):
+        from .liger import liger_unavailable
+
+        return liger_unavailable(model_config(case.model).model_type, case.device)
+    return None
+
+
 def _emit(row: dict, on_phase: Optional[Callable[[dict], None]]) -> None:
     if on_phase is not None:
         on_phase(row)
@@ -352,7 +387,8 @@ def case_base_row(case: Case, measure: Measure) -> dict[str, Any]:
         "device": case.device, "batch_size": case.batch_size, "num_unique_prompts": case.num_unique_prompts,
         "prompt_len": case.prompt_len, "response_len": case.response_len, "padding": case.padding,
         "baseline_kind": "", "dedup_kind": "", "warmup": measure.warmup, "repeats": measure.repeats,
-        "threads": measure.threads or "", "seed": case.seed, "peak_mem_kind": "not_measured",
+        "threads": measure.threads or "", "seed": case.seed, "liger": case.liger, "liger_kernels": "",
+        "peak_mem_kind": "not_measured",
     }
 
 

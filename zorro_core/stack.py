@@ -10,6 +10,7 @@ dedup adds on top of the stack they already run.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import pandas as pd
@@ -78,3 +79,142 @@ def stack_table(df: pd.DataFrame, by: Optional[Sequence[str]] = None, ok_status:
                 prev = row
             out.append(row)
     return pd.DataFrame(out, columns=[*by, *OUTPUT])
+
+
+# ---------------------------------------------------------------- from benchmark rows
+
+@dataclass(frozen=True)
+class StackAttention:
+    """Which attention implementation plays each part of the stack on a device."""
+
+    plain: str
+    """The baseline's attention (what a trainer runs without flash-attn)."""
+    flash: str
+    """The "+flash_attention" row's attention, and the split-mode dedup's."""
+    mask: str
+    """The attention of the "+dedup" row (mask mode: one masked call; flash-attn has no mask mode)."""
+
+
+# cuda: sdpa -> flash-attn 2; mask mode through FlexAttention (BlockMask, empty blocks skipped).
+# cpu: no flash-attn, so eager -> sdpa (PyTorch's CPU SDPA is a flash-style fused kernel); mask mode sdpa.
+STACK_ATTENTION = {
+    "cuda": StackAttention(plain="sdpa", flash="flash_attention_2", mask="flex_attention"),
+    "cpu": StackAttention(plain="eager", flash="sdpa", mask="sdpa"),
+}
+
+# config -> (arm, attention part, dedup arm's mode (None: any; the baseline arm is packed varlen either way), liger)
+STACK_SOURCES = {
+    "baseline": ("baseline", "plain", None, False),
+    "+flash_attention": ("baseline", "flash", None, False),
+    "+liger": ("baseline", "flash", None, True),
+    "+dedup": ("dedup", "mask", False, True),
+    "+split_attention": ("dedup", "flash", True, True),
+}
+# The workload: one stack per distinct combination (the attention, mode and liger vary within it).
+WORKLOAD = ("model", "dtype", "device", "batch_size", "num_unique_prompts", "prompt_len", "response_len", "padding",
+            "logits_mode", "phase")
+SOURCE_COLUMNS = ("source", "label", "note")
+
+
+def _flag(v) -> bool:
+    return str(v).strip().lower() in ("true", "1", "yes")
+
+
+def _arm_status(row: pd.Series, arm: str) -> str:
+    """A row's status for one arm: an `oom` row still carries the arm that fit."""
+    status = str(row.get("status", "ok"))
+    has = pd.notna(pd.to_numeric(row.get(f"{arm}_tokens_per_s"), errors="coerce"))
+    if status == "ok" or (status == "oom" and has):
+        return "ok" if has else "no figures"
+    return status
+
+
+def stack_rows_from_bench(df: pd.DataFrame, attention: Optional[dict[str, StackAttention]] = None) -> pd.DataFrame:
+    """The one-row-per-config frame stack_table wants, from benchmark rows of two arms each.
+
+    Per workload (WORKLOAD columns) and the row's device (`attention` maps a device type to a
+    StackAttention; default STACK_ATTENTION):
+      baseline          baseline arm of the plain-attention case without liger
+      +flash_attention  baseline arm of the flash case without liger
+      +liger            baseline arm of the flash case with liger
+      +dedup            dedup arm of the mask-mode case (mask attention) with liger
+      +split_attention  dedup arm of the split-mode flash case with liger
+    The baseline arm is BaselineActor packed without padding, so the rows above +dedup differ
+    only in attention and liger. Where every liger row of +dedup or +split_attention failed or
+    was skipped (no GPU) and the same case without liger ran, that one is used and `note` says
+    so: the stack goes on without liger instead of stopping. Output: WORKLOAD columns, config,
+    tokens_per_s, peak_mem_mib, status, error, source ("<arm> arm of <case_id>"), label (short
+    source) and note.
+    """
+    attention = attention or STACK_ATTENTION
+    need = ["case_id", "attn_implementation", "split_attention", "status"]
+    missing = [c for c in need if c not in df.columns]
+    if missing:
+        raise ValueError(f"not benchmark rows: missing columns {missing}")
+    df = df.copy()
+    df["liger"] = df["liger"].map(_flag) if "liger" in df.columns else False
+    df["split_attention"] = df["split_attention"].map(_flag)
+    by = [c for c in WORKLOAD if c in df.columns]
+    df[by] = df[by].fillna("")
+    out = []
+    for key, g in (df.groupby(by, sort=False, dropna=False) if by else [((), df)]):
+        key = key if isinstance(key, tuple) else (key,)
+        device = str(dict(zip(by, key)).get("device", "cpu")).split(":")[0] or "cpu"
+        roles = attention.get(device)
+        if roles is None:
+            raise ValueError(f"no stack attention for device {device!r} (known: {', '.join(attention)})")
+        for config, (arm, part, split, liger) in STACK_SOURCES.items():
+            pick = _pick(g, arm, getattr(roles, part), split, liger, fallback=config in ("+dedup", "+split_attention"))
+            if pick is None:
+                continue
+            rows, note = pick
+            for _, r in rows.iterrows():
+                out.append(dict(zip(by, key), config=config, tokens_per_s=r.get(f"{arm}_tokens_per_s"),
+                                peak_mem_mib=r.get(f"{arm}_peak_mem_mib"), status=_arm_status(r, arm),
+                                error="" if pd.isna(r.get("error")) else str(r.get("error", "")),
+                                source=f"{arm} arm of {r['case_id']}", label=_label(arm, r), note=note))
+    return pd.DataFrame(out, columns=[*by, "config", "tokens_per_s", "peak_mem_mib", "status", "error", *SOURCE_COLUMNS])
+
+
+def _label(arm: str, r: pd.Series) -> str:
+    """Short name of an arm of a case, e.g. "dedup: flex_attention mask + liger" (the workload is the stack's)."""
+    what = "packed" if arm == "baseline" else ("split" if r["split_attention"] else "mask")
+    return f"{arm}: {r['attn_implementation']} {what}{' + liger' if r['liger'] else ''}"
+
+
+def _pick(g: pd.DataFrame, arm: str, attn: str, split: Optional[bool], liger: bool, fallback: bool):
+    """The rows of the case(s) for one config, and a note; None when there are none."""
+
+    def rows(with_liger: bool) -> pd.DataFrame:
+        sel = (g["attn_implementation"] == attn) & (g["liger"] == with_liger)
+        if split is not None:
+            sel &= g["split_attention"] == split
+        return g[sel]
+
+    def any_ok(r: pd.DataFrame) -> bool:
+        return any(_arm_status(x, arm) == "ok" for _, x in r.iterrows())
+
+    chosen = rows(liger)
+    if liger and fallback and not any_ok(chosen):
+        plain = rows(False)
+        if any_ok(plain):
+            why = ", ".join(sorted(set(chosen["status"].astype(str)))) if len(chosen) else "not in the results"
+            return plain, f"without liger (liger case: {why})"
+    return (chosen, "") if len(chosen) else None
+
+
+def stack_report(df: pd.DataFrame, attention: Optional[dict[str, StackAttention]] = None) -> pd.DataFrame:
+    """stack_table over stack_rows_from_bench(df), one stack per workload, with each row's source,
+    note and (for rows without figures) the reason."""
+    rows = stack_rows_from_bench(df, attention)
+    by = [c for c in WORKLOAD if c in rows.columns]
+    table = stack_table(rows, by=by)
+    extra = (rows.groupby([*by, "config"], sort=False, dropna=False)
+             .agg(source=("source", lambda s: "; ".join(dict.fromkeys(s))),
+                  label=("label", lambda s: "; ".join(dict.fromkeys(s))),
+                  note=("note", lambda s: "; ".join(dict.fromkeys(x for x in s if x))),
+                  reason=("error", lambda s: "; ".join(dict.fromkeys(x for x in s if x))))
+             .reset_index())
+    table = table.merge(extra, on=[*by, "config"], how="left")
+    table.loc[table["status"] == "ok", "reason"] = ""
+    return table

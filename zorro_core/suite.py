@@ -69,6 +69,8 @@ class Case:
     """packed: BaselineActor without padding, same backend (fair); padded: the plain HF forward."""
     varlen_backend: Optional[str] = None
     """Split-mode varlen backend (None: the default for attn_implementation and device)."""
+    liger: bool = False
+    """Apply Liger kernels (zorro_core.liger.apply_liger) before timing; GPU only, else status=skipped."""
     seed: int = 0
     """Seed of the weights and the batch."""
 
@@ -79,7 +81,7 @@ class Case:
         _check_choice("baseline", self.baseline, BASELINES)
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        for name in ("split_attention", "padding"):
+        for name in ("split_attention", "padding", "liger"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("batch_size", "prompt_len", "response_len"):
@@ -109,6 +111,8 @@ class Case:
             parts.append(f"base-{self.baseline}")
         if self.varlen_backend:
             parts.append(self.varlen_backend)
+        if self.liger:
+            parts.append("liger")
         if self.seed:
             parts.append(f"seed{self.seed}")
         return ":".join(parts)
