@@ -4,7 +4,8 @@
 #      reference backend, flex_attention mask mode vs the baseline, Liger and LoRA/QLoRA
 #      (pytest's CUDA cases; each skips with its reason when its package is absent);
 #   2. `zorro verify gradients` on CUDA (bf16/fp32 against a float64 reference);
-#   3. the GPU suites' timings (seed shapes; OOM cases become rows, nothing is lost).
+#   3. the GPU suites' timings (seed shapes; OOM cases become rows, nothing is lost);
+#   4. the cumulative stack (baseline, +flash attention, +liger, +dedup, +split attention).
 # Run from the repository root. Results land in $OUT (default results/gpu).
 # Optional wheels (liger-kernel, flash-attn, flash-linear-attention) are installed from .whl/
 # when present (see /work/.library/device/README.md for how to carry them).
@@ -21,7 +22,8 @@ if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
   exit 0
 fi
 start=$(date +%s)
-left() { echo $(( ${1} - ($(date +%s) - start) )); }
+# Seconds until the step's deadline (since start); at least 1, since `timeout 0` means no limit.
+left() { local r=$(( ${1} - ($(date +%s) - start) )); [ "$r" -lt 1 ] && r=1; echo "$r"; }
 
 $PY -m zorro_cli.main env --json > "$OUT/env.json" 2>&1
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
@@ -36,7 +38,12 @@ timeout "$(left 270)" $PY -m zorro_cli.main verify gradients --device cuda --mod
 echo "verify exit code: $?"
 
 echo "== 3. GPU suite timings"
-timeout "$(left 560)" $PY -m zorro_cli.main bench sweep suites/gpu.toml --out "$OUT/gpu.csv" --repeats 5 --warmup 2 \
+timeout "$(left 430)" $PY -m zorro_cli.main bench sweep suites/gpu.toml --out "$OUT/gpu.csv" --repeats 5 --warmup 2 \
   2>&1 | tail -40
 $PY -m zorro_cli.main report "$OUT/gpu.csv" --markdown > "$OUT/gpu.md" 2>&1
+
+echo "== 4. The cumulative optimization stack"
+timeout "$(left 570)" $PY -m zorro_cli.main bench sweep suites/stack.toml --out "$OUT/stack.csv" --repeats 3 --warmup 1 \
+  2>&1 | tail -20
+$PY -m zorro_cli.main report stack "$OUT/stack.csv" --markdown > "$OUT/stack.md" 2>&1
 echo "done in $(( $(date +%s) - start )) s; results in $OUT"
