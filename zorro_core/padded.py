@@ -152,19 +152,22 @@ def cross_layout(seg: Segments, device: torch.device) -> dict:
     return lay
 
 
-def _cross_blocks(q, k, v, seg: Segments, lay: dict):
-    """Padded queries [n, Hq, Lq, D] and keys/values [n, Hkv, P_max + Lq, D]: [prompt | own]."""
-    n, tq = lay["n"], seg.total_q
+def _cross_blocks(q, k, v, seg: Segments, lay: dict, i0: int = 0, i1: Optional[int] = None):
+    """Padded queries [c, Hq, Lq, D] and keys/values [c, Hkv, P_max + Lq, D] ([prompt | own])
+    of the cross segments i0..i1 (all by default)."""
+    n, tq, lq = lay["n"], seg.total_q, seg.max_q
+    i1 = n if i1 is None else i1
+    idx = lay["idx_q"].view(n, lq)[i0:i1].flatten()
     blocks = []
     for x in (k, v):
         rows = x[: lay["gs"] * lay["p_max"]] if lay["uniform_p"] else x[lay["prompt_rows"]]
         prompt = rows.view(lay["gs"], lay["p_max"], *x.shape[1:])
-        prompt = prompt.expand(n, *prompt.shape[1:]) if lay["gs"] == 1 else prompt[lay["local"]]
+        prompt = prompt.expand(i1 - i0, *prompt.shape[1:]) if lay["gs"] == 1 else prompt[lay["local"][i0:i1]]
         own = x[seg.q_start: seg.q_start + tq]
-        own = own if lay["uniform_q"] else own[lay["idx_q"]]
-        own = own.view(n, seg.max_q, *x.shape[1:])
+        own = own[i0 * lq: i1 * lq] if lay["uniform_q"] else own[idx]
+        own = own.view(i1 - i0, lq, *x.shape[1:])
         blocks.append(torch.cat([prompt, own], 1).transpose(1, 2))
-    qp = pad(q, lay["idx_q"], lay["uniform_q"], n, seg.max_q)
+    qp = (q[i0 * lq: i1 * lq] if lay["uniform_q"] else q[idx]).view(i1 - i0, lq, *q.shape[1:]).transpose(1, 2)
     return qp, blocks[0], blocks[1]
 
 
@@ -175,21 +178,35 @@ def _repeat_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
     return x[:, :, None].expand(n, h, rep, length, d).reshape(n, h * rep, length, d)
 
 
+def _chunks(seg: Segments, lay: dict) -> list[tuple[int, int]]:
+    """Runs of cross segments whose [prompt | own] blocks together hold about as many rows as
+    all the responses' queries: the rebuilt blocks stay a transient no larger than q."""
+    n = lay["n"]
+    size = max(1, seg.total_q // (lay["p_max"] + seg.max_q))
+    return [(i, min(i + size, n)) for i in range(0, n, size)]
+
+
 class _FlashCross(torch.autograd.Function):
     """The cross call through PyTorch's CPU flash kernel, saving no copy of the prompt's K/V.
 
     Forward keeps only what the kernel needs besides the packed q/k/v (its output and
     log-sum-exp); backward rebuilds the [prompt | own] blocks, runs the kernel's backward, and
     folds each block's gradient back onto the packed row: the prompt block summed over the
-    responses of its group, the own block onto the response's own tokens.
+    responses of its group, the own block onto the response's own tokens. Both directions go
+    a few responses at a time (_chunks), so the per-response blocks never exist all at once.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, seg, lay, scale, mask):
-        qp, kp, vp = _cross_blocks(q, k, v, seg, lay)
-        rep = qp.shape[1] // kp.shape[1]
-        out_p, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qp, _repeat_heads(kp, rep), _repeat_heads(vp, rep), 0.0, False, attn_mask=mask, scale=scale)
+        outs, lses = [], []
+        for i0, i1 in _chunks(seg, lay):
+            qp, kp, vp = _cross_blocks(q, k, v, seg, lay, i0, i1)
+            rep = qp.shape[1] // kp.shape[1]
+            out_p, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qp, _repeat_heads(kp, rep), _repeat_heads(vp, rep), 0.0, False, attn_mask=mask[i0:i1], scale=scale)
+            outs.append(out_p)
+            lses.append(lse)
+        out_p, lse = torch.cat(outs), torch.cat(lses)
         ctx.save_for_backward(q, k, v, out_p, lse)
         ctx.seg, ctx.lay, ctx.scale, ctx.mask, ctx.rep = seg, lay, scale, mask, rep
         return from_padded(out_p, lay)
@@ -198,37 +215,57 @@ class _FlashCross(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, out_p, lse = ctx.saved_tensors
         seg, lay, rep = ctx.seg, ctx.lay, ctx.rep
-        qp, kp, vp = _cross_blocks(q, k, v, seg, lay)
-        n, h, lq, d = qp.shape
+        n, h, lq, d = out_p.shape
         if lay["uniform_q"]:
             gp = grad.reshape(n, lq, h, d)
         else:
             gp = grad.new_zeros(n * lq, h, d).index_put_((lay["valid_q_flat"],), grad).view(n, lq, h, d)
-        dq_p, dk_p, dv_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            gp.transpose(1, 2), qp, _repeat_heads(kp, rep), _repeat_heads(vp, rep), out_p, lse, 0.0, False,
-            attn_mask=ctx.mask, scale=ctx.scale)
-        return from_padded(dq_p, lay), _fold(dk_p, k, seg, lay, rep), _fold(dv_p, v, seg, lay, rep), None, None, None, None
+        dqs = []
+        dk, dv = _Fold(k, seg, lay, rep), _Fold(v, seg, lay, rep)
+        for i0, i1 in _chunks(seg, lay):
+            qp, kp, vp = _cross_blocks(q, k, v, seg, lay, i0, i1)
+            dq_p, dk_p, dv_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                gp[i0:i1].transpose(1, 2), qp, _repeat_heads(kp, rep), _repeat_heads(vp, rep), out_p[i0:i1],
+                lse[i0:i1], 0.0, False, attn_mask=ctx.mask[i0:i1], scale=ctx.scale)
+            dqs.append(dq_p)
+            dk.add(dk_p, i0, i1)
+            dv.add(dv_p, i0, i1)
+        return from_padded(torch.cat(dqs), lay), dk.result(), dv.result(), None, None, None, None
 
 
-def _fold(dx_p: torch.Tensor, x: torch.Tensor, seg: Segments, lay: dict, rep: int) -> torch.Tensor:
-    """Gradient of the [n, Hq, P_max + Lq, D] key blocks onto the packed [T, Hkv, D] row."""
-    n, hq, _, d = dx_p.shape
-    hk = hq // rep
-    dx_p = dx_p.view(n, hk, rep, -1, d).sum(2).transpose(1, 2)  # [n, Lk, Hkv, D]
-    p_max = lay["p_max"]
-    prompt, own = dx_p[:, :p_max], dx_p[:, p_max:]
-    prompt = prompt.sum(0, keepdim=True) if lay["gs"] == 1 else \
-        prompt.new_zeros(lay["gs"], *prompt.shape[1:]).index_add_(0, lay["local"], prompt)
-    out = x.new_zeros(x.shape)
-    prompt = prompt.reshape(-1, hk, d)
-    if lay["uniform_p"]:
-        out[: prompt.shape[0]] += prompt
-    else:  # padded prompt positions carry exactly zero gradient (masked keys)
-        out.index_put_((lay["prompt_rows"],), prompt, accumulate=True)
-    own = own.reshape(-1, hk, d)
-    own = own if lay["uniform_q"] else own[lay["valid_q_flat"]]
-    out[seg.q_start: seg.q_start + seg.total_q] += own
-    return out
+class _Fold:
+    """Accumulates gradients of [c, Hq, P_max + Lq, D] key blocks onto the packed [T, Hkv, D] row."""
+
+    def __init__(self, x: torch.Tensor, seg: Segments, lay: dict, rep: int) -> None:
+        self.seg, self.lay, self.rep = seg, lay, rep
+        self.out = x.new_zeros(x.shape)
+        self.prompt = x.new_zeros(lay["gs"], lay["p_max"], *x.shape[1:])
+
+    def add(self, dx_p: torch.Tensor, i0: int, i1: int) -> None:
+        seg, lay = self.seg, self.lay
+        c, hq, _, d = dx_p.shape
+        hk = hq // self.rep
+        dx_p = dx_p.view(c, hk, self.rep, -1, d).sum(2).transpose(1, 2)  # [c, Lk, Hkv, D]
+        prompt, own = dx_p[:, : lay["p_max"]], dx_p[:, lay["p_max"]:]
+        if lay["gs"] == 1:
+            self.prompt[0] += prompt.sum(0)
+        else:
+            self.prompt.index_add_(0, lay["local"][i0:i1], prompt)
+        own = own.reshape(-1, hk, d)
+        lq = seg.max_q
+        if lay["uniform_q"]:
+            self.out[seg.q_start + i0 * lq: seg.q_start + i1 * lq] += own
+        else:  # padding slots point at row 0 and carry exactly zero gradient (masked keys)
+            rows = lay["idx_q"].view(lay["n"], lq)[i0:i1].flatten()
+            self.out.index_put_((seg.q_start + rows,), own, accumulate=True)
+
+    def result(self) -> torch.Tensor:
+        prompt = self.prompt.reshape(-1, *self.out.shape[1:])
+        if self.lay["uniform_p"]:
+            self.out[: prompt.shape[0]] += prompt
+        else:  # padded prompt positions carry exactly zero gradient (masked keys)
+            self.out.index_put_((self.lay["prompt_rows"],), prompt, accumulate=True)
+        return self.out
 
 
 def cross_attention(q, k, v, seg: Segments, scale: float, window: Optional[int], exact: bool) -> torch.Tensor:
