@@ -141,12 +141,7 @@ def plot(df, out_dir: Path) -> list[Path]:
             ax.set_title(phase.replace("forward_backward", "forward+backward"))
             ax.grid(alpha=0.3)
             ax.legend(title="dashed: ideal (FLOPs)\nband: p20-p80", fontsize=8, title_fontsize=7)
-        fig.suptitle(title, fontsize=9)
-        fig.tight_layout()
-        path = out_dir / f"speedup_{name}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, title, out_dir / f"speedup_{name}.png"))
 
         mem = g.dropna(subset=["baseline_peak_mem_mib", "dedup_peak_mem_mib"]) if "dedup_peak_mem_mib" in g else g.iloc[0:0]
         if mem.empty:
@@ -164,13 +159,18 @@ def plot(df, out_dir: Path) -> list[Path]:
             ax.set_title(phase.replace("forward_backward", "forward+backward"))
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-        fig.suptitle(title, fontsize=9)
-        fig.tight_layout()
-        path = out_dir / f"memory_{name}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, title, out_dir / f"memory_{name}.png"))
     return written
+
+
+def _save(fig, title: str, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 @report_app.command("show")
