@@ -126,7 +126,8 @@ class _Bench:
             self.liger_kernels = ",".join(apply_liger(self.model).applied)
         self.batch = make_batch(case, self.model.config.vocab_size, device=str(self.device))
         self.n_response = int(self.batch.response_mask.sum())
-        common = dict(model=self.model, attn_implementation=attn, logits_mode=case.logits_mode)
+        common = dict(model=self.model, attn_implementation=attn, logits_mode=case.logits_mode,
+                      logits_memory_budget_mib=case.logits_memory_budget_mib)
         self.actors: dict[str, Any] = {}
         if "baseline" in arms:
             if case.baseline == "padded":
@@ -383,7 +384,9 @@ def _emit(row: dict, on_phase: Optional[Callable[[dict], None]]) -> None:
 def case_base_row(case: Case, measure: Measure) -> dict[str, Any]:
     return {
         "case_id": case.case_id, "model": case.model, "attn_implementation": case.attn_implementation,
-        "split_attention": case.split_attention, "logits_mode": case.logits_mode, "dtype": case.dtype,
+        "split_attention": case.split_attention, "logits_mode": case.logits_mode,
+        "logits_memory_budget_mib": case.logits_memory_budget_mib if case.logits_memory_budget_mib is not None else "",
+        "dtype": case.dtype,
         "device": case.device, "batch_size": case.batch_size, "num_unique_prompts": case.num_unique_prompts,
         "prompt_len": case.prompt_len, "response_len": case.response_len, "padding": case.padding,
         "baseline_kind": "", "dedup_kind": "", "warmup": measure.warmup, "repeats": measure.repeats,

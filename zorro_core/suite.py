@@ -49,6 +49,8 @@ class Case:
     """Dedup arm: two varlen calls (True) or one masked call over the packed row (False)."""
     logits_mode: str = "compute"
     """none, compute or memory (both arms)."""
+    logits_memory_budget_mib: Optional[float] = None
+    """memory mode: MiB for one chunk's logits temporaries (None: the actor's default, 256)."""
     dtype: str = "float32"
     """Model dtype."""
     device: str = "cpu"
@@ -90,6 +92,9 @@ class Case:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if (self.num_unique_prompts is None) == (self.prompt_dedup_ratio is None):
             raise ValueError("give exactly one of num_unique_prompts and prompt_dedup_ratio")
+        if self.logits_memory_budget_mib is not None and not (
+                isinstance(self.logits_memory_budget_mib, (int, float)) and self.logits_memory_budget_mib > 0):
+            raise ValueError(f"logits_memory_budget_mib must be > 0, got {self.logits_memory_budget_mib!r}")
         if self.num_unique_prompts is not None and not 1 <= self.num_unique_prompts <= self.batch_size:
             raise ValueError(f"num_unique_prompts must be in [1, batch_size={self.batch_size}], got {self.num_unique_prompts}")
         if self.prompt_dedup_ratio is not None:
@@ -113,6 +118,8 @@ class Case:
             parts.append(self.varlen_backend)
         if self.liger:
             parts.append("liger")
+        if self.logits_memory_budget_mib is not None:
+            parts.append(f"lmb{self.logits_memory_budget_mib:g}")
         if self.seed:
             parts.append(f"seed{self.seed}")
         return ":".join(parts)
