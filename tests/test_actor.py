@@ -154,7 +154,7 @@ def test_bugs_fail_by_orders_of_magnitude(tiny_models, references, monkeypatch, 
 
     batch, w, ref = references("tiny-qwen3", "mixed", 0.7)
     real_build = actor_mod.build_dedup_plan
-    monkeypatch.setattr(actor_mod, "build_dedup_plan", lambda b, dedup=True: corrupt(real_build(b, dedup), what))
+    monkeypatch.setattr(actor_mod, "build_dedup_plan", lambda b, **kw: corrupt(real_build(b, **kw), what))
     lp, ent, grads, _ = actor_run(DeduplicatedActor(model=tiny_models("tiny-qwen3")), batch, 0.7, w)
     lp_err = (lp - ref[0]).abs().max().item()
     g_err, _ = max_rel_grad_error(grads, ref[2])

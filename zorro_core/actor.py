@@ -120,13 +120,12 @@ class _Actor:
         return self.parts.lm_head.out_features
 
     def plan(self, batch: RolloutBatch) -> DedupPlan:
-        return build_dedup_plan(batch.to(self.device), dedup=self.dedup)
+        return build_dedup_plan(batch.to(self.device), dedup=self.dedup, vocab_size=self.vocab_size)
 
     def forward(self, batch: RolloutBatch, temperature: float = 1.0, calculate_entropy: bool = False) -> ActorOutput:
         """Log-probs (and optionally entropy) of every response token, differentiable."""
-        batch.validate(vocab_size=self.vocab_size)
         check_trainable_state(self.model)
-        plan = self.plan(batch)
+        plan = self.plan(batch)  # validates the batch, token ids against the vocabulary included
         mode = "split" if self.use_split_attention else "mask"
         route = Route(plan=plan, mode=mode, backend=self.varlen_backend or "reference", inner=self.attn_implementation)
         with attention_implementation(self.model, ZORRO_ATTENTION), family_hooks(self.model, self.parts):

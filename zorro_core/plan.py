@@ -192,9 +192,12 @@ def group_rows(batch: RolloutBatch, dedup: bool = True) -> torch.Tensor:
     return rank[inverse]
 
 
-def build_dedup_plan(batch: RolloutBatch, dedup: bool = True) -> DedupPlan:
-    """Build the plan of a batch. With `dedup=False` every row is its own group (the baseline)."""
-    batch.validate()
+def build_dedup_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int | None = None) -> DedupPlan:
+    """Build the plan of a batch. With `dedup=False` every row is its own group (the baseline).
+
+    The batch is validated here (token ids against `vocab_size` when given), once per plan.
+    """
+    batch.validate(vocab_size=vocab_size)
     dev = batch.device
     b, pw = batch.prompts.shape
     rw = batch.responses.shape[1]
