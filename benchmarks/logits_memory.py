@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from zorro_core.measure import proc_status_kib  # VmRSS / VmHWM of this process, in KiB
+from zorro_core.bench.measure import proc_status_kib  # VmRSS / VmHWM of this process, in KiB
 
 MODES = ("none", "compute", "memory")
 
@@ -36,7 +36,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
     from torch import nn
 
-    from zorro_core.logprobs import chunk_size_for_budget, response_logprobs
+    from zorro_core.core.logprobs import chunk_size_for_budget, response_logprobs
 
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)

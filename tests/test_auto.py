@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-import zorro_core.auto as auto
+import zorro_core.stack.auto as auto
 from zorro_core import DeduplicatedActor
-from zorro_core.auto import FLASH, AttentionChoice, choose_attention, resolve_attention
-from zorro_core.models import build_model, preset_config
-from zorro_core.precision import DeviceCaps
+from zorro_core.stack.auto import FLASH, AttentionChoice, choose_attention, resolve_attention
+from zorro_core.models.support import build_model, preset_config
+from zorro_core.stack.precision import DeviceCaps
 
 H100 = DeviceCaps("cuda", "NVIDIA H100", (9, 0))
 A100 = DeviceCaps("cuda", "NVIDIA A100", (8, 0))
@@ -104,7 +104,7 @@ def test_actor_auto_on_a_fake_gpu_reaches_flash(monkeypatch, packages):
         seen.update(caps=caps, dtype=dtype, max_seq_len=max_seq_len, split=split)
         return AttentionChoice("sdpa", "faked", auto=True)
 
-    import zorro_core.actor as actor_mod
+    import zorro_core.core.actor as actor_mod
 
     monkeypatch.setattr(actor_mod, "choose_attention", fake_choose)
     model = build_model(preset_config("tiny-qwen3"), dtype=torch.bfloat16)

@@ -10,9 +10,9 @@ import torch
 from typer.testing import CliRunner
 
 from zorro_cli.main import app
-from zorro_core.results import COLUMNS, REQUIRED_COLUMNS, read_rows
-from zorro_core.runner import case_rows
-from zorro_core.suite import Case, Measure
+from zorro_core.bench.results import COLUMNS, REQUIRED_COLUMNS, read_rows
+from zorro_core.bench.runner import case_rows
+from zorro_core.bench.suite import Case, Measure
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "tiny_suite.toml"
@@ -162,7 +162,7 @@ def test_bench_bad_input_exits_2(tmp_path):
 def test_liger_case_is_skipped_with_the_reason_here(tmp_path):
     import multiprocessing as mp
 
-    from zorro_core.runner import timing_process
+    from zorro_core.bench.runner import timing_process
 
     case = Case(model="tiny-qwen3", batch_size=2, prompt_len=4, response_len=2, num_unique_prompts=1, liger=True)
     assert case.case_id.endswith(":liger")

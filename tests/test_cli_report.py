@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from zorro_cli.main import app
 from zorro_cli.report import compare_frames, load_results, parse_fraction
-from zorro_core.results import COLUMNS
+from zorro_core.bench.results import COLUMNS
 
 runner = CliRunner()
 

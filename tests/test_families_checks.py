@@ -6,9 +6,9 @@ import torch
 
 from test_actor import mixed_batch
 from zorro_core import BaselineActor, DeduplicatedActor
-from zorro_core.attention import ZORRO_ATTENTION, Route, attention_implementation
-from zorro_core.models import PRESETS, UnsupportedModelError, build_model, model_parts, preset_config
-from zorro_core.plan import build_dedup_plan
+from zorro_core.attention.hook import ZORRO_ATTENTION, Route, attention_implementation
+from zorro_core.models.support import PRESETS, UnsupportedModelError, build_model, model_parts, preset_config
+from zorro_core.core.plan import build_dedup_plan
 
 
 def fresh(name="tiny-qwen3", **overrides):
@@ -41,7 +41,7 @@ def test_attention_feature_in_config(feature, value):
 @pytest.mark.parametrize("kwarg", ["softcap", "s_aux"])
 def test_attention_feature_at_call_time(monkeypatch, kwarg):
     """A layer that passes a feature the hook does not implement (softcapping, attention sinks)."""
-    import zorro_core.attention as attention_mod
+    import zorro_core.attention.hook as attention_mod
 
     model = fresh()
     layer = model.model.layers[0].self_attn
@@ -76,7 +76,7 @@ def test_kv_cache(family):
     cache = DynamicCache(config=model.config)
     model.model(input_ids=torch.tensor([[1, 2, 3]]), cache=cache, use_cache=True)
     route = Route(plan=plan, mode="split", backend=DeduplicatedActor(model=model).varlen_backend)
-    from zorro_core.families import family_hooks
+    from zorro_core.models.families import family_hooks
 
     with pytest.raises(UnsupportedModelError, match="cache"):
         with attention_implementation(model, ZORRO_ATTENTION), family_hooks(model, model_parts(model)):
@@ -110,8 +110,8 @@ def test_padded_baseline_still_runs_for_attention_models():
 
 
 def test_family_support_lists_every_supported_type():
-    from zorro_core.families import family_support
-    from zorro_core.models import SUPPORTED_MODEL_TYPES
+    from zorro_core.models.families import family_support
+    from zorro_core.models.support import SUPPORTED_MODEL_TYPES
 
     support = family_support("cpu")
     assert set(support) == SUPPORTED_MODEL_TYPES

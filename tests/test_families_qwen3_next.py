@@ -14,9 +14,9 @@ import torch
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 from test_actor import GRAD_RTOL, LP_ATOL, check
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
-from zorro_core.families.delta_rule import chunk_gated_delta_rule_exact
-from zorro_core.families.linear_attention import build_linear_layout, conv_sources, fla_available
-from zorro_core.plan import build_dedup_plan
+from zorro_core.models.delta_rule import chunk_gated_delta_rule_exact
+from zorro_core.models.linear_attention import build_linear_layout, conv_sources, fla_available
+from zorro_core.core.plan import build_dedup_plan
 
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 FAMILY = "tiny-qwen3-next"
@@ -121,7 +121,7 @@ def test_carried_state_matters(tiny_models, exact_references, exact_kernel, monk
     it equals the reference too: the replay is about numerics, not correctness. (Measured in float32
     with transformers' kernel, seeds 1-2: boundary fork equals the packed one-shot baseline bitwise,
     fork at the prompt's end differs by 4.8e-7.)"""
-    import zorro_core.families.linear_attention as la
+    import zorro_core.models.linear_attention as la
 
     real_layout, real_conv = la.build_linear_layout, la.conv_sources
     if what == "zero_state":
@@ -180,7 +180,7 @@ def test_conv_sources_reach_into_the_prompt():
 
 
 def test_padded_baseline_is_refused(tiny_models):
-    from zorro_core.models import UnsupportedModelError
+    from zorro_core.models.support import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match="linear-attention"):
         BaselineActor(model=tiny_models(FAMILY), padded=True).forward(chunk_batch())
@@ -190,7 +190,7 @@ def test_padded_baseline_is_refused(tiny_models):
 def test_low_precision_close_to_baseline(dtype, atol):
     """transformers' own kernel in float32/bf16: dedup and the packed one-shot baseline agree to the
     dtype's noise (measured 4.8e-7 in float32, 0 in bf16)."""
-    from zorro_core.models import build_model, preset_config
+    from zorro_core.models.support import build_model, preset_config
 
     model = build_model(preset_config(FAMILY), dtype=dtype, attn_implementation="sdpa")
     batch = chunk_batch()
@@ -204,7 +204,7 @@ def test_low_precision_close_to_baseline(dtype, atol):
 def test_fla_varlen_matches_per_sequence_on_gpu():
     """GPU: the varlen fla path (one initial state per response) against each sequence alone through
     the unmodified model (which uses fla too). bf16: some fla versions refuse float32."""
-    from zorro_core.models import build_model, preset_config
+    from zorro_core.models.support import build_model, preset_config
 
     model = build_model(preset_config(FAMILY), dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
     batch = chunk_batch().to("cuda")
@@ -228,8 +228,8 @@ def test_hooks_are_removed_after_the_forward(tiny_models):
     model = tiny_models(FAMILY)
     DeduplicatedActor(model=model).forward(chunk_batch())
     assert qwen3_next.causal_conv1d_fn is conv and qwen3_next.torch_chunk_gated_delta_rule is delta
-    from zorro_core.families import family_hooks
-    from zorro_core.models import model_parts
+    from zorro_core.models.families import family_hooks
+    from zorro_core.models.support import model_parts
 
     with pytest.raises(RuntimeError, match="fails inside"):
         with family_hooks(model, model_parts(model)):

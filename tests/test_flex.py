@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, build_dedup_plan, create_dummy_batch
-from zorro_core.flex import BLOCK, flex_unavailable
+from zorro_core.attention.flex import BLOCK, flex_unavailable
 
 
 def test_flex_on_cpu_is_refused_with_the_reason(tiny_models):
@@ -19,7 +19,7 @@ def test_block_mask_matches_plan_mask(monkeypatch):
     pytest.importorskip("torch.nn.attention.flex_attention")
     from torch.nn.attention.flex_attention import create_mask
 
-    from zorro_core import flex
+    from zorro_core.attention import flex
 
     batch = RolloutBatch.from_lists([[1, 2, 3, 4], [5, 6], [1, 2, 3, 4]], [[7, 8], [9], [10, 11, 12]])
     plan = build_dedup_plan(batch)
@@ -45,7 +45,7 @@ def test_flex_matches_baseline_on_cuda(dtype, atol):
     why = flex_unavailable("cuda" if torch.cuda.is_available() else "cpu")
     if why:
         pytest.skip(why)
-    from zorro_core.models import build_model, preset_config
+    from zorro_core.models.support import build_model, preset_config
 
     model = build_model(preset_config("tiny-qwen3"), dtype=dtype, device="cuda", attn_implementation="sdpa")
     batch = create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=40, response_len=9, vocab_size=256, vary_lengths=True, device="cuda")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from zorro_core import DeduplicatedActor, create_dummy_batch
-from zorro_core.models import build_model, preset_config
-from zorro_core.precision import DeviceCaps, check_float32_state, device_caps, precision_policy
+from zorro_core.models.support import build_model, preset_config
+from zorro_core.stack.precision import DeviceCaps, check_float32_state, device_caps, precision_policy
 
 H100 = DeviceCaps("cuda", "NVIDIA H100", (9, 0))
 A100 = DeviceCaps("cuda", "NVIDIA A100", (8, 0))

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from zorro_core.suite import Case, Measure, case_matches, load_suite, parse_suite
+from zorro_core.bench.suite import Case, Measure, case_matches, load_suite, parse_suite
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,7 +86,7 @@ def test_measure_validates():
 
 @pytest.mark.parametrize("name,device", [("stack", "cuda"), ("stack_cpu", "cpu")])
 def test_stack_suites_have_a_case_for_every_row_of_the_table(name, device):
-    from zorro_core.stack import STACK, STACK_ATTENTION, STACK_SOURCES
+    from zorro_core.bench.stack_table import STACK, STACK_ATTENTION, STACK_SOURCES
 
     suite = load_suite(ROOT / "suites" / f"{name}.toml")
     assert suite.device == device and len({(c.batch_size, c.num_unique_prompts, c.prompt_len, c.response_len) for c in suite.cases}) == 1

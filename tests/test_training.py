@@ -1,10 +1,10 @@
-"""zorro_core.training: GRPO pieces, and K AdamW steps of dedup against baseline against ref64."""
+"""zorro_core.verify.training: GRPO pieces, and K AdamW steps of dedup against baseline against ref64."""
 
 import pytest
 import torch
 
 from zorro_core import RolloutBatch
-from zorro_core.training import TRAIN_FLOOR, TrainConfig, group_advantages, grpo_loss, verify_training
+from zorro_core.verify.training import TRAIN_FLOOR, TrainConfig, group_advantages, grpo_loss, verify_training
 
 
 def test_advantages_are_normalised_per_prompt_content():

@@ -1,4 +1,4 @@
-"""zorro_core.verify: the pass rule, the cases it proves, and that it fails on broken plans."""
+"""zorro_core.verify.gradients: the pass rule, the cases it proves, and that it fails on broken plans."""
 
 import math
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from zorro_core import DeduplicatedActor, build_dedup_plan
-from zorro_core.reference import per_sequence, sequence_forward, token_weights
-from zorro_core.verify import (
+from zorro_core.verify.reference import per_sequence, sequence_forward, token_weights
+from zorro_core.verify.gradients import (
     BUGS, FACTOR, GRAD_FLOOR, LP_FLOOR, Errors, Verifier, VerifyCase, case_unavailable, inject_bug, judge, tiny_models,
     verify_batch,
 )
@@ -23,8 +23,8 @@ def errs(lp, ent, **grads):
 
 
 def test_tiny_models_follow_presets_and_supported_families(monkeypatch):
-    import zorro_core.models as models
-    import zorro_core.verify as verify
+    import zorro_core.models.support as models
+    import zorro_core.verify.gradients as verify
 
     found = tiny_models()
     assert {"tiny-qwen3", "tiny-llama", "tiny-qwen2"} <= set(found)

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from zorro_core.cost import COMPONENTS, ModelShape, compare, shape_workloads
+from zorro_core.core.cost import COMPONENTS, ModelShape, compare, shape_workloads
 
 console = Console()
 
@@ -27,7 +27,7 @@ def analyze(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """Total, unique and redundant tokens of a workload and the ideal speedup of each kind of work."""
-    from zorro_core.runner import model_config
+    from zorro_core.bench.runner import model_config
 
     if min(prompt_len, responses, response_len, prompts) < 1:
         console.print("[red]error:[/] --prompt-len, --responses, --response-len and --prompts must be >= 1")

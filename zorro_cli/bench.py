@@ -16,9 +16,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from zorro_core.measure import format_speedup
-from zorro_core.results import ResultWriter, done_keys, sidecar_path, update_last_run, write_sidecar
-from zorro_core.suite import PHASES, Case, Measure, Suite, load_suite
+from zorro_core.bench.measure import format_speedup
+from zorro_core.bench.results import ResultWriter, done_keys, sidecar_path, update_last_run, write_sidecar
+from zorro_core.bench.suite import PHASES, Case, Measure, Suite, load_suite
 
 bench_app = typer.Typer(help="Time the deduplicated actor against the packed baseline.", no_args_is_help=True)
 console = Console(emoji=False)  # case ids hold ":mask:", which rich would draw as an emoji
@@ -109,7 +109,7 @@ def run_suite(suite: Suite, out: Path, mode: str = "replace", fault: Optional[st
 
     mode: "replace" starts `out` afresh, "resume" skips every case+phase already done in it,
     "append" adds rows to it whatever it holds."""
-    from zorro_core.runner import case_rows
+    from zorro_core.bench.runner import case_rows
 
     import torch
 
@@ -248,7 +248,7 @@ def run(
     if out is not None:
         rows = run_suite(suite, out, mode="append")
     else:
-        from zorro_core.runner import case_rows
+        from zorro_core.bench.runner import case_rows
 
         with console.status(f"running {case.case_id}"):
             rows = case_rows(case, measure)

@@ -15,9 +15,9 @@ def environment() -> dict:
     import torch
     import transformers
 
-    from zorro_core.families import family_support
-    from zorro_core.models import SUPPORTED_MODEL_TYPES
-    from zorro_core.varlen import BACKENDS, backend_unavailable
+    from zorro_core.models.families import family_support
+    from zorro_core.models.support import SUPPORTED_MODEL_TYPES
+    from zorro_core.attention.backends import BACKENDS, backend_unavailable
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     info = {
@@ -46,10 +46,10 @@ def environment() -> dict:
 
 def stack_support(device: str) -> dict:
     """The precision policy, the "auto" attention choice, and Liger/LoRA/QLoRA, on this machine."""
-    from zorro_core.auto import choose_attention
-    from zorro_core.liger import liger_unavailable
-    from zorro_core.lora import LoraSettings, lora_unavailable
-    from zorro_core.precision import precision_policy
+    from zorro_core.stack.auto import choose_attention
+    from zorro_core.stack.liger import liger_unavailable
+    from zorro_core.stack.lora import LoraSettings, lora_unavailable
+    from zorro_core.stack.precision import precision_policy
 
     policy = precision_policy(device)
     choice = choose_attention(device, policy.compute_dtype, None)

@@ -62,7 +62,7 @@ def load_results(paths: list[Path]):
 def _fmt(v: float, err: float | None = None) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return ""
-    from zorro_core.measure import format_speedup
+    from zorro_core.bench.measure import format_speedup
 
     return format_speedup(float(v), float("nan") if err is None else float(err))
 

@@ -2,7 +2,7 @@
 
 baseline -> +flash_attention -> +liger -> +dedup -> +split_attention, per workload and phase,
 each with tokens/s, peak memory, the step over the previous row and the total over the
-baseline (zorro_core.stack: which case and arm each row comes from).
+baseline (zorro_core.bench.stack_table: which case and arm each row comes from).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def stack(
     csv_out: Optional[Path] = typer.Option(None, "--csv", help="Write the stack tables to this CSV."),
 ) -> None:
     """The cumulative table: baseline, + flash attention, + liger, + dedup, + split attention (see suites/stack.toml)."""
-    from zorro_core.stack import WORKLOAD, stack_report
+    from zorro_core.bench.stack_table import WORKLOAD, stack_report
 
     from .report import console, load_results
 

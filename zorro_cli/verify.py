@@ -12,9 +12,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from zorro_core.logprobs import LOGITS_MODES
-from zorro_core.training import TRAIN_FACTOR, TRAIN_RULE
-from zorro_core.verify import ATTNS, BUGS, DTYPES, FACTOR, LAYOUTS, MODES, RULE
+from zorro_core.core.logprobs import LOGITS_MODES
+from zorro_core.verify.training import TRAIN_FACTOR, TRAIN_RULE
+from zorro_core.verify.gradients import ATTNS, BUGS, DTYPES, FACTOR, LAYOUTS, MODES, RULE
 
 # Column notes printed under the gradients table.
 _LEGEND = ("errors are dedup's against ref64 (each sequence alone, float64, same weights); 'base' is the baseline's "
@@ -43,8 +43,8 @@ def _split(values: Optional[list[str]], allowed, default: list[str], flag: str) 
 
 
 def _models(values: Optional[list[str]]) -> list[str]:
-    from zorro_core.models import PRESETS
-    from zorro_core.verify import tiny_models
+    from zorro_core.models.support import PRESETS
+    from zorro_core.verify.gradients import tiny_models
 
     return _split(values, list(PRESETS), tiny_models(), "--models")
 
@@ -105,7 +105,7 @@ def gradients(
     inject_bug: Optional[str] = typer.Option(None, "--inject-bug", hidden=True, help=_BUG_HELP),
     lora: Optional[int] = typer.Option(None, "--lora", min=1, help="Wrap each model in a LoRA adapter of this rank (peft) and compare the adapter weights' gradients."),
 ) -> None:
-    from zorro_core.verify import expand_cases, verify_cases
+    from zorro_core.verify.gradients import expand_cases, verify_cases
 
     dev = _device(device)
     cases = expand_cases(
@@ -183,7 +183,7 @@ def training(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     inject_bug: Optional[str] = typer.Option(None, "--inject-bug", hidden=True, help=_BUG_HELP),
 ) -> None:
-    from zorro_core.training import TrainConfig, verify_training
+    from zorro_core.verify.training import TrainConfig, verify_training
 
     if steps < 1:
         raise typer.BadParameter("must be >= 1", param_hint="--steps")

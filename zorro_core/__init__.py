@@ -1,8 +1,8 @@
 """zorro: compute each shared prompt once in RL post-training, with equal log-probs and gradients."""
 
-from .actor import ActorOutput, BaselineActor, DeduplicatedActor
-from .batch import RolloutBatch, create_dummy_batch
-from .plan import DedupPlan, Segments, build_dedup_plan
+from zorro_core.core.actor import ActorOutput, BaselineActor, DeduplicatedActor
+from zorro_core.core.batch import RolloutBatch, create_dummy_batch
+from zorro_core.core.plan import DedupPlan, Segments, build_dedup_plan
 
 __all__ = [
     "ActorOutput", "BaselineActor", "DeduplicatedActor", "DedupPlan", "RolloutBatch", "Segments",

@@ -34,8 +34,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .batch import RolloutBatch
-from .plan import group_rows
+from zorro_core.core.batch import RolloutBatch
+from zorro_core.core.plan import group_rows
 
 
 @dataclass

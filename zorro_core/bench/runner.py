@@ -23,9 +23,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .cost import ModelShape, compare_plans
-from .measure import CPU_PEAK_KIND, Stats, peak_memory_mib, speedup, summarize, time_interleaved
-from .suite import PHASES, Case, Measure
+from zorro_core.core.cost import ModelShape, compare_plans
+from zorro_core.bench.measure import CPU_PEAK_KIND, Stats, peak_memory_mib, speedup, summarize, time_interleaved
+from zorro_core.bench.suite import PHASES, Case, Measure
 
 # Status of a row. Only "ok" rows carry timings; "oom" may carry the arm that fit.
 STATUSES = ("ok", "error", "oom", "timeout", "crashed", "skipped")
@@ -35,7 +35,7 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 
 def model_config(name: str):
     """The config of a preset, a local checkpoint or a model in the local HF cache (no download)."""
-    from .models import PRESETS, preset_config
+    from zorro_core.models.support import PRESETS, preset_config
 
     if name in PRESETS:
         return preset_config(name)
@@ -49,7 +49,7 @@ def model_config(name: str):
 
 
 def make_batch(case: Case, vocab_size: int, device: str = "cpu"):
-    from .batch import create_dummy_batch
+    from zorro_core.core.batch import create_dummy_batch
 
     return create_dummy_batch(batch_size=case.batch_size, num_unique_prompts=case.num_unique_prompts,
                               prompt_len=case.prompt_len, response_len=case.response_len, vocab_size=vocab_size,
@@ -74,7 +74,7 @@ class Workload:
 
 def case_workload(case: Case) -> Workload:
     """Tokens, redundancy and ideal speedup of a case, from its config and batch (no weights)."""
-    from .plan import build_dedup_plan
+    from zorro_core.core.plan import build_dedup_plan
 
     config = model_config(case.model)
     batch = make_batch(case, config.vocab_size)
@@ -99,8 +99,8 @@ class _Bench:
     """Model, batch and the two actors of a case, built inside the case process."""
 
     def __init__(self, case: Case, threads: int, arms: tuple[str, ...] = ("baseline", "dedup")) -> None:
-        from .actor import BaselineActor, DeduplicatedActor
-        from .models import load_model
+        from zorro_core.core.actor import BaselineActor, DeduplicatedActor
+        from zorro_core.models.support import load_model
 
         if threads:
             torch.set_num_threads(threads)
@@ -108,8 +108,8 @@ class _Bench:
             raise RuntimeError(f"device {case.device} requested but CUDA is not available here")
         self.device = torch.device(case.device)
         attn = case.attn_implementation
-        if attn == "auto":  # resolved once, the same for both arms (zorro_core.auto's rule)
-            from .auto import choose_attention
+        if attn == "auto":  # resolved once, the same for both arms (zorro_core.stack.auto's rule)
+            from zorro_core.stack.auto import choose_attention
 
             attn = choose_attention(self.device, _DTYPES[case.dtype], case.prompt_len + case.response_len,
                                     case.split_attention).implementation
@@ -118,7 +118,7 @@ class _Bench:
         self.model.eval()  # no dropout; gradients still flow
         self.liger_kernels = ""
         if case.liger:  # before the actors: liger swaps the instance's modules (and RoPE module-wide)
-            from .liger import apply_liger, liger_unavailable
+            from zorro_core.stack.liger import apply_liger, liger_unavailable
 
             why = liger_unavailable(self.model)
             if why:
@@ -278,7 +278,7 @@ def _context() -> mp.context.BaseContext:
     if _CTX is None:
         if "forkserver" in mp.get_all_start_methods():
             _CTX = mp.get_context("forkserver")
-            _CTX.set_forkserver_preload(["zorro_core.runner", "zorro_core.actor"])
+            _CTX.set_forkserver_preload(["zorro_core.bench.runner", "zorro_core.core.actor"])
         else:  # pragma: no cover (macOS/Windows)
             _CTX = mp.get_context("spawn")
     return _CTX
@@ -370,7 +370,7 @@ def skip_reason(case: Case) -> Optional[str]:
     if case.device.startswith("cuda") and not torch.cuda.is_available():
         return f"device {case.device} is not available on this machine (no CUDA)"
     if case.liger and not case.device.startswith("cuda"):
-        from .liger import liger_unavailable
+        from zorro_core.stack.liger import liger_unavailable
 
         return liger_unavailable(model_config(case.model).model_type, case.device)
     return None

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .plan import DedupPlan
+from zorro_core.core.plan import DedupPlan
 
 BLOCK = 128
 

@@ -4,7 +4,7 @@ One *case* is a model, an attention implementation, a dtype, a batch layout, spl
 attention and a logits mode. For each case the deduplicated actor and the baseline actor (same
 backend, no dedup) run one batch with a loss whose per-token weights differ per response; their
 per-token log-probs, entropies and every parameter's gradient are compared with the
-independent per-sequence computation (zorro_core.reference) in float64 on the same weights.
+independent per-sequence computation (zorro_core.verify.reference) in float64 on the same weights.
 The pass rule is RULE below; `zorro verify gradients` prints it.
 """
 
@@ -21,12 +21,12 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
-from .actor import BaselineActor, DeduplicatedActor
-from .batch import RolloutBatch, create_dummy_batch
-from .logprobs import LOGITS_MODES
-from .models import PRESETS, SUPPORTED_MODEL_TYPES, build_model, preset_config
-from .plan import DedupPlan, build_dedup_plan
-from .reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
+from zorro_core.core.actor import BaselineActor, DeduplicatedActor
+from zorro_core.core.batch import RolloutBatch, create_dummy_batch
+from zorro_core.core.logprobs import LOGITS_MODES
+from zorro_core.models.support import PRESETS, SUPPORTED_MODEL_TYPES, build_model, preset_config
+from zorro_core.core.plan import DedupPlan, build_dedup_plan
+from zorro_core.verify.reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
 
 # Measured float64 floor (transformers keeps RMSNorm, RoPE and eager softmax in float32 even in a
 # float64 model): log-probs ~6e-8 abs, gradients ~6e-7 relative. Asserted an order above.
@@ -187,7 +187,7 @@ def verify_batch(layout: str, vocab_size: int, seed: int = 0) -> RolloutBatch:
 
 def case_unavailable(case: VerifyCase, device: str) -> Optional[str]:
     """Why a case cannot run on `device`, or None."""
-    from .varlen import backend_unavailable, default_backend
+    from zorro_core.attention.backends import backend_unavailable, default_backend
 
     if case.model not in PRESETS:
         return f"unknown preset {case.model!r}"
@@ -317,7 +317,7 @@ class Verifier:
             if (name, "float32") not in self._models:
                 m = build_verify_model(name, self.device, self.seed)
                 if self.lora_rank:
-                    from .lora import LoraSettings, apply_lora
+                    from zorro_core.stack.lora import LoraSettings, apply_lora
 
                     # Random adapter init (peft's default B = 0 would make the adapter the identity
                     # and its A-gradients zero): every adapter weight gets a gradient to compare.

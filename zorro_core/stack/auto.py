@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from packaging.version import Version
 
-from .precision import DeviceCaps, device_caps
+from zorro_core.stack.precision import DeviceCaps, device_caps
 
 AUTO = "auto"
 FLASH = "flash_attention_2"

@@ -1,7 +1,7 @@
 """Prove a training run: K AdamW steps of a GRPO-style loss, dedup against baseline against reference.
 
 Three runs start from the same weights and see the same batches, rewards and old log-probs:
-- ref64:    each sequence alone through the unmodified model, float64 (zorro_core.reference);
+- ref64:    each sequence alone through the unmodified model, float64 (zorro_core.verify.reference);
 - baseline: BaselineActor (same backend, no dedup) in the case's dtype;
 - dedup:    DeduplicatedActor in the case's dtype.
 After every step each run's parameters are compared with ref64's, relative to how far ref64 has
@@ -20,11 +20,11 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .actor import BaselineActor, DeduplicatedActor
-from .batch import RolloutBatch
-from .plan import group_rows
-from .reference import sequence_forward
-from .verify import (
+from zorro_core.core.actor import BaselineActor, DeduplicatedActor
+from zorro_core.core.batch import RolloutBatch
+from zorro_core.core.plan import group_rows
+from zorro_core.verify.reference import sequence_forward
+from zorro_core.verify.gradients import (
     DTYPES, LAYOUTS, VerifyCase, build_verify_model, case_unavailable, finite_or_none, inject_bug, verify_batch,
 )
 
@@ -63,7 +63,7 @@ class TrainConfig:
     logits_mode: str = "compute"
     """Log-prob mode of the actors."""
     layout: str = "padded"
-    """Batch layout (see zorro_core.verify.verify_batch)."""
+    """Batch layout (see zorro_core.verify.gradients.verify_batch)."""
     steps: int = 5
     """AdamW steps."""
     num_batches: int = 2

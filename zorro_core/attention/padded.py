@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .plan import Segments
+from zorro_core.core.plan import Segments
 
 
 def self_layout(seg: Segments, device: torch.device) -> dict:

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from .lora import unwrap_adapters
+from zorro_core.stack.lora import unwrap_adapters
 
 # liger_kernel.transformers' patch function for each model type the dedup path serves.
 LIGER_FUNCTIONS = {

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from .balance import Partition, Workload, partition_micro_batches, select_rows
+from zorro_core.core.balance import Partition, Workload, partition_micro_batches, select_rows
 
 if TYPE_CHECKING:
-    from .actor import ActorOutput, _Actor
+    from zorro_core.core.actor import ActorOutput, _Actor
 
 
 @dataclass

@@ -44,7 +44,7 @@ class Case:
     model: str = "small-qwen3"
     """Preset name, local checkpoint, or a name in the local HF cache."""
     attn_implementation: str = "sdpa"
-    """eager, sdpa, flash_attention_2/3, flex_attention (mask mode) or auto (zorro_core.auto picks; both arms)."""
+    """eager, sdpa, flash_attention_2/3, flex_attention (mask mode) or auto (zorro_core.stack.auto picks; both arms)."""
     split_attention: bool = True
     """Dedup arm: two varlen calls (True) or one masked call over the packed row (False)."""
     logits_mode: str = "compute"
@@ -72,7 +72,7 @@ class Case:
     varlen_backend: Optional[str] = None
     """Split-mode varlen backend (None: the default for attn_implementation and device)."""
     liger: bool = False
-    """Apply Liger kernels (zorro_core.liger.apply_liger) before timing; GPU only, else status=skipped."""
+    """Apply Liger kernels (zorro_core.stack.liger.apply_liger) before timing; GPU only, else status=skipped."""
     seed: int = 0
     """Seed of the weights and the batch."""
 

@@ -85,7 +85,7 @@ def quantize_nf4(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) 
         raise ValueError(why)
     import bitsandbytes as bnb
 
-    from .models import model_parts
+    from zorro_core.models.support import model_parts
 
     base = model_parts(model).base
     for parent in list(base.modules()):
@@ -118,7 +118,7 @@ def apply_lora(model: nn.Module, settings: Optional[LoraSettings] = None, comput
         raise ValueError(why)
     from peft import LoraConfig, get_peft_model
 
-    from .models import model_parts
+    from zorro_core.models.support import model_parts
 
     model_parts(model)  # refuse an unsupported model before wrapping it
     if settings.quantize_base == "nf4":

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from .batch import RolloutBatch
+from zorro_core.core.batch import RolloutBatch
 
 
 @dataclass

@@ -22,9 +22,9 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .plan import DedupPlan
-from .padded import cross_attention
-from .varlen import BACKENDS, PADDED
+from zorro_core.core.plan import DedupPlan
+from zorro_core.attention.padded import cross_attention
+from zorro_core.attention.backends import BACKENDS, PADDED
 
 ZORRO_ATTENTION = "zorro"
 
@@ -38,7 +38,7 @@ class Route:
     mode: str
     """"split" (two varlen calls) or "mask" (one call with the block mask)."""
     backend: str = "reference"
-    """Varlen backend name (zorro_core.varlen.BACKENDS), split mode."""
+    """Varlen backend name (zorro_core.attention.backends.BACKENDS), split mode."""
     inner: str = "sdpa"
     """"eager", "sdpa" or "flex_attention", mask mode."""
     calls: int = 0
@@ -55,7 +55,7 @@ class Route:
                 pos = self.plan.position_ids
                 allowed = allowed & (pos[:, None] - pos[None, :] < window)
             if kind == "flex_attention":
-                from .flex import block_mask
+                from zorro_core.attention.flex import block_mask
 
                 self._masks[key] = block_mask(self.plan, window)
                 return self._masks[key]
@@ -99,7 +99,7 @@ _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
 
 def check_attention_call(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> None:
     """Refuse an attention call the hook would compute wrong: a KV cache, or a feature it skips."""
-    from .models import UnsupportedModelError
+    from zorro_core.models.support import UnsupportedModelError
 
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
@@ -141,7 +141,7 @@ def zorro_attention(
     if route.mode == "mask":
         mask = route.block_mask(route.inner, query.dtype, sliding_window)
         if route.inner == "flex_attention":
-            from .flex import flex_packed_attention
+            from zorro_core.attention.flex import flex_packed_attention
 
             return flex_packed_attention(query, key, value, mask, scale), None
         fn = _model_eager(module) if route.inner == "eager" else sdpa_attention_forward

@@ -13,15 +13,15 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .attention import ZORRO_ATTENTION, Route, attention_implementation
-from .auto import AUTO, AttentionChoice, choose_attention
-from .batch import RolloutBatch
-from .families import AUX_WEIGHTINGS, aux_loss_of, family_hooks, forward_kwargs, load_balancing_loss
-from .families.sliding import custom_masks
-from .logprobs import LOGITS_MODES, response_logprobs
-from .models import UnsupportedModelError, check_layers_served, check_trainable_state, load_model, model_parts
-from .plan import DedupPlan, build_dedup_plan
-from .varlen import default_backend, get_backend
+from zorro_core.attention.hook import ZORRO_ATTENTION, Route, attention_implementation
+from zorro_core.stack.auto import AUTO, AttentionChoice, choose_attention
+from zorro_core.core.batch import RolloutBatch
+from zorro_core.models.families import AUX_WEIGHTINGS, aux_loss_of, family_hooks, forward_kwargs, load_balancing_loss
+from zorro_core.models.sliding import custom_masks
+from zorro_core.core.logprobs import LOGITS_MODES, response_logprobs
+from zorro_core.models.support import UnsupportedModelError, check_layers_served, check_trainable_state, load_model, model_parts
+from zorro_core.core.plan import DedupPlan, build_dedup_plan
+from zorro_core.attention.backends import default_backend, get_backend
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,7 +65,7 @@ class _Actor:
             if dtype not in _DTYPES:
                 raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
             dtype = _DTYPES[dtype]
-        # attn_implementation="auto": resolved here (zorro_core.auto) from the device, the compute
+        # attn_implementation="auto": resolved here (zorro_core.stack.auto) from the device, the compute
         # dtype and max_seq_len (longest prompt + response; None: assumed long); actor.attn_choice
         # records what was chosen and why.
         auto_choice = None
@@ -104,7 +104,7 @@ class _Actor:
             get_backend(self.varlen_backend, self.device)  # refuses an unavailable backend now
         else:
             if self.attn_implementation == "flex_attention":
-                from .flex import flex_unavailable
+                from zorro_core.attention.flex import flex_unavailable
 
                 why = flex_unavailable(self.device)
                 if why:
@@ -145,8 +145,8 @@ class _Actor:
 
     def forward_backward(self, batch: RolloutBatch, loss_fn, max_tokens_per_micro_batch: Optional[int] = None,
                          temperature: float = 1.0, calculate_entropy: bool = False, attention_weight: float = 0.0):
-        """Accumulate gradients over balanced micro-batches; see zorro_core.microbatch.forward_backward."""
-        from .microbatch import forward_backward
+        """Accumulate gradients over balanced micro-batches; see zorro_core.core.microbatch.forward_backward."""
+        from zorro_core.core.microbatch import forward_backward
 
         return forward_backward(self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy,
                                 attention_weight)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .plan import DedupPlan, Segments
+from zorro_core.core.plan import DedupPlan, Segments
 
 COMPONENTS = ("linear", "attention", "lm_head")
 

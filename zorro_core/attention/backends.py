@@ -22,8 +22,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .padded import attend, from_padded, to_padded
-from .plan import Segments
+from zorro_core.attention.padded import attend, from_padded, to_padded
+from zorro_core.core.plan import Segments
 
 VarlenFn = Callable[..., torch.Tensor]
 

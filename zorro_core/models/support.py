@@ -42,7 +42,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 # Families the dedup path serves: every token-mixing layer is softmax attention through the hook
-# (full or sliding window) or a gated DeltaNet layer through zorro_core.families.linear_attention;
+# (full or sliding window) or a gated DeltaNet layer through zorro_core.models.linear_attention;
 # everything else (MLP, MoE experts and router, norms) is token-wise.
 SUPPORTED_MODEL_TYPES = {"qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "qwen3_next"}
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -148,9 +148,9 @@ def model_parts(model: nn.Module) -> ModelParts:
     """Split a causal LM into base and lm_head, refusing what the dedup path cannot serve.
 
     A peft-wrapped model (LoRA/QLoRA) is unwrapped to its causal LM; the adapter layers sit
-    inside its decoder, so they stay in the graph (zorro_core.lora).
+    inside its decoder, so they stay in the graph (zorro_core.stack.lora).
     """
-    from .lora import unwrap_adapters
+    from zorro_core.stack.lora import unwrap_adapters
 
     model = unwrap_adapters(model)
     config = getattr(model, "config", None)
@@ -175,7 +175,7 @@ def model_parts(model: nn.Module) -> ModelParts:
         if getattr(config, name, None):
             raise UnsupportedModelError(f"attention feature {name}={getattr(config, name)!r} is not implemented by the dedup attention hook")
     types = layer_types(config)
-    from .families.moe import is_moe
+    from zorro_core.models.moe import is_moe
 
     return ModelParts(base=base, lm_head=lm_head,
                       num_attention_layers=sum(t in ATTENTION_LAYER_TYPES for t in types),

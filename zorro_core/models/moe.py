@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..plan import DedupPlan
+from zorro_core.core.plan import DedupPlan
 
 AUX_WEIGHTINGS = ("multiplicity", "unique")
 

@@ -17,8 +17,8 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from .linear_attention import fla_available, linear_attention_hooks
-from .moe import AUX_WEIGHTINGS, load_balancing_loss, router_aux_loss, token_multiplicity
+from zorro_core.models.linear_attention import fla_available, linear_attention_hooks
+from zorro_core.models.moe import AUX_WEIGHTINGS, load_balancing_loss, router_aux_loss, token_multiplicity
 
 __all__ = ["AUX_WEIGHTINGS", "family_hooks", "family_support", "forward_kwargs", "load_balancing_loss", "router_aux_loss",
            "token_multiplicity", "wants_router_logits"]

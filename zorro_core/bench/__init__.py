@@ -1,0 +1,1 @@
+"""The benchmark harness: suites, the case runner, measurement, results files, report logic."""

@@ -1,0 +1,1 @@
+"""The dedup path: a batch, its plan, the actors, log-probs, micro-batches and balancing."""

@@ -1,0 +1,1 @@
+"""Models: presets and loading, what the dedup path serves, the family adapters."""

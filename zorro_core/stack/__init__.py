@@ -1,0 +1,1 @@
+"""The optimization stack around the dedup path: attention choice, precision, Liger, LoRA."""

@@ -1,0 +1,1 @@
+"""The proof: the independent per-sequence reference, gradient and training checks, planted bugs."""
