@@ -116,4 +116,6 @@ def test_actor_auto_on_a_fake_gpu_reaches_flash(monkeypatch, packages):
 def test_actor_auto_builds_a_preset_with_the_choice():
     actor = DeduplicatedActor(model_name_or_path="tiny-llama", attn_implementation="auto")
     assert actor.attn_implementation == "sdpa"
-    assert actor.model.config._attn_implementation == "sdpa"
+    from zorro_core.attention.registration import original_attention
+
+    assert original_attention(actor.model) == "sdpa"

@@ -6,7 +6,7 @@ import torch
 
 from test_actor import mixed_batch
 from zorro_core import BaselineActor, DeduplicatedActor
-from zorro_core.attention.hook import ZORRO_ATTENTION, Route, attention_implementation
+from zorro_core.attention.hook import Route, route_mask
 from zorro_core.models.support import PRESETS, UnsupportedModelError, build_model, model_parts, preset_config
 from zorro_core.core.plan import build_dedup_plan
 
@@ -41,12 +41,12 @@ def test_attention_feature_in_config(feature, value):
 @pytest.mark.parametrize("kwarg", ["softcap", "s_aux"])
 def test_attention_feature_at_call_time(monkeypatch, kwarg):
     """A layer that passes a feature the hook does not implement (softcapping, attention sinks)."""
-    import zorro_core.attention.hook as attention_mod
+    import zorro_core.attention.registration as registration
 
     model = fresh()
     layer = model.model.layers[0].self_attn
-    real = attention_mod.zorro_attention
-    monkeypatch.setitem(attention_mod.AttentionInterface._global_mapping, ZORRO_ATTENTION,
+    real = registration.zorro_attention
+    monkeypatch.setattr(registration, "zorro_attention",
                         lambda m, *a, **kw: real(m, *a, **({kwarg: torch.ones(1)} if m is layer else {}), **kw))
     with pytest.raises(UnsupportedModelError, match=kwarg):
         DeduplicatedActor(model=model).forward(mixed_batch())
@@ -75,13 +75,11 @@ def test_kv_cache(family):
     plan = build_dedup_plan(batch)
     cache = DynamicCache(config=model.config)
     model.model(input_ids=torch.tensor([[1, 2, 3]]), cache=cache, use_cache=True)
-    route = Route(plan=plan, mode="split", backend=DeduplicatedActor(model=model).varlen_backend)
-    from zorro_core.models.families import family_hooks
+    route = Route(plan=plan, mode="split", backend=DeduplicatedActor(model=model).varlen_backend)  # the actor installs the hooks
 
     with pytest.raises(UnsupportedModelError, match="cache"):
-        with attention_implementation(model, ZORRO_ATTENTION), family_hooks(model, model_parts(model)):
-            model.model(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None] + 3, cache=cache,
-                        use_cache=True, zorro_route=route)
+        model.model(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None] + 3, cache=cache,
+                    attention_mask=route_mask("cpu"), use_cache=True, zorro_route=route)
 
 
 @pytest.mark.parametrize("family,layer_attr", [("tiny-qwen3", "self_attn"), ("tiny-qwen3-next", "linear_attn")])
@@ -116,11 +114,3 @@ def test_family_support_lists_every_supported_type():
     support = family_support("cpu")
     assert set(support) == SUPPORTED_MODEL_TYPES
     assert "PyTorch fallback" in support["qwen3_next"] or "flash-linear-attention" in support["qwen3_next"]
-
-
-def test_gradient_checkpointing_in_training_mode():
-    model = fresh()
-    model.gradient_checkpointing_enable()
-    model.train()
-    with pytest.raises(UnsupportedModelError, match="gradient checkpointing"):
-        DeduplicatedActor(model=model).forward(mixed_batch())

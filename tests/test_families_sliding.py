@@ -84,14 +84,14 @@ def test_window_edges_and_off_by_one(window):
 
 def test_wrong_window_fails(tiny_models, references, monkeypatch):
     """The comparison sees a window off by one (what a `<=` instead of `<` would do)."""
-    import zorro_core.attention.hook as attention_mod
+    import zorro_core.attention.registration as registration
 
-    real = attention_mod.zorro_attention
+    real = registration.zorro_attention
 
     def widened(*args, sliding_window=None, **kwargs):
         return real(*args, sliding_window=None if sliding_window is None else sliding_window + 1, **kwargs)
 
     batch, w, ref = references("tiny-mistral", "mixed")
-    monkeypatch.setitem(attention_mod.AttentionInterface._global_mapping, attention_mod.ZORRO_ATTENTION, widened)
+    monkeypatch.setattr(registration, "zorro_attention", widened)  # what the registered dispatch calls with a route
     with pytest.raises(AssertionError):
         check(DeduplicatedActor(model=tiny_models("tiny-mistral")), batch, w, ref, 0.9)

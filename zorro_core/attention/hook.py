@@ -1,26 +1,29 @@
-"""The attention hook: one function registered in transformers' AttentionInterface.
+"""The attention hook: what an attention layer runs when a zorro Route is in its kwargs.
 
-The actor switches the model's attention implementation to "zorro" for the duration of its
-forward and passes a Route through the forward kwargs; every attention layer then lands
-here with q/k/v of the packed row and runs it the route's way:
+The actor registers a dispatching function once (zorro_core.attention.registration) and passes
+a Route through the forward kwargs; every attention layer then lands here with q/k/v of the
+packed row and runs it the route's way:
 - split: the plan's `causal` segments, then its `cross` segments, through a varlen backend;
 - mask:  one attention over the packed row with the plan's block mask, through the model's
-         own eager function or transformers' sdpa function.
+         own eager function or transformers' sdpa function;
+- plain: the padded baseline's batch through the named implementation with its own masks.
 No model source is edited; a layer that does not call the interface never sees the plan,
-which is why the actor counts the calls and refuses a model where the count is off.
+which is why the actor counts the calls and refuses a model where the count is off. Calls
+made by the recompute of gradient checkpointing (in backward) land here too, with the same
+route, after the actor has checked the count of its forward.
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from zorro_core.core.plan import DedupPlan
 from zorro_core.attention.padded import cross_attention
@@ -33,14 +36,16 @@ ZORRO_ATTENTION = "zorro"
 class Route:
     """How the hook runs the attention of one forward."""
 
-    plan: DedupPlan
-    """The batch's dedup plan."""
+    plan: Optional[DedupPlan]
+    """The batch's dedup plan (None in plain mode)."""
     mode: str
-    """"split" (two varlen calls) or "mask" (one call with the block mask)."""
+    """"split" (two varlen calls), "mask" (one call with the block mask) or "plain" (padded batch)."""
     backend: str = "reference"
     """Varlen backend name (zorro_core.attention.backends.BACKENDS), split mode."""
     inner: str = "sdpa"
-    """"eager", "sdpa" or "flex_attention", mask mode."""
+    """"eager", "sdpa" or "flex_attention", mask mode; any attention implementation, plain mode."""
+    mask_of: Optional[Callable] = None
+    """Plain mode: window (None: full attention) -> the attention mask of the layers with that window."""
     calls: int = 0
     """Attention layers served so far in this forward."""
     adapter_calls: dict = field(default_factory=dict)
@@ -93,6 +98,15 @@ def _model_eager(module: nn.Module):
     return fn
 
 
+def route_mask(device: torch.device | str) -> torch.Tensor:
+    """The `attention_mask` an actor passes with a route: an empty 4D mask.
+
+    transformers uses a 4D mask as given and builds none, so no [T, T] mask is made for the
+    packed row (the route carries its structure) and the recurrent layers see no padding mask.
+    """
+    return torch.ones(1, 1, 0, 0, dtype=torch.bool, device=device)
+
+
 # Attention kwargs of features this hook does not implement: refused rather than ignored.
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
 
@@ -125,6 +139,16 @@ def zorro_attention(
     route: Optional[Route] = kwargs.get("zorro_route")
     if route is None:
         raise RuntimeError("zorro attention was called without a route: run the model through a zorro actor")
+    if route.mode == "plain":
+        route.calls += 1
+        check_attention_call(query, key, kwargs)
+        fn = _model_eager(module) if route.inner == "eager" else ALL_ATTENTION_FUNCTIONS[route.inner]
+        rest = {k: v for k, v in kwargs.items() if k != "zorro_route"}
+        key_ = ("plain", sliding_window)
+        if key_ not in route._masks:
+            route._masks[key_] = route.mask_of(sliding_window)
+        return fn(module, query, key, value, route._masks[key_], scaling=scaling, dropout=dropout,
+                  sliding_window=sliding_window, **rest)
     if dropout:
         raise ValueError(f"attention dropout {dropout} is not supported by the dedup path (it would differ per copy)")
     if query.shape[0] != 1:
@@ -152,22 +176,3 @@ def zorro_attention(
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     out = split_attention(route.plan, q, k, v, scale, sliding_window, route.backend)
     return out.unsqueeze(0), None
-
-
-# Not registered in AttentionMaskInterface on purpose: transformers then builds no mask for
-# the packed row (the plan carries its structure), so no [T, T] tensor is ever made.
-AttentionInterface.register(ZORRO_ATTENTION, zorro_attention)
-
-
-@contextlib.contextmanager
-def attention_implementation(model: nn.Module, name: str) -> Iterator[None]:
-    """Switch every config of `model` to attention implementation `name`, and back."""
-    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}
-    saved = {k: c._attn_implementation for k, c in configs.items()}
-    try:
-        for c in configs.values():
-            c._attn_implementation = name
-        yield
-    finally:
-        for k, c in configs.items():
-            c._attn_implementation = saved[k]

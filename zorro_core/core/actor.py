@@ -13,11 +13,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from zorro_core.attention.hook import ZORRO_ATTENTION, Route, attention_implementation
+from zorro_core.attention.hook import Route, route_mask
+from zorro_core.attention.registration import install_attention
 from zorro_core.stack.auto import AUTO, AttentionChoice, choose_attention
 from zorro_core.core.batch import RolloutBatch
-from zorro_core.models.families import AUX_WEIGHTINGS, aux_loss_of, family_hooks, forward_kwargs, load_balancing_loss
-from zorro_core.models.sliding import custom_masks
+from zorro_core.models.families import AUX_WEIGHTINGS, aux_loss_of, forward_kwargs, install_family_adapters, load_balancing_loss
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, sliding_window_causal_mask_function
 from zorro_core.core.logprobs import LOGITS_MODES, response_logprobs
 from zorro_core.models.support import UnsupportedModelError, check_layers_served, check_trainable_state, load_model, model_parts
 from zorro_core.core.plan import DedupPlan, build_dedup_plan
@@ -90,7 +91,10 @@ class _Actor:
         self.model = model
         self.parts = model_parts(model)
         self.device = next(model.parameters()).device
-        self.attn_implementation = attn_implementation or model.config._attn_implementation or "sdpa"
+        # Taken once: attention and family adapters registered here, acting only on calls that
+        # carry a route (the model's original implementation runs everywhere else).
+        original = self._take_model()
+        self.attn_implementation = attn_implementation or original
         self.attn_choice = auto_choice or AttentionChoice(
             self.attn_implementation, "requested explicitly" if attn_implementation else "the model's own attention implementation")
         self.use_split_attention = use_split_attention
@@ -115,6 +119,12 @@ class _Actor:
                 )
             self.varlen_backend = None
 
+    def _take_model(self) -> str:
+        """Install zorro's attention dispatch and family adapters on the model (idempotent); the original attention."""
+        original = install_attention(self.model)
+        install_family_adapters(self.model, self.parts)
+        return original
+
     @property
     def vocab_size(self) -> int:
         return self.parts.lm_head.out_features
@@ -125,15 +135,17 @@ class _Actor:
     def forward(self, batch: RolloutBatch, temperature: float = 1.0, calculate_entropy: bool = False) -> ActorOutput:
         """Log-probs (and optionally entropy) of every response token, differentiable."""
         check_trainable_state(self.model)
+        self._take_model()  # a no-op unless something reset the model's attention since
         plan = self.plan(batch)  # validates the batch, token ids against the vocabulary included
         mode = "split" if self.use_split_attention else "mask"
         route = Route(plan=plan, mode=mode, backend=self.varlen_backend or "reference", inner=self.attn_implementation)
-        with attention_implementation(self.model, ZORRO_ATTENTION), family_hooks(self.model, self.parts):
-            outputs = self.parts.base(
-                input_ids=plan.input_ids[None], position_ids=plan.position_ids[None], use_cache=False, zorro_route=route,
-                **forward_kwargs(self.parts, self.model.config),
-            )
+        outputs = self.parts.base(
+            input_ids=plan.input_ids[None], position_ids=plan.position_ids[None], attention_mask=route_mask(self.device),
+            use_cache=False, zorro_route=route, **forward_kwargs(self.parts, self.model.config),
+        )
         hidden = outputs.last_hidden_state[0]
+        # Checked right after the forward: gradient checkpointing's recompute (in backward) calls the
+        # hooks again with the same route, and those calls are not part of this count.
         check_layers_served(self.parts, route)
         aux = aux_loss_of(self.parts, self.model.config, outputs, plan, self.router_aux_weighting)
         lp, ent = response_logprobs(hidden, self.parts.lm_head, plan.logit_index, plan.labels, temperature,
@@ -172,6 +184,23 @@ def _padded_mask(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtyp
     return torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
+def padded_mask_builder(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype):
+    """window (None: full attention) -> the padded baseline's attention mask for layers with that window.
+
+    eager/sdpa: `_padded_mask`; any other implementation: the mask transformers' own mask function for
+    it builds from the [B, L] padding mask (flash: the 2D mask; flex: a BlockMask); none if it has none.
+    """
+    if attn_implementation in ("eager", "sdpa"):
+        return lambda w: _padded_mask(mask, attn_implementation, dtype, w)
+    build = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(attn_implementation)
+    if build is None:
+        return lambda w: None
+    b, length = mask.shape
+    return lambda w: build(batch_size=b, q_length=length, kv_length=length,
+                           mask_function=causal_mask_function if w is None else sliding_window_causal_mask_function(w),
+                           attention_mask=mask.bool(), allow_is_causal_skip=False, dtype=dtype, device=mask.device)
+
+
 class DeduplicatedActor(_Actor):
     """Each unique prompt computed once; responses attend to its keys/values."""
 
@@ -196,16 +225,17 @@ class BaselineActor(_Actor):
         batch = batch.to(self.device)
         batch.validate(vocab_size=self.vocab_size)
         check_trainable_state(self.model)
+        self._take_model()
         ids = torch.cat([batch.prompts, batch.responses], 1).long()
         mask = torch.cat([batch.prompt_mask, batch.response_mask], 1).long()
         pos = (mask.cumsum(1) - 1).clamp(min=0)
-        with attention_implementation(self.model, self.attn_implementation):
-            if self.attn_implementation in ("eager", "sdpa"):
-                attention_mask = custom_masks(self.model.config, lambda w: _padded_mask(mask, self.attn_implementation, self.model.dtype, w))
-            else:
-                attention_mask = mask
-            outputs = self.parts.base(input_ids=ids, attention_mask=attention_mask,
-                                      position_ids=pos, use_cache=False, **forward_kwargs(self.parts, self.model.config))
+        route = Route(plan=None, mode="plain", inner=self.attn_implementation,
+                      mask_of=padded_mask_builder(mask, self.attn_implementation, self.model.dtype))
+        outputs = self.parts.base(input_ids=ids, attention_mask=route_mask(self.device), position_ids=pos,
+                                  use_cache=False, zorro_route=route, **forward_kwargs(self.parts, self.model.config))
+        if route.calls != self.parts.num_attention_layers:
+            raise RuntimeError(f"the attention hook served {route.calls} layers, expected {self.parts.num_attention_layers}: "
+                               "some layer mixes tokens outside it; this model is not supported")
         hidden = outputs.last_hidden_state
         aux = None
         if forward_kwargs(self.parts, self.model.config):

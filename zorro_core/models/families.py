@@ -11,27 +11,22 @@
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from zorro_core.models.linear_attention import fla_available, linear_attention_hooks
+from zorro_core.models.linear_attention import fla_available, install_linear_attention
 from zorro_core.models.moe import AUX_WEIGHTINGS, load_balancing_loss, router_aux_loss, token_multiplicity
 
-__all__ = ["AUX_WEIGHTINGS", "family_hooks", "family_support", "forward_kwargs", "load_balancing_loss", "router_aux_loss",
+__all__ = ["AUX_WEIGHTINGS", "install_family_adapters", "family_support", "forward_kwargs", "load_balancing_loss", "router_aux_loss",
            "token_multiplicity", "wants_router_logits"]
 
 
-@contextlib.contextmanager
-def family_hooks(model: nn.Module, parts) -> Iterator[None]:
-    """Install the adapters the model's layers need for one deduplicated forward, then remove them."""
+def install_family_adapters(model: nn.Module, parts) -> None:
+    """Install the adapters the model's layers need (idempotent); they act only on calls that carry a route."""
     if parts.num_linear_layers:
-        with linear_attention_hooks(model):
-            yield
-    else:
-        yield
+        install_linear_attention(model)
 
 
 def wants_router_logits(parts, config) -> bool:

@@ -2,10 +2,11 @@
 
 A linear-attention layer mixes tokens in two places, neither of them transformers' attention
 interface: a causal depthwise convolution over the pre-conv q/k/v (kernel K), and the chunked
-gated delta rule, a recurrence whose state after a prompt summarises it. The adapter replaces
-exactly those two functions of the layer's module for the duration of a zorro forward (the
-layer passes its forward kwargs, hence the route, to both); everything else in the layer
-(projections, gates, norms) is token-wise and runs untouched.
+gated delta rule, a recurrence whose state after a prompt summarises it. The adapter wraps
+exactly those two functions of the layer's module, once, when an actor takes the model (the
+layer passes its forward kwargs, hence the route, to both): with a route they run the dedup
+computation below, without one the original function, so the model is unchanged outside the
+actor. Everything else in the layer (projections, gates, norms) is token-wise and runs untouched.
 
 - Convolution: the model's own conv over the packed row, then the first K-1 tokens of each
   packed segment recomputed over their own sequence's window: for a response, the prompt's last
@@ -26,11 +27,10 @@ layer passes its forward kwargs, hence the route, to both); everything else in t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -262,26 +262,24 @@ def linear_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if getattr(m, "layer_type", None) in LINEAR_LAYER_TYPES and hasattr(m, "conv1d")]
 
 
-@contextlib.contextmanager
-def linear_attention_hooks(model: nn.Module) -> Iterator[None]:
-    """Route the conv and delta rule of every gated DeltaNet layer of `model` through the adapter, then restore."""
-    modules = {sys.modules[type(m).__module__] for m in linear_layers(model)}
-    saved = []
-    try:
-        for mod in modules:
-            for name, fn in ((_CONV_FN, _dedup_conv), (_DELTA_FN, _dedup_delta_rule)):
-                original = getattr(mod, name, None)
-                if original is None:
-                    raise UnsupportedModelError(f"{mod.__name__} has no {name}: this transformers version's gated DeltaNet is not supported")
-                saved.append((mod, name, original))
-                setattr(mod, name, _bind(fn, original))
-        yield
-    finally:
-        for mod, name, original in reversed(saved):
-            setattr(mod, name, original)
+def install_linear_attention(model: nn.Module) -> None:
+    """Wrap the conv and delta rule of every gated DeltaNet layer's module (idempotent).
+
+    The wrappers act only when a route is in the call's kwargs; a module function replaced
+    later (say, by a test's kernel) is wrapped again at the next install, and a forward that
+    bypasses the wrappers is refused by the actor's call count.
+    """
+    for mod in {sys.modules[type(m).__module__] for m in linear_layers(model)}:
+        for name, fn in ((_CONV_FN, _dedup_conv), (_DELTA_FN, _dedup_delta_rule)):
+            current = getattr(mod, name, None)
+            if current is None:
+                raise UnsupportedModelError(f"{mod.__name__} has no {name}: this transformers version's gated DeltaNet is not supported")
+            if getattr(current, "zorro_original", None) is None:
+                setattr(mod, name, _bind(fn, current))
 
 
 def _bind(fn, original):
+    @functools.wraps(original)
     def patched(*args, **kwargs):
         return fn(original, *args, **kwargs)
 

@@ -78,7 +78,6 @@ def build_model(config, dtype: torch.dtype = torch.float32, device: str | torch.
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config._attn_implementation = attn_implementation
     extra = {}
     if experts_implementation is None and dtype == torch.float64 and getattr(config, "num_experts", 0):
         experts_implementation = "eager"
@@ -206,8 +205,3 @@ def check_trainable_state(model: nn.Module) -> None:
         p = getattr(model.config, "attention_dropout", 0.0)
         if p:
             raise UnsupportedModelError(f"attention_dropout={p} in training mode is not supported by the dedup path")
-        if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
-            # The recompute runs in backward, after the actor's forward has switched the attention
-            # implementation back and removed its adapters: it would not be the forward it replaces.
-            raise UnsupportedModelError("gradient checkpointing in training mode is not supported by the dedup path "
-                                        "(layers are recomputed outside its hooks); disable it or call model.eval()")

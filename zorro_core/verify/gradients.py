@@ -26,6 +26,7 @@ from zorro_core.core.batch import RolloutBatch, create_dummy_batch
 from zorro_core.core.logprobs import LOGITS_MODES
 from zorro_core.models.support import PRESETS, SUPPORTED_MODEL_TYPES, build_model, preset_config
 from zorro_core.core.plan import DedupPlan, build_dedup_plan
+from zorro_core.stack.lora import unwrap_adapters
 from zorro_core.verify.reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
 
 # Measured float64 floor (transformers keeps RMSNorm, RoPE and eager softmax in float32 even in a
@@ -334,7 +335,7 @@ class Verifier:
         key = (name, weights_of, layout)
         if key not in self._refs:
             m64 = copy.deepcopy(self.model(name, weights_of)).to(torch.float64)
-            m64.config._attn_implementation = "eager"
+            unwrap_adapters(m64).set_attn_implementation("eager")
             batch = verify_batch(layout, m64.config.vocab_size, seed=self.seed + 1).to(self.device)
             w = token_weights(batch, seed=self.seed + 2)
             self._refs[key] = (batch, w, per_sequence(m64, batch, TEMPERATURE, w))

@@ -23,6 +23,7 @@ from torch import nn
 from zorro_core.core.actor import BaselineActor, DeduplicatedActor
 from zorro_core.core.batch import RolloutBatch
 from zorro_core.core.plan import group_rows
+from zorro_core.stack.lora import unwrap_adapters
 from zorro_core.verify.reference import sequence_forward
 from zorro_core.verify.gradients import (
     DTYPES, LAYOUTS, VerifyCase, build_verify_model, case_unavailable, finite_or_none, inject_bug, verify_batch,
@@ -213,7 +214,7 @@ def _train(cfg: TrainConfig, device: str, factor: float, bug: Optional[str], res
     m_base = base32.to(DTYPES[cfg.dtype])
     m_dedup = copy.deepcopy(m_base)
     m_ref = copy.deepcopy(m_base).to(torch.float64)  # the same (possibly bf16-rounded) weights
-    m_ref.config._attn_implementation = "eager"
+    unwrap_adapters(m_ref).set_attn_implementation("eager")
     kw = dict(use_split_attention=cfg.split, attn_implementation=cfg.attn, logits_mode=cfg.logits_mode)
     runs = {
         "ref": _Run(m_ref, lambda b: sequence_forward(m_ref, b, cfg.temperature), cfg),

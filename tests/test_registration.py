@@ -1,0 +1,69 @@
+"""Attention registered once, through transformers' public API: the model stays itself outside the actor."""
+
+import copy
+
+import pytest
+import torch
+
+from test_actor import mixed_batch
+from zorro_core import BaselineActor, DeduplicatedActor
+from zorro_core.attention.registration import install_attention, is_installed, original_attention
+from zorro_core.models.support import build_model, preset_config
+
+FAMILIES = ["tiny-qwen3", "tiny-llama", "tiny-qwen3-moe", "tiny-qwen3-next", "tiny-mistral", "tiny-qwen2-sliding"]
+
+
+def _plain(model, ids, mask):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits.nan_to_num(7.0)  # eager: padding queries are NaN
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plain_forward_unchanged_after_an_actor_takes_the_model(family, attn):
+    model = build_model(preset_config(family), dtype=torch.float64, attn_implementation=attn)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 256, (3, 16), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding: the original implementation's own mask must be built
+    before = _plain(model, ids, mask)
+    actor = DeduplicatedActor(model=model, attn_implementation="eager" if attn == "sdpa" else "sdpa")
+    actor.forward(mixed_batch())
+    assert is_installed(model) and original_attention(model) == attn
+    assert torch.equal(_plain(model, ids, mask), before)
+    # and after both actors, the padded baseline included (which runs its own implementation)
+    if "next" not in family:
+        BaselineActor(model=model, padded=True).forward(mixed_batch())
+    assert torch.equal(_plain(model, ids, mask), before)
+
+
+def test_installed_once_and_survives_a_copy():
+    model = build_model(preset_config("tiny-qwen3"), dtype=torch.float64, attn_implementation="sdpa")
+    name = None
+    for _ in range(2):
+        DeduplicatedActor(model=model)
+        name = name or model.config._attn_implementation
+        assert model.config._attn_implementation == name  # a second actor adds nothing
+    twin = copy.deepcopy(model)
+    assert original_attention(twin) == "sdpa"
+    assert install_attention(twin) == "sdpa"
+
+
+def test_generate_unchanged_after_an_actor_takes_the_model():
+    """A trainer generates with the model the actor holds (TRL without vLLM): greedy tokens identical."""
+    model = build_model(preset_config("tiny-qwen3"), dtype=torch.float64, attn_implementation="sdpa")
+    ids = torch.randint(1, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    before = model.generate(ids, **kw)
+    DeduplicatedActor(model=model).forward(mixed_batch())
+    assert torch.equal(model.generate(ids, **kw), before)
+
+
+def test_a_reset_attention_is_taken_again():
+    """Something resetting the model's attention (set_attn_implementation) after the actor took it: the next forward re-installs."""
+    model = build_model(preset_config("tiny-qwen3"), dtype=torch.float64, attn_implementation="sdpa")
+    actor = DeduplicatedActor(model=model)
+    model.set_attn_implementation("eager")
+    assert not is_installed(model)
+    actor.forward(mixed_batch())
+    assert is_installed(model) and original_attention(model) == "eager"
