@@ -81,3 +81,20 @@ def test_lora_compares_adapter_gradients_and_can_fail():
     case = json.loads(res.output)["results"][0]
     assert "lora_A" in case["dedup"]["worst_param"] or "lora_B" in case["dedup"]["worst_param"]
     assert invoke("gradients", *args, "--inject-bug", "wrong_prompt").exit_code == 1
+
+
+@pytest.mark.parametrize("reentrant", [[], ["--reentrant"]])
+def test_checkpointing_passes_and_can_fail(reentrant):
+    args = ["--models", "tiny-qwen3-next,tiny-mistral", "--dtype", "float64", "--layout", "padded", "--logits-mode",
+            "compute", "--attn", "sdpa", "--mode", "split", "--checkpointing", *reentrant, "--json"]
+    res = invoke("gradients", *args)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["checkpointing"] == ("reentrant" if reentrant else "non-reentrant")
+    assert out["summary"] == {"pass": 2, "fail": 0, "error": 0, "skip": 0}
+    assert invoke("gradients", *args, "--inject-bug", "wrong_prompt").exit_code == 1
+
+
+def test_reentrant_needs_checkpointing():
+    res = invoke("gradients", "--reentrant")
+    assert res.exit_code == 2 and "--reentrant" in res.output

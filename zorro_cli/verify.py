@@ -104,8 +104,14 @@ def gradients(
     as_json: bool = typer.Option(False, "--json", help="Print JSON (rule, one object per case, summary) instead of tables."),
     inject_bug: Optional[str] = typer.Option(None, "--inject-bug", hidden=True, help=_BUG_HELP),
     lora: Optional[int] = typer.Option(None, "--lora", min=1, help="Wrap each model in a LoRA adapter of this rank (peft) and compare the adapter weights' gradients."),
+    checkpointing: bool = typer.Option(False, "--checkpointing", help="Run the actors in training mode with gradient checkpointing (transformers' API) on every decoder layer."),
+    reentrant: bool = typer.Option(False, "--reentrant", help="With --checkpointing: use_reentrant=True (default False, transformers' default)."),
 ) -> None:
     from zorro_core.verify.gradients import expand_cases, verify_cases
+
+    if reentrant and not checkpointing:
+        raise typer.BadParameter("--reentrant needs --checkpointing", param_hint="--reentrant")
+    flavour = ("reentrant" if reentrant else "non-reentrant") if checkpointing else None
 
     dev = _device(device)
     cases = expand_cases(
@@ -123,16 +129,17 @@ def gradients(
             done[0] += 1
             status.update(f"[{done[0]}/{len(cases)}] {res.case.name}: {res.status}")
 
-        results = verify_cases(cases, device=dev, seed=seed, factor=factor, bug=bug, on_result=progress, lora_rank=lora)
+        results = verify_cases(cases, device=dev, seed=seed, factor=factor, bug=bug, on_result=progress, lora_rank=lora,
+                               checkpointing=flavour)
     seconds = time.perf_counter() - t0
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "error", "skip")}
     ok = counts["fail"] == counts["error"] == 0 and counts["pass"] > 0
     if as_json:
-        out = {"rule": RULE, "device": dev, "injected_bug": bug, "seconds": round(seconds, 2), "summary": counts,
+        out = {"rule": RULE, "device": dev, "injected_bug": bug, "checkpointing": flavour, "seconds": round(seconds, 2), "summary": counts,
                "passed": ok, "results": [r.to_dict() for r in results]}
         typer.echo(json.dumps(out, indent=2, allow_nan=False))
     else:
-        _gradients_table(results, counts, seconds, dev, bug, top)
+        _gradients_table(results, counts, seconds, dev + (f", {flavour} checkpointing" if flavour else ""), bug, top)
     raise typer.Exit(0 if ok else 1)
 
 

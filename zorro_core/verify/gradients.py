@@ -26,6 +26,7 @@ from zorro_core.core.batch import RolloutBatch, create_dummy_batch
 from zorro_core.core.logprobs import LOGITS_MODES
 from zorro_core.models.support import PRESETS, SUPPORTED_MODEL_TYPES, build_model, preset_config
 from zorro_core.core.plan import DedupPlan, build_dedup_plan
+from zorro_core.stack.checkpointing import checkpointed
 from zorro_core.stack.lora import unwrap_adapters
 from zorro_core.verify.reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
 
@@ -302,8 +303,11 @@ class Verifier:
     """Runs cases, building each model's weights and each reference once."""
 
     def __init__(self, device: str = "cpu", seed: int = 0, factor: float = FACTOR, bug: Optional[str] = None,
-                 lora_rank: Optional[int] = None) -> None:
+                 lora_rank: Optional[int] = None, checkpointing: Optional[str] = None) -> None:
         self.lora_rank = lora_rank
+        # None, or a flavour of zorro_core.stack.checkpointing: the actors then run in training mode
+        # with every decoder layer checkpointed (the reference runs without, in eval mode).
+        self.checkpointing = checkpointing
         self.device = device
         self.seed = seed
         self.factor = factor
@@ -356,9 +360,10 @@ class Verifier:
             model = self.model(case.model, case.dtype)
             batch, w, ref = self.reference(case.model, case.dtype, case.layout)
             kw = dict(model=model, use_split_attention=case.split, attn_implementation=case.attn, logits_mode=case.logits_mode)
-            base, base_lp = self.errors(BaselineActor(**kw), batch, w, ref)
-            with inject_bug(self.bug):
-                dedup, dedup_lp = self.errors(DeduplicatedActor(**kw), batch, w, ref)
+            with checkpointed(model, self.checkpointing):
+                base, base_lp = self.errors(BaselineActor(**kw), batch, w, ref)
+                with inject_bug(self.bug):
+                    dedup, dedup_lp = self.errors(DeduplicatedActor(**kw), batch, w, ref)
         except Exception as e:  # a crash is a failed proof, reported as a row
             return CaseResult(case, "error", f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
         ratio, check, failing = judge(case.dtype, dedup, base, self.factor)
@@ -375,13 +380,15 @@ def expand_cases(models: Iterable[str], attns: Iterable[str], dtypes: Iterable[s
 
 def verify_cases(cases: Iterable[VerifyCase], device: str = "cpu", seed: int = 0, factor: float = FACTOR,
                  bug: Optional[str] = None, on_result: Optional[Callable[[CaseResult], None]] = None,
-                 lora_rank: Optional[int] = None) -> list[CaseResult]:
+                 lora_rank: Optional[int] = None, checkpointing: Optional[str] = None) -> list[CaseResult]:
     """Run cases (sharing models and references) and return their results.
 
     lora_rank: wrap every model in a LoRA adapter of that rank (peft); only the adapter
     weights train, so the gradients compared are the adapter's.
+    checkpointing: run the actors with gradient checkpointing of that flavour ("non-reentrant" or
+    "reentrant", zorro_core.stack.checkpointing), in training mode.
     """
-    verifier = Verifier(device=device, seed=seed, factor=factor, bug=bug, lora_rank=lora_rank)
+    verifier = Verifier(device=device, seed=seed, factor=factor, bug=bug, lora_rank=lora_rank, checkpointing=checkpointing)
     results = []
     for case in cases:
         res = verifier.run(case)
