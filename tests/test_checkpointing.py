@@ -139,3 +139,29 @@ def test_checkpointing_changes_nothing_but_memory():
     assert torch.allclose(plain[0], ckpt[0], rtol=0, atol=1e-14)
     for name, g in plain[2].items():
         assert torch.allclose(g, ckpt[2][name], rtol=1e-12, atol=1e-15), name
+
+
+def test_router_aux_loss_under_checkpointing():
+    """Non-reentrant: the MoE router aux loss and its gradient are those without checkpointing. Reentrant:
+    transformers records router logits under no_grad, so the aux loss has no gradient (the baseline's neither);
+    the README says so."""
+    model = build_model(preset_config("tiny-qwen3-moe", output_router_logits=True), dtype=torch.float64,
+                        attn_implementation="eager")
+    batch = BATCHES["mixed"]()
+    model.train()
+
+    def aux_and_grads():
+        model.zero_grad(set_to_none=True)
+        out = DeduplicatedActor(model=model).forward(batch)
+        out.aux_loss.backward()
+        return out.aux_loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = aux_and_grads()
+    with checkpointing(model, False):
+        ckpt = aux_and_grads()
+    assert torch.allclose(plain[0], ckpt[0], rtol=1e-12) and set(plain[1]) == set(ckpt[1]) and plain[1]
+    for name, g in plain[1].items():
+        assert torch.allclose(g, ckpt[1][name], rtol=1e-10, atol=1e-14), name
+    with checkpointing(model, True):
+        for actor in (DeduplicatedActor(model=model), BaselineActor(model=model)):
+            assert not actor.forward(batch).aux_loss.requires_grad

@@ -184,3 +184,20 @@ def test_liger_case_is_skipped_with_the_reason_here(tmp_path):
     assert res.exit_code == 0, res.output
     got = read_rows(out)
     assert [(r["liger"], r["status"]) for r in got] == [("True", "skipped")] * 2 and "need a CUDA GPU" in got[0]["error"]
+
+
+def test_checkpointing_axis(tmp_path):
+    """--checkpointing: both arms run with transformers' checkpointing in training mode; the row records it."""
+    from zorro_core.bench.runner import _Bench
+
+    case = Case(model="tiny-qwen3", batch_size=4, prompt_len=16, response_len=4, num_unique_prompts=1, checkpointing=True)
+    assert case.case_id.endswith(":ckpt")
+    bench = _Bench(case, threads=1)
+    assert bench.model.training and all(layer.gradient_checkpointing for layer in bench.model.model.layers)
+    out = tmp_path / "ckpt.csv"
+    res = runner.invoke(app, ["bench", "run", "--model", "tiny-qwen3", "-b", "4", "-u", "1", "-p", "16", "-r", "4",
+                              "--checkpointing", "--repeats", "1", "--phase", "forward_backward", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    (row,) = read_rows(out)
+    assert row["status"] == "ok" and row["checkpointing"] == "True" and row["case_id"].endswith(":ckpt")
+    assert float(row["baseline_peak_mem_mib"]) >= 0 and float(row["dedup_peak_mem_mib"]) >= 0

@@ -223,6 +223,7 @@ def run(
     baseline: str = typer.Option("packed", "--baseline", help="packed (fair: same backend, no padding) or padded (plain HF forward)."),
     varlen_backend: Optional[str] = typer.Option(None, "--varlen-backend"),
     liger: bool = typer.Option(False, "--liger", help="Apply Liger kernels before timing (GPU; else a skipped row)."),
+    checkpointing: bool = typer.Option(False, "--checkpointing", help="Gradient checkpointing on every decoder layer (training mode), both arms."),
     warmup: int = typer.Option(1, "--warmup"),
     repeats: int = typer.Option(5, "--repeats"),
     phases: list[str] = typer.Option(list(PHASES), "--phase", help="forward and/or forward_backward (repeatable)."),
@@ -239,7 +240,7 @@ def run(
         case = Case(model=model, attn_implementation=attn, split_attention=split, logits_mode=logits_mode, dtype=dtype,
                     device=device, batch_size=batch_size, num_unique_prompts=unique_prompts, prompt_dedup_ratio=dedup_ratio,
                     prompt_len=prompt_len, response_len=response_len, padding=padding, baseline=baseline,
-                    varlen_backend=varlen_backend, liger=liger, seed=seed)
+                    varlen_backend=varlen_backend, liger=liger, checkpointing=checkpointing, seed=seed)
         measure = Measure(warmup=warmup, repeats=repeats, phases=tuple(phases), memory=memory, timeout_s=timeout_s, threads=threads)
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")

@@ -116,6 +116,11 @@ class _Bench:
         self.model = load_model(case.model, device=self.device, dtype=_DTYPES[case.dtype],
                                 attn_implementation=attn, seed=case.seed)
         self.model.eval()  # no dropout; gradients still flow
+        if case.checkpointing:  # what a trainer runs: every decoder layer recomputed in backward (training mode)
+            from zorro_core.stack.checkpointing import enable_checkpointing
+
+            enable_checkpointing(self.model, "non-reentrant")
+            self.model.train()
         self.liger_kernels = ""
         if case.liger:  # before the actors: liger swaps the instance's modules (and RoPE module-wide)
             from zorro_core.stack.liger import apply_liger, liger_unavailable
@@ -391,6 +396,7 @@ def case_base_row(case: Case, measure: Measure) -> dict[str, Any]:
         "prompt_len": case.prompt_len, "response_len": case.response_len, "padding": case.padding,
         "baseline_kind": "", "dedup_kind": "", "warmup": measure.warmup, "repeats": measure.repeats,
         "threads": measure.threads or "", "seed": case.seed, "liger": case.liger, "liger_kernels": "",
+        "checkpointing": case.checkpointing,
         "peak_mem_kind": "not_measured",
     }
 

@@ -73,6 +73,8 @@ class Case:
     """Split-mode varlen backend (None: the default for attn_implementation and device)."""
     liger: bool = False
     """Apply Liger kernels (zorro_core.stack.liger.apply_liger) before timing; GPU only, else status=skipped."""
+    checkpointing: bool = False
+    """Gradient checkpointing on every decoder layer (non-reentrant, transformers' API), model in training mode (both arms)."""
     seed: int = 0
     """Seed of the weights and the batch."""
 
@@ -83,7 +85,7 @@ class Case:
         _check_choice("baseline", self.baseline, BASELINES)
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        for name in ("split_attention", "padding", "liger"):
+        for name in ("split_attention", "padding", "liger", "checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("batch_size", "prompt_len", "response_len"):
@@ -118,6 +120,8 @@ class Case:
             parts.append(self.varlen_backend)
         if self.liger:
             parts.append("liger")
+        if self.checkpointing:
+            parts.append("ckpt")
         if self.logits_memory_budget_mib is not None:
             parts.append(f"lmb{self.logits_memory_budget_mib:g}")
         if self.seed:
