@@ -166,6 +166,11 @@ def fla_available() -> Optional[str]:
     return None
 
 
+def fla_serves(x: torch.Tensor) -> bool:
+    """Whether transformers resolved the delta rule to flash-linear-attention for `x` (CUDA, fla importable)."""
+    return x.is_cuda and fla_available() is None
+
+
 def _delta_varlen(kernel, calls: _Calls, x: tuple, init: Optional[torch.Tensor], chunk: int, final: bool, use_fla: bool):
     """Run the delta rule over the segments of `calls`; returns ([N, Hv, Dv] outputs in segment order, final states)."""
     if use_fla:
@@ -197,7 +202,7 @@ def _dedup_delta_rule(original, query, key, value, g, beta, chunk_size: int = DE
     lay = _cached(plan, ("linear_layout", chunk_size), lambda: build_linear_layout(plan, chunk_size))
     # transformers resolves the delta rule to flash-linear-attention when it is importable;
     # that kernel takes cu_seqlens (true varlen), the PyTorch fallback does not.
-    use_fla = query.is_cuda and fla_available() is None
+    use_fla = fla_serves(query)
     x = tuple(a[0] for a in (query, key, value, g, beta))
     outs, head_state = [], None
     if lay.head.index.numel():

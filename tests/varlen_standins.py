@@ -1,0 +1,235 @@
+"""Contract stand-ins for the GPU kernels zorro calls, so their glue runs end to end on CPU.
+
+Each stand-in has the real function's signature, refuses every input the real kernel refuses
+(or would compute wrong with), and computes the exact result with plain, differentiable torch
+ops (softmax in float32, float64 for float64 inputs). Tests install them by monkeypatching
+(`install_flash_attn`, `install_torch_varlen`, `install_fla`); nothing here is in the package.
+
+- `flash_attn_varlen_func` (flash-attn 2.x): q [Tq, Hq, D], k, v [Tk, Hkv, D] on one device,
+  fp16/bf16 only, all the same dtype, last dim contiguous, D <= 256; cu_seqlens int32 1-D on
+  q's device, starting at 0, ending at Tq / Tk; max_seqlen Python ints at least the longest
+  segment; Hq a multiple of Hkv; window_size a (left, right) tuple, -1 = unbounded; causal
+  aligned bottom-right (query i of a segment with Lq queries and Lk keys sits at key position
+  i + Lk - Lq), and the window is counted from that aligned position.
+- `torch.nn.attention.varlen.varlen_attn` (torch 2.13): the same tensor contract (it calls the
+  same flash kernel); `enable_gqa=True` is needed when Hq != Hkv (and Hq % Hkv == 0); the causal
+  flag is `window_size == (-1, 0)` compared as a tuple (a list silently turns causality off).
+- fla's `chunk_gated_delta_rule` with `cu_seqlens` (flash-linear-attention 0.2+): q, k [1, T, H, K],
+  v [1, T, HV, V], g, beta [1, T, HV] (batch 1 when cu_seqlens is given), HV a multiple of H;
+  cu_seqlens a LongTensor on q's device from 0 to T; initial_state [N, HV, K, V] with N the
+  number of sequences; returns (o [1, T, HV, V], final_state [N, HV, K, V] in float32 or None).
+  Computed per sequence with zorro_core.models.delta_rule.chunk_gated_delta_rule_exact (each
+  sequence chunked from its own start, as fla does).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from zorro_core.models.delta_rule import chunk_gated_delta_rule_exact
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+class ContractError(AssertionError):
+    """A call the real kernel would refuse or compute wrong."""
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        raise ContractError(what)
+
+
+@dataclass
+class Calls:
+    """What a stand-in saw, for the tests to assert it was really used."""
+
+    n: int = 0
+    windows: list = field(default_factory=list)
+
+
+def _check_cu(cu, name: str, total: int, max_len, device, dtype) -> torch.Tensor:
+    _require(isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() >= 2, f"{name} must be a 1-D tensor of n+1 offsets")
+    _require(cu.dtype == dtype, f"{name} must be {dtype}, got {cu.dtype}")
+    _require(cu.device == device, f"{name} must be on the queries' device {device}, got {cu.device}")
+    _require(int(cu[0]) == 0 and int(cu[-1]) == total, f"{name} must run from 0 to {total}, got {int(cu[0])}..{int(cu[-1])}")
+    lens = cu[1:] - cu[:-1]
+    _require(bool((lens >= 0).all()), f"{name} must be non-decreasing")
+    if max_len is not None:
+        _require(type(max_len) is int, f"the max length for {name} must be a Python int, got {type(max_len).__name__}")
+        _require(max_len >= int(lens.max()), f"max length {max_len} is below the longest segment {int(lens.max())} of {name}")
+    return cu.long()
+
+
+def _check_qkv(q, k, v) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _require(x.dim() == 3, f"{name} must be [tokens, heads, head_dim], got {tuple(x.shape)}")
+        _require(x.dtype in HALF, f"{name} must be float16 or bfloat16, got {x.dtype}")
+        _require(x.stride(-1) == 1, f"{name} must have a contiguous last dimension (stride {x.stride(-1)})")
+        _require(x.device == q.device, f"{name} is on {x.device}, q on {q.device}")
+    _require(q.dtype == k.dtype == v.dtype, f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    _require(k.shape == v.shape, f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    _require(q.shape[2] == k.shape[2] and q.shape[2] <= 256, f"head dims must match and be <= 256, got {q.shape[2]}, {k.shape[2]}")
+    _require(q.shape[1] % k.shape[1] == 0, f"query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}")
+
+
+def _check_window(window_size) -> tuple[int, int]:
+    _require(isinstance(window_size, tuple) and len(window_size) == 2 and all(type(w) is int for w in window_size),
+             f"window_size must be a (left, right) tuple of ints, got {window_size!r}")
+    _require(all(w >= -1 for w in window_size), f"window_size entries are >= 0 or -1 (unbounded), got {window_size}")
+    return window_size
+
+
+def exact_varlen(q, k, v, cu_q, cu_k, scale: float, causal: bool, window: tuple[int, int]) -> torch.Tensor:
+    """Per segment: softmax(q k^T * scale) v with flash-attn's mask rules, in float32 (float64 for float64)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rep = q.shape[1] // k.shape[1]
+    left, right = window
+    if causal:
+        right = 0
+    outs = []
+    for i in range(cu_q.numel() - 1):
+        qs, qe, ks, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        qi = q[qs:qe].to(acc).transpose(0, 1)  # [H, Lq, D]
+        ki, vi = (x[ks:ke].to(acc).repeat_interleave(rep, dim=1).transpose(0, 1) for x in (k, v))
+        lq, lk = qe - qs, ke - ks
+        pos = torch.arange(lq)[:, None] + (lk - lq)  # bottom-right aligned key position of each query
+        key = torch.arange(lk)[None, :]
+        allowed = torch.ones(lq, lk, dtype=torch.bool)
+        if right >= 0:
+            allowed &= key <= pos + right
+        if left >= 0:
+            allowed &= key >= pos - left
+        scores = (qi @ ki.transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~allowed.to(q.device), float("-inf"))
+        p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no key gets 0 (flash-attn's output)
+        outs.append((p @ vi).transpose(0, 1))
+    return torch.cat(outs).to(q.dtype)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, calls: Optional[Calls] = None):
+    _check_qkv(q, k, v)
+    cu_q = _check_cu(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, q.device, torch.int32)
+    cu_k = _check_cu(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, q.device, torch.int32)
+    _require(cu_q.numel() == cu_k.numel(), "cu_seqlens_q and cu_seqlens_k must hold the same number of segments")
+    window = _check_window(window_size)
+    _require(dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None and block_table is None and not return_attn_probs,
+             "the stand-in covers dropout 0, no softcap, no alibi, no paged KV, no returned probabilities")
+    if calls is not None:
+        calls.n += 1
+        calls.windows.append(window)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    return exact_varlen(q, k, v, cu_q, cu_k, scale, bool(causal), window)
+
+
+def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None,
+                calls: Optional[Calls] = None):
+    _check_qkv(query, key, value)
+    _require(enable_gqa or query.shape[1] == key.shape[1],
+             f"Hq={query.shape[1]} != Hkv={key.shape[1]} needs enable_gqa=True")
+    cu_q = _check_cu(cu_seq_q, "cu_seq_q", query.shape[0], max_q, query.device, torch.int32)
+    cu_k = _check_cu(cu_seq_k, "cu_seq_k", key.shape[0], max_k, query.device, torch.int32)
+    _require(cu_q.numel() == cu_k.numel(), "cu_seq_q and cu_seq_k must hold the same number of segments")
+    window = _check_window(window_size)
+    _require(return_aux is None and seqused_k is None and block_table is None, "the stand-in covers the plain call")
+    if calls is not None:
+        calls.n += 1
+        calls.windows.append(window)
+    is_causal = window_size == (-1, 0)  # exactly torch's rule
+    s = scale if scale is not None else query.shape[-1] ** -0.5
+    return exact_varlen(query, key, value, cu_q, cu_k, s, is_causal, window)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                           head_first=False, use_qk_l2norm_in_kernel=False, *, calls: Optional[Calls] = None):
+    _require(not head_first, "head_first=True is not the layout transformers passes")
+    _require(q.dim() == k.dim() == v.dim() == 4 and g.dim() == beta.dim() == 3, "q, k, v [B, T, H, D]; g, beta [B, T, HV]")
+    b, t, h, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    _require(k.shape == q.shape and v.shape[:2] == (b, t) and g.shape == beta.shape == (b, t, hv),
+             f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}")
+    _require(hv % h == 0, f"value heads {hv} must be a multiple of key heads {h}")
+    _require(q.dtype == k.dtype == v.dtype, f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _require(x.device == q.device, f"{name} is on {x.device}, q on {q.device}")
+    if cu_seqlens is None:
+        n, bounds = b, None
+    else:
+        _require(b == 1, f"the batch size must be 1 with cu_seqlens, got {b}")
+        cu = _check_cu(cu_seqlens, "cu_seqlens", t, None, q.device, torch.int64)
+        n, bounds = cu.numel() - 1, cu.tolist()
+    if initial_state is not None:
+        _require(tuple(initial_state.shape) == (n, hv, dk, dv),
+                 f"initial_state must be [{n}, {hv}, {dk}, {dv}] (one per sequence), got {tuple(initial_state.shape)}")
+        _require(initial_state.device == q.device, "initial_state must be on q's device")
+    if calls is not None:
+        calls.n += 1
+    if scale is not None:
+        _require(abs(scale - dk ** -0.5) < 1e-12, "the stand-in (delta_rule.py) uses scale = K ** -0.5 only")
+    outs, states = [], []
+    for i in range(n):
+        s, e = (bounds[i], bounds[i + 1]) if bounds is not None else (0, t)
+        row = slice(0, 1) if bounds is not None else slice(i, i + 1)
+        init = initial_state[i : i + 1] if initial_state is not None else None
+        o, st = chunk_gated_delta_rule_exact(q[row, s:e], k[row, s:e], v[row, s:e], g[row, s:e], beta[row, s:e],
+                                             initial_state=init, output_final_state=True,
+                                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        outs.append(o)
+        states.append(st)
+    out = torch.cat(outs, dim=1 if bounds is not None else 0)
+    final = torch.cat(states) if output_final_state else None
+    if final is not None and final.dtype != torch.float64:
+        final = final.float()  # fla returns float32 states
+    return out, final
+
+
+# ---------------------------------------------------------------- installing them
+
+def install_flash_attn(monkeypatch, calls: Calls) -> None:
+    """A `flash_attn` module with the stand-in, and the backend allowed on CPU."""
+    mod = types.ModuleType("flash_attn")
+    mod.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
+    mod.flash_attn_varlen_func = lambda *a, **kw: flash_attn_varlen_func(*a, calls=calls, **kw)
+    monkeypatch.setitem(sys.modules, "flash_attn", mod)
+    _allow_on_cpu(monkeypatch, "flash_attn")
+
+
+def install_torch_varlen(monkeypatch, calls: Calls) -> None:
+    import torch.nn.attention.varlen as varlen
+
+    monkeypatch.setattr(varlen, "varlen_attn", lambda *a, **kw: varlen_attn(*a, calls=calls, **kw))
+    _allow_on_cpu(monkeypatch, "torch_varlen")
+
+
+def _allow_on_cpu(monkeypatch, name: str) -> None:
+    from zorro_core.attention import backends
+
+    real = backends.backend_unavailable
+    monkeypatch.setattr(backends, "backend_unavailable", lambda n, device: None if n == name else real(n, device))
+
+
+def install_fla(monkeypatch, calls: Calls) -> None:
+    """Qwen3-Next's delta rule resolved to (the stand-in of) fla, and the adapter's fla path taken on CPU."""
+    from zorro_core.models import linear_attention
+
+    qwen3_next = sys.modules["transformers.models.qwen3_next.modeling_qwen3_next"]
+    monkeypatch.setattr(qwen3_next, "torch_chunk_gated_delta_rule",
+                        lambda *a, **kw: chunk_gated_delta_rule(*a, calls=calls, **_fla_kwargs(kw)))
+    monkeypatch.setattr(linear_attention, "fla_serves", lambda x: True)
+
+
+_FLA_PARAMS = {"scale", "initial_state", "output_final_state", "cu_seqlens", "head_first", "use_qk_l2norm_in_kernel", "g", "beta"}
+
+
+def _fla_kwargs(kwargs: dict) -> dict:
+    # What transformers' kernel wrapper does: keep the kwargs fla's signature names, drop the rest.
+    return {k: v for k, v in kwargs.items() if k in _FLA_PARAMS}
