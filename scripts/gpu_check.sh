@@ -3,7 +3,8 @@
 #   1. every GPU path against the reference: torch varlen and flash-attn varlen vs the exact
 #      reference backend, flex_attention mask mode vs the baseline, Liger and LoRA/QLoRA
 #      (pytest's CUDA cases; each skips with its reason when its package is absent);
-#   2. `zorro verify gradients` on CUDA (bf16/fp32 against a float64 reference);
+#   2. `zorro verify gradients` on CUDA (bf16/fp32 against a float64 reference), then again
+#      with gradient checkpointing (training mode, non-reentrant and reentrant);
 #   3. the GPU suites' timings (seed shapes; OOM cases become rows, nothing is lost);
 #   4. the cumulative stack (baseline, +flash attention, +liger, +dedup, +split attention).
 # Run from the repository root. Results land in $OUT (default results/gpu).
@@ -33,9 +34,15 @@ timeout "$(left 150)" $PY -m pytest -q -rs tests/test_varlen.py tests/test_flex.
   tests/test_lora.py tests/test_precision.py tests/test_auto.py 2>&1 | tee "$OUT/pytest.txt"
 
 echo "== 2. zorro verify gradients on CUDA"
-timeout "$(left 270)" $PY -m zorro_cli.main verify gradients --device cuda --models tiny-qwen3,tiny-llama,tiny-qwen3-moe \
+timeout "$(left 240)" $PY -m zorro_cli.main verify gradients --device cuda --models tiny-qwen3,tiny-llama,tiny-qwen3-moe \
   --dtype bfloat16,float32 --logits-mode compute --json > "$OUT/verify.json" 2> "$OUT/verify.err"
 echo "verify exit code: $?"
+for flavour in "" "--reentrant"; do
+  name=verify_checkpointing${flavour:+_reentrant}
+  timeout "$(left 280)" $PY -m zorro_cli.main verify gradients --device cuda --models tiny-qwen3,tiny-qwen3-moe,tiny-mistral \
+    --dtype bfloat16 --logits-mode compute --checkpointing $flavour --json > "$OUT/$name.json" 2> "$OUT/$name.err"
+  echo "verify --checkpointing $flavour exit code: $?"
+done
 
 echo "== 3. GPU suite timings"
 timeout "$(left 430)" $PY -m zorro_cli.main bench sweep suites/gpu.toml --out "$OUT/gpu.csv" --repeats 5 --warmup 2 \

@@ -67,3 +67,13 @@ def test_a_reset_attention_is_taken_again():
     assert not is_installed(model)
     actor.forward(mixed_batch())
     assert is_installed(model) and original_attention(model) == "eager"
+
+
+def test_a_model_that_refuses_the_registration_is_refused(monkeypatch):
+    """transformers only warns when a model cannot switch its attention: the actor refuses it instead."""
+    from zorro_core.models.support import UnsupportedModelError
+
+    model = build_model(preset_config("tiny-qwen3"), dtype=torch.float64, attn_implementation="sdpa")
+    monkeypatch.setattr(type(model), "_can_set_attn_implementation", classmethod(lambda cls: False))
+    with pytest.raises(UnsupportedModelError, match="AttentionInterface"):
+        DeduplicatedActor(model=model)

@@ -25,6 +25,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from zorro_core.attention.hook import ZORRO_ATTENTION, zorro_attention
+from zorro_core.models.support import UnsupportedModelError
 from zorro_core.stack.lora import unwrap_adapters
 
 _PREFIX = ZORRO_ATTENTION + "_"
@@ -60,6 +61,10 @@ def install_attention(model: nn.Module) -> str:
     original = original_attention(model)
     if not is_installed(model):
         _causal_lm(model).set_attn_implementation(attention_name(original))
+        if not is_installed(model):  # transformers only warns for a model that does not use the interface
+            raise UnsupportedModelError(
+                f"{type(_causal_lm(model)).__name__} refused set_attn_implementation: its attention does not go "
+                "through transformers' AttentionInterface, so the dedup hook cannot be registered")
     return original
 
 
