@@ -77,3 +77,20 @@ def test_a_model_that_refuses_the_registration_is_refused(monkeypatch):
     monkeypatch.setattr(type(model), "_can_set_attn_implementation", classmethod(lambda cls: False))
     with pytest.raises(UnsupportedModelError, match="AttentionInterface"):
         DeduplicatedActor(model=model)
+
+
+@pytest.mark.slow  # flex_attention compiles on CPU (~15 s); `python -m pytest -m slow` runs it
+@pytest.mark.parametrize("family", ["tiny-qwen3", "tiny-mistral"])
+def test_padded_baseline_runs_an_implementation_other_than_the_models(family):
+    """The padded baseline's attention comes from its own attn_implementation (here flex_attention on an sdpa
+    model, its BlockMask built by transformers' mask function, sliding window included), not the model's."""
+    from zorro_core import create_dummy_batch
+
+    model = build_model(preset_config(family), dtype=torch.float32, attn_implementation="sdpa")
+    batch = create_dummy_batch(batch_size=4, num_unique_prompts=2, prompt_len=8, response_len=4, vocab_size=256,
+                               vary_lengths=True)
+    with torch.no_grad():  # flex_attention has no backward on CPU
+        eager = BaselineActor(model=model, padded=True, attn_implementation="eager").forward(batch).log_probs
+        flex = BaselineActor(model=model, padded=True, attn_implementation="flex_attention").forward(batch).log_probs
+    assert (flex - eager).abs().max().item() < 1e-5
+    assert original_attention(model) == "sdpa"
