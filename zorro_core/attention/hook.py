@@ -22,7 +22,6 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from zorro_core.core.plan import DedupPlan
@@ -144,10 +143,10 @@ def zorro_attention(
         check_attention_call(query, key, kwargs)
         fn = _model_eager(module) if route.inner == "eager" else ALL_ATTENTION_FUNCTIONS[route.inner]
         rest = {k: v for k, v in kwargs.items() if k != "zorro_route"}
-        key_ = ("plain", sliding_window)
-        if key_ not in route._masks:
-            route._masks[key_] = route.mask_of(sliding_window)
-        return fn(module, query, key, value, route._masks[key_], scaling=scaling, dropout=dropout,
+        slot = ("plain", sliding_window)  # built once per window, shared by the layers with that window
+        if slot not in route._masks:
+            route._masks[slot] = route.mask_of(sliding_window)
+        return fn(module, query, key, value, route._masks[slot], scaling=scaling, dropout=dropout,
                   sliding_window=sliding_window, **rest)
     if dropout:
         raise ValueError(f"attention dropout {dropout} is not supported by the dedup path (it would differ per copy)")

@@ -12,13 +12,13 @@ from typing import Optional
 
 import torch
 from torch import nn
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, sliding_window_causal_mask_function
 
 from zorro_core.attention.hook import Route, route_mask
 from zorro_core.attention.registration import install_attention
 from zorro_core.stack.auto import AUTO, AttentionChoice, choose_attention
 from zorro_core.core.batch import RolloutBatch
 from zorro_core.models.families import AUX_WEIGHTINGS, aux_loss_of, forward_kwargs, install_family_adapters, load_balancing_loss
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, sliding_window_causal_mask_function
 from zorro_core.core.logprobs import LOGITS_MODES, response_logprobs
 from zorro_core.models.support import UnsupportedModelError, check_layers_served, check_trainable_state, load_model, model_parts
 from zorro_core.core.plan import DedupPlan, build_dedup_plan
