@@ -94,3 +94,20 @@ def test_padded_baseline_runs_an_implementation_other_than_the_models(family):
         flex = BaselineActor(model=model, padded=True, attn_implementation="flex_attention").forward(batch).log_probs
     assert (flex - eager).abs().max().item() < 1e-5
     assert original_attention(model) == "sdpa"
+
+
+def test_a_model_taken_in_another_process_is_recognised(monkeypatch):
+    """A model whose config already names zorro's function (pickled from a process where an actor took it):
+    its original implementation is read from the name and the function registered here."""
+    import zorro_core.attention.registration as registration
+
+    model = build_model(preset_config("tiny-qwen3"), dtype=torch.float64, attn_implementation="sdpa")
+    DeduplicatedActor(model=model)
+    name = model.config._attn_implementation
+    monkeypatch.delitem(registration._ORIGINALS, name)  # as in a fresh process
+    assert original_attention(model) == "sdpa" and is_installed(model)
+    for original in ("flash_attention_2", "flex_attention", "eager"):
+        other = registration.attention_name(original)
+        monkeypatch.delitem(registration._ORIGINALS, other)
+        model.config._attn_implementation = other  # simulating the pickled config
+        assert original_attention(model) == original

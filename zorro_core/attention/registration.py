@@ -49,6 +49,12 @@ def attention_name(original: str) -> str:
 def original_attention(model: nn.Module) -> str:
     """The implementation `model` runs outside the actor (its own, even once zorro is installed)."""
     current = _causal_lm(model).config._attn_implementation or "sdpa"
+    if current.startswith(_PREFIX) and current not in _ORIGINALS:
+        # Taken in another process (a pickled or deep-copied model): the name says which original; register it here.
+        original = current[len(_PREFIX):].replace("fa_attention", "flash_attention")
+        if attention_name(original) != current:
+            raise ValueError(f"attention implementation {current!r} looks like zorro's but names no implementation")
+        return original
     return _ORIGINALS.get(current, current)
 
 
