@@ -17,7 +17,9 @@ window - 1 positions behind the query. GQA: Hq must be a multiple of Hkv.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 from typing import Callable, Optional
 
 import torch
@@ -43,13 +45,29 @@ def sdpa_varlen(q, k, v, seg: Segments, scale: float, window: Optional[int] = No
     return from_padded(attend(qp, kp, vp, lay, window, scale, exact=False), lay)
 
 
+@functools.lru_cache(maxsize=None)
+def _varlen_attn_takes(name: str) -> bool:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return name in inspect.signature(varlen_attn).parameters
+
+
 def torch_varlen(q, k, v, seg: Segments, scale: float, window: Optional[int] = None) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
     left = -1 if window is None else window - 1
+    gqa = {}
+    if q.shape[1] != k.shape[1]:
+        if _varlen_attn_takes("enable_gqa"):
+            gqa["enable_gqa"] = True
+        else:
+            # torch < 2.12's varlen_attn has no enable_gqa (seen on 2.11 on an H200): expand the
+            # K/V heads to the query heads, which is what GQA computes.
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return varlen_attn(
         q, k, v, seg.cu_q.to(q.device), seg.cu_k.to(q.device), seg.max_q, seg.max_k,
-        scale=scale, window_size=(left, 0), enable_gqa=q.shape[1] != k.shape[1],
+        scale=scale, window_size=(left, 0), **gqa,
     )
 
 
