@@ -40,6 +40,7 @@ PROMPTS = ["w5 w6 w7", "w9 w10", "w11 w12 w13 w14 w15", "w20", "w30 w31", "w40 w
 # (median 5.2e-6), ||diff|| / ||update|| <= 4.0e-5, logged loss |diff| <= 5.1e-7. Same seeds,
 # DedupGRPOTrainer against GRPOTrainer (sdpa): 2.9e-5, 6.6e-5, 1.7e-6. Tolerance: 10x the floor's
 # worst seed. A wrong log-prob moves the weights by the update's size (max |update| 2e-3).
+# Rerun the measurement: PYTHONPATH=. python scripts/trl_noise_floor.py --seeds 16
 TRAIN_TOLERANCES = {"weight_max_abs": 1.6e-4, "weight_rel_update": 4.0e-4, "loss_abs": 5.1e-6}
 
 
