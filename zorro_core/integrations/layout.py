@@ -17,6 +17,10 @@ import torch
 from zorro_core.core.batch import RolloutBatch
 
 
+class ZorroFallbackWarning(UserWarning):
+    """The dedup path does not serve a trainer's call; the trainer's own computation ran instead."""
+
+
 def layout_problem(attention_mask: torch.Tensor, response_width: int) -> Optional[str]:
     """Why this mask is not the joined layout the dedup path serves (None when it is)."""
     if attention_mask.dim() != 2:

@@ -40,7 +40,7 @@ from packaging.version import Version
 from trl import GRPOTrainer
 
 from zorro_core.core.actor import DeduplicatedActor
-from zorro_core.integrations.layout import joined_logprobs, layout_problem
+from zorro_core.integrations.layout import ZorroFallbackWarning, joined_logprobs, layout_problem
 from zorro_core.models.support import UnsupportedModelError
 
 TESTED_TRL = ("1.15", "1.16")
@@ -48,10 +48,6 @@ TESTED_TRL = ("1.15", "1.16")
 _SIGNATURE = ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
               "compute_aux_loss")
 """The leading parameters of the method in the tested versions (vision kwargs follow)."""
-
-
-class ZorroFallbackWarning(UserWarning):
-    """The dedup path does not serve a call; TRL's own computation ran instead."""
 
 
 def check_trl_version(version: str, method=None) -> Optional[str]:

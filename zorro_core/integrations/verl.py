@@ -42,13 +42,9 @@ from typing import Any, Optional
 
 import torch
 
-from zorro_core.integrations.layout import joined_logprobs
+from zorro_core.integrations.layout import ZorroFallbackWarning, joined_logprobs
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
-
-
-class ZorroFallbackWarning(UserWarning):
-    """The dedup path does not serve a micro-batch; verl's own forward ran instead."""
 
 
 def verl_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
