@@ -13,7 +13,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def tiny_models():
     """float64 tiny models of each family, eager attention, random weights (built once)."""
-    from zorro_core.models.support import build_model, preset_config
+    from zorro_core.models.presets import build_model, preset_config
 
     cache = {}
 

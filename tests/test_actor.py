@@ -120,7 +120,7 @@ def test_all_unique_prompts_take_the_causal_path(tiny_models):
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-4), (torch.bfloat16, 0.15)])
 def test_low_precision_close_to_baseline(dtype, atol):
     """Smoke check in low precision: dedup and packed baseline agree to the dtype's noise."""
-    from zorro_core.models.support import build_model, preset_config
+    from zorro_core.models.presets import build_model, preset_config
 
     model = build_model(preset_config("tiny-qwen3"), dtype=dtype, attn_implementation="sdpa")
     batch = create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=16, response_len=8, vocab_size=256, vary_lengths=True, seed=8)

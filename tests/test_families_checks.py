@@ -7,7 +7,9 @@ import torch
 from test_actor import mixed_batch
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.attention.hook import ZORRO_ATTENTION, Route, attention_implementation
-from zorro_core.models.support import PRESETS, UnsupportedModelError, build_model, model_parts, preset_config
+from zorro_core.models.presets import PRESETS, build_model, preset_config
+from zorro_core.models.parts import model_parts
+from zorro_core.errors import UnsupportedModelError
 from zorro_core.core.plan import build_dedup_plan
 
 
@@ -110,11 +112,10 @@ def test_padded_baseline_still_runs_for_attention_models():
 
 
 def test_family_support_lists_every_supported_type():
-    from zorro_core.models.families import family_support
-    from zorro_core.models.support import SUPPORTED_MODEL_TYPES
+    from zorro_core.models.registry import FAMILIES, family_support
 
     support = family_support("cpu")
-    assert set(support) == SUPPORTED_MODEL_TYPES
+    assert set(support) == set(FAMILIES)
     assert "PyTorch fallback" in support["qwen3_next"] or "flash-linear-attention" in support["qwen3_next"]
 
 

@@ -180,7 +180,7 @@ def test_conv_sources_reach_into_the_prompt():
 
 
 def test_padded_baseline_is_refused(tiny_models):
-    from zorro_core.models.support import UnsupportedModelError
+    from zorro_core.errors import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match="linear-attention"):
         BaselineActor(model=tiny_models(FAMILY), padded=True).forward(chunk_batch())
@@ -190,7 +190,7 @@ def test_padded_baseline_is_refused(tiny_models):
 def test_low_precision_close_to_baseline(dtype, atol):
     """transformers' own kernel in float32/bf16: dedup and the packed one-shot baseline agree to the
     dtype's noise (measured 4.8e-7 in float32, 0 in bf16)."""
-    from zorro_core.models.support import build_model, preset_config
+    from zorro_core.models.presets import build_model, preset_config
 
     model = build_model(preset_config(FAMILY), dtype=dtype, attn_implementation="sdpa")
     batch = chunk_batch()
@@ -204,7 +204,7 @@ def test_low_precision_close_to_baseline(dtype, atol):
 def test_fla_varlen_matches_per_sequence_on_gpu():
     """GPU: the varlen fla path (one initial state per response) against each sequence alone through
     the unmodified model (which uses fla too). bf16: some fla versions refuse float32."""
-    from zorro_core.models.support import build_model, preset_config
+    from zorro_core.models.presets import build_model, preset_config
 
     model = build_model(preset_config(FAMILY), dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
     batch = chunk_batch().to("cuda")
@@ -229,7 +229,7 @@ def test_hooks_are_removed_after_the_forward(tiny_models):
     DeduplicatedActor(model=model).forward(chunk_batch())
     assert qwen3_next.causal_conv1d_fn is conv and qwen3_next.torch_chunk_gated_delta_rule is delta
     from zorro_core.models.families import family_hooks
-    from zorro_core.models.support import model_parts
+    from zorro_core.models.parts import model_parts
 
     with pytest.raises(RuntimeError, match="fails inside"):
         with family_hooks(model, model_parts(model)):

@@ -60,7 +60,7 @@ def test_mode_matches_per_sequence_float64(reference, tied, mode, setting):
 
 @pytest.fixture(scope="module")
 def float32_runs():
-    from zorro_core.models.support import build_model, preset_config
+    from zorro_core.models.presets import build_model, preset_config
 
     model = build_model(preset_config("tiny-qwen3", vocab_size=512), dtype=torch.float32, attn_implementation="sdpa")
     batch = create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=20, response_len=12, vocab_size=512,

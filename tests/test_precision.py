@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zorro_core import DeduplicatedActor, create_dummy_batch
-from zorro_core.models.support import build_model, preset_config
+from zorro_core.models.presets import build_model, preset_config
 from zorro_core.stack.precision import DeviceCaps, check_float32_state, device_caps, precision_policy
 
 H100 = DeviceCaps("cuda", "NVIDIA H100", (9, 0))

@@ -99,7 +99,7 @@ _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
 
 def check_attention_call(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> None:
     """Refuse an attention call the hook would compute wrong: a KV cache, or a feature it skips."""
-    from zorro_core.models.support import UnsupportedModelError
+    from zorro_core.errors import UnsupportedModelError
 
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:

@@ -35,7 +35,7 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 
 def model_config(name: str):
     """The config of a preset, a local checkpoint or a model in the local HF cache (no download)."""
-    from zorro_core.models.support import PRESETS, preset_config
+    from zorro_core.models.presets import PRESETS, preset_config
 
     if name in PRESETS:
         return preset_config(name)
@@ -100,7 +100,7 @@ class _Bench:
 
     def __init__(self, case: Case, threads: int, arms: tuple[str, ...] = ("baseline", "dedup")) -> None:
         from zorro_core.core.actor import BaselineActor, DeduplicatedActor
-        from zorro_core.models.support import load_model
+        from zorro_core.models.presets import load_model
 
         if threads:
             torch.set_num_threads(threads)

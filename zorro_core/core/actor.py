@@ -19,7 +19,9 @@ from zorro_core.core.batch import RolloutBatch
 from zorro_core.models.families import AUX_WEIGHTINGS, aux_loss_of, family_hooks, forward_kwargs, load_balancing_loss
 from zorro_core.models.sliding import custom_masks
 from zorro_core.core.logprobs import LOGITS_MODES, response_logprobs
-from zorro_core.models.support import UnsupportedModelError, check_layers_served, check_trainable_state, load_model, model_parts
+from zorro_core.models.presets import load_model
+from zorro_core.models.parts import check_layers_served, check_trainable_state, model_parts
+from zorro_core.errors import UnsupportedModelError
 from zorro_core.core.plan import DedupPlan, build_dedup_plan
 from zorro_core.attention.backends import default_backend, get_backend
 

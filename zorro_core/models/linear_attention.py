@@ -35,9 +35,11 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from zorro_core.models.support import LINEAR_LAYER_TYPES, UnsupportedModelError
 from zorro_core.core.plan import DedupPlan, _cu, _ranges
+from zorro_core.errors import UnsupportedModelError
 
+# transformers' layer type of a gated DeltaNet layer.
+LINEAR_LAYER_TYPES = ("linear_attention",)
 DEFAULT_CHUNK = 64
 _CONV_FN = "causal_conv1d_fn"
 _DELTA_FN = "torch_chunk_gated_delta_rule"

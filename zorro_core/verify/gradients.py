@@ -24,7 +24,8 @@ from torch import nn
 from zorro_core.core.actor import BaselineActor, DeduplicatedActor
 from zorro_core.core.batch import RolloutBatch, create_dummy_batch
 from zorro_core.core.logprobs import LOGITS_MODES
-from zorro_core.models.support import PRESETS, SUPPORTED_MODEL_TYPES, build_model, preset_config
+from zorro_core.models.presets import PRESETS, build_model, preset_config
+from zorro_core.models.registry import FAMILIES
 from zorro_core.core.plan import DedupPlan, build_dedup_plan
 from zorro_core.verify.reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
 
@@ -158,7 +159,7 @@ def judge(dtype: str, dedup: Errors, baseline: Errors, factor: float = FACTOR) -
 
 def tiny_models() -> list[str]:
     """Every `tiny-*` preset whose family the dedup path supports (new families are picked up)."""
-    return [n for n, (family, _) in PRESETS.items() if n.startswith("tiny-") and family in SUPPORTED_MODEL_TYPES]
+    return [n for n, (family, _) in PRESETS.items() if n.startswith("tiny-") and family in FAMILIES]
 
 
 def verify_batch(layout: str, vocab_size: int, seed: int = 0) -> RolloutBatch:
