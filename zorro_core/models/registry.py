@@ -9,7 +9,7 @@ tests on a tiny preset, that every token-mixing layer goes through the hook or a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Mapping
 
 import torch
