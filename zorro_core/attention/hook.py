@@ -23,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from zorro_core.core.plan import DedupPlan
+from zorro_core.errors import UnsupportedModelError
 from zorro_core.attention.padded import cross_attention
 from zorro_core.attention.backends import BACKENDS, PADDED
 
@@ -99,8 +100,6 @@ _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
 
 def check_attention_call(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> None:
     """Refuse an attention call the hook would compute wrong: a KV cache, or a feature it skips."""
-    from zorro_core.errors import UnsupportedModelError
-
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise UnsupportedModelError(f"attention feature {name!r} is not implemented by the dedup attention hook")

@@ -19,6 +19,7 @@ from zorro_core.core.batch import RolloutBatch
 from zorro_core.models.families import AUX_WEIGHTINGS, aux_loss_of, family_hooks, forward_kwargs, load_balancing_loss
 from zorro_core.models.sliding import custom_masks
 from zorro_core.core.logprobs import LOGITS_MODES, response_logprobs
+from zorro_core.core import microbatch
 from zorro_core.models.presets import load_model
 from zorro_core.models.parts import check_layers_served, check_trainable_state, model_parts
 from zorro_core.errors import UnsupportedModelError
@@ -148,9 +149,7 @@ class _Actor:
     def forward_backward(self, batch: RolloutBatch, loss_fn, max_tokens_per_micro_batch: Optional[int] = None,
                          temperature: float = 1.0, calculate_entropy: bool = False, attention_weight: float = 0.0):
         """Accumulate gradients over balanced micro-batches; see zorro_core.core.microbatch.forward_backward."""
-        from zorro_core.core.microbatch import forward_backward
-
-        return forward_backward(self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy,
+        return microbatch.forward_backward(self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy,
                                 attention_weight)
 
 

@@ -12,14 +12,25 @@ per-token (or per-row) terms scaled by constants of the FULL batch, e.g.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
 from zorro_core.core.balance import Partition, Workload, partition_micro_batches, select_rows
+from zorro_core.core.batch import RolloutBatch
 
-if TYPE_CHECKING:
-    from zorro_core.core.actor import ActorOutput, _Actor
+
+class LogProbActor(Protocol):
+    """What forward_backward needs of an actor (zorro_core.core.actor's actors are ones)."""
+
+    dedup: bool
+    device: torch.device
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def forward(self, batch: RolloutBatch, temperature: float = 1.0, calculate_entropy: bool = False) -> Any:
+        """An ActorOutput: .log_probs and .entropy in the batch's [B, R] layout."""
 
 
 @dataclass
@@ -37,9 +48,9 @@ class MicroBatchOutput:
 
 
 def forward_backward(
-    actor: "_Actor",
-    batch,
-    loss_fn: Callable[["ActorOutput", torch.Tensor], torch.Tensor],
+    actor: LogProbActor,
+    batch: RolloutBatch,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
     max_tokens_per_micro_batch: Optional[int] = None,
     temperature: float = 1.0,
     calculate_entropy: bool = False,
