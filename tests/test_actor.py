@@ -5,6 +5,7 @@ import torch
 
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
+from zorro_core.verify.gradients import BUGS, inject_bug
 
 # Measured floor in float64: transformers runs RMSNorm and eager softmax in float32 even in a
 # float64 model, so the reference itself carries ~1e-8 relative noise (observed max: log-probs
@@ -130,32 +131,13 @@ def test_low_precision_close_to_baseline(dtype, atol):
     assert (d - b).abs().max().item() < atol
 
 
-def corrupt(plan, what):
-    """A deliberately wrong plan, for the tests that prove the comparison can fail."""
-    if what == "positions_restart":
-        is_resp = plan.token_segment >= plan.num_groups
-        starts = plan.prompt_lens[plan.token_group]
-        plan.position_ids = torch.where(is_resp, plan.position_ids - starts, plan.position_ids)
-    elif what == "first_label_rolled":
-        plan.logit_index = plan.logit_index.clone()
-        first = plan.response_flat_index % plan.response_width == 0
-        plan.logit_index[first] = plan.logit_index[first] + 1
-    elif what == "wrong_prompt":  # two responses see another group's prompt
-        x = plan.cross
-        x.k_index = x.k_index.roll(7)
-        x.kv_prompt_start, x.kv_prompt_len, x.kv_group = (t.roll(1) for t in (x.kv_prompt_start, x.kv_prompt_len, x.kv_group))
-    return plan
-
-
-@pytest.mark.parametrize("what", ["positions_restart", "first_label_rolled", "wrong_prompt"])
-def test_bugs_fail_by_orders_of_magnitude(tiny_models, references, monkeypatch, what):
-    """A real bug must fail the comparison by far more than the tolerance."""
-    import zorro_core.core.actor as actor_mod
-
+@pytest.mark.parametrize("what", list(BUGS))
+def test_bugs_fail_by_orders_of_magnitude(tiny_models, references, what):
+    """A real bug (zorro_core.verify.gradients.BUGS, the plans `zorro verify` corrupts) must fail
+    the comparison by far more than the tolerance."""
     batch, w, ref = references("tiny-qwen3", "mixed", 0.7)
-    real_build = actor_mod.build_dedup_plan
-    monkeypatch.setattr(actor_mod, "build_dedup_plan", lambda b, **kw: corrupt(real_build(b, **kw), what))
-    lp, ent, grads, _ = actor_run(DeduplicatedActor(model=tiny_models("tiny-qwen3")), batch, 0.7, w)
+    with inject_bug(what):
+        lp, ent, grads, _ = actor_run(DeduplicatedActor(model=tiny_models("tiny-qwen3")), batch, 0.7, w)
     lp_err = (lp - ref[0]).abs().max().item()
     g_err, _ = max_rel_grad_error(grads, ref[2])
     assert lp_err > 1e3 * LP_ATOL or g_err > 1e3 * GRAD_RTOL, (lp_err, g_err)

@@ -14,7 +14,7 @@ import torch
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 from test_actor import GRAD_RTOL, LP_ATOL, check
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
-from zorro_core.models.delta_rule import chunk_gated_delta_rule_exact
+from delta_rule import chunk_gated_delta_rule_exact
 from zorro_core.models.linear_attention import build_linear_layout, conv_sources, fla_available
 from zorro_core.core.plan import build_dedup_plan
 

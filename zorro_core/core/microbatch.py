@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from zorro_core.core.balance import Partition, Workload, partition_micro_batches, select_rows
+from zorro_core.core.balance import Partition, GroupedLengths, partition_micro_batches, select_rows
 from zorro_core.core.batch import RolloutBatch
 
 
@@ -62,9 +62,9 @@ def forward_backward(
     `rows`, a 1-D long tensor of indices into the full batch) and returns a scalar (see the
     module doc for normalisation). `.grad` is accumulated, not reset: zero it before.
     """
-    batch.validate(vocab_size=actor.vocab_size)
+    batch.check_vocab(actor.vocab_size)  # before any backward: a bad id must not leave partial gradients
     batch = batch.to(actor.device)
-    part = partition_micro_batches(Workload.of(batch, dedup=actor.dedup), max_tokens_per_micro_batch, attention_weight)
+    part = partition_micro_batches(GroupedLengths.of(batch, dedup=actor.dedup), max_tokens_per_micro_batch, attention_weight)
     b, r = batch.responses.shape
     log_probs = entropy = None
     total = 0.0

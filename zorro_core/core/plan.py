@@ -224,9 +224,11 @@ def group_rows(batch: RolloutBatch, dedup: bool = True) -> torch.Tensor:
 def build_dedup_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int | None = None) -> DedupPlan:
     """Build the plan of a batch. With `dedup=False` every row is its own group (the baseline).
 
-    The batch is validated here (token ids against `vocab_size` when given), once per plan.
+    The batch was validated when it was built; its token ids are checked here against
+    `vocab_size` when given, once per plan.
     """
-    batch.validate(vocab_size=vocab_size)
+    if vocab_size is not None:
+        batch.check_vocab(vocab_size)
     dev = batch.device
     b, pw = batch.prompts.shape
     rw = batch.responses.shape[1]
