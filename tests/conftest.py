@@ -24,3 +24,22 @@ def tiny_models():
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def per_sequence_reference():
+    """get(key, model, make_batch, temperature, seed) -> (batch, weights, (log-probs, entropy, grads)):
+    the independent per-sequence reference of `model()` on `make_batch()`, computed once per key
+    within a test module (keys need only be unique there)."""
+    from reference import per_sequence, token_weights
+
+    cache = {}
+
+    def get(key, model, make_batch, temperature: float, seed: int):
+        if key not in cache:
+            batch = make_batch()
+            w = token_weights(batch, seed=seed)
+            cache[key] = (batch, w, per_sequence(model(), batch, temperature, w))
+        return cache[key]
+
+    return get

@@ -3,31 +3,15 @@
 import pytest
 import torch
 
+from helpers import GRAD_RTOL, LP_ATOL, check, mixed_batch
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
 from zorro_core.verify.gradients import BUGS, inject_bug
-
-# Measured floor in float64: transformers runs RMSNorm and eager softmax in float32 even in a
-# float64 model, so the reference itself carries ~1e-8 relative noise (observed max: log-probs
-# ~1e-7 abs, gradients ~1e-7 relative). A wrong mask/position/label is >1e-2 (see test_bugs_fail).
-LP_ATOL = 1e-6
-GRAD_RTOL = 1e-5
 
 FAMILIES = ["tiny-qwen3", "tiny-llama", "tiny-qwen2"]
 MODES = [  # (use_split_attention, attn_implementation)
     (True, "eager"), (True, "sdpa"), (False, "eager"), (False, "sdpa"),
 ]
-
-
-def mixed_batch() -> RolloutBatch:
-    """Groups of sizes 3, 1 and 2 with different prompt lengths, duplicates not adjacent,
-    a response of length 1, and a prompt that is a strict prefix of another."""
-    a = [5, 17, 33, 2, 9, 41, 7]
-    b = [11, 3, 8]
-    c = [5, 17, 33, 2]          # strict prefix of a: must not merge with it
-    prompts = [a, c, b, a, c, a]
-    responses = [[1, 4, 9, 16], [20, 21], [7], [3, 3, 3, 3, 3], [30, 31, 32, 33, 34, 35], [8]]
-    return RolloutBatch.from_lists(prompts, responses)
 
 
 BATCHES = {
@@ -38,32 +22,12 @@ BATCHES = {
 
 
 @pytest.fixture(scope="module")
-def references(tiny_models):
-    cache = {}
-
+def references(tiny_models, per_sequence_reference):
     def get(family, batch_name, temperature):
-        key = (family, batch_name, temperature)
-        if key not in cache:
-            batch = BATCHES[batch_name]()
-            w = token_weights(batch, seed=1)
-            cache[key] = (batch, w, per_sequence(tiny_models(family), batch, temperature, w))
-        return cache[key]
+        return per_sequence_reference((family, batch_name, temperature), lambda: tiny_models(family),
+                                      BATCHES[batch_name], temperature, seed=1)
 
     return get
-
-
-def check(actor, batch, w, ref, temperature):
-    lp, ent, grads, out = actor_run(actor, batch, temperature, w)
-    ref_lp, ref_ent, ref_grads = ref
-    assert lp.dtype == torch.float64
-    assert torch.all(lp[~batch.response_mask.bool()] == 0)
-    lp_err = (lp - ref_lp).abs().max().item()
-    ent_err = (ent - ref_ent).abs().max().item()
-    g_err, g_name = max_rel_grad_error(grads, ref_grads)
-    assert lp_err < LP_ATOL, f"log-prob error {lp_err:.2e}"
-    assert ent_err < LP_ATOL, f"entropy error {ent_err:.2e}"
-    assert g_err < GRAD_RTOL, f"gradient of {g_name} off by {g_err:.2e} relative"
-    return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)

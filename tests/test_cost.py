@@ -4,17 +4,11 @@ own parameters, and the DESIGN's worked example."""
 import pytest
 import torch
 
-from zorro_core import RolloutBatch, build_dedup_plan, create_dummy_batch
+from helpers import mixed_batch
+from zorro_core import build_dedup_plan, create_dummy_batch
 from zorro_core.core.cost import (ModelShape, ForwardWork, causal_pairs, compare, compare_plans, flops, plan_workload,
                              shape_workloads)
 from zorro_core.models.presets import build_model, preset_config
-
-
-def mixed_batch() -> RolloutBatch:
-    """Groups of sizes 3, 1 and 2, a one-token response, a prompt that is a prefix of another."""
-    a, b, c = [5, 17, 33, 2, 9, 41, 7], [11, 3, 8], [5, 17, 33, 2]
-    responses = [[1, 4, 9, 16], [20, 21], [7], [3, 3, 3, 3, 3], [30, 31, 32, 33, 34, 35], [8]]
-    return RolloutBatch.from_lists([a, c, b, a, c, a], responses)
 
 
 def test_causal_pairs():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
-from test_actor import GRAD_RTOL, LP_ATOL, check
+from helpers import GRAD_RTOL, LP_ATOL, check
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
 from delta_rule import chunk_gated_delta_rule_exact
 from zorro_core.models.linear_attention import build_linear_layout, conv_sources, fla_available
@@ -58,20 +58,14 @@ def exact_kernel(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def exact_references(tiny_models):
-    cache = {}
-
+def exact_references(tiny_models, per_sequence_reference):
     def get(batch_name):
-        if batch_name not in cache:
-            saved = qwen3_next.torch_chunk_gated_delta_rule
-            qwen3_next.torch_chunk_gated_delta_rule = chunk_gated_delta_rule_exact
-            try:
-                batch = BATCHES[batch_name]()
-                w = token_weights(batch, seed=2)
-                cache[batch_name] = (batch, w, per_sequence(tiny_models(FAMILY), batch, 1.0, w))
-            finally:
-                qwen3_next.torch_chunk_gated_delta_rule = saved
-        return cache[batch_name]
+        saved = qwen3_next.torch_chunk_gated_delta_rule
+        qwen3_next.torch_chunk_gated_delta_rule = chunk_gated_delta_rule_exact
+        try:
+            return per_sequence_reference(batch_name, lambda: tiny_models(FAMILY), BATCHES[batch_name], 1.0, seed=2)
+        finally:
+            qwen3_next.torch_chunk_gated_delta_rule = saved
 
     return get
 

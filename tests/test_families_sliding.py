@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from reference import per_sequence, token_weights
-from test_actor import check, mixed_batch
+from helpers import check, mixed_batch
 from zorro_core import BaselineActor, DeduplicatedActor, create_dummy_batch
 from zorro_core.models.presets import preset_config
 
@@ -37,15 +37,10 @@ def test_tiny_presets_have_a_window_shorter_than_the_prompts():
 
 
 @pytest.fixture(scope="module")
-def references(tiny_models):
-    cache = {}
-
+def references(tiny_models, per_sequence_reference):
     def get(family, batch_name):
-        if (family, batch_name) not in cache:
-            batch = BATCHES[batch_name]()
-            w = token_weights(batch, seed=3)
-            cache[family, batch_name] = (batch, w, per_sequence(model_of(tiny_models, family), batch, 0.9, w))
-        return cache[family, batch_name]
+        return per_sequence_reference((family, batch_name), lambda: model_of(tiny_models, family),
+                                      BATCHES[batch_name], 0.9, seed=3)
 
     return get
 

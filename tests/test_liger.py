@@ -12,7 +12,7 @@ import torch
 
 import zorro_core.stack.liger as liger_mod
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
-from test_actor import mixed_batch
+from helpers import mixed_batch
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.stack.liger import FLCE_NOTE, LigerSettings, apply_liger, liger_applied, liger_unavailable
 from zorro_core.models.presets import build_model, preset_config

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
-from test_actor import GRAD_RTOL, LP_ATOL, mixed_batch
+from helpers import GRAD_RTOL, LP_ATOL, mixed_batch
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.models.parts import unwrap_adapters
 from zorro_core.stack.lora import LoraSettings, apply_lora, lora_unavailable, trainable_parameters
