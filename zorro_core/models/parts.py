@@ -29,12 +29,12 @@ class ModelParts:
     """The output projection."""
     num_attention_layers: int
     """Layers that must call the attention hook once per forward."""
+    family: ModelFamily
+    """The model's registry entry (its adapters)."""
     num_linear_layers: int = 0
     """Gated DeltaNet layers that must go through the linear-attention adapter once per forward."""
     moe: bool = False
     """Whether the model routes tokens to experts (has a router aux loss)."""
-    family: ModelFamily | None = None
-    """The model's registry entry (its adapters)."""
 
 
 def unwrap_adapters(model: nn.Module) -> nn.Module:
