@@ -1,4 +1,4 @@
-"""Padded-batch layouts for the CPU-capable attention backends (`reference`, `sdpa`).
+"""Padded-batch attention for the CPU-capable backends (`reference`, `sdpa`).
 
 Segments become a [n, H, L, D] batch: a view when every segment has the same length, one
 gather otherwise. The layouts (indices, masks: zorro_core.core.layouts) are built once per
