@@ -27,7 +27,7 @@ from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from zorro_core.integrations.trl import DedupGRPOTrainer
-from zorro_core.models.support import build_model, preset_config
+from zorro_core.models.presets import build_model, preset_config
 
 
 def tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:

@@ -34,7 +34,7 @@ from tests.test_integrations_trl import (
     _trainer,
 )
 from zorro_core.integrations.trl import DedupGRPOTrainer
-from zorro_core.models.support import build_model, preset_config
+from zorro_core.models.presets import build_model, preset_config
 from zorro_core.verify.gradients import FACTOR, GRAD_FLOOR, LP_FLOOR
 from zorro_core.verify.reference import rel_grad_errors
 

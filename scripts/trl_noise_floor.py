@@ -21,7 +21,7 @@ from trl import GRPOTrainer
 
 from tests.test_integrations_trl import _tokenizer, _trainer
 from zorro_core.integrations.trl import DedupGRPOTrainer
-from zorro_core.models.support import build_model, preset_config
+from zorro_core.models.presets import build_model, preset_config
 
 
 def main() -> None:

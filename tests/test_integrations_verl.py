@@ -20,7 +20,7 @@ from zorro_core.integrations.verl import (
     patch_dp_actor,
     verl_position_ids,
 )
-from zorro_core.models.support import build_model, preset_config
+from zorro_core.models.presets import build_model, preset_config
 from zorro_core.verify.gradients import GRAD_FLOOR, LP_FLOOR
 from zorro_core.verify.reference import rel_grad_errors
 

@@ -121,7 +121,7 @@ def patch_dp_actor(actor_cls: type, **actor_kwargs: Any) -> type:
     run the original method with a one-time `ZorroFallbackWarning`. Returns `actor_cls`.
     """
     from zorro_core.core.actor import DeduplicatedActor
-    from zorro_core.models.support import UnsupportedModelError
+    from zorro_core.errors import UnsupportedModelError
 
     original = actor_cls._forward_micro_batch
     if getattr(original, "_zorro_patched", False):
