@@ -14,11 +14,13 @@ import warnings
 import pytest
 import torch
 
+from delta_rule import chunk_gated_delta_rule_exact
+from helpers import check
 from reference import actor_run, per_sequence, token_weights
-from test_actor import BATCHES, check
+from test_actor import BATCHES
 from zorro_core import BaselineActor, DeduplicatedActor
-from zorro_core.models.delta_rule import chunk_gated_delta_rule_exact
-from zorro_core.models.support import build_model, model_parts, preset_config
+from zorro_core.models.parts import model_parts
+from zorro_core.models.presets import build_model, preset_config
 
 FAMILIES = ["tiny-qwen3", "tiny-llama", "tiny-qwen2", "tiny-qwen3-moe", "tiny-qwen3-next", "tiny-mistral", "tiny-qwen2-sliding"]
 LAYOUTS = ["dummy_padded", "dummy_unpadded"]

@@ -16,10 +16,12 @@ from test_actor import BATCHES
 from varlen_standins import (Calls, ContractError, chunk_gated_delta_rule, flash_attn_varlen_func, install_fla,
                              install_flash_attn, install_torch_varlen, varlen_attn)
 from zorro_core import BaselineActor, DeduplicatedActor
-from zorro_core.models.support import build_model, preset_config
+from zorro_core.models.presets import build_model, preset_config
 from zorro_core.verify.gradients import Errors, judge
 
-INSTALL = {"flash_attn": install_flash_attn, "torch_varlen": install_torch_varlen}
+INSTALL = {"flash_attn": install_flash_attn, "torch_varlen": install_torch_varlen,
+           # torch 2.11's varlen_attn (no enable_gqa: zorro expands the K/V heads itself)
+           "torch_varlen_2.11": lambda mp, calls: install_torch_varlen(mp, calls, enable_gqa_kwarg=False)}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -52,7 +54,7 @@ def test_half_precision_backend_end_to_end(setups, monkeypatch, backend, family,
     calls = Calls()
     INSTALL[backend](monkeypatch, calls)
     model = copy.deepcopy(m64).to(DTYPES[dtype])
-    kw = dict(model=model, attn_implementation="sdpa", varlen_backend=backend)
+    kw = dict(model=model, attn_implementation="sdpa", varlen_backend=backend.split("_2.")[0])
     base = _errors(BaselineActor(**kw), batch, w, ref)
     n_base = calls.n
     dedup = _errors(DeduplicatedActor(**kw), batch, w, ref)
@@ -72,16 +74,17 @@ def test_a_broken_glue_is_caught(setups, monkeypatch):
     install_flash_attn(monkeypatch, calls)
     from zorro_core.attention import backends
 
-    real = backends.BACKENDS["flash_attn"]
+    be = backends.BACKENDS["flash_attn"]
+    real = be.varlen
     model = copy.deepcopy(m64).to(torch.bfloat16)
     base = _errors(BaselineActor(model=model, varlen_backend="flash_attn"), batch, w, ref)
     # int64 offsets: the real kernel refuses them, and so does the stand-in
-    monkeypatch.setitem(backends.BACKENDS, "flash_attn", lambda q, k, v, seg, scale, window=None: real(
+    monkeypatch.setattr(be, "varlen", lambda q, k, v, seg, scale, window=None: real(
         q, k, v, type(seg)(**{**seg.__dict__, "cu_q": seg.cu_q.long()}), scale, window))
     with pytest.raises(ContractError, match="int32"):
         DeduplicatedActor(model=model, varlen_backend="flash_attn").forward(batch)
     # the cross call without causality (responses see their own future): caught by the reference comparison
-    monkeypatch.setitem(backends.BACKENDS, "flash_attn", lambda q, k, v, seg, scale, window=None: flash_attn_varlen_func(
+    monkeypatch.setattr(be, "varlen", lambda q, k, v, seg, scale, window=None: flash_attn_varlen_func(
         q, k, v, seg.cu_q.to(q.device), seg.cu_k.to(q.device), seg.max_q, seg.max_k, softmax_scale=scale,
         causal=seg.q_is_k, window_size=(-1, -1)))
     dedup = _errors(DeduplicatedActor(model=model, varlen_backend="flash_attn"), batch, w, ref)
@@ -145,7 +148,7 @@ def next_batch():
 
 @pytest.fixture(scope="module")
 def next_reference():
-    from zorro_core.models.delta_rule import chunk_gated_delta_rule_exact
+    from delta_rule import chunk_gated_delta_rule_exact
 
     saved = qwen3_next.torch_chunk_gated_delta_rule
     qwen3_next.torch_chunk_gated_delta_rule = chunk_gated_delta_rule_exact  # the float64 kernel, as in test_families_qwen3_next

@@ -5,10 +5,10 @@ import copy
 import pytest
 import torch
 
-from test_actor import mixed_batch
+from helpers import mixed_batch
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.attention.registration import install_attention, is_installed, original_attention
-from zorro_core.models.support import build_model, preset_config
+from zorro_core.models.presets import build_model, preset_config
 
 FAMILIES = ["tiny-qwen3", "tiny-llama", "tiny-qwen3-moe", "tiny-qwen3-next", "tiny-mistral", "tiny-qwen2-sliding"]
 
@@ -71,7 +71,7 @@ def test_a_reset_attention_is_taken_again():
 
 def test_a_model_that_refuses_the_registration_is_refused(monkeypatch):
     """transformers only warns when a model cannot switch its attention: the actor refuses it instead."""
-    from zorro_core.models.support import UnsupportedModelError
+    from zorro_core.errors import UnsupportedModelError
 
     model = build_model(preset_config("tiny-qwen3"), dtype=torch.float64, attn_implementation="sdpa")
     monkeypatch.setattr(type(model), "_can_set_attn_implementation", classmethod(lambda cls: False))

@@ -18,13 +18,14 @@ ops (softmax in float32, float64 for float64 inputs). Tests install them by monk
   v [1, T, HV, V], g, beta [1, T, HV] (batch 1 when cu_seqlens is given), HV a multiple of H;
   cu_seqlens a LongTensor on q's device from 0 to T; initial_state [N, HV, K, V] with N the
   number of sequences; returns (o [1, T, HV, V], final_state [N, HV, K, V] in float32 or None).
-  Computed per sequence with zorro_core.models.delta_rule.chunk_gated_delta_rule_exact (each
+  Computed per sequence with tests/delta_rule.py's chunk_gated_delta_rule_exact (each
   sequence chunked from its own start, as fla does).
 """
 
 from __future__ import annotations
 
 import importlib.machinery
+import inspect
 import sys
 import types
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from zorro_core.models.delta_rule import chunk_gated_delta_rule_exact
+from delta_rule import chunk_gated_delta_rule_exact
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -203,18 +204,35 @@ def install_flash_attn(monkeypatch, calls: Calls) -> None:
     _allow_on_cpu(monkeypatch, "flash_attn")
 
 
-def install_torch_varlen(monkeypatch, calls: Calls) -> None:
+def install_torch_varlen(monkeypatch, calls: Calls, enable_gqa_kwarg: bool = True) -> None:
+    """torch.nn.attention.varlen.varlen_attn replaced by the stand-in, with torch 2.13's signature or, with
+    enable_gqa_kwarg=False, torch 2.11's (no enable_gqa: then GQA needs K/V expanded to the query heads)."""
     import torch.nn.attention.varlen as varlen
 
-    monkeypatch.setattr(varlen, "varlen_attn", lambda *a, **kw: varlen_attn(*a, calls=calls, **kw))
+    from zorro_core.attention import backends
+
+    if enable_gqa_kwarg:
+        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                 window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+            return varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=return_aux, scale=scale,
+                               window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
+                               block_table=block_table, num_splits=num_splits, calls=calls)
+    else:
+        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                 window_size=(-1, -1)):
+            return varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=return_aux, scale=scale,
+                               window_size=window_size, enable_gqa=False, calls=calls)
+
+    monkeypatch.setattr(varlen, "varlen_attn", fake)
+    # zorro reads the signature to pick the GQA path (cached per process): read the stand-in's
+    monkeypatch.setattr(backends, "_varlen_attn_takes", lambda name: name in inspect.signature(fake).parameters)
     _allow_on_cpu(monkeypatch, "torch_varlen")
 
 
 def _allow_on_cpu(monkeypatch, name: str) -> None:
     from zorro_core.attention import backends
 
-    real = backends.backend_unavailable
-    monkeypatch.setattr(backends, "backend_unavailable", lambda n, device: None if n == name else real(n, device))
+    monkeypatch.setattr(backends.BACKENDS[name], "unavailable", lambda device: None)
 
 
 def install_fla(monkeypatch, calls: Calls) -> None:

@@ -25,8 +25,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from zorro_core.attention.hook import ZORRO_ATTENTION, zorro_attention
-from zorro_core.models.support import UnsupportedModelError
-from zorro_core.stack.lora import unwrap_adapters
+from zorro_core.errors import UnsupportedModelError
+from zorro_core.models.parts import unwrap_adapters
 
 _PREFIX = ZORRO_ATTENTION + "_"
 # name registered -> the original implementation it falls back to

@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 
 from torch import nn
 
-from zorro_core.stack.lora import unwrap_adapters
+from zorro_core.models.parts import unwrap_adapters
 
 CHECKPOINTING = ("non-reentrant", "reentrant")
 """The flavours: torch.utils.checkpoint with use_reentrant=False (transformers' default) or True."""

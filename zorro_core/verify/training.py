@@ -23,7 +23,7 @@ from torch import nn
 from zorro_core.core.actor import BaselineActor, DeduplicatedActor
 from zorro_core.core.batch import RolloutBatch
 from zorro_core.core.plan import group_rows
-from zorro_core.stack.lora import unwrap_adapters
+from zorro_core.models.parts import unwrap_adapters
 from zorro_core.verify.reference import sequence_forward
 from zorro_core.verify.gradients import (
     DTYPES, LAYOUTS, VerifyCase, build_verify_model, case_unavailable, finite_or_none, inject_bug, verify_batch,
