@@ -18,6 +18,7 @@ from zorro_core.stack.auto import AUTO, AttentionChoice, choose_attention
 from zorro_core.core.batch import RolloutBatch
 from zorro_core.models.families import AUX_WEIGHTINGS, aux_loss_of, family_hooks, forward_kwargs, load_balancing_loss
 from zorro_core.models.sliding import custom_masks
+from zorro_core.core.fsdp import as_root_forward, is_fsdp_root
 from zorro_core.core.logprobs import LOGITS_MODES, response_logprobs
 from zorro_core.models.support import UnsupportedModelError, check_layers_served, check_trainable_state, load_model, model_parts
 from zorro_core.core.plan import DedupPlan, build_dedup_plan
@@ -128,6 +129,11 @@ class _Actor:
         plan = self.plan(batch)  # validates the batch, token ids against the vocabulary included
         mode = "split" if self.use_split_attention else "mask"
         route = Route(plan=plan, mode=mode, backend=self.varlen_backend or "reference", inner=self.attn_implementation)
+        # Through the FSDP2 root's hooks when the model is sharded with fully_shard (zorro_core.core.fsdp).
+        lp, ent, aux = as_root_forward(self.model, lambda: self._compute(plan, route, temperature, calculate_entropy))
+        return ActorOutput(plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan, aux)
+
+    def _compute(self, plan: DedupPlan, route: Route, temperature: float, calculate_entropy: bool):
         with attention_implementation(self.model, ZORRO_ATTENTION), family_hooks(self.model, self.parts):
             outputs = self.parts.base(
                 input_ids=plan.input_ids[None], position_ids=plan.position_ids[None], use_cache=False, zorro_route=route,
@@ -139,7 +145,7 @@ class _Actor:
         lp, ent = response_logprobs(hidden, self.parts.lm_head, plan.logit_index, plan.labels, temperature,
                                     calculate_entropy, self.logits_mode, self.logits_chunk_size,
                                     self.logits_memory_budget_mib)
-        return ActorOutput(plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan, aux)
+        return lp, ent, aux
 
     __call__ = forward
 
@@ -193,6 +199,9 @@ class BaselineActor(_Actor):
         if self.parts.num_linear_layers:
             raise UnsupportedModelError("the padded baseline does not support linear-attention layers (padding would "
                                         "enter their recurrent state); use BaselineActor(padded=False)")
+        if is_fsdp_root(self.model):
+            raise UnsupportedModelError("the padded baseline does not run an FSDP2-sharded model (fully_shard); "
+                                        "use BaselineActor(padded=False)")
         batch = batch.to(self.device)
         batch.validate(vocab_size=self.vocab_size)
         check_trainable_state(self.model)
