@@ -1,0 +1,72 @@
+"""regroup's routing (pure) and, over 2 spawned gloo ranks, the distributed verification."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zorro_core.distributed.routing import plan_routing
+
+
+def _split_evenly(keys, plens, rlens, world):
+    """Deal the rows round-robin over `world` ranks (groups cut, as a trainer's shuffle does)."""
+    return ([keys[r::world] for r in range(world)], [plens[r::world] for r in range(world)],
+            [rlens[r::world] for r in range(world)])
+
+
+def test_cpu_target_layout_moves_half_the_rows_and_dedups_like_one_process():
+    # 2 ranks, each with 4 rows of each of 2 prompts (P=1024, R=128): after regrouping each rank
+    # holds one whole prompt, and its prompt dedup ratio is the single-process one (1 - 2/16).
+    keys = [[11, 22] * 4, [11, 22] * 4]
+    routing = plan_routing(keys, [[1024] * 8] * 2, [[128] * 8] * 2)
+    assert routing.rows_after == [8, 8]
+    assert routing.split_groups(after=False) == 2 and routing.split_groups(after=True) == 0
+    assert routing.prompt_dedup_ratio(after=False) == [0.75, 0.75]
+    assert routing.prompt_dedup_ratio(after=True) == [0.875, 0.875]
+    assert routing.tokens(after=False) == [2 * 1024 + 8 * 128] * 2
+    assert routing.tokens(after=True) == [1024 + 8 * 128] * 2
+    # each rank keeps its 4 rows of the prompt it ends with and sends the other 4
+    for rank in (0, 1):
+        start = routing.offset(rank)
+        assert sum(d != rank for d in routing.dest[start:start + 8]) == 4
+
+
+def test_rows_already_grouped_stay_where_they_are():
+    routing = plan_routing([[5, 5, 5], [7, 7, 7]], [[4] * 3] * 2, [[2] * 3] * 2)
+    assert routing.dest == [0, 0, 0, 1, 1, 1]
+
+
+def test_fewer_groups_than_ranks_still_feeds_every_rank():
+    routing = plan_routing([[1, 1], [1, 1], [1, 1]], [[3, 3]] * 3, [[2, 2]] * 3)
+    assert all(n > 0 for n in routing.rows_after)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (([[1], []], [[2], []], [[2], []]), "rank 1 holds no rows"),
+    (([[1]], [[2, 3]], [[2]]), "prompt lengths"),
+])
+def test_bad_metadata_is_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        plan_routing(*bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(world=st.integers(1, 4), sizes=st.lists(st.integers(1, 6), min_size=1, max_size=6), equal=st.booleans(),
+       data=st.data())
+def test_routing_invariants(world, sizes, equal, data):
+    keys = [g for g, n in enumerate(sizes) for _ in range(n)]
+    if len(keys) < world or (equal and len(keys) % world):
+        return
+    plen_of = data.draw(st.lists(st.integers(1, 50), min_size=len(sizes), max_size=len(sizes)))
+    rlens = data.draw(st.lists(st.integers(1, 20), min_size=len(keys), max_size=len(keys)))
+    routing = plan_routing(*_split_evenly(keys, [plen_of[k] for k in keys], rlens, world), equal_rows=equal)
+    assert sorted(routing.dest) == sorted(r for r in range(world) for _ in range(routing.rows_after[r]))
+    assert all(n > 0 for n in routing.rows_after)
+    assert sum(routing.rows_after) == len(keys)
+    if equal:
+        assert len(set(routing.rows_after)) == 1
+    elif len(sizes) >= world:  # whole groups win: every prompt computed on exactly one rank
+        assert routing.split_groups(after=True) == 0
+    # dedup-aware tokens never grow in total: a prompt is computed at most as often as before
+    assert sum(routing.tokens(after=True)) <= sum(routing.tokens(after=False)) or routing.split_groups(after=True)
