@@ -15,7 +15,8 @@ A model that is not an FSDPModule runs `fn` directly: nothing changes for it.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 

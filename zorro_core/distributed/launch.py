@@ -14,8 +14,9 @@ import os
 import queue as queue_mod
 import socket
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ def init_from_env(backend: str, timeout_s: float = 300.0) -> None:
     """Join the process group torchrun describes in the environment (no-op if already joined)."""
     if not dist.is_initialized():
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
@@ -57,7 +58,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, threads: int, fn,
         finally:
             dist.destroy_process_group()
         results.put((rank, True, out))
-    except BaseException:
+    except Exception:  # noqa: BLE001 -- reported to the parent, which stops the other ranks
         results.put((rank, False, traceback.format_exc()))
 
 

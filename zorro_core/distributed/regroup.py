@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -68,7 +67,7 @@ class RegroupInfo:
     """Bytes of row tokens this rank received from other ranks."""
     restore_bytes_sent: int = 0
     """Bytes this rank sent in `restore` forwards so far (backward sends as many again)."""
-    routing: Optional[Routing] = field(default=None, repr=False)
+    routing: Routing | None = field(default=None, repr=False)
     """The global routing every rank computed."""
 
 

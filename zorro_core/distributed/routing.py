@@ -16,8 +16,8 @@ they are: those are not sent.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from zorro_core.core.balance import Workload, karmarkar_karp, partition_ranks
 
