@@ -70,3 +70,37 @@ def test_routing_invariants(world, sizes, equal, data):
         assert routing.split_groups(after=True) == 0
     # dedup-aware tokens never grow in total: a prompt is computed at most as often as before
     assert sum(routing.tokens(after=True)) <= sum(routing.tokens(after=False)) or routing.split_groups(after=True)
+
+
+def test_verify_distributed_two_gloo_ranks_passes_and_catches_every_planted_bug():
+    """The CI check: 2 spawned gloo ranks, fully_shard, float64; clean passes, every planted bug fails."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from zorro_cli.main import app
+    from zorro_core.verify.distributed import BUGS
+
+    res = CliRunner().invoke(app, ["verify", "distributed", "--nproc", "2", "--device", "cpu", "--self-test", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    by_bug = {r["bug"]: r for r in out["results"]}
+    assert set(by_bug) == {None, *BUGS} and out["world_size"] == 2
+    clean = by_bug[None]
+    assert clean["status"] == "pass" and clean["restore_exact"]
+    assert clean["log_prob_err"] <= 1e-6 and clean["worst_grad_err"] <= 1e-5
+    # groups were cut across the ranks and are whole after regrouping: the ranks share more
+    assert all(r["prompt_dedup_after"] > r["prompt_dedup_before"] for r in clean["ranks"])
+    for bug in BUGS:
+        assert by_bug[bug]["status"] == "fail", bug
+    # a wrong normalisation is off by a factor (N tokens or the world size), not by noise
+    assert by_bug["sum_loss"]["worst_grad_err"] > 1 and abs(by_bug["reduce_average"]["worst_grad_err"] - 0.5) < 1e-3
+
+
+def test_verify_distributed_refuses_an_unknown_bug():
+    from typer.testing import CliRunner
+
+    from zorro_cli.main import app
+
+    res = CliRunner().invoke(app, ["verify", "distributed", "--inject-bug", "nope"])
+    assert res.exit_code == 2 and "unknown bug" in res.output
