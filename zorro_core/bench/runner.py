@@ -329,6 +329,10 @@ def case_rows(case: Case, measure: Measure, fault: Optional[str] = None,
               on_phase: Optional[Callable[[dict], None]] = None) -> list[dict[str, Any]]:
     """The result rows of a case, one per phase; failures become rows with their status."""
     base = case_base_row(case, measure)
+    if case.nproc > 1:  # data-parallel ranks, no-regroup vs regroup: a process tree of its own
+        from zorro_core.bench.distributed import distributed_case_rows
+
+        return distributed_case_rows(case, measure, base, on_phase)
     try:
         work = case_workload(case)
     except Exception as e:

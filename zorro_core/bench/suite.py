@@ -75,6 +75,8 @@ class Case:
     """Apply Liger kernels (zorro_core.stack.liger.apply_liger) before timing; GPU only, else status=skipped."""
     seed: int = 0
     """Seed of the weights and the batch."""
+    nproc: int = 1
+    """Data-parallel ranks (> 1: the batch is the global one, the arms are no-regroup vs regroup; zorro_core.bench.distributed)."""
 
     def __post_init__(self) -> None:
         _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
@@ -86,7 +88,7 @@ class Case:
         for name in ("split_attention", "padding", "liger"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("batch_size", "prompt_len", "response_len"):
+        for name in ("batch_size", "prompt_len", "response_len", "nproc"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -122,6 +124,8 @@ class Case:
             parts.append(f"lmb{self.logits_memory_budget_mib:g}")
         if self.seed:
             parts.append(f"seed{self.seed}")
+        if self.nproc > 1:
+            parts.append(f"nproc{self.nproc}")
         return ":".join(parts)
 
     @property
