@@ -28,12 +28,25 @@ def default_backend(device: str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+GLOO_FSDP2_TORCH = (2, 7)
+"""FSDP2 (fully_shard) on gloo needs ReduceOp.AVG and reduce_scatter on gloo: torch 2.7."""
+
+
+def check_fsdp_backend(backend: str) -> None:
+    """Refuse FSDP2 on gloo with a torch older than GLOO_FSDP2_TORCH (it would fail mid-backward)."""
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if backend == "gloo" and version < GLOO_FSDP2_TORCH:
+        raise RuntimeError(f"FSDP2 on gloo (CPU) needs torch >= 2.7 (reduce_scatter and ReduceOp.AVG on gloo); "
+                           f"this is torch {torch.__version__}")
+
+
 def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def init_from_env(backend: str, timeout_s: float = 300.0) -> None:
     """Join the process group torchrun describes in the environment (no-op if already joined)."""
+    check_fsdp_backend(backend)
     if not dist.is_initialized():
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -69,6 +82,7 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo"
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     if backend == "nccl" and torch.cuda.device_count() < 1:
         raise RuntimeError("backend nccl needs a CUDA device")
+    check_fsdp_backend(backend)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()

@@ -172,7 +172,8 @@ def regroup(batch: RolloutBatch, group=None, equal_rows: bool = False,
         raise ValueError("token ids above 2**31 - 1 cannot travel as int32")
     order_t = torch.tensor(order, dtype=torch.long, device=dev)
     payload = ids[order_t][torch.cat([pm, rm], 1)[order_t]].to(torch.int32)
-    row_tokens = [int(m[1]) + int(m[2]) for m in meta.tolist()]
+    my_meta = meta.tolist()
+    row_tokens = [m[1] + m[2] for m in my_meta]  # real prompt + response tokens per row
     send = [sum(row_tokens[i] for i in range(batch.batch_size) if my_dest[i] == d) for d in range(world)]
     # Receive: rows whose destination is me, ascending global index = by source rank, then source order.
     mine = routing.rows_on(rank)
@@ -190,9 +191,11 @@ def regroup(batch: RolloutBatch, group=None, equal_rows: bool = False,
     back = [0] * world
     for row in mine:
         back[source[row]] += flat_meta[row][2]
-    forth = [sum(int(rm[i].sum()) for i in range(batch.batch_size) if my_dest[i] == d) for d in range(world)]
+    forth = [sum(my_meta[i][2] for i in range(batch.batch_size) if my_dest[i] == d) for d in range(world)]
     r_width = batch.responses.shape[1]
-    home_index = torch.cat([i * r_width + rm[i].nonzero().flatten() for i in order])
+    # flat [B*R] positions of my rows' real response tokens, rows in sending order (right padding:
+    # a row's real positions come first, in column order)
+    home_index = torch.arange(batch.batch_size * r_width, device=dev).view(-1, r_width)[order_t][rm[order_t]]
     info = RegroupInfo(
         rank=rank, world_size=world, rows_before=routing.rows_before, rows_after=routing.rows_after,
         tokens_before=routing.tokens(after=False), tokens_after=routing.tokens(after=True),
