@@ -104,3 +104,47 @@ def test_verify_distributed_refuses_an_unknown_bug():
 
     res = CliRunner().invoke(app, ["verify", "distributed", "--inject-bug", "nope"])
     assert res.exit_code == 2 and "unknown bug" in res.output
+
+
+def test_bench_plan_of_the_cpu_target_matches_the_cost_model():
+    """The issue-13 case (no process started): per-rank dedup 0.75 -> 0.875 (= one process),
+    ideal 0.091 / 0.065 TFLOP = 1.40x per forward+backward."""
+    from zorro_core.bench.distributed import case_plan
+    from zorro_core.bench.suite import Case
+
+    case = Case(model="small-qwen3", batch_size=16, num_unique_prompts=2, prompt_len=1024, response_len=128, nproc=2)
+    plan = case_plan(case)
+    assert plan["rows_before"] == [8, 8] and plan["rows_after"] == [8, 8]
+    assert plan["prompt_dedup_before"] == [0.75, 0.75]
+    assert plan["prompt_dedup_after"] == [plan["single_process_prompt_dedup"]] * 2 == [0.875, 0.875]
+    assert round(plan["gflops_before"]["forward_backward"]) == 91 and round(plan["gflops_after"]["forward_backward"]) == 65
+    assert abs(plan["ideal_speedup"]["forward_backward"] - 1.395) < 1e-3
+
+
+def test_nproc_is_a_suite_axis_and_part_of_the_case_id():
+    from zorro_core.bench.suite import Case, parse_suite
+
+    suite = parse_suite({"defaults": {"batch_size": 8}, "grid": [{"nproc": [1, 2]}]})
+    assert [c.nproc for c in suite.cases] == [1, 2]
+    assert not suite.cases[0].case_id.endswith("nproc1") and suite.cases[1].case_id.endswith(":nproc2")
+    with pytest.raises(ValueError, match="nproc"):
+        Case(num_unique_prompts=1, nproc=0)
+
+
+@pytest.mark.slow
+def test_bench_run_with_two_ranks_gives_a_row_with_per_rank_figures(tmp_path):
+    """`zorro bench run --nproc 2` end to end on tiny shapes (slow: spawns 2 ranks)."""
+    from typer.testing import CliRunner
+
+    from zorro_cli.main import app
+    from zorro_core.bench.results import read_rows
+
+    out = tmp_path / "d.csv"
+    res = CliRunner().invoke(app, ["bench", "run", "--nproc", "2", "--model", "tiny-qwen3", "-b", "8", "-u", "2", "-p", "32",
+                                   "-r", "8", "--repeats", "2", "--threads", "1", "--phase", "forward_backward",
+                                   "--no-memory", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    (row,) = read_rows(out)
+    assert row["status"] == "ok" and row["nproc"] == "2" and float(row["speedup"]) > 0
+    assert row["prompt_dedup_per_rank_before"] == "0.5000 0.5000" and row["prompt_dedup_per_rank_after"] == "0.7500 0.7500"
+    assert int(row["regroup_bytes_sent"]) == 2 * 2 * 40 * 4  # per rank: 2 rows of 32 + 8 tokens, int32
