@@ -17,10 +17,10 @@ import argparse
 import random
 import statistics
 
-from zorro_core.core.balance import Workload, partition_micro_batches, partition_ranks
+from zorro_core.core.balance import GroupedLengths, partition_micro_batches, partition_ranks
 
 
-def workload(rng: random.Random, ranks: int | None = None, whole: bool = True) -> Workload:
+def workload(rng: random.Random, ranks: int | None = None, whole: bool = True) -> GroupedLengths:
     size = rng.choice([2, 4, 8, 16])
     g = rng.randint(2, 16)
     if ranks is not None:
@@ -28,7 +28,7 @@ def workload(rng: random.Random, ranks: int | None = None, whole: bool = True) -
             size = rng.choice([s for s in (2, 4, 8, 16) if s % ranks == 0])
         g = ranks * rng.randint(1, 4) if whole else ranks * rng.randint(1, 3) + rng.randint(1, ranks - 1)
     gor = [i for i in range(g) for _ in range(size)]
-    return Workload(gor, [rng.randint(64, 2048) for _ in range(g)], [rng.randint(16, 1024) for _ in gor])
+    return GroupedLengths(gor, [rng.randint(64, 2048) for _ in range(g)], [rng.randint(16, 1024) for _ in gor])
 
 
 def figures(n: int = 300, seed: int = 0) -> dict[str, dict[str, list[float]]]:

@@ -3,30 +3,15 @@
 import pytest
 import torch
 
+from helpers import GRAD_RTOL, LP_ATOL, check, mixed_batch
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
-
-# Measured floor in float64: transformers runs RMSNorm and eager softmax in float32 even in a
-# float64 model, so the reference itself carries ~1e-8 relative noise (observed max: log-probs
-# ~1e-7 abs, gradients ~1e-7 relative). A wrong mask/position/label is >1e-2 (see test_bugs_fail).
-LP_ATOL = 1e-6
-GRAD_RTOL = 1e-5
+from zorro_core.verify.gradients import BUGS, inject_bug
 
 FAMILIES = ["tiny-qwen3", "tiny-llama", "tiny-qwen2"]
 MODES = [  # (use_split_attention, attn_implementation)
     (True, "eager"), (True, "sdpa"), (False, "eager"), (False, "sdpa"),
 ]
-
-
-def mixed_batch() -> RolloutBatch:
-    """Groups of sizes 3, 1 and 2 with different prompt lengths, duplicates not adjacent,
-    a response of length 1, and a prompt that is a strict prefix of another."""
-    a = [5, 17, 33, 2, 9, 41, 7]
-    b = [11, 3, 8]
-    c = [5, 17, 33, 2]          # strict prefix of a: must not merge with it
-    prompts = [a, c, b, a, c, a]
-    responses = [[1, 4, 9, 16], [20, 21], [7], [3, 3, 3, 3, 3], [30, 31, 32, 33, 34, 35], [8]]
-    return RolloutBatch.from_lists(prompts, responses)
 
 
 BATCHES = {
@@ -37,32 +22,12 @@ BATCHES = {
 
 
 @pytest.fixture(scope="module")
-def references(tiny_models):
-    cache = {}
-
+def references(tiny_models, per_sequence_reference):
     def get(family, batch_name, temperature):
-        key = (family, batch_name, temperature)
-        if key not in cache:
-            batch = BATCHES[batch_name]()
-            w = token_weights(batch, seed=1)
-            cache[key] = (batch, w, per_sequence(tiny_models(family), batch, temperature, w))
-        return cache[key]
+        return per_sequence_reference((family, batch_name, temperature), lambda: tiny_models(family),
+                                      BATCHES[batch_name], temperature, seed=1)
 
     return get
-
-
-def check(actor, batch, w, ref, temperature):
-    lp, ent, grads, out = actor_run(actor, batch, temperature, w)
-    ref_lp, ref_ent, ref_grads = ref
-    assert lp.dtype == torch.float64
-    assert torch.all(lp[~batch.response_mask.bool()] == 0)
-    lp_err = (lp - ref_lp).abs().max().item()
-    ent_err = (ent - ref_ent).abs().max().item()
-    g_err, g_name = max_rel_grad_error(grads, ref_grads)
-    assert lp_err < LP_ATOL, f"log-prob error {lp_err:.2e}"
-    assert ent_err < LP_ATOL, f"entropy error {ent_err:.2e}"
-    assert g_err < GRAD_RTOL, f"gradient of {g_name} off by {g_err:.2e} relative"
-    return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -120,7 +85,7 @@ def test_all_unique_prompts_take_the_causal_path(tiny_models):
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-4), (torch.bfloat16, 0.15)])
 def test_low_precision_close_to_baseline(dtype, atol):
     """Smoke check in low precision: dedup and packed baseline agree to the dtype's noise."""
-    from zorro_core.models.support import build_model, preset_config
+    from zorro_core.models.presets import build_model, preset_config
 
     model = build_model(preset_config("tiny-qwen3"), dtype=dtype, attn_implementation="sdpa")
     batch = create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=16, response_len=8, vocab_size=256, vary_lengths=True, seed=8)
@@ -130,32 +95,13 @@ def test_low_precision_close_to_baseline(dtype, atol):
     assert (d - b).abs().max().item() < atol
 
 
-def corrupt(plan, what):
-    """A deliberately wrong plan, for the tests that prove the comparison can fail."""
-    if what == "positions_restart":
-        is_resp = plan.token_segment >= plan.num_groups
-        starts = plan.prompt_lens[plan.token_group]
-        plan.position_ids = torch.where(is_resp, plan.position_ids - starts, plan.position_ids)
-    elif what == "first_label_rolled":
-        plan.logit_index = plan.logit_index.clone()
-        first = plan.response_flat_index % plan.response_width == 0
-        plan.logit_index[first] = plan.logit_index[first] + 1
-    elif what == "wrong_prompt":  # two responses see another group's prompt
-        x = plan.cross
-        x.k_index = x.k_index.roll(7)
-        x.kv_prompt_start, x.kv_prompt_len, x.kv_group = (t.roll(1) for t in (x.kv_prompt_start, x.kv_prompt_len, x.kv_group))
-    return plan
-
-
-@pytest.mark.parametrize("what", ["positions_restart", "first_label_rolled", "wrong_prompt"])
-def test_bugs_fail_by_orders_of_magnitude(tiny_models, references, monkeypatch, what):
-    """A real bug must fail the comparison by far more than the tolerance."""
-    import zorro_core.core.actor as actor_mod
-
+@pytest.mark.parametrize("what", list(BUGS))
+def test_bugs_fail_by_orders_of_magnitude(tiny_models, references, what):
+    """A real bug (zorro_core.verify.gradients.BUGS, the plans `zorro verify` corrupts) must fail
+    the comparison by far more than the tolerance."""
     batch, w, ref = references("tiny-qwen3", "mixed", 0.7)
-    real_build = actor_mod.build_dedup_plan
-    monkeypatch.setattr(actor_mod, "build_dedup_plan", lambda b, **kw: corrupt(real_build(b, **kw), what))
-    lp, ent, grads, _ = actor_run(DeduplicatedActor(model=tiny_models("tiny-qwen3")), batch, 0.7, w)
+    with inject_bug(what):
+        lp, ent, grads, _ = actor_run(DeduplicatedActor(model=tiny_models("tiny-qwen3")), batch, 0.7, w)
     lp_err = (lp - ref[0]).abs().max().item()
     g_err, _ = max_rel_grad_error(grads, ref[2])
     assert lp_err > 1e3 * LP_ATOL or g_err > 1e3 * GRAD_RTOL, (lp_err, g_err)

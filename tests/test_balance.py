@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from zorro_core import RolloutBatch, create_dummy_batch
-from zorro_core.core.balance import (Workload, greedy_partition, karmarkar_karp, partition_micro_batches, partition_ranks,
+from zorro_core.core.balance import (GroupedLengths, greedy_partition, karmarkar_karp, partition_micro_batches, partition_ranks,
                                 select_rows)
 
 
@@ -21,7 +21,7 @@ def workloads(draw, max_groups=10, max_size=8, max_prompt=300, max_response=120)
     gor = [first[g] for g in gor]
     plens = draw(st.lists(st.integers(1, max_prompt), min_size=len(sizes), max_size=len(sizes)))
     rlens = draw(st.lists(st.integers(1, max_response), min_size=len(gor), max_size=len(gor)))
-    return Workload(gor, plens, rlens)
+    return GroupedLengths(gor, plens, rlens)
 
 
 def assert_each_row_once(work, part):
@@ -77,7 +77,7 @@ def test_ranks_equal_counts(work, world, balance):
 def test_ranks_keep_equal_groups_whole(groups, size, world, seed):
     rng = random.Random(seed)
     gor = [g for g in range(groups) for _ in range(size)]
-    work = Workload(gor, [rng.randint(1, 500) for _ in range(groups)], [rng.randint(1, 100) for _ in gor])
+    work = GroupedLengths(gor, [rng.randint(1, 500) for _ in range(groups)], [rng.randint(1, 100) for _ in gor])
     if (groups * size) % world:
         return
     part = partition_ranks(work, world)
@@ -103,12 +103,12 @@ def test_karmarkar_karp_known_case():
     assert sorted(sum([4, 5, 6, 7, 8][i] for i in p) for p in greedy_partition([4, 5, 6, 7, 8], 2)) == [13, 17]
 
 
-def random_workload(rng: random.Random) -> Workload:
+def random_workload(rng: random.Random) -> GroupedLengths:
     """GRPO-like: a few prompts of 64..2048 tokens, 2..16 responses each of 16..1024 tokens."""
     g = rng.randint(2, 16)
     size = rng.choice([2, 4, 8, 16])
     gor = [i for i in range(g) for _ in range(size)]
-    return Workload(gor, [rng.randint(64, 2048) for _ in range(g)], [rng.randint(16, 1024) for _ in gor])
+    return GroupedLengths(gor, [rng.randint(64, 2048) for _ in range(g)], [rng.randint(16, 1024) for _ in gor])
 
 
 def imbalance_figures(n: int = 100, seed: int = 0):
@@ -136,14 +136,14 @@ def test_kk_beats_greedy_on_random_workloads():
 def test_split_cost_reported():
     """One group of prompt 100 + 4 responses of 60 = 340 tokens under a budget of 230:
     two pieces of 100 + 120, the prompt computed twice; the small group fits with neither."""
-    work = Workload([0, 0, 0, 0, 1], [100, 10], [60, 60, 60, 60, 5])
+    work = GroupedLengths([0, 0, 0, 0, 1], [100, 10], [60, 60, 60, 60, 5])
     part = partition_micro_batches(work, 230)
     assert part.split_groups == [0] and part.recomputed_prompt_tokens == 100
     assert part.tokens == [220, 220, 15] and not part.over_budget
 
 
 def test_unfittable_row_reported():
-    work = Workload([0, 0, 1], [500, 10], [50, 20, 30])
+    work = GroupedLengths([0, 0, 1], [500, 10], [50, 20, 30])
     part = partition_micro_batches(work, 300)
     assert len(part.over_budget) == 2  # prompt 500 alone exceeds 300: each of its rows stands alone
     assert all(len(part.parts[i]) == 1 for i in part.over_budget)
@@ -151,10 +151,10 @@ def test_unfittable_row_reported():
 
 def test_workload_of_batch_groups_by_content():
     batch = RolloutBatch.from_lists([[4, 5, 6], [9, 9], [4, 5, 6]], [[1, 2], [3], [4, 5, 6]])
-    work = Workload.of(batch)
+    work = GroupedLengths.of(batch)
     assert work.group_of_row == [0, 1, 0] and work.prompt_lens == [3, 2] and work.response_lens == [2, 1, 3]
     assert work.tokens([0, 1, 2]) == 3 + 2 + 6
-    assert Workload.of(batch, dedup=False).tokens([0, 1, 2]) == 3 + 2 + 3 + 6
+    assert GroupedLengths.of(batch, dedup=False).tokens([0, 1, 2]) == 3 + 2 + 3 + 6
 
 
 def test_select_rows_trims_prompt_padding():
@@ -170,11 +170,11 @@ def test_select_rows_trims_prompt_padding():
 
 
 @pytest.mark.parametrize("bad,match", [
-    (lambda: Workload([], [], []), "empty"),
-    (lambda: Workload([0, 2], [1, 1], [1, 1]), "group id"),
-    (lambda: Workload([0], [0], [1]), "lengths"),
-    (lambda: partition_micro_batches(Workload([0], [1], [1]), 0), "max_tokens"),
-    (lambda: partition_micro_batches(Workload([0], [1], [1]), 5, balance="lpt"), "balance"),
+    (lambda: GroupedLengths([], [], []), "empty"),
+    (lambda: GroupedLengths([0, 2], [1, 1], [1, 1]), "group id"),
+    (lambda: GroupedLengths([0], [0], [1]), "lengths"),
+    (lambda: partition_micro_batches(GroupedLengths([0], [1], [1]), 0), "max_tokens"),
+    (lambda: partition_micro_batches(GroupedLengths([0], [1], [1]), 5, balance="lpt"), "balance"),
     (lambda: karmarkar_karp([1, 2, 3], 2, equal_size=True), "impossible"),
     (lambda: select_rows(create_dummy_batch(2, 1, 4, 2, 16), [5]), "out of range"),
 ])
@@ -189,7 +189,7 @@ def test_large_batch_is_fast():
 
     rng = random.Random(5)
     gor = [g for g in range(256) for _ in range(8)]
-    work = Workload(gor, [rng.randint(64, 2048) for _ in range(256)], [rng.randint(16, 1024) for _ in gor])
+    work = GroupedLengths(gor, [rng.randint(64, 2048) for _ in range(256)], [rng.randint(16, 1024) for _ in gor])
     t0 = time.perf_counter()
     part = partition_micro_batches(work, 4096)
     assert time.perf_counter() - t0 < 20
@@ -198,6 +198,6 @@ def test_large_batch_is_fast():
 
 def test_attention_cost_counts_query_key_pairs():
     # prompt 3 (6 causal pairs) + responses 2 and 1 (2*3 + 3 and 1*3 + 1 pairs): 19 pairs, 6 tokens
-    work = Workload([0, 0], [3], [2, 1])
+    work = GroupedLengths([0, 0], [3], [2, 1])
     assert work.cost([0, 1], attention_weight=0.5) == 6 + 0.5 * 19
     assert work.cost([0, 1]) == 6.0

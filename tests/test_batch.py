@@ -70,3 +70,24 @@ def test_dummy_batch_shape_groups_and_seed(vary):
 def test_dummy_batch_refuses_impossible_shapes():
     with pytest.raises(ValueError, match="num_unique_prompts"):
         create_dummy_batch(batch_size=2, num_unique_prompts=3, prompt_len=4, response_len=2)
+
+
+def test_a_forward_checks_the_batch_once(tiny_models, monkeypatch):
+    """Structure is checked when the batch is built; a forward checks only the token ids, once."""
+    batch = create_dummy_batch(batch_size=4, num_unique_prompts=2, prompt_len=6, response_len=3, vocab_size=256, seed=1)
+    calls = {"validate": 0, "check_vocab": 0}
+    for name in calls:
+        original = getattr(RolloutBatch, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(RolloutBatch, name, counted)
+    actor = DeduplicatedActor(model=tiny_models("tiny-qwen3"))
+    actor.forward(batch)
+    assert calls == {"validate": 0, "check_vocab": 1}
+    bad = RolloutBatch(batch.prompts.clone(), batch.prompt_mask, batch.responses, batch.response_mask)
+    bad.prompts[0, -1] = 256
+    with pytest.raises(ValueError, match="vocab size 256"):
+        actor.forward(bad)

@@ -4,17 +4,11 @@ own parameters, and the DESIGN's worked example."""
 import pytest
 import torch
 
-from zorro_core import RolloutBatch, build_dedup_plan, create_dummy_batch
-from zorro_core.core.cost import (ModelShape, Workload, causal_pairs, compare, compare_plans, flops, plan_workload,
+from helpers import mixed_batch
+from zorro_core import build_dedup_plan, create_dummy_batch
+from zorro_core.core.cost import (ModelShape, ForwardWork, causal_pairs, compare, compare_plans, flops, plan_workload,
                              shape_workloads)
-from zorro_core.models.support import build_model, preset_config
-
-
-def mixed_batch() -> RolloutBatch:
-    """Groups of sizes 3, 1 and 2, a one-token response, a prompt that is a prefix of another."""
-    a, b, c = [5, 17, 33, 2, 9, 41, 7], [11, 3, 8], [5, 17, 33, 2]
-    responses = [[1, 4, 9, 16], [20, 21], [7], [3, 3, 3, 3, 3], [30, 31, 32, 33, 34, 35], [8]]
-    return RolloutBatch.from_lists([a, c, b, a, c, a], responses)
+from zorro_core.models.presets import build_model, preset_config
 
 
 def test_causal_pairs():
@@ -73,12 +67,12 @@ def test_design_example():
 
 def test_flops_formulas_and_phases():
     shape = ModelShape(hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, vocab_size=32)
-    f = flops(shape, Workload(tokens=10, attended_pairs=30, logit_positions=5))
+    f = flops(shape, ForwardWork(tokens=10, attended_pairs=30, logit_positions=5))
     assert f.linear == 2 * shape.linear_params_per_layer * 2 * 10
     assert f.attention == 4 * 2 * 4 * 2 * 30
     assert f.lm_head == 2 * 8 * 32 * 5
     assert f.forward_backward == 3 * f.forward
-    m = flops(shape, Workload(10, 30, 5), logits_mode="memory")
+    m = flops(shape, ForwardWork(10, 30, 5), logits_mode="memory")
     assert m.forward_backward == 3 * m.forward + m.lm_head  # recompute in backward
 
 

@@ -4,10 +4,13 @@ that names it (UnsupportedModelError, a ValueError)."""
 import pytest
 import torch
 
-from test_actor import mixed_batch
+from helpers import LP_ATOL, mixed_batch
+from reference import sequence_forward
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.attention.hook import ZORRO_ATTENTION, Route, attention_implementation
-from zorro_core.models.support import PRESETS, UnsupportedModelError, build_model, model_parts, preset_config
+from zorro_core.models.presets import PRESETS, build_model, preset_config
+from zorro_core.models.parts import model_parts
+from zorro_core.errors import UnsupportedModelError
 from zorro_core.core.plan import build_dedup_plan
 
 
@@ -106,16 +109,26 @@ def test_every_preset_is_a_supported_family():
 
 
 def test_padded_baseline_still_runs_for_attention_models():
-    BaselineActor(model=fresh(), padded=True).forward(mixed_batch())
+    """The padded baseline (plain HF forward) equals each sequence run alone, log-probs and entropy."""
+    model, batch = fresh(), mixed_batch()
+    with torch.no_grad():
+        ref_lp, ref_ent = sequence_forward(model, batch)
+        out = BaselineActor(model=model, padded=True).forward(batch, calculate_entropy=True)
+    assert (out.log_probs - ref_lp).abs().max().item() < LP_ATOL
+    assert (out.entropy - ref_ent).abs().max().item() < LP_ATOL
 
 
-def test_family_support_lists_every_supported_type():
-    from zorro_core.models.families import family_support
-    from zorro_core.models.support import SUPPORTED_MODEL_TYPES
+def test_family_support_lists_every_supported_type(monkeypatch):
+    import zorro_core.models.registry as registry
 
-    support = family_support("cpu")
-    assert set(support) == SUPPORTED_MODEL_TYPES
-    assert "PyTorch fallback" in support["qwen3_next"] or "flash-linear-attention" in support["qwen3_next"]
+    support = registry.family_support("cpu")
+    assert set(support) == set(registry.FAMILIES)
+    assert "PyTorch fallback" in support["qwen3_next"]  # on CPU whether fla is installed or not
+    # On CUDA the line follows fla's availability (the device is only named, never used here).
+    monkeypatch.setattr(registry, "fla_available", lambda: None)
+    assert "flash-linear-attention varlen kernel" in registry.family_support("cuda")["qwen3_next"]
+    monkeypatch.setattr(registry, "fla_available", lambda: "not importable")
+    assert "fla not installed" in registry.family_support("cuda")["qwen3_next"]
 
 
 def test_gradient_checkpointing_in_training_mode():

@@ -6,8 +6,8 @@ prompt token once), which is what the test expects it to differ by."""
 import pytest
 import torch
 
-from reference import max_rel_grad_error, per_sequence, token_weights
-from test_actor import GRAD_RTOL, check, mixed_batch
+from reference import max_rel_grad_error
+from helpers import GRAD_RTOL, check, mixed_batch
 from zorro_core import BaselineActor, DeduplicatedActor, create_dummy_batch
 from zorro_core.models.moe import load_balancing_loss, token_multiplicity
 from zorro_core.core.plan import build_dedup_plan
@@ -26,15 +26,9 @@ def moe(tiny_models, family="tiny-qwen3-moe"):
 
 
 @pytest.fixture(scope="module")
-def references(tiny_models):
-    cache = {}
-
+def references(tiny_models, per_sequence_reference):
     def get(batch_name):
-        if batch_name not in cache:
-            batch = BATCHES[batch_name]()
-            w = token_weights(batch, seed=1)
-            cache[batch_name] = (batch, w, per_sequence(moe(tiny_models), batch, 0.8, w))
-        return cache[batch_name]
+        return per_sequence_reference(batch_name, lambda: moe(tiny_models), BATCHES[batch_name], 0.8, seed=1)
 
     return get
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
-from test_actor import GRAD_RTOL, LP_ATOL, check
+from helpers import GRAD_RTOL, LP_ATOL, check
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
-from zorro_core.models.delta_rule import chunk_gated_delta_rule_exact
+from delta_rule import chunk_gated_delta_rule_exact
 from zorro_core.models.linear_attention import build_linear_layout, conv_sources, fla_available
 from zorro_core.core.plan import build_dedup_plan
 
@@ -58,20 +58,14 @@ def exact_kernel(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def exact_references(tiny_models):
-    cache = {}
-
+def exact_references(tiny_models, per_sequence_reference):
     def get(batch_name):
-        if batch_name not in cache:
-            saved = qwen3_next.torch_chunk_gated_delta_rule
-            qwen3_next.torch_chunk_gated_delta_rule = chunk_gated_delta_rule_exact
-            try:
-                batch = BATCHES[batch_name]()
-                w = token_weights(batch, seed=2)
-                cache[batch_name] = (batch, w, per_sequence(tiny_models(FAMILY), batch, 1.0, w))
-            finally:
-                qwen3_next.torch_chunk_gated_delta_rule = saved
-        return cache[batch_name]
+        saved = qwen3_next.torch_chunk_gated_delta_rule
+        qwen3_next.torch_chunk_gated_delta_rule = chunk_gated_delta_rule_exact
+        try:
+            return per_sequence_reference(batch_name, lambda: tiny_models(FAMILY), BATCHES[batch_name], 1.0, seed=2)
+        finally:
+            qwen3_next.torch_chunk_gated_delta_rule = saved
 
     return get
 
@@ -180,7 +174,7 @@ def test_conv_sources_reach_into_the_prompt():
 
 
 def test_padded_baseline_is_refused(tiny_models):
-    from zorro_core.models.support import UnsupportedModelError
+    from zorro_core.errors import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match="linear-attention"):
         BaselineActor(model=tiny_models(FAMILY), padded=True).forward(chunk_batch())
@@ -190,7 +184,7 @@ def test_padded_baseline_is_refused(tiny_models):
 def test_low_precision_close_to_baseline(dtype, atol):
     """transformers' own kernel in float32/bf16: dedup and the packed one-shot baseline agree to the
     dtype's noise (measured 4.8e-7 in float32, 0 in bf16)."""
-    from zorro_core.models.support import build_model, preset_config
+    from zorro_core.models.presets import build_model, preset_config
 
     model = build_model(preset_config(FAMILY), dtype=dtype, attn_implementation="sdpa")
     batch = chunk_batch()
@@ -204,7 +198,7 @@ def test_low_precision_close_to_baseline(dtype, atol):
 def test_fla_varlen_matches_per_sequence_on_gpu():
     """GPU: the varlen fla path (one initial state per response) against each sequence alone through
     the unmodified model (which uses fla too). bf16: some fla versions refuse float32."""
-    from zorro_core.models.support import build_model, preset_config
+    from zorro_core.models.presets import build_model, preset_config
 
     model = build_model(preset_config(FAMILY), dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
     batch = chunk_batch().to("cuda")
@@ -229,7 +223,7 @@ def test_hooks_are_removed_after_the_forward(tiny_models):
     DeduplicatedActor(model=model).forward(chunk_batch())
     assert qwen3_next.causal_conv1d_fn is conv and qwen3_next.torch_chunk_gated_delta_rule is delta
     from zorro_core.models.families import family_hooks
-    from zorro_core.models.support import model_parts
+    from zorro_core.models.parts import model_parts
 
     with pytest.raises(RuntimeError, match="fails inside"):
         with family_hooks(model, model_parts(model)):

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from reference import per_sequence, token_weights
-from test_actor import check, mixed_batch
+from helpers import check, mixed_batch
 from zorro_core import BaselineActor, DeduplicatedActor, create_dummy_batch
-from zorro_core.models.support import preset_config
+from zorro_core.models.presets import preset_config
 
 FAMILIES = ["tiny-mistral", "tiny-qwen2-sliding", "tiny-qwen3-sliding"]
 OVERRIDES = {"tiny-qwen3-sliding": ("tiny-qwen3", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1))}
@@ -37,15 +37,10 @@ def test_tiny_presets_have_a_window_shorter_than_the_prompts():
 
 
 @pytest.fixture(scope="module")
-def references(tiny_models):
-    cache = {}
-
+def references(tiny_models, per_sequence_reference):
     def get(family, batch_name):
-        if (family, batch_name) not in cache:
-            batch = BATCHES[batch_name]()
-            w = token_weights(batch, seed=3)
-            cache[family, batch_name] = (batch, w, per_sequence(model_of(tiny_models, family), batch, 0.9, w))
-        return cache[family, batch_name]
+        return per_sequence_reference((family, batch_name), lambda: model_of(tiny_models, family),
+                                      BATCHES[batch_name], 0.9, seed=3)
 
     return get
 
@@ -72,7 +67,7 @@ def test_sliding_window_baselines(tiny_models, references, family, padded, attn)
 def test_window_edges_and_off_by_one(window):
     """Windows of 1, around the prompt length (7) and past the whole sequence: a window off by one
     would differ from the reference at the first key that falls out."""
-    from zorro_core.models.support import build_model
+    from zorro_core.models.presets import build_model
 
     model = build_model(preset_config("tiny-mistral", sliding_window=window), dtype=torch.float64, attn_implementation="eager")
     batch = mixed_batch()

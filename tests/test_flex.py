@@ -45,7 +45,7 @@ def test_flex_matches_baseline_on_cuda(dtype, atol):
     why = flex_unavailable("cuda" if torch.cuda.is_available() else "cpu")
     if why:
         pytest.skip(why)
-    from zorro_core.models.support import build_model, preset_config
+    from zorro_core.models.presets import build_model, preset_config
 
     model = build_model(preset_config("tiny-qwen3"), dtype=dtype, device="cuda", attn_implementation="sdpa")
     batch = create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=40, response_len=9, vocab_size=256, vary_lengths=True, device="cuda")

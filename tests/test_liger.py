@@ -12,17 +12,19 @@ import torch
 
 import zorro_core.stack.liger as liger_mod
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
-from test_actor import mixed_batch
+from helpers import mixed_batch
 from zorro_core import BaselineActor, DeduplicatedActor
-from zorro_core.stack.liger import FLCE_NOTE, LIGER_FUNCTIONS, LigerSettings, apply_liger, liger_applied, liger_unavailable
-from zorro_core.models.support import SUPPORTED_MODEL_TYPES, build_model, preset_config
+from zorro_core.stack.liger import FLCE_NOTE, LigerSettings, apply_liger, liger_applied, liger_unavailable
+from zorro_core.models.presets import build_model, preset_config
+from zorro_core.models.registry import FAMILIES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GPU_REASON = liger_unavailable("qwen3", DEVICE)
 
 
-def test_every_supported_family_has_a_liger_function():
-    assert set(LIGER_FUNCTIONS) == SUPPORTED_MODEL_TYPES
+def test_every_supported_family_has_its_liger_function():
+    for name, family in FAMILIES.items():
+        assert family.liger_function == f"apply_liger_kernel_to_{name}"
 
 
 def test_refused_with_reason_on_cpu():

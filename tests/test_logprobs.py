@@ -5,23 +5,15 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import GRAD_RTOL, LP_ATOL, mixed_batch
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
-from zorro_core import DeduplicatedActor, RolloutBatch, create_dummy_batch
+from zorro_core import DeduplicatedActor, create_dummy_batch
 from zorro_core.core.logprobs import ChunkedLogProbs, chunk_size_for_budget, response_logprobs
 
-LP_ATOL = 1e-6      # float64 floor (see test_actor.py)
-GRAD_RTOL = 1e-5
 F32_LP_ATOL = 2e-5  # float32, mode vs mode (measured: log-prob 4.8e-7, entropy 3.3e-6, grads 8.7e-7 rel)
 F32_GRAD_RTOL = 1e-5
 MODES = ["none", "compute", "memory"]
 TEMPERATURE = 0.7
-
-
-def batch_with_groups() -> RolloutBatch:
-    """Groups of sizes 3, 1, 2 with different prompt lengths; 23 response tokens in all."""
-    a, b, c = [5, 17, 33, 2, 9, 41, 7], [11, 3, 8], [5, 17, 33, 2]
-    responses = [[1, 4, 9, 16], [20, 21], [7], [3, 3, 3, 3, 3], [30, 31, 32, 33, 34, 35], [8]]
-    return RolloutBatch.from_lists([a, c, b, a, c, a], responses)
 
 
 # memory mode: chunks of 4 (ragged last chunk), of 1, and from a budget (one chunk here).
@@ -36,7 +28,7 @@ def reference(tiny_models):
     def get(tied):
         if tied not in cache:
             model = tiny_models("tiny-qwen3", tie_word_embeddings=tied)
-            batch = batch_with_groups()
+            batch = mixed_batch()
             w = token_weights(batch, seed=11)
             cache[tied] = (model, batch, w, per_sequence(model, batch, TEMPERATURE, w))
         return cache[tied]
@@ -60,7 +52,7 @@ def test_mode_matches_per_sequence_float64(reference, tied, mode, setting):
 
 @pytest.fixture(scope="module")
 def float32_runs():
-    from zorro_core.models.support import build_model, preset_config
+    from zorro_core.models.presets import build_model, preset_config
 
     model = build_model(preset_config("tiny-qwen3", vocab_size=512), dtype=torch.float32, attn_implementation="sdpa")
     batch = create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=20, response_len=12, vocab_size=512,

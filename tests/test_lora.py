@@ -9,10 +9,13 @@ import pytest
 import torch
 
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
-from test_actor import GRAD_RTOL, LP_ATOL, mixed_batch
+from helpers import GRAD_RTOL, LP_ATOL, mixed_batch
 from zorro_core import BaselineActor, DeduplicatedActor
-from zorro_core.stack.lora import LoraSettings, apply_lora, lora_unavailable, trainable_parameters, unwrap_adapters
-from zorro_core.models.support import UnsupportedModelError, build_model, model_parts, preset_config
+from zorro_core.models.parts import unwrap_adapters
+from zorro_core.stack.lora import LoraSettings, apply_lora, lora_unavailable, trainable_parameters
+from zorro_core.models.presets import build_model, preset_config
+from zorro_core.models.parts import model_parts
+from zorro_core.errors import UnsupportedModelError
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install 'zorro[lora]')")
 

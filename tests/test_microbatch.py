@@ -4,11 +4,9 @@ import pytest
 import torch
 
 from reference import max_rel_grad_error, token_weights
-from test_logprobs import batch_with_groups
+from helpers import GRAD_RTOL, LP_ATOL, mixed_batch  # float64 floor: packing differs, transformers' float32 norms do not
 from zorro_core import BaselineActor, DeduplicatedActor
 
-LP_ATOL = 1e-6      # float64 floor (see test_actor.py): packing differs, transformers' float32 norms do not
-GRAD_RTOL = 1e-5
 
 
 def token_mean_loss(batch, weights):
@@ -37,7 +35,7 @@ def test_micro_batches_equal_full_batch(tiny_models, budget, actor_kind):
     actor = {"dedup": lambda: DeduplicatedActor(model=model),
              "dedup-memory": lambda: DeduplicatedActor(model=model, logits_mode="memory", logits_chunk_size=3),
              "baseline-padded": lambda: BaselineActor(model=model, padded=True)}[actor_kind]()
-    batch = batch_with_groups()
+    batch = mixed_batch()
     loss_fn = token_mean_loss(batch, token_weights(batch, seed=3))
     model.zero_grad(set_to_none=True)
     full = actor.forward(batch, temperature=0.7, calculate_entropy=True)
@@ -64,5 +62,5 @@ def test_micro_batches_equal_full_batch(tiny_models, budget, actor_kind):
 def test_loss_fn_must_return_a_scalar(tiny_models):
     actor = DeduplicatedActor(model=tiny_models("tiny-qwen3"))
     with pytest.raises(ValueError, match="scalar"):
-        actor.forward_backward(batch_with_groups(), lambda out, rows: out.log_probs, max_tokens_per_micro_batch=12)
+        actor.forward_backward(mixed_batch(), lambda out, rows: out.log_probs, max_tokens_per_micro_batch=12)
     actor.model.zero_grad(set_to_none=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zorro_core import DeduplicatedActor, create_dummy_batch
-from zorro_core.models.support import build_model, preset_config
+from zorro_core.models.presets import build_model, preset_config
 from zorro_core.stack.precision import DeviceCaps, check_float32_state, device_caps, precision_policy
 
 H100 = DeviceCaps("cuda", "NVIDIA H100", (9, 0))
@@ -32,13 +32,17 @@ def test_policy_by_device(caps, dtype, scaling):
 
 
 def test_this_machine():
+    """The policy of the real device: float32 on CPU; on a GPU bf16 from sm80 on, else fp16 with loss scaling."""
     p = precision_policy()
-    caps = device_caps()
-    if caps.type == "cpu":
-        assert p.compute_dtype == torch.float32 and not p.loss_scaling
+    if torch.cuda.is_available():
+        expected = torch.bfloat16 if torch.cuda.get_device_capability() >= (8, 0) else torch.float16
+    else:
+        expected = torch.float32
+    assert device_caps().type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert p.compute_dtype == expected and p.loss_scaling is (expected == torch.float16)
     assert precision_policy("cpu").compute_dtype == torch.float32
     row = p.as_row()
-    assert row["precision_compute_dtype"] in ("float32", "bfloat16", "float16")
+    assert row["precision_compute_dtype"] == str(expected).removeprefix("torch.")
     assert row["precision_grad_dtype"] == "float32"
 
 

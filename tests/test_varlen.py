@@ -50,7 +50,7 @@ def test_cpu_backends_match_naive(backend, case, window, dtype):
     q = torch.randn(sum(lens_q), 4, 8, generator=g, dtype=dtype)
     k = torch.randn(sum(lens_k), 2, 8, generator=g, dtype=dtype)  # GQA: 2 query heads per kv head
     v = torch.randn(sum(lens_k), 2, 8, generator=g, dtype=dtype)
-    out = BACKENDS[backend](q, k, v, segments(lens_q, lens_k), 8 ** -0.5, window)
+    out = BACKENDS[backend].varlen(q, k, v, segments(lens_q, lens_k), 8 ** -0.5, window)
     ref = naive(q, k, v, lens_q, lens_k, 8 ** -0.5, window)
     assert out.shape == q.shape and out.dtype == dtype
     assert (out.double() - ref).abs().max().item() < TOL[dtype]
@@ -64,7 +64,7 @@ def test_backend_gradients_match_naive(name):
                for n, h in ((sum(lens_q), 4), (sum(lens_k), 2), (sum(lens_k), 2)))
     w = torch.randn(sum(lens_q), 4, 8, generator=g, dtype=torch.float64)
     grads = []
-    for fn in (lambda: BACKENDS[name](q, k, v, segments(lens_q, lens_k), 0.3), lambda: naive(q, k, v, lens_q, lens_k, 0.3)):
+    for fn in (lambda: BACKENDS[name].varlen(q, k, v, segments(lens_q, lens_k), 0.3), lambda: naive(q, k, v, lens_q, lens_k, 0.3)):
         grads.append(torch.autograd.grad((fn() * w).sum(), (q, k, v)))
     for a, b in zip(*grads):
         assert (a - b).abs().max().item() < 1e-12
@@ -82,6 +82,27 @@ def test_gpu_backends_match_reference(backend, dtype):
     k = torch.randn(sum(lens_k), 2, 64, generator=g).to("cuda", dtype)
     v = torch.randn(sum(lens_k), 2, 64, generator=g).to("cuda", dtype)
     seg = segments(lens_q, lens_k, "cuda")
-    out = BACKENDS[backend](q, k, v, seg, 0.125)
-    ref = BACKENDS["reference"](q.double(), k.double(), v.double(), seg, 0.125)
+    out = BACKENDS[backend].varlen(q, k, v, seg, 0.125)
+    ref = BACKENDS["reference"].varlen(q.double(), k.double(), v.double(), seg, 0.125)
     assert (out.double() - ref).abs().max().item() < TOL[dtype]
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_cross_call_equals_varlen_over_each_segments_keys(backend, window):
+    """The protocol's cross call (whole packed row in, the plan's layout picks the keys) equals the
+    plain varlen call over each response's [prompt | itself] keys gathered by k_index."""
+    from zorro_core import build_dedup_plan, create_dummy_batch
+
+    batch = create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=9, response_len=5, vocab_size=50,
+                               vary_lengths=True, seed=3)
+    plan = build_dedup_plan(batch)
+    seg = plan.cross
+    g = torch.Generator().manual_seed(4)
+    t = plan.num_tokens
+    q, k, v = (torch.randn(t, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    q_x = q[seg.q_start:]
+    out = BACKENDS[backend].cross(q_x, k, v, seg, 0.3, window)
+    ref = naive(q_x, k[seg.k_index], v[seg.k_index], seg.lens_q.tolist(), seg.lens_k.tolist(), 0.3, window)
+    assert out.shape == q_x.shape
+    assert (out - ref).abs().max().item() < TOL[torch.float64]

@@ -23,7 +23,7 @@ def errs(lp, ent, **grads):
 
 
 def test_tiny_models_follow_presets_and_supported_families(monkeypatch):
-    import zorro_core.models.support as models
+    import zorro_core.models.presets as models
     import zorro_core.verify.gradients as verify
 
     found = tiny_models()

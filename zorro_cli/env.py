@@ -15,8 +15,7 @@ def environment() -> dict:
     import torch
     import transformers
 
-    from zorro_core.models.families import family_support
-    from zorro_core.models.support import SUPPORTED_MODEL_TYPES
+    from zorro_core.models.registry import FAMILIES, family_support
     from zorro_core.attention.backends import BACKENDS, backend_unavailable
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -31,7 +30,7 @@ def environment() -> dict:
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "device": device,
         "varlen_backends": {n: backend_unavailable(n, device) or "ok" for n in BACKENDS},
-        "model_types": sorted(SUPPORTED_MODEL_TYPES),
+        "model_types": sorted(FAMILIES),
         "model_families": family_support(device),
     }
     info.update(stack_support(device))

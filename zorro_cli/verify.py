@@ -45,7 +45,7 @@ def _split(values: Optional[list[str]], allowed, default: list[str], flag: str) 
 
 
 def _models(values: Optional[list[str]]) -> list[str]:
-    from zorro_core.models.support import PRESETS
+    from zorro_core.models.presets import PRESETS
     from zorro_core.verify.gradients import tiny_models
 
     return _split(values, list(PRESETS), tiny_models(), "--models")

@@ -1,12 +1,16 @@
-"""Variable-length attention: one signature, several backends.
+"""Attention backends of split mode: one protocol for the plan's two calls.
 
-    out = backend(q, k, v, seg, scale=..., window=None)
+    backend.causal(q, k, v, seg, scale, window)   # self-causal segments: q, k, v the same tokens
+    backend.cross(q, k, v, seg, scale, window)    # responses against [their prompt | themselves]
 
-q [Tq, Hq, D] and k, v [Tk, Hkv, D] hold the segments of `seg` back to back (seg.cu_q,
-seg.cu_k). Attention is causal, aligned bottom-right: query i of a segment with Lq queries
-and Lk keys sees keys 0..i + Lk - Lq (flash-attn's convention; SDPA's `is_causal` aligns
-top-left, which is wrong when Lq != Lk). `window` (if set) also hides keys more than
-window - 1 positions behind the query. GQA: Hq must be a multiple of Hkv.
+In `causal`, q [Tq, Hq, D] and k, v [Tk, Hkv, D] hold the segments of `seg` back to back. In
+`cross`, q holds the cross segments' queries and k, v the whole packed row: `seg.k_index` (or,
+for the padded backends, the plan's cross layout) picks each segment's keys. Both are
+`varlen`: attention over segments back to back (seg.cu_q, seg.cu_k), causal aligned
+bottom-right: query i of a segment with Lq queries and Lk keys sees keys 0..i + Lk - Lq
+(flash-attn's convention; SDPA's `is_causal` aligns top-left, which is wrong when Lq != Lk).
+`window` (if set) also hides keys more than window - 1 positions behind the query. GQA: Hq must
+be a multiple of Hkv.
 
 - `reference`: explicit softmax(QK^T)V over a padded batch of segments, softmax in float32
   (float64 for float64 inputs). Exact, runs anywhere; the oracle for the others.
@@ -17,79 +21,145 @@ window - 1 positions behind the query. GQA: Hq must be a multiple of Hkv.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-from typing import Callable, Optional
+import inspect
+from typing import Optional
 
 import torch
 
-from zorro_core.attention.padded import attend, from_padded, to_padded
+from zorro_core.attention.padded import attend, cross_attention, from_padded, to_padded
 from zorro_core.core.plan import Segments
 
-VarlenFn = Callable[..., torch.Tensor]
+
+class AttentionBackend:
+    """One way to run variable-length attention; `causal` and `cross` are the plan's two calls."""
+
+    name: str = ""
+
+    def varlen(self, q, k, v, seg: Segments, scale: float, window: Optional[int] = None) -> torch.Tensor:
+        """Segments of q and k, v back to back, causal aligned bottom-right -> [Tq, Hq, D]."""
+        raise NotImplementedError
+
+    def causal(self, q, k, v, seg: Segments, scale: float, window: Optional[int] = None) -> torch.Tensor:
+        """The plan's self-causal segments (queries are keys)."""
+        return self.varlen(q, k, v, seg, scale, window)
+
+    def cross(self, q, k, v, seg: Segments, scale: float, window: Optional[int] = None) -> torch.Tensor:
+        """The plan's cross segments: q their queries, k, v the whole packed row."""
+        return self.varlen(q, k[seg.k_index], v[seg.k_index], seg, scale, window)
+
+    def unavailable(self, device: torch.device) -> Optional[str]:
+        """Why the backend cannot run on `device` here, or None when it can."""
+        return None
 
 
-def reference_varlen(q, k, v, seg: Segments, scale: float, window: Optional[int] = None) -> torch.Tensor:
-    lay, qp, kp, vp = to_padded(q, k, v, seg)
-    return from_padded(attend(qp, kp, vp, lay, window, scale, exact=True), lay)
+class ReferenceBackend(AttentionBackend):
+    """Exact: explicit scores over a padded batch; the cross call broadcasts each prompt block."""
+
+    name = "reference"
+
+    def varlen(self, q, k, v, seg, scale, window=None):
+        lay, qp, kp, vp = to_padded(q, k, v, seg)
+        return from_padded(attend(qp, kp, vp, lay, window, scale, exact=True), lay)
+
+    def cross(self, q, k, v, seg, scale, window=None):
+        return cross_attention(q, k, v, seg, scale, window, exact=True)
 
 
-def sdpa_varlen(q, k, v, seg: Segments, scale: float, window: Optional[int] = None) -> torch.Tensor:
-    lay, qp, kp, vp = to_padded(q, k, v, seg)
-    if seg.q_is_k and window is None:
-        # Self-causal segments padded at their end: top-left `is_causal` is then exact for the
-        # real queries (padding keys come after them) and lets the kernel skip masked blocks,
-        # about half the work of an explicit mask.
-        return from_padded(attend(qp, kp, vp, None, None, scale, exact=False), lay)
-    return from_padded(attend(qp, kp, vp, lay, window, scale, exact=False), lay)
+class SdpaBackend(AttentionBackend):
+    """F.scaled_dot_product_attention over a padded batch; on CPU the cross call saves no K/V copy."""
+
+    name = "sdpa"
+
+    def varlen(self, q, k, v, seg, scale, window=None):
+        lay, qp, kp, vp = to_padded(q, k, v, seg)
+        if seg.q_is_k and window is None:
+            # Self-causal segments padded at their end: top-left `is_causal` is then exact for the
+            # real queries (padding keys come after them) and lets the kernel skip masked blocks,
+            # about half the work of an explicit mask.
+            return from_padded(attend(qp, kp, vp, None, None, scale, exact=False), lay)
+        return from_padded(attend(qp, kp, vp, lay, window, scale, exact=False), lay)
+
+    def cross(self, q, k, v, seg, scale, window=None):
+        return cross_attention(q, k, v, seg, scale, window, exact=False)
 
 
-def torch_varlen(q, k, v, seg: Segments, scale: float, window: Optional[int] = None) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def _varlen_attn_takes(name: str) -> bool:
     from torch.nn.attention.varlen import varlen_attn
 
-    left = -1 if window is None else window - 1
-    return varlen_attn(
-        q, k, v, seg.cu_q.to(q.device), seg.cu_k.to(q.device), seg.max_q, seg.max_k,
-        scale=scale, window_size=(left, 0), enable_gqa=q.shape[1] != k.shape[1],
-    )
+    return name in inspect.signature(varlen_attn).parameters
 
 
-def flash_attn_varlen(q, k, v, seg: Segments, scale: float, window: Optional[int] = None) -> torch.Tensor:
-    from flash_attn import flash_attn_varlen_func
-
-    left = -1 if window is None else window - 1
-    return flash_attn_varlen_func(
-        q, k, v, seg.cu_q.to(q.device), seg.cu_k.to(q.device), seg.max_q, seg.max_k,
-        softmax_scale=scale, causal=True, window_size=(left, 0),
-    )
+def _window_size(window: Optional[int]) -> tuple[int, int]:
+    return (-1 if window is None else window - 1, 0)
 
 
-BACKENDS: dict[str, VarlenFn] = {
-    "reference": reference_varlen,
-    "sdpa": sdpa_varlen,
-    "torch_varlen": torch_varlen,
-    "flash_attn": flash_attn_varlen,
+class TorchVarlenBackend(AttentionBackend):
+    """torch.nn.attention.varlen.varlen_attn on cu_seqlens (CUDA)."""
+
+    name = "torch_varlen"
+
+    def varlen(self, q, k, v, seg, scale, window=None):
+        from torch.nn.attention.varlen import varlen_attn
+
+        gqa = {}
+        if q.shape[1] != k.shape[1]:
+            if _varlen_attn_takes("enable_gqa"):
+                gqa["enable_gqa"] = True
+            else:
+                # torch < 2.12's varlen_attn has no enable_gqa (seen on 2.11 on an H200): expand
+                # the K/V heads to the query heads, which is what GQA computes.
+                rep = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return varlen_attn(
+            q, k, v, seg.cu_q.to(q.device), seg.cu_k.to(q.device), seg.max_q, seg.max_k,
+            scale=scale, window_size=_window_size(window), **gqa,
+        )
+
+    def unavailable(self, device):
+        if device.type != "cuda":
+            return f"{self.name} needs a CUDA device (got {device.type})"
+        if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+        return None
+
+
+class FlashAttnBackend(AttentionBackend):
+    """flash_attn.flash_attn_varlen_func on cu_seqlens (CUDA, the flash-attn package)."""
+
+    name = "flash_attn"
+
+    def varlen(self, q, k, v, seg, scale, window=None):
+        from flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(
+            q, k, v, seg.cu_q.to(q.device), seg.cu_k.to(q.device), seg.max_q, seg.max_k,
+            softmax_scale=scale, causal=True, window_size=_window_size(window),
+        )
+
+    def unavailable(self, device):
+        if device.type != "cuda":
+            return f"{self.name} needs a CUDA device (got {device.type})"
+        if importlib.util.find_spec("flash_attn") is None:
+            return "the flash-attn package is not installed (pip install 'zorro[gpu]')"
+        return None
+
+
+BACKENDS: dict[str, AttentionBackend] = {
+    b.name: b for b in (ReferenceBackend(), SdpaBackend(), TorchVarlenBackend(), FlashAttnBackend())
 }
-
-
-# Backends that run on a padded batch (any device); the others take cu_seqlens directly.
-PADDED = ("reference", "sdpa")
 
 
 def backend_unavailable(name: str, device: torch.device | str) -> Optional[str]:
     """Why backend `name` cannot run on `device` here, or None when it can."""
-    device = torch.device(device)
     if name not in BACKENDS:
         return f"unknown varlen backend {name!r}; choose one of {sorted(BACKENDS)}"
-    if name in ("torch_varlen", "flash_attn") and device.type != "cuda":
-        return f"{name} needs a CUDA device (got {device.type})"
-    if name == "torch_varlen" and importlib.util.find_spec("torch.nn.attention.varlen") is None:
-        return f"torch {torch.__version__} has no torch.nn.attention.varlen"
-    if name == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
-        return "the flash-attn package is not installed (pip install 'zorro[gpu]')"
-    return None
+    return BACKENDS[name].unavailable(torch.device(device))
 
 
-def get_backend(name: str, device: torch.device | str) -> VarlenFn:
+def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
     why = backend_unavailable(name, device)
     if why:
         raise ValueError(why)

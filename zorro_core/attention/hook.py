@@ -23,8 +23,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from zorro_core.core.plan import DedupPlan
-from zorro_core.attention.padded import cross_attention
-from zorro_core.attention.backends import BACKENDS, PADDED
+from zorro_core.errors import UnsupportedModelError
+from zorro_core.attention.backends import BACKENDS
 
 ZORRO_ATTENTION = "zorro"
 
@@ -70,19 +70,12 @@ class Route:
 
 def split_attention(plan: DedupPlan, q, k, v, scale: float, window: Optional[int], backend: str) -> torch.Tensor:
     """Split mode over the packed row: q [T, Hq, D], k, v [T, Hkv, D] -> [T, Hq, D]."""
-    seg = plan.causal
-    tc = seg.total_q
-    fn = BACKENDS[backend]
+    be = BACKENDS[backend]
     if plan.cross is None:
-        return fn(q, k, v, seg, scale, window)
-    q_c, q_x = q.split([tc, q.shape[0] - tc])
-    k_c, v_c = k[:tc], v[:tc]
-    out_c = fn(q_c, k_c, v_c, seg, scale, window)
-    seg = plan.cross
-    if backend in PADDED:
-        out_x = cross_attention(q_x, k, v, seg, scale, window, exact=backend == "reference")
-    else:
-        out_x = fn(q_x, k[seg.k_index], v[seg.k_index], seg, scale, window)
+        return be.causal(q, k, v, plan.causal, scale, window)
+    tc = plan.causal.total_q
+    out_c = be.causal(q[:tc], k[:tc], v[:tc], plan.causal, scale, window)
+    out_x = be.cross(q[tc:], k, v, plan.cross, scale, window)
     return torch.cat([out_c, out_x])
 
 
@@ -99,8 +92,6 @@ _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
 
 def check_attention_call(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> None:
     """Refuse an attention call the hook would compute wrong: a KV cache, or a feature it skips."""
-    from zorro_core.models.support import UnsupportedModelError
-
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise UnsupportedModelError(f"attention feature {name!r} is not implemented by the dedup attention hook")

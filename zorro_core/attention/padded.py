@@ -1,8 +1,8 @@
-"""Padded-batch layouts for the CPU-capable attention backends (`reference`, `sdpa`).
+"""Padded-batch attention for the CPU-capable backends (`reference`, `sdpa`).
 
 Segments become a [n, H, L, D] batch: a view when every segment has the same length, one
-gather otherwise. Layouts (indices, masks) are built once per plan and cached on the
-Segments, then reused by every layer.
+gather otherwise. The layouts (indices, masks: zorro_core.core.layouts) are built once per
+plan by its Segments, then reused by every layer.
 
 The cross call has its own layout: a response's keys are [its group's prompt | itself]. The
 prompt block is gathered once per group and broadcast to the group's responses along the
@@ -18,59 +18,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from zorro_core.core.layouts import CrossLayout, PaddedLayout
 from zorro_core.core.plan import Segments
-
-
-def self_layout(seg: Segments, device: torch.device) -> dict:
-    """Gather indices of `seg` as a padded batch and its bottom-right causal mask; cached on seg."""
-    key = ("padded", str(device))
-    if key in seg.cache:
-        return seg.cache[key]
-    lq, lk = seg.lens_q.to(device), seg.lens_k.to(device)
-    cq, ck = seg.cu_q.to(device).long(), seg.cu_k.to(device).long()
-    n = seg.num_segments
-    aq = torch.arange(seg.max_q, device=device)
-    ak = torch.arange(seg.max_k, device=device)
-    valid_q = aq[None, :] < lq[:, None]
-    valid_k = ak[None, :] < lk[:, None]
-    q_abs = aq[None, :] + (lk - lq)[:, None]  # position of each query among its keys (bottom-right)
-    allowed = valid_k[:, None, :] & (ak[None, None, :] <= q_abs[:, :, None])
-    # Padding queries would see no key at all (NaN softmax): let them see key 0; their
-    # outputs are dropped.
-    allowed = allowed | (~valid_q[:, :, None] & (ak[None, None, :] == 0))
-    lay = {
-        "n": n, "len_q": seg.max_q, "len_k": seg.max_k,
-        "uniform_q": seg.total_q == n * seg.max_q,
-        "uniform_k": seg.total_k == n * seg.max_k,
-        "idx_q": torch.where(valid_q, cq[:-1, None] + aq[None, :], 0).flatten(),
-        "idx_k": torch.where(valid_k, ck[:-1, None] + ak[None, :], 0).flatten(),
-        "valid_q": valid_q,
-        "valid_q_flat": valid_q.flatten().nonzero().flatten(),
-        "q_pos": q_abs,
-        "k_pos": ak[None, :].expand(n, -1),
-        "allowed": allowed,
-    }
-    seg.cache[key] = lay
-    return lay
-
-
-def padded_mask(lay: dict, window: Optional[int], dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """[n, 1, Lq, Lk] allowed pairs (bool), or as an additive float mask of `dtype`.
-
-    Cached in the layout: every layer shares one mask tensor instead of saving its own
-    converted copy for backward.
-    """
-    key = ("mask", window, dtype)
-    if key not in lay:
-        allowed = lay["allowed"]
-        if window is not None:
-            near = lay["q_pos"][:, :, None] - lay["k_pos"][:, None, :] < window
-            allowed = allowed & (near | ~lay["valid_q"][:, :, None])
-        mask = allowed[:, None]
-        if dtype is not None:
-            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        lay[key] = mask
-    return lay[key]
 
 
 def pad(x: torch.Tensor, idx: torch.Tensor, uniform: bool, n: int, length: int) -> torch.Tensor:
@@ -79,23 +28,23 @@ def pad(x: torch.Tensor, idx: torch.Tensor, uniform: bool, n: int, length: int) 
     return x.view(n, length, *x.shape[1:]).transpose(1, 2)
 
 
-def to_padded(q, k, v, seg: Segments):
-    lay = self_layout(seg, q.device)
-    n = lay["n"]
-    qp = pad(q, lay["idx_q"], lay["uniform_q"], n, seg.max_q)
-    kp = pad(k, lay["idx_k"], lay["uniform_k"], n, seg.max_k)
-    vp = pad(v, lay["idx_k"], lay["uniform_k"], n, seg.max_k)
+def to_padded(q, k, v, seg: Segments) -> tuple[PaddedLayout, torch.Tensor, torch.Tensor, torch.Tensor]:
+    lay = seg.padded_layout(q.device)
+    n = lay.n
+    qp = pad(q, lay.idx_q, lay.uniform_q, n, seg.max_q)
+    kp = pad(k, lay.idx_k, lay.uniform_k, n, seg.max_k)
+    vp = pad(v, lay.idx_k, lay.uniform_k, n, seg.max_k)
     return lay, qp, kp, vp
 
 
-def from_padded(out_p: torch.Tensor, lay: dict) -> torch.Tensor:
+def from_padded(out_p: torch.Tensor, lay: PaddedLayout) -> torch.Tensor:
     """[n, H, L, D] -> [T, H, D], padding queries dropped."""
     n, h, length, d = out_p.shape
     out = out_p.transpose(1, 2).reshape(n * length, h, d)
-    return out if lay["uniform_q"] else out[lay["valid_q_flat"]]
+    return out if lay.uniform_q else out[lay.valid_q_flat]
 
 
-def attend(qp, kp, vp, lay: Optional[dict], window: Optional[int], scale: float, exact: bool) -> torch.Tensor:
+def attend(qp, kp, vp, lay: Optional[PaddedLayout], window: Optional[int], scale: float, exact: bool) -> torch.Tensor:
     """softmax(QK^T * scale + mask) V over a padded batch; lay None means top-left causal.
 
     exact: explicit scores with softmax in float32 (float64 for float64 inputs), the
@@ -105,7 +54,7 @@ def attend(qp, kp, vp, lay: Optional[dict], window: Optional[int], scale: float,
         gqa = qp.shape[1] != kp.shape[1]
         if lay is None:
             return F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
-        mask = padded_mask(lay, window, qp.dtype)
+        mask = lay.mask(window, qp.dtype)
         return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
     rep = qp.shape[1] // kp.shape[1]
     kp, vp = kp.repeat_interleave(rep, dim=1), vp.repeat_interleave(rep, dim=1)
@@ -115,59 +64,27 @@ def attend(qp, kp, vp, lay: Optional[dict], window: Optional[int], scale: float,
         lq, lk = scores.shape[-2:]
         mask = torch.ones(lq, lk, dtype=torch.bool, device=scores.device).tril()
     else:
-        mask = padded_mask(lay, window)
+        mask = lay.mask(window)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), vp.to(acc)).to(qp.dtype)
 
 
-def cross_layout(seg: Segments, device: torch.device) -> dict:
-    """Layout of the cross call: [prompt block | own block] keys per response; cached on seg."""
-    key = ("cross", str(device))
-    if key in seg.cache:
-        return seg.cache[key]
-    own = self_layout(seg, device)  # queries (and own keys) are padded like the query segments
-    n = own["n"]
-    p_start, p_len = seg.kv_prompt_start.to(device), seg.kv_prompt_len.to(device)
-    group = seg.kv_group.to(device)
-    first = torch.ones(n, dtype=torch.bool, device=device)
-    first[1:] = group[1:] != group[:-1]  # segments come grouped, so each group is a run
-    local = torch.cumsum(first.long(), 0) - 1
-    g_start, g_len = p_start[first], p_len[first]
-    gs, p_max = int(first.sum()), int(p_len.max())
-    ap = torch.arange(p_max, device=device)
-    prompt_rows = (g_start[:, None] + ap[None, :].clamp(max=g_len[:, None] - 1)).flatten()
-    uniform_p = bool(torch.equal(prompt_rows, torch.arange(gs * p_max, device=device)))
-    lq = seg.lens_q.to(device)
-    aq = torch.arange(seg.max_q, device=device)
-    ar = aq
-    q_pos = p_len[:, None] + aq[None, :]
-    k_pos = torch.cat([ap[None, :].expand(n, -1), p_len[:, None] + ar[None, :]], 1)
-    allowed = torch.cat([
-        (ap[None, None, :] < p_len[:, None, None]).expand(n, seg.max_q, p_max),
-        (ar[None, None, :] <= aq[None, :, None]) & (ar[None, None, :] < lq[:, None, None]),
-    ], 2)
-    lay = dict(own, gs=gs, p_max=p_max, prompt_rows=prompt_rows, uniform_p=uniform_p, local=local,
-               q_pos=q_pos, k_pos=k_pos, allowed=allowed)
-    seg.cache[key] = lay
-    return lay
-
-
-def _cross_blocks(q, k, v, seg: Segments, lay: dict, i0: int = 0, i1: Optional[int] = None):
+def _cross_blocks(q, k, v, seg: Segments, lay: CrossLayout, i0: int = 0, i1: Optional[int] = None):
     """Padded queries [c, Hq, Lq, D] and keys/values [c, Hkv, P_max + Lq, D] ([prompt | own])
     of the cross segments i0..i1 (all by default)."""
-    n, tq, lq = lay["n"], seg.total_q, seg.max_q
+    n, tq, lq = lay.n, seg.total_q, seg.max_q
     i1 = n if i1 is None else i1
-    idx = lay["idx_q"].view(n, lq)[i0:i1].flatten()
+    idx = lay.idx_q.view(n, lq)[i0:i1].flatten()
     blocks = []
     for x in (k, v):
-        rows = x[: lay["gs"] * lay["p_max"]] if lay["uniform_p"] else x[lay["prompt_rows"]]
-        prompt = rows.view(lay["gs"], lay["p_max"], *x.shape[1:])
-        prompt = prompt.expand(i1 - i0, *prompt.shape[1:]) if lay["gs"] == 1 else prompt[lay["local"][i0:i1]]
+        rows = x[: lay.gs * lay.p_max] if lay.uniform_p else x[lay.prompt_rows]
+        prompt = rows.view(lay.gs, lay.p_max, *x.shape[1:])
+        prompt = prompt.expand(i1 - i0, *prompt.shape[1:]) if lay.gs == 1 else prompt[lay.local[i0:i1]]
         own = x[seg.q_start: seg.q_start + tq]
-        own = own[i0 * lq: i1 * lq] if lay["uniform_q"] else own[idx]
+        own = own[i0 * lq: i1 * lq] if lay.uniform_q else own[idx]
         own = own.view(i1 - i0, lq, *x.shape[1:])
         blocks.append(torch.cat([prompt, own], 1).transpose(1, 2))
-    qp = (q[i0 * lq: i1 * lq] if lay["uniform_q"] else q[idx]).view(i1 - i0, lq, *q.shape[1:]).transpose(1, 2)
+    qp = (q[i0 * lq: i1 * lq] if lay.uniform_q else q[idx]).view(i1 - i0, lq, *q.shape[1:]).transpose(1, 2)
     return qp, blocks[0], blocks[1]
 
 
@@ -178,11 +95,11 @@ def _repeat_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
     return x[:, :, None].expand(n, h, rep, length, d).reshape(n, h * rep, length, d)
 
 
-def _chunks(seg: Segments, lay: dict) -> list[tuple[int, int]]:
+def _chunks(seg: Segments, lay: CrossLayout) -> list[tuple[int, int]]:
     """Runs of cross segments whose [prompt | own] blocks together hold about as many rows as
     all the responses' queries: the rebuilt blocks stay a transient no larger than q."""
-    n = lay["n"]
-    size = max(1, seg.total_q // (lay["p_max"] + seg.max_q))
+    n = lay.n
+    size = max(1, seg.total_q // (lay.p_max + seg.max_q))
     return [(i, min(i + size, n)) for i in range(0, n, size)]
 
 
@@ -216,10 +133,10 @@ class _FlashCross(torch.autograd.Function):
         q, k, v, out_p, lse = ctx.saved_tensors
         seg, lay, rep = ctx.seg, ctx.lay, ctx.rep
         n, h, lq, d = out_p.shape
-        if lay["uniform_q"]:
+        if lay.uniform_q:
             gp = grad.reshape(n, lq, h, d)
         else:
-            gp = grad.new_zeros(n * lq, h, d).index_put_((lay["valid_q_flat"],), grad).view(n, lq, h, d)
+            gp = grad.new_zeros(n * lq, h, d).index_put_((lay.valid_q_flat,), grad).view(n, lq, h, d)
         dqs = []
         dk, dv = _Fold(k, seg, lay, rep), _Fold(v, seg, lay, rep)
         for i0, i1 in _chunks(seg, lay):
@@ -236,35 +153,35 @@ class _FlashCross(torch.autograd.Function):
 class _Fold:
     """Accumulates gradients of [c, Hq, P_max + Lq, D] key blocks onto the packed [T, Hkv, D] row."""
 
-    def __init__(self, x: torch.Tensor, seg: Segments, lay: dict, rep: int) -> None:
+    def __init__(self, x: torch.Tensor, seg: Segments, lay: CrossLayout, rep: int) -> None:
         self.seg, self.lay, self.rep = seg, lay, rep
         self.out = x.new_zeros(x.shape)
-        self.prompt = x.new_zeros(lay["gs"], lay["p_max"], *x.shape[1:])
+        self.prompt = x.new_zeros(lay.gs, lay.p_max, *x.shape[1:])
 
     def add(self, dx_p: torch.Tensor, i0: int, i1: int) -> None:
         seg, lay = self.seg, self.lay
         c, hq, _, d = dx_p.shape
         hk = hq // self.rep
         dx_p = dx_p.view(c, hk, self.rep, -1, d).sum(2).transpose(1, 2)  # [c, Lk, Hkv, D]
-        prompt, own = dx_p[:, : lay["p_max"]], dx_p[:, lay["p_max"]:]
-        if lay["gs"] == 1:
+        prompt, own = dx_p[:, : lay.p_max], dx_p[:, lay.p_max:]
+        if lay.gs == 1:
             self.prompt[0] += prompt.sum(0)
         else:
-            self.prompt.index_add_(0, lay["local"][i0:i1], prompt)
+            self.prompt.index_add_(0, lay.local[i0:i1], prompt)
         own = own.reshape(-1, hk, d)
         lq = seg.max_q
-        if lay["uniform_q"]:
+        if lay.uniform_q:
             self.out[seg.q_start + i0 * lq: seg.q_start + i1 * lq] += own
         else:  # padding slots point at row 0 and carry exactly zero gradient (masked keys)
-            rows = lay["idx_q"].view(lay["n"], lq)[i0:i1].flatten()
+            rows = lay.idx_q.view(lay.n, lq)[i0:i1].flatten()
             self.out.index_put_((seg.q_start + rows,), own, accumulate=True)
 
     def result(self) -> torch.Tensor:
         prompt = self.prompt.reshape(-1, *self.out.shape[1:])
-        if self.lay["uniform_p"]:
+        if self.lay.uniform_p:
             self.out[: prompt.shape[0]] += prompt
         else:  # padded prompt positions carry exactly zero gradient (masked keys)
-            self.out.index_put_((self.lay["prompt_rows"],), prompt, accumulate=True)
+            self.out.index_put_((self.lay.prompt_rows,), prompt, accumulate=True)
         return self.out
 
 
@@ -274,8 +191,8 @@ def cross_attention(q, k, v, seg: Segments, scale: float, window: Optional[int],
     q [Tq, Hq, D] holds the responses' queries (seg's query segments); k, v [T, Hkv, D] are
     the whole packed row's keys/values, with the responses' own at seg.q_start onwards.
     """
-    lay = cross_layout(seg, q.device)
+    lay = seg.cross_layout(q.device)
     if not exact and q.device.type == "cpu":
-        return _FlashCross.apply(q, k, v, seg, lay, scale, padded_mask(lay, window, q.dtype))
+        return _FlashCross.apply(q, k, v, seg, lay, scale, lay.mask(window, q.dtype))
     qp, kp, vp = _cross_blocks(q, k, v, seg, lay)
     return from_padded(attend(qp, kp, vp, lay, window, scale, exact), lay)

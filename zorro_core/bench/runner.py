@@ -24,18 +24,17 @@ from typing import Any, Callable, Optional
 import torch
 
 from zorro_core.core.cost import ModelShape, compare_plans
+from zorro_core.core.dtypes import DTYPES as _DTYPES
 from zorro_core.bench.measure import CPU_PEAK_KIND, Stats, peak_memory_mib, speedup, summarize, time_interleaved
 from zorro_core.bench.suite import PHASES, Case, Measure
 
 # Status of a row. Only "ok" rows carry timings; "oom" may carry the arm that fit.
 STATUSES = ("ok", "error", "oom", "timeout", "crashed", "skipped")
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def model_config(name: str):
     """The config of a preset, a local checkpoint or a model in the local HF cache (no download)."""
-    from zorro_core.models.support import PRESETS, preset_config
+    from zorro_core.models.presets import PRESETS, preset_config
 
     if name in PRESETS:
         return preset_config(name)
@@ -100,7 +99,7 @@ class _Bench:
 
     def __init__(self, case: Case, threads: int, arms: tuple[str, ...] = ("baseline", "dedup")) -> None:
         from zorro_core.core.actor import BaselineActor, DeduplicatedActor
-        from zorro_core.models.support import load_model
+        from zorro_core.models.presets import load_model
 
         if threads:
             torch.set_num_threads(threads)

@@ -30,9 +30,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from zorro_core.core.dtypes import DTYPES
+from zorro_core.core.logprobs import LOGITS_MODES
+
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "auto")
-LOGITS_MODES = ("none", "compute", "memory")
-DTYPES = ("float32", "float64", "bfloat16", "float16")
 BASELINES = ("packed", "padded")
 PHASES = ("forward", "forward_backward")
 

@@ -16,15 +16,18 @@ from torch import nn
 from zorro_core.attention.hook import ZORRO_ATTENTION, Route, attention_implementation
 from zorro_core.stack.auto import AUTO, AttentionChoice, choose_attention
 from zorro_core.core.batch import RolloutBatch
+from zorro_core.core.dtypes import resolve_dtype
 from zorro_core.models.families import AUX_WEIGHTINGS, aux_loss_of, family_hooks, forward_kwargs, load_balancing_loss
 from zorro_core.models.sliding import custom_masks
 from zorro_core.core.fsdp import as_root_forward, is_fsdp_root
 from zorro_core.core.logprobs import LOGITS_MODES, response_logprobs
-from zorro_core.models.support import UnsupportedModelError, check_layers_served, check_trainable_state, load_model, model_parts
+from zorro_core.core import microbatch
+from zorro_core.models.presets import load_model
+from zorro_core.models.parts import check_layers_served, check_trainable_state, model_parts
+from zorro_core.errors import UnsupportedModelError
 from zorro_core.core.plan import DedupPlan, build_dedup_plan
 from zorro_core.attention.backends import default_backend, get_backend
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -62,10 +65,8 @@ class _Actor:
     ) -> None:
         if (model is None) == (model_name_or_path is None):
             raise ValueError("pass exactly one of model= or model_name_or_path=")
-        if isinstance(dtype, str):
-            if dtype not in _DTYPES:
-                raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
-            dtype = _DTYPES[dtype]
+        if dtype is not None:
+            dtype = resolve_dtype(dtype)
         # attn_implementation="auto": resolved here (zorro_core.stack.auto) from the device, the compute
         # dtype and max_seq_len (longest prompt + response; None: assumed long); actor.attn_choice
         # records what was chosen and why.
@@ -152,9 +153,7 @@ class _Actor:
     def forward_backward(self, batch: RolloutBatch, loss_fn, max_tokens_per_micro_batch: Optional[int] = None,
                          temperature: float = 1.0, calculate_entropy: bool = False, attention_weight: float = 0.0):
         """Accumulate gradients over balanced micro-batches; see zorro_core.core.microbatch.forward_backward."""
-        from zorro_core.core.microbatch import forward_backward
-
-        return forward_backward(self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy,
+        return microbatch.forward_backward(self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy,
                                 attention_weight)
 
 
@@ -203,7 +202,7 @@ class BaselineActor(_Actor):
             raise UnsupportedModelError("the padded baseline does not run an FSDP2-sharded model (fully_shard); "
                                         "use BaselineActor(padded=False)")
         batch = batch.to(self.device)
-        batch.validate(vocab_size=self.vocab_size)
+        batch.check_vocab(self.vocab_size)
         check_trainable_state(self.model)
         ids = torch.cat([batch.prompts, batch.responses], 1).long()
         mask = torch.cat([batch.prompt_mask, batch.response_mask], 1).long()

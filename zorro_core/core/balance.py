@@ -35,11 +35,12 @@ from typing import Optional, Sequence
 import torch
 
 from zorro_core.core.batch import RolloutBatch
+from zorro_core.core.cost import causal_pairs
 from zorro_core.core.plan import group_rows
 
 
 @dataclass
-class Workload:
+class GroupedLengths:
     """Lengths of a batch's rows and the group of each row (a prompt shared by content)."""
 
     group_of_row: list[int]
@@ -61,7 +62,7 @@ class Workload:
             raise ValueError("prompt and response lengths must be >= 1")
 
     @classmethod
-    def of(cls, batch: RolloutBatch, dedup: bool = True) -> "Workload":
+    def of(cls, batch: RolloutBatch, dedup: bool = True) -> "GroupedLengths":
         """The workload of a batch; `dedup=False` makes every row its own group (the baseline)."""
         gor = group_rows(batch, dedup).tolist()
         plen_row = batch.prompt_mask.bool().sum(1).tolist()
@@ -87,10 +88,10 @@ class Workload:
         if not attention_weight:
             return float(self.tokens(rows))
         groups = {self.group_of_row[r] for r in rows}
-        pairs = sum(p * (p + 1) / 2 for p in (self.prompt_lens[g] for g in groups))
+        pairs = sum(causal_pairs(p, p) for p in (self.prompt_lens[g] for g in groups))
         for r in rows:
             n, p = self.response_lens[r], self.prompt_lens[self.group_of_row[r]]
-            pairs += n * p + n * (n + 1) / 2
+            pairs += causal_pairs(n, p + n)
         return self.tokens(rows) + attention_weight * pairs
 
 
@@ -120,7 +121,7 @@ class Partition:
         return max(self.costs) / mean if mean > 0 else 1.0
 
 
-def _finish(work: Workload, parts: list[list[int]], attention_weight: float, budget: Optional[int]) -> Partition:
+def _finish(work: GroupedLengths, parts: list[list[int]], attention_weight: float, budget: Optional[int]) -> Partition:
     parts = sorted((sorted(p) for p in parts if p), key=lambda p: (-work.cost(p, attention_weight), p[0]))
     holders: dict[int, int] = {}
     for p in parts:
@@ -190,14 +191,14 @@ _MAX_TRIES = 16
 """Balanced partitions tried per micro-batch plan before falling back to first-fit decreasing."""
 
 
-def _split_group(work: Workload, g: int, rows: list[int], budget: int) -> list[list[int]]:
+def _split_group(work: GroupedLengths, g: int, rows: list[int], budget: int) -> list[list[int]]:
     """Pieces of a group that fit the budget (first-fit decreasing); an unfittable row stays alone."""
     sizes = [work.response_lens[r] for r in rows]
     return [[rows[i] for i in b] for b in _first_fit_decreasing(sizes, budget - work.prompt_lens[g])]
 
 
 def partition_micro_batches(
-    work: Workload,
+    work: GroupedLengths,
     max_tokens: Optional[int] = None,
     attention_weight: float = 0.0,
     min_micro_batches: int = 1,
@@ -255,7 +256,7 @@ def _first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]
     return bins
 
 
-def partition_ranks(work: Workload, world_size: int, attention_weight: float = 0.0, balance: str = "kk") -> Partition:
+def partition_ranks(work: GroupedLengths, world_size: int, attention_weight: float = 0.0, balance: str = "kk") -> Partition:
     """Rows for each of `world_size` ranks, the same number each, balanced by cost.
 
     Two candidates, the one with the lower maximum cost wins:
@@ -285,7 +286,7 @@ def partition_ranks(work: Workload, world_size: int, attention_weight: float = 0
     return min((chunks, whole), key=lambda p: (max(p.costs), p.recomputed_prompt_tokens))
 
 
-def _whole_groups_first(work: Workload, world_size: int, attention_weight: float) -> list[list[int]]:
+def _whole_groups_first(work: GroupedLengths, world_size: int, attention_weight: float) -> list[list[int]]:
     room = [len(work.group_of_row) // world_size] * world_size
     parts: list[list[int]] = [[] for _ in range(world_size)]
     load = [0.0] * world_size
@@ -323,4 +324,5 @@ def select_rows(batch: RolloutBatch, rows: torch.Tensor | Sequence[int]) -> Roll
     pm = batch.prompt_mask[idx]
     width = int(pm.bool().sum(1).max())
     cut = pm.shape[1] - width
-    return RolloutBatch(batch.prompts[idx, cut:], pm[:, cut:], batch.responses[idx], batch.response_mask[idx])
+    # Rows of a validated batch, leading all-padding prompt columns cut: still valid, not checked again.
+    return RolloutBatch.of_validated(batch.prompts[idx, cut:], pm[:, cut:], batch.responses[idx], batch.response_mask[idx])

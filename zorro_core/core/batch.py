@@ -22,7 +22,15 @@ class RolloutBatch:
     """[B, R] 1 for a real response token, 0 for padding."""
 
     def __post_init__(self) -> None:
-        self.validate()
+        self.validate()  # the one structural check; a moved copy or a sub-batch is not checked again
+
+    @classmethod
+    def of_validated(cls, prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
+                     response_mask: torch.Tensor) -> "RolloutBatch":
+        """A batch of tensors taken from a validated batch (moved, or some of its rows): not checked again."""
+        batch = cls.__new__(cls)
+        batch.prompts, batch.prompt_mask, batch.responses, batch.response_mask = prompts, prompt_mask, responses, response_mask
+        return batch
 
     @property
     def batch_size(self) -> int:
@@ -33,10 +41,10 @@ class RolloutBatch:
         return self.prompts.device
 
     def to(self, device: str | torch.device) -> "RolloutBatch":
-        return RolloutBatch(*(t.to(device) for t in (self.prompts, self.prompt_mask, self.responses, self.response_mask)))
+        return RolloutBatch.of_validated(*(t.to(device) for t in (self.prompts, self.prompt_mask, self.responses, self.response_mask)))
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the first problem found in the batch."""
+        """Raise ValueError naming the first problem found in the batch (token ids against `vocab_size` if given)."""
         p, pm, r, rm = self.prompts, self.prompt_mask, self.responses, self.response_mask
         for name, t in (("prompts", p), ("prompt_mask", pm), ("responses", r), ("response_mask", rm)):
             if not isinstance(t, torch.Tensor):
@@ -60,12 +68,7 @@ class RolloutBatch:
             if t.dtype not in (torch.int64, torch.int32):
                 raise ValueError(f"{name} must hold integer token ids (int64/int32), got {t.dtype}")
         for name, m in (("prompt_mask", pm), ("response_mask", rm)):
-            if m.dtype == torch.bool:
-                continue
-            if m.is_floating_point() or m.is_complex():
-                if not bool(((m == 0) | (m == 1)).all()):
-                    raise ValueError(f"{name} must hold only 0 and 1")
-            elif not bool(((m == 0) | (m == 1)).all()):
+            if m.dtype != torch.bool and not bool(((m == 0) | (m == 1)).all()):
                 raise ValueError(f"{name} must hold only 0 and 1")
         pmb, rmb = pm.bool(), rm.bool()
         empty_p = (~pmb.any(1)).nonzero().flatten()
@@ -91,7 +94,14 @@ class RolloutBatch:
             real = ids[m]
             if real.numel() and int(real.min()) < 0:
                 raise ValueError(f"{name} holds a negative token id ({int(real.min())}) at a real position")
-            if vocab_size is not None and real.numel() and int(real.max()) >= vocab_size:
+        if vocab_size is not None:
+            self.check_vocab(vocab_size)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError if a real token id is >= `vocab_size` (the rest is checked at construction)."""
+        for name, ids, m in (("prompts", self.prompts, self.prompt_mask), ("responses", self.responses, self.response_mask)):
+            real = ids[m.bool()]
+            if real.numel() and int(real.max()) >= vocab_size:
                 raise ValueError(
                     f"{name} holds token id {int(real.max())} >= the model's vocab size {vocab_size}"
                 )

@@ -62,7 +62,7 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
-class Workload:
+class ForwardWork:
     """What the FLOPs of one forward depend on."""
 
     tokens: int
@@ -99,7 +99,7 @@ class Flops:
         raise ValueError(f"unknown phase {phase!r}; choose forward or forward_backward")
 
 
-def flops(shape: ModelShape, work: Workload, logits_mode: str = "compute") -> Flops:
+def flops(shape: ModelShape, work: ForwardWork, logits_mode: str = "compute") -> Flops:
     """FLOPs of one forward of `work` through a model of `shape`."""
     return Flops(
         linear=2.0 * shape.linear_params_per_layer * shape.num_layers * work.tokens,
@@ -123,14 +123,14 @@ def _segment_pairs(seg: Optional[Segments]) -> int:
     return sum(causal_pairs(q, k) for q, k in zip(lq, lk))
 
 
-def plan_workload(plan: DedupPlan, logits_mode: str = "compute") -> Workload:
+def plan_workload(plan: DedupPlan, logits_mode: str = "compute") -> ForwardWork:
     """The workload a plan runs (a baseline plan is `build_dedup_plan(batch, dedup=False)`)."""
     logits = plan.num_tokens if logits_mode == "none" else int(plan.logit_index.numel())
-    return Workload(plan.num_tokens, _segment_pairs(plan.causal) + _segment_pairs(plan.cross), logits)
+    return ForwardWork(plan.num_tokens, _segment_pairs(plan.causal) + _segment_pairs(plan.cross), logits)
 
 
 def shape_workloads(prompt_lens: Sequence[int], group_sizes: Sequence[int],
-                    response_lens: Sequence[Sequence[int]], logits_mode: str = "compute") -> tuple[Workload, Workload]:
+                    response_lens: Sequence[Sequence[int]], logits_mode: str = "compute") -> tuple[ForwardWork, ForwardWork]:
     """(baseline, dedup) workloads from lengths alone: group g has a prompt of prompt_lens[g]
     tokens shared by group_sizes[g] responses of response_lens[g][i] tokens."""
     if not (len(prompt_lens) == len(group_sizes) == len(response_lens)):
@@ -152,7 +152,7 @@ def shape_workloads(prompt_lens: Sequence[int], group_sizes: Sequence[int],
             d_pairs += causal_pairs(p, p) + sum(causal_pairs(r, p + r) for r in rs)
     logit_b = b_tok if logits_mode == "none" else n_resp
     logit_d = d_tok if logits_mode == "none" else n_resp
-    return Workload(b_tok, b_pairs, logit_b), Workload(d_tok, d_pairs, logit_d)
+    return ForwardWork(b_tok, b_pairs, logit_b), ForwardWork(d_tok, d_pairs, logit_d)
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ class Comparison:
         return getattr(self.baseline, component) / d if d else float("nan")
 
 
-def compare(shape: ModelShape, baseline: Workload, dedup: Workload, logits_mode: str = "compute") -> Comparison:
+def compare(shape: ModelShape, baseline: ForwardWork, dedup: ForwardWork, logits_mode: str = "compute") -> Comparison:
     return Comparison(flops(shape, baseline, logits_mode), flops(shape, dedup, logits_mode))
 
 

@@ -12,14 +12,25 @@ per-token (or per-row) terms scaled by constants of the FULL batch, e.g.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from zorro_core.core.balance import Partition, Workload, partition_micro_batches, select_rows
+from zorro_core.core.balance import Partition, GroupedLengths, partition_micro_batches, select_rows
+from zorro_core.core.batch import RolloutBatch
 
-if TYPE_CHECKING:
-    from zorro_core.core.actor import ActorOutput, _Actor
+
+class LogProbActor(Protocol):
+    """What forward_backward needs of an actor (zorro_core.core.actor's actors are ones)."""
+
+    dedup: bool
+    device: torch.device
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def forward(self, batch: RolloutBatch, temperature: float = 1.0, calculate_entropy: bool = False) -> Any:
+        """An ActorOutput: .log_probs and .entropy in the batch's [B, R] layout."""
 
 
 @dataclass
@@ -37,9 +48,9 @@ class MicroBatchOutput:
 
 
 def forward_backward(
-    actor: "_Actor",
-    batch,
-    loss_fn: Callable[["ActorOutput", torch.Tensor], torch.Tensor],
+    actor: LogProbActor,
+    batch: RolloutBatch,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
     max_tokens_per_micro_batch: Optional[int] = None,
     temperature: float = 1.0,
     calculate_entropy: bool = False,
@@ -51,9 +62,9 @@ def forward_backward(
     `rows`, a 1-D long tensor of indices into the full batch) and returns a scalar (see the
     module doc for normalisation). `.grad` is accumulated, not reset: zero it before.
     """
-    batch.validate(vocab_size=actor.vocab_size)
+    batch.check_vocab(actor.vocab_size)  # before any backward: a bad id must not leave partial gradients
     batch = batch.to(actor.device)
-    part = partition_micro_batches(Workload.of(batch, dedup=actor.dedup), max_tokens_per_micro_batch, attention_weight)
+    part = partition_micro_batches(GroupedLengths.of(batch, dedup=actor.dedup), max_tokens_per_micro_batch, attention_weight)
     b, r = batch.responses.shape
     log_probs = entropy = None
     total = 0.0

@@ -17,11 +17,17 @@ synchronisations.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from zorro_core.core.batch import RolloutBatch
+from zorro_core.core.layouts import CrossLayout, PaddedLayout
+
+
+def _same_device(built: torch.device, wanted: torch.device | str) -> bool:
+    wanted = torch.device(wanted)
+    return built.type == wanted.type and (wanted.index is None or wanted.index == built.index)
 
 
 @dataclass
@@ -52,8 +58,23 @@ class Segments:
     """Cross call only: [n] length of each segment's prompt."""
     kv_group: Optional[torch.Tensor] = None
     """Cross call only: [n] group of each segment (segments of a group are adjacent)."""
-    cache: dict = field(default_factory=dict, repr=False)
-    """Per-backend derived indices (padded gathers), built once per plan, reused by every layer."""
+    _padded: Optional[PaddedLayout] = field(default=None, init=False, repr=False)
+    _cross: Optional[CrossLayout] = field(default=None, init=False, repr=False)
+
+    def padded_layout(self, device: torch.device) -> PaddedLayout:
+        """The segments as a padded batch (built once, reused by every layer)."""
+        if self._padded is None or not _same_device(self._padded.device, device):
+            self._padded = PaddedLayout.build(self.cu_q, self.cu_k, self.max_q, self.max_k, self.total_q, self.total_k, device)
+        return self._padded
+
+    def cross_layout(self, device: torch.device) -> CrossLayout:
+        """Cross segments only: [prompt block | own block] keys per segment (built once, reused by every layer)."""
+        if self.kv_group is None:
+            raise ValueError("cross_layout needs cross segments (kv_prompt_start, kv_prompt_len, kv_group)")
+        if self._cross is None or not _same_device(self._cross.device, device):
+            self._cross = CrossLayout.build_cross(self.padded_layout(device), self.kv_prompt_start, self.kv_prompt_len,
+                                                  self.kv_group, self.lens_q, device)
+        return self._cross
 
     @property
     def q_index(self) -> torch.Tensor:
@@ -122,6 +143,14 @@ class DedupPlan:
     """Real prompt tokens of the batch before dedup."""
     unique_prompt_tokens: int
     """Prompt tokens after dedup."""
+    _derived: dict = field(default_factory=dict, init=False, repr=False)
+
+    def derived(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """What a layer adapter derives from the plan alone (e.g. the linear-attention layout):
+        `build()` on the first call for `key`, the same object afterwards, for every layer."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
 
     @property
     def num_tokens(self) -> int:
@@ -195,9 +224,11 @@ def group_rows(batch: RolloutBatch, dedup: bool = True) -> torch.Tensor:
 def build_dedup_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int | None = None) -> DedupPlan:
     """Build the plan of a batch. With `dedup=False` every row is its own group (the baseline).
 
-    The batch is validated here (token ids against `vocab_size` when given), once per plan.
+    The batch was validated when it was built; its token ids are checked here against
+    `vocab_size` when given, once per plan.
     """
-    batch.validate(vocab_size=vocab_size)
+    if vocab_size is not None:
+        batch.check_vocab(vocab_size)
     dev = batch.device
     b, pw = batch.prompts.shape
     rw = batch.responses.shape[1]

@@ -1,4 +1,6 @@
-"""Model families beyond dense softmax attention: what each needs from the deduplicated forward.
+"""The per-forward glue of the family adapters: installing them, and the router aux loss.
+
+Which family needs which adapter is its entry in zorro_core.models.registry; the adapters:
 
 - `moe`: Qwen3-MoE and Qwen3-Next's MoE blocks: token-wise; the router aux loss, with
   multiplicity weights so that it equals the baseline's.
@@ -17,20 +19,18 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from zorro_core.models.linear_attention import fla_available, linear_attention_hooks
 from zorro_core.models.moe import AUX_WEIGHTINGS, load_balancing_loss, router_aux_loss, token_multiplicity
 
-__all__ = ["AUX_WEIGHTINGS", "family_hooks", "family_support", "forward_kwargs", "load_balancing_loss", "router_aux_loss",
+__all__ = ["AUX_WEIGHTINGS", "family_hooks", "forward_kwargs", "load_balancing_loss", "router_aux_loss",
            "token_multiplicity", "wants_router_logits"]
 
 
 @contextlib.contextmanager
 def family_hooks(model: nn.Module, parts) -> Iterator[None]:
-    """Install the adapters the model's layers need for one deduplicated forward, then remove them."""
-    if parts.num_linear_layers:
-        with linear_attention_hooks(model):
-            yield
-    else:
+    """Install the adapters the model's layers need for one deduplicated forward (its registry entry's), then remove them."""
+    with contextlib.ExitStack() as stack:
+        for adapter in parts.family.adapters:
+            stack.enter_context(adapter(model))
         yield
 
 
@@ -50,20 +50,3 @@ def aux_loss_of(parts, config, outputs, plan, weighting: str) -> Optional[torch.
     if not wants_router_logits(parts, config):
         return None
     return router_aux_loss(outputs.router_logits, config, plan, weighting)
-
-
-def family_support(device: str | torch.device = "cpu") -> dict[str, str]:
-    """Each model type the dedup path serves, and how it runs on `device` (for `zorro env`)."""
-    device = torch.device(device)
-    if device.type == "cuda" and fla_available() is None:
-        linear = "flash-linear-attention varlen kernel"
-    else:
-        linear = "PyTorch fallback over a padded batch, slow (" + ("fla needs CUDA" if fla_available() is None else "fla not installed") + ")"
-    return {
-        "llama": "ok",
-        "qwen2": "ok (sliding window by absolute position)",
-        "qwen3": "ok (sliding window by absolute position)",
-        "mistral": "ok (sliding window by absolute position)",
-        "qwen3_moe": "ok (router aux loss: multiplicity weights by default)",
-        "qwen3_next": f"ok (gated DeltaNet: {linear}; MoE aux loss as qwen3_moe)",
-    }

@@ -35,9 +35,11 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from zorro_core.models.support import LINEAR_LAYER_TYPES, UnsupportedModelError
 from zorro_core.core.plan import DedupPlan, _cu, _ranges
+from zorro_core.errors import UnsupportedModelError
 
+# transformers' layer type of a gated DeltaNet layer.
+LINEAR_LAYER_TYPES = ("linear_attention",)
 DEFAULT_CHUNK = 64
 _CONV_FN = "causal_conv1d_fn"
 _DELTA_FN = "torch_chunk_gated_delta_rule"
@@ -148,14 +150,6 @@ def build_linear_layout(plan: DedupPlan, chunk: int = DEFAULT_CHUNK) -> LinearLa
     return LinearLayout(head, keep, branch, branch_state, merge)
 
 
-def _cached(plan: DedupPlan, key: tuple, build):
-    # Built once per plan, reused by every linear layer (the plan's segment cache lives as long as it).
-    cache = plan.causal.cache
-    if key not in cache:
-        cache[key] = build()
-    return cache[key]
-
-
 @functools.lru_cache(maxsize=None)
 def fla_available() -> Optional[str]:
     """None when flash-linear-attention's gated delta rule is importable, else why not."""
@@ -194,7 +188,7 @@ def _dedup_delta_rule(original, query, key, value, g, beta, chunk_size: int = DE
     if query.shape[0] != 1:
         raise ValueError(f"the packed row must have batch size 1, got {query.shape[0]}")
     plan = route.plan
-    lay = _cached(plan, ("linear_layout", chunk_size), lambda: build_linear_layout(plan, chunk_size))
+    lay = plan.derived(("linear_layout", chunk_size), lambda: build_linear_layout(plan, chunk_size))
     # transformers resolves the delta rule to flash-linear-attention when it is importable;
     # that kernel takes cu_seqlens (true varlen), the PyTorch fallback does not.
     use_fla = query.is_cuda and fla_available() is None
@@ -228,7 +222,7 @@ def _dedup_conv(original, hidden_states, weight, bias=None, activation=None, **k
         raise UnsupportedModelError(
             f"the conv input has {hidden_states.shape[-1]} positions for a packed row of {plan.num_tokens}: "
             "a conv cache is in use; the dedup path runs a full forward without cache")
-    src, fix = _cached(plan, ("linear_conv", k), lambda: _conv_fixes(plan, k))
+    src, fix = plan.derived(("linear_conv", k), lambda: _conv_fixes(plan, k))
     # The model's own conv over the packed row is right wherever a token's window lies inside its
     # own packed segment; only the first K-1 tokens of a segment see the wrong neighbours.
     out = original(hidden_states, weight, bias, activation=activation, **kwargs)

@@ -30,17 +30,9 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from zorro_core.stack.lora import unwrap_adapters
+from zorro_core.models.parts import unwrap_adapters
+from zorro_core.models.registry import FAMILIES
 
-# liger_kernel.transformers' patch function for each model type the dedup path serves.
-LIGER_FUNCTIONS = {
-    "qwen3": "apply_liger_kernel_to_qwen3",
-    "llama": "apply_liger_kernel_to_llama",
-    "qwen2": "apply_liger_kernel_to_qwen2",
-    "mistral": "apply_liger_kernel_to_mistral",
-    "qwen3_moe": "apply_liger_kernel_to_qwen3_moe",
-    "qwen3_next": "apply_liger_kernel_to_qwen3_next",
-}
 _MISSING = object()
 FLCE_NOTE = ("fused_linear_cross_entropy patches the CausalLM forward's loss path, which zorro's actors never call "
              "(they run base + lm_head); no effect on zorro's log-probs: use logits_mode='memory' instead")
@@ -97,14 +89,14 @@ def liger_unavailable(model: nn.Module | str, device: str | torch.device | None 
         return f"Liger kernels are Triton kernels and need a CUDA GPU (got {device.type})"
     if importlib.util.find_spec("liger_kernel") is None:
         return "liger-kernel is not installed (pip install 'zorro[gpu]')"
-    if mtype not in LIGER_FUNCTIONS:
-        return f"no Liger patch function for model type {mtype!r} (zorro maps: {', '.join(LIGER_FUNCTIONS)})"
+    if mtype not in FAMILIES:
+        return f"no Liger patch function for model type {mtype!r} (zorro maps: {', '.join(FAMILIES)})"
     try:
         import liger_kernel.transformers as lt
     except Exception as e:  # installed but broken (e.g. a Triton that does not match torch)
         return f"liger_kernel.transformers does not import: {e}"
-    if not hasattr(lt, LIGER_FUNCTIONS[mtype]):
-        return f"this liger-kernel has no {LIGER_FUNCTIONS[mtype]} (upgrade liger-kernel)"
+    if not hasattr(lt, FAMILIES[mtype].liger_function):
+        return f"this liger-kernel has no {FAMILIES[mtype].liger_function} (upgrade liger-kernel)"
     return None
 
 
@@ -118,7 +110,7 @@ def apply_liger(model: nn.Module, settings: Optional[LigerSettings] = None) -> L
 
     model = unwrap_adapters(model)  # liger walks model.<base_model_prefix>.layers of the causal LM
     mtype = model.config.model_type
-    fn = getattr(lt, LIGER_FUNCTIONS[mtype])
+    fn = getattr(lt, FAMILIES[mtype].liger_function)
     accepted = inspect.signature(fn).parameters
     wanted = {"rope": settings.rope, "rms_norm": settings.rms_norm, "swiglu": settings.swiglu,
               "fused_linear_cross_entropy": settings.fused_linear_cross_entropy, "cross_entropy": False}

@@ -1,25 +1,26 @@
 """LoRA through peft, QLoRA (4-bit NF4 base) through bitsandbytes: dedup on adapter-wrapped models.
 
 peft injects its adapter layers in place of the decoder's nn.Linear projections, so the
-actors drive a PeftModel like any causal LM: models.model_parts unwraps it (unwrap_adapters)
+actors drive a PeftModel like any causal LM: models.parts.model_parts unwraps it (unwrap_adapters)
 to the underlying model, whose decoder now contains the adapters; the attention hook, the
 plan and the log-prob path are unchanged, and only the adapter weights receive gradients.
 
 Limits (refused, not ignored): an adapter on lm_head (the log-prob path reads lm_head as a
 plain nn.Linear); lora_dropout > 0 in training mode (each copy of a prompt would draw its own
-mask, so the dedup forward could not equal the baseline; models.check_trainable_state).
+mask, so the dedup forward could not equal the baseline; models.parts.check_trainable_state).
 QLoRA needs a CUDA GPU and bitsandbytes; elsewhere it is skipped with the reason.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
+
+from zorro_core.models.parts import model_parts
 
 # The projections of every supported family (attention and dense MLP).
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -53,14 +54,6 @@ class LoraSettings:
             raise ValueError(f"quantize_base must be None or 'nf4', got {self.quantize_base!r}")
 
 
-def unwrap_adapters(model: nn.Module) -> nn.Module:
-    """The causal LM inside a peft PeftModel (adapters still injected), else `model` itself."""
-    peft = sys.modules.get("peft")  # a PeftModel exists only if peft was imported
-    if peft is not None and isinstance(model, peft.PeftModel):
-        return model.get_base_model()
-    return model
-
-
 def lora_unavailable(settings: Optional[LoraSettings] = None, device: str | torch.device = "cpu") -> Optional[str]:
     """Why `settings` cannot run on `device` here, or None when it can."""
     if importlib.util.find_spec("peft") is None:
@@ -84,8 +77,6 @@ def quantize_nf4(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) 
     if why:
         raise ValueError(why)
     import bitsandbytes as bnb
-
-    from zorro_core.models.support import model_parts
 
     base = model_parts(model).base
     for parent in list(base.modules()):
@@ -117,8 +108,6 @@ def apply_lora(model: nn.Module, settings: Optional[LoraSettings] = None, comput
     if why:
         raise ValueError(why)
     from peft import LoraConfig, get_peft_model
-
-    from zorro_core.models.support import model_parts
 
     model_parts(model)  # refuse an unsupported model before wrapping it
     if settings.quantize_base == "nf4":

@@ -23,8 +23,10 @@ from torch import nn
 
 from zorro_core.core.actor import BaselineActor, DeduplicatedActor
 from zorro_core.core.batch import RolloutBatch, create_dummy_batch
+from zorro_core.core.dtypes import DTYPES as TORCH_DTYPES
 from zorro_core.core.logprobs import LOGITS_MODES
-from zorro_core.models.support import PRESETS, SUPPORTED_MODEL_TYPES, build_model, preset_config
+from zorro_core.models.presets import PRESETS, build_model, preset_config
+from zorro_core.models.registry import FAMILIES
 from zorro_core.core.plan import DedupPlan, build_dedup_plan
 from zorro_core.verify.reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
 
@@ -35,7 +37,8 @@ GRAD_FLOOR = 1e-5
 FACTOR = 4.0
 TEMPERATURE = 0.7
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+# The dtypes verify proves, in zorro_core.core.dtypes' names.
+DTYPES = {name: TORCH_DTYPES[name] for name in ("float64", "float32", "bfloat16")}
 LAYOUTS = ("padded", "unpadded")
 MODES = ("split", "mask")
 ATTNS = ("eager", "sdpa", "flash_attention_2")
@@ -158,7 +161,7 @@ def judge(dtype: str, dedup: Errors, baseline: Errors, factor: float = FACTOR) -
 
 def tiny_models() -> list[str]:
     """Every `tiny-*` preset whose family the dedup path supports (new families are picked up)."""
-    return [n for n, (family, _) in PRESETS.items() if n.startswith("tiny-") and family in SUPPORTED_MODEL_TYPES]
+    return [n for n, (family, _) in PRESETS.items() if n.startswith("tiny-") and family in FAMILIES]
 
 
 def verify_batch(layout: str, vocab_size: int, seed: int = 0) -> RolloutBatch:
@@ -220,6 +223,8 @@ def build_verify_model(name: str, device: str = "cpu", seed: int = 0) -> nn.Modu
 
 
 # ---------------------------------------------------------------- deliberate bugs
+# In the package, not in tests/: `zorro verify --inject-bug` proves on the user's own machine that
+# the check fails on a broken plan, and tests/test_actor.py plants the same bugs.
 
 def _wrong_prompt(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
     rows = (plan.group_of_row != plan.group_of_row[0]).nonzero().flatten()

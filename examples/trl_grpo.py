@@ -1,0 +1,113 @@
+"""GRPO with TRL on CPU, with and without zorro: a few steps each, and the time spent in log-probs.
+
+    pip install -e ".[trl]"        # trl>=1.15,<2 (CPU torch kept)
+    python examples/trl_grpo.py     # about a minute on 2 CPU cores
+
+A small Qwen3 (the `small-qwen3` preset: 4 layers, hidden 256, vocab 4096, random weights) and a
+word-level tokenizer are built in code; nothing is downloaded. Each prompt is long (256 tokens)
+and sampled 8 times, which is where computing each prompt once pays. The timer wraps
+`_get_per_token_logps_and_entropies`, TRL's log-prob method (old/reference log-probs after each
+generation, the policy's forward in each loss step); the loss's backward runs outside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+from transformers.trainer_callback import PrinterCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from zorro_core.integrations.trl import DedupGRPOTrainer
+from zorro_core.models.presets import build_model, preset_config
+
+
+def tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def reward_short(completions, **kwargs):
+    """A simple reward: shorter completions score higher."""
+    return [-float(len(c.split())) for c in completions]
+
+
+def timed(trainer):
+    """Accumulate the seconds spent in the trainer's log-prob method."""
+    inner = trainer._get_per_token_logps_and_entropies
+    trainer.logprob_seconds = []
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        out = inner(*args, **kwargs)
+        trainer.logprob_seconds.append(time.perf_counter() - start)
+        return out
+
+    trainer._get_per_token_logps_and_entropies = wrapper
+    return trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--completion-len", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each arm, alternated (the first warms up)")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+    config = preset_config("small-qwen3", eos_token_id=1, pad_token_id=0)
+    path = tempfile.mkdtemp(prefix="zorro_trl_")
+    model = build_model(config, dtype=torch.float32, seed=0)
+    # A random model rarely samples one given stop token: 1 in 10 ids stops, so completions end at varied lengths.
+    model.generation_config.eos_token_id = list(range(1, config.vocab_size // 10))
+    model.save_pretrained(path)  # a path, so that GRPOTrainer can build its reference model (beta > 0)
+    tok = tokenizer(config.vocab_size)
+    tok.save_pretrained(path)
+    rng = random.Random(0)
+    prompts = [" ".join(f"w{rng.randrange(2, config.vocab_size)}" for _ in range(args.prompt_len)) for _ in range(8)]
+
+    arms = {"TRL": GRPOTrainer, "TRL + zorro": DedupGRPOTrainer}
+    results: dict[str, list[float]] = {name: [] for name in arms}
+    for repeat in range(args.repeats):
+        for name, cls in arms.items():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # transformers' gradient_checkpointing rename
+                grpo = GRPOConfig(
+                    output_dir=f"{path}/out", per_device_train_batch_size=args.generations,
+                    num_generations=args.generations, steps_per_generation=2, max_completion_length=args.completion_len,
+                    max_steps=args.steps, beta=0.04, learning_rate=1e-4,
+                    gradient_checkpointing=False,  # the dedup path refuses checkpointing for now (TRL would serve it)
+                    bf16=False, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
+                )
+                trainer = timed(cls(model=path, reward_funcs=reward_short, args=grpo,
+                                    train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok))
+                trainer.remove_callback(PrinterCallback)
+                start = time.perf_counter()
+                trainer.train()
+            total = time.perf_counter() - start
+            seconds = trainer.logprob_seconds
+            results[name].append(sum(seconds))
+            losses = [round(h["loss"], 5) for h in trainer.state.log_history if "loss" in h]
+            served = f", served by zorro/TRL: {trainer.zorro_calls}" if hasattr(trainer, "zorro_calls") else ""
+            print(f"run {repeat + 1} {name:11s} log-probs {sum(seconds):6.2f} s over {len(seconds)} calls (median "
+                  f"{statistics.median(seconds) * 1e3:.0f} ms), train() {total:6.2f} s, loss per step {losses}{served}")
+    base, dedup = (statistics.median(results[n][1:] or results[n]) for n in arms)
+    print(f"log-prob time (median over runs after the first): TRL {base:.2f} s, TRL + zorro {dedup:.2f} s: "
+          f"{base / dedup:.2f}x less; prompt {args.prompt_len} tokens x {args.generations} completions "
+          f"of <= {args.completion_len} tokens")
+
+
+if __name__ == "__main__":
+    main()

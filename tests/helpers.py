@@ -1,0 +1,42 @@
+"""Helpers several test files share: the float64 tolerances, the mixed batch, the comparison.
+
+Plain functions live here (test files import them); fixtures live in conftest.py.
+"""
+
+import torch
+
+from reference import actor_run, max_rel_grad_error
+from zorro_core import RolloutBatch
+
+# Measured floor in float64: transformers runs RMSNorm and eager softmax in float32 even in a
+# float64 model, so the reference itself carries ~1e-8 relative noise (observed max: log-probs
+# ~1e-7 abs, gradients ~1e-7 relative). A wrong mask/position/label is >1e-2 (see
+# test_actor.test_bugs_fail_by_orders_of_magnitude).
+LP_ATOL = 1e-6
+GRAD_RTOL = 1e-5
+
+
+def mixed_batch() -> RolloutBatch:
+    """Groups of sizes 3, 1 and 2 with different prompt lengths, duplicates not adjacent,
+    a response of length 1, and a prompt that is a strict prefix of another (23 response tokens)."""
+    a = [5, 17, 33, 2, 9, 41, 7]
+    b = [11, 3, 8]
+    c = [5, 17, 33, 2]          # strict prefix of a: must not merge with it
+    prompts = [a, c, b, a, c, a]
+    responses = [[1, 4, 9, 16], [20, 21], [7], [3, 3, 3, 3, 3], [30, 31, 32, 33, 34, 35], [8]]
+    return RolloutBatch.from_lists(prompts, responses)
+
+
+def check(actor, batch, w, ref, temperature):
+    """Run `actor` and assert its log-probs, entropy and every gradient equal the reference `ref`."""
+    lp, ent, grads, out = actor_run(actor, batch, temperature, w)
+    ref_lp, ref_ent, ref_grads = ref
+    assert lp.dtype == torch.float64
+    assert torch.all(lp[~batch.response_mask.bool()] == 0)
+    lp_err = (lp - ref_lp).abs().max().item()
+    ent_err = (ent - ref_ent).abs().max().item()
+    g_err, g_name = max_rel_grad_error(grads, ref_grads)
+    assert lp_err < LP_ATOL, f"log-prob error {lp_err:.2e}"
+    assert ent_err < LP_ATOL, f"entropy error {ent_err:.2e}"
+    assert g_err < GRAD_RTOL, f"gradient of {g_name} off by {g_err:.2e} relative"
+    return out

@@ -1,0 +1,92 @@
+"""The package's import structure: no cycle between zorro_core's modules, and a light `import zorro_core`."""
+
+import ast
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "zorro_core"
+# Only the benchmark harness and the CLI may import these (a trainer imports zorro_core).
+HEAVY = ("pandas", "matplotlib", "typer", "rich")
+
+
+def modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the zorro_core modules it imports anywhere in its source, function bodies and
+    TYPE_CHECKING blocks included: an import moved into a function to dodge a cycle still counts."""
+    mods = modules()
+    graph = {}
+    for name, path in mods.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                raise AssertionError(f"{name}: relative import (use absolute zorro_core imports)")
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "zorro_core":
+                edges.add(node.module)
+                edges.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in mods)
+            elif isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name.split(".")[0] == "zorro_core")
+        unknown = edges - set(mods)
+        assert not unknown, f"{name} imports modules that do not exist: {sorted(unknown)}"
+        graph[name] = edges - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_intra_package_imports_are_acyclic():
+    graph = import_graph()
+    assert "zorro_core.core.actor" in graph and "zorro_core.core.microbatch" in graph["zorro_core.core.actor"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_every_module_imports_in_a_fresh_interpreter_and_zorro_core_stays_light():
+    names = sorted(modules())
+    code = (
+        "import importlib, json, sys\n"
+        "import zorro_core\n"
+        f"heavy = sorted(m for m in {HEAVY!r} if m in sys.modules)\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(json.dumps(heavy))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == []

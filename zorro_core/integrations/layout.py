@@ -1,0 +1,93 @@
+"""Trainers' joined layout -> zorro's batch, and the per-token results back.
+
+TRL and verl both hold a micro-batch as one row per sequence: the prompt left-padded, then the
+response right-padded, `attention_mask` 1 on real tokens, the response being the last
+`response_width` columns. `joined_logprobs` splits that row, runs the deduplicated actor and
+returns `[B, response_width]` log-probs (and entropies) in the trainer's row order, 0 where
+the response mask is 0. Rows are grouped by prompt content inside the actor (never by
+position or id), so a micro-batch holding parts of groups is fine.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from zorro_core.core.batch import RolloutBatch
+
+
+class ZorroFallbackWarning(UserWarning):
+    """The dedup path does not serve a trainer's call; the trainer's own computation ran instead."""
+
+
+def layout_problem(attention_mask: torch.Tensor, response_width: int) -> Optional[str]:
+    """Why this mask is not the joined layout the dedup path serves (None when it is)."""
+    if attention_mask.dim() != 2:
+        return f"attention_mask must be 2-D [batch, prompt + response], got shape {tuple(attention_mask.shape)}"
+    width = attention_mask.shape[1]
+    if not 0 < response_width < width:
+        return f"response width {response_width} leaves no prompt column in a row of {width} columns"
+    mask = attention_mask.bool()
+    prompt, response = mask[:, : width - response_width], mask[:, width - response_width:]
+    if not bool(prompt.any(1).all()):
+        return "a row has an empty prompt (attention_mask is 0 on every prompt column)"
+    if bool((prompt[:, :-1] & ~prompt[:, 1:]).any()):
+        return "a prompt is not left-padded (a 0 follows a 1 in attention_mask's prompt columns)"
+    if bool((~response[:, :-1] & response[:, 1:]).any()):
+        return "a response is not right-padded (a 1 follows a 0 in attention_mask's response columns)"
+    return None
+
+
+def joined_logprobs(
+    actor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_width: int,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    rows_per_call: Optional[int] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs [B, R] (and entropy [B, R] or None) of the response columns through `actor`.
+
+    Rows whose response is all padding get 0 (the trainers' value there) and cost nothing.
+    `rows_per_call` caps the rows of one actor call (a trainer's memory chunking); rows with the
+    same prompt are put next to each other first, so that a chunk holds whole groups where it can.
+    Raises ValueError (from `layout_problem`) on a layout it does not serve; at least one row
+    must have a response token.
+    """
+    problem = layout_problem(attention_mask, response_width)
+    if problem:
+        raise ValueError(problem)
+    b, width = input_ids.shape
+    p = width - response_width
+    mask = attention_mask.long()
+    live = mask[:, p:].bool().any(1).nonzero().flatten()
+    if live.numel() == 0:
+        raise ValueError("every response in the micro-batch is all padding: nothing to compute")
+    if rows_per_call is not None and rows_per_call < live.numel():
+        live = live[_grouped_order(input_ids[live, :p], mask[live, :p])]
+        chunks = list(torch.split(live, rows_per_call))
+    else:
+        chunks = [live]
+    lps, ents = [], []
+    for rows in chunks:
+        batch = RolloutBatch(input_ids[rows, :p], mask[rows, :p], input_ids[rows, p:], mask[rows, p:])
+        out = actor.forward(batch, temperature=temperature, calculate_entropy=calculate_entropy)
+        lps.append(out.log_probs)
+        ents.append(out.entropy)
+    rows = torch.cat(chunks)
+
+    def place(parts: list[torch.Tensor]) -> torch.Tensor:
+        values = torch.cat(parts)
+        # index_put keeps the values differentiable; rows left out stay exactly 0.
+        return values.new_zeros((b, response_width)).index_put((rows,), values)
+
+    return place(lps), (place(ents) if calculate_entropy else None)
+
+
+def _grouped_order(prompts: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """A permutation putting rows with identical (unpadded) prompts next to each other, stable."""
+    keyed = prompts.long().masked_fill(prompt_mask == 0, -1)  # -1: padding never equals a token id
+    _, group = torch.unique(keyed, dim=0, return_inverse=True)
+    return torch.sort(group, stable=True).indices

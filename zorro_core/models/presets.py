@@ -1,0 +1,80 @@
+"""Model presets (real published shapes, random weights) and loading.
+
+Nothing is downloaded: `model_name_or_path` is a local checkpoint directory, a name already in
+the local Hugging Face cache, or a preset of a family in zorro_core.models.registry. The speed
+of a model does not depend on its weights, so presets are built with random weights from their
+published hyperparameters.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from zorro_core.models.registry import FAMILIES
+
+# Every preset of every family: name -> (model type, config fields).
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    name: (family.model_type, fields) for family in FAMILIES.values() for name, fields in family.presets.items()
+}
+
+
+def _config_class(family: str):
+    from transformers import AutoConfig
+
+    return type(AutoConfig.for_model(family))
+
+
+def preset_config(name: str, **overrides: Any):
+    """The transformers config of preset `name`, with `overrides` applied."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    family, fields = PRESETS[name]
+    return _config_class(family)(**{**fields, **overrides})
+
+
+def build_model(config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0, attn_implementation: str = "sdpa", experts_implementation: Optional[str] = None) -> nn.Module:
+    """A causal LM from `config` with seeded random weights.
+
+    MoE experts default to transformers' choice, except in float64 where they run "eager"
+    (grouped_mm has no float64 kernel).
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config._attn_implementation = attn_implementation
+    extra = {}
+    if experts_implementation is None and dtype == torch.float64 and getattr(config, "num_experts", 0):
+        experts_implementation = "eager"
+    if experts_implementation is not None:
+        extra["experts_implementation"] = experts_implementation
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation, **extra)
+    return model.to(device)
+
+
+def _hf_cache_path(name: str) -> Optional[str]:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, local_files_only=True)
+    except Exception:
+        return None
+
+
+def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", seed: int = 0) -> nn.Module:
+    """A local checkpoint, a model in the local HF cache, or a preset (random weights). Never downloads."""
+    from transformers import AutoModelForCausalLM
+
+    path = name_or_path if os.path.isdir(name_or_path) else _hf_cache_path(name_or_path)
+    if path is not None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True)
+        return model.to(device)
+    if name_or_path in PRESETS:
+        return build_model(preset_config(name_or_path), dtype=dtype, device=device, seed=seed, attn_implementation=attn_implementation)
+    raise ValueError(
+        f"cannot resolve model {name_or_path!r}: it is not a local directory, not in the local Hugging Face "
+        f"cache, and not a preset (nothing is downloaded). Presets: {', '.join(PRESETS)}"
+    )

@@ -1,0 +1,124 @@
+"""The model families the dedup path serves: one entry each, everything zorro knows of a family.
+
+An entry holds the family's presets (real published shapes, random weights), how a model of
+it is checked (the token mixers it may contain, the config features refused), the adapters its
+layers need in a deduplicated forward, its Liger patch function and its `zorro env` line.
+Adding a family means adding one entry to FAMILIES (after checking, with the equivalence
+tests on a tiny preset, that every token-mixing layer goes through the hook or an adapter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Mapping
+
+import torch
+from torch import nn
+
+from zorro_core.errors import UnsupportedModelError
+from zorro_core.models.linear_attention import LINEAR_LAYER_TYPES, fla_available, linear_attention_hooks
+
+# Softmax-attention layer types (transformers' names) that call the attention hook; the hook
+# applies a sliding layer's window itself.
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Config fields of attention features the hook does not implement (it would silently skip them).
+UNSUPPORTED_ATTENTION_FEATURES = ("attn_logit_softcapping", "attention_chunk_size", "use_alibi", "alibi")
+
+Adapter = Callable[[nn.Module], ContextManager[None]]
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """What the dedup path knows of one transformers model type."""
+
+    model_type: str
+    """transformers' config.model_type."""
+    presets: Mapping[str, dict[str, Any]]
+    """Preset name -> config fields that differ from the family's defaults."""
+    support: Callable[[torch.device], str]
+    """How the family runs on a device (a line of `zorro env`)."""
+    liger_function: str
+    """liger_kernel.transformers' patch function for the family."""
+    layer_types: tuple[str, ...] = ATTENTION_LAYER_TYPES
+    """Token mixers a model of the family may contain; any other layer type is refused."""
+    unsupported_features: tuple[str, ...] = UNSUPPORTED_ATTENTION_FEATURES
+    """Config fields that must be unset (features the hook would skip)."""
+    adapters: tuple[Adapter, ...] = ()
+    """Context managers installed around a deduplicated forward (layers that mix tokens outside the hook)."""
+    router_aux_loss: bool = False
+    """Mixture-of-experts blocks with a load-balancing loss (zorro_core.models.moe weights it)."""
+
+
+def _line(text: str) -> Callable[[torch.device], str]:
+    return lambda device: text
+
+
+def _linear_support(device: torch.device) -> str:
+    if device.type == "cuda" and fla_available() is None:
+        linear = "flash-linear-attention varlen kernel"
+    else:
+        linear = "PyTorch fallback over a padded batch, slow (" + ("fla needs CUDA" if fla_available() is None else "fla not installed") + ")"
+    return f"ok (gated DeltaNet: {linear}; MoE aux loss as qwen3_moe)"
+
+
+_SLIDING = "ok (sliding window by absolute position)"
+# One line per preset: the config fields that differ from the family's defaults.
+# `tiny-*` for tests, `small-*` for CPU benchmarks: small shapes of the same architectures.
+_QWEN3 = dict(rope_theta=1e6, rms_norm_eps=1e-6, head_dim=128, num_key_value_heads=8, vocab_size=151936, max_position_embeddings=40960)
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+_SMALL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=4096)
+
+FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
+    ModelFamily("qwen3", support=_line(_SLIDING), liger_function="apply_liger_kernel_to_qwen3", presets={
+        "Qwen/Qwen3-0.6B": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, tie_word_embeddings=True),
+        "Qwen/Qwen3-1.7B": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, tie_word_embeddings=True),
+        "Qwen/Qwen3-4B": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, tie_word_embeddings=True),
+        "Qwen/Qwen3-8B": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32),
+        "Qwen/Qwen3-14B": dict(_QWEN3, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40),
+        "Qwen/Qwen3-32B": dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64),
+        "tiny-qwen3": dict(_TINY, head_dim=16),
+        "small-qwen3": dict(_SMALL),
+    }),
+    ModelFamily("llama", support=_line("ok"), liger_function="apply_liger_kernel_to_llama", presets={
+        "meta-llama/Llama-3.1-8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=131072, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+        "tiny-llama": dict(_TINY),
+    }),
+    ModelFamily("qwen2", support=_line(_SLIDING), liger_function="apply_liger_kernel_to_qwen2", presets={
+        "Qwen/Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=131072),
+        "tiny-qwen2": dict(_TINY),
+        "tiny-qwen2-sliding": dict(_TINY, use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    }),
+    ModelFamily("mistral", support=_line(_SLIDING), liger_function="apply_liger_kernel_to_mistral", presets={
+        "mistralai/Mistral-7B-v0.1": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=32768, sliding_window=4096),
+        "tiny-mistral": dict(_TINY, sliding_window=5),
+    }),
+    ModelFamily("qwen3_moe", support=_line("ok (router aux loss: multiplicity weights by default)"),
+                liger_function="apply_liger_kernel_to_qwen3_moe", router_aux_loss=True, presets={
+        "Qwen/Qwen3-30B-A3B": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True),
+        "tiny-qwen3-moe": dict(_TINY, moe_intermediate_size=32, head_dim=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
+        "small-qwen3-moe": dict(_SMALL, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
+    }),
+    ModelFamily("qwen3_next", support=_linear_support, liger_function="apply_liger_kernel_to_qwen3_next",
+                layer_types=("full_attention",) + LINEAR_LAYER_TYPES, adapters=(linear_attention_hooks,),
+                router_aux_loss=True, presets={
+        "Qwen/Qwen3-Next-80B-A3B-Instruct": dict(hidden_size=2048, intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=512, num_experts_per_tok=10, norm_topk_prob=True, full_attention_interval=4, partial_rotary_factor=0.25, rope_theta=1e7, vocab_size=151936, max_position_embeddings=262144, rms_norm_eps=1e-6),
+        "tiny-qwen3-next": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, full_attention_interval=2, vocab_size=256),
+        "small-qwen3-next": dict(_SMALL, intermediate_size=512, linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8, moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, full_attention_interval=4),
+    }),
+)}
+
+
+def family_of(model_type: str | None) -> ModelFamily:
+    """The registry entry of `model_type`, refusing a type the dedup path does not serve."""
+    if model_type not in FAMILIES:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported by the dedup path (supported: {sorted(FAMILIES)}); "
+            "its layers may mix tokens outside the attention hook"
+        )
+    return FAMILIES[model_type]
+
+
+def family_support(device: str | torch.device = "cpu") -> dict[str, str]:
+    """Each model type the dedup path serves, and how it runs on `device` (for `zorro env`)."""
+    device = torch.device(device)
+    return {name: f.support(device) for name, f in FAMILIES.items()}
