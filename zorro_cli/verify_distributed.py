@@ -34,7 +34,7 @@ def distributed(
     inject_bug: str | None = typer.Option(None, "--inject-bug", hidden=True, help=_BUG_HELP),
 ) -> None:
     from zorro_core.distributed.launch import under_torchrun
-    from zorro_core.models.support import PRESETS
+    from zorro_core.models.presets import PRESETS
     from zorro_core.verify.distributed import DistributedConfig, verify_distributed
 
     if inject_bug is not None and inject_bug not in BUGS:

@@ -30,7 +30,7 @@ ARMS = ("no_regroup", "regroup")
 
 def rank_batches(case: Case, vocab_size: int) -> tuple[Any, list[list[int]]]:
     """The global batch and each rank's rows (dealt round-robin by group)."""
-    from zorro_core.bench.runner import make_batch
+    from zorro_core.bench.inputs import make_batch
     from zorro_core.verify.distributed import rank_rows
 
     batch = make_batch(case, vocab_size)
@@ -42,7 +42,7 @@ def rank_batches(case: Case, vocab_size: int) -> tuple[Any, list[list[int]]]:
 def case_plan(case: Case) -> dict[str, Any]:
     """Per rank, before and after regrouping: rows, prompt dedup ratio and the cost model's FLOPs;
     the single-process dedup ratio; the ideal speedup of regrouping per phase. No process starts."""
-    from zorro_core.bench.runner import model_config
+    from zorro_core.bench.inputs import model_config
     from zorro_core.core.balance import select_rows
     from zorro_core.core.cost import ModelShape, flops, plan_workload
     from zorro_core.core.plan import build_dedup_plan
@@ -86,15 +86,15 @@ def rank_process(case: Case, measure: Measure) -> dict[str, Any]:
     """One rank of a case (inside its process group): both arms timed interleaved, per phase."""
     import torch.distributed as dist
 
-    from zorro_core.bench.runner import _DTYPES
+    from zorro_core.core.dtypes import DTYPES
     from zorro_core.core.actor import DeduplicatedActor
     from zorro_core.core.balance import select_rows
     from zorro_core.distributed import regroup
-    from zorro_core.models.support import load_model
+    from zorro_core.models.presets import load_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if case.device.startswith("cuda") else "cpu")
-    model = load_model(case.model, device=device, dtype=_DTYPES[case.dtype], attn_implementation=case.attn_implementation,
+    model = load_model(case.model, device=device, dtype=DTYPES[case.dtype], attn_implementation=case.attn_implementation,
                        seed=case.seed)
     model.eval()
     _shard(model)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zorro_core.core.balance import Workload, karmarkar_karp, partition_ranks
+from zorro_core.core.balance import GroupedLengths, karmarkar_karp, partition_ranks
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Routing:
     """Rows each rank holds before regrouping."""
     dest: list[int]
     """[N] destination rank of each global row."""
-    work: Workload
+    work: GroupedLengths
     """The global workload (groups by prompt key, lengths) the partition balanced."""
 
     def offset(self, rank: int) -> int:
@@ -104,7 +104,7 @@ def plan_routing(
     plens = [0] * len(ids)
     for g, p in zip(group_of_row, (p for ps in prompt_lens for p in ps)):
         plens[g] = p
-    work = Workload(group_of_row, plens, [x for xs in response_lens for x in xs])
+    work = GroupedLengths(group_of_row, plens, [x for xs in response_lens for x in xs])
     if equal_rows:
         parts = partition_ranks(work, world, attention_weight).parts
     else:
@@ -119,7 +119,7 @@ def plan_routing(
     return Routing(world, rows_before, dest, work)
 
 
-def _whole_groups(work: Workload, world: int, attention_weight: float) -> list[list[int]]:
+def _whole_groups(work: GroupedLengths, world: int, attention_weight: float) -> list[list[int]]:
     units = [rows for rows in work.rows_of_group]
     while len(units) < world:  # fewer groups than ranks: halve the costliest divisible unit
         i = max((i for i, u in enumerate(units) if len(u) > 1), key=lambda i: work.cost(units[i], attention_weight))
@@ -128,7 +128,7 @@ def _whole_groups(work: Workload, world: int, attention_weight: float) -> list[l
     return [sorted(r for i in items for r in units[i]) for items in assign]
 
 
-def _assign_parts(work: Workload, parts: list[list[int]], source: list[int], world: int) -> list[int]:
+def _assign_parts(work: GroupedLengths, parts: list[list[int]], source: list[int], world: int) -> list[int]:
     """The rank of each part: greedy on the tokens a rank already holds of a part (kept, not sent)."""
     def row_tokens(row: int) -> int:
         return work.prompt_lens[work.group_of_row[row]] + work.response_lens[row]
