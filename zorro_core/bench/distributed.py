@@ -18,7 +18,8 @@ fresh processes (zorro_core.distributed.launch), nothing is reused between cases
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -86,13 +87,13 @@ def rank_process(case: Case, measure: Measure) -> dict[str, Any]:
     """One rank of a case (inside its process group): both arms timed interleaved, per phase."""
     import torch.distributed as dist
 
-    from zorro_core.core.dtypes import DTYPES
     from zorro_core.core.actor import DeduplicatedActor
     from zorro_core.core.balance import select_rows
+    from zorro_core.core.dtypes import DTYPES
     from zorro_core.distributed import regroup
     from zorro_core.models.presets import load_model
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if case.device.startswith("cuda") else "cpu")
     model = load_model(case.model, device=device, dtype=DTYPES[case.dtype], attn_implementation=case.attn_implementation,
                        seed=case.seed)
@@ -142,7 +143,7 @@ def rank_process(case: Case, measure: Measure) -> dict[str, Any]:
 
 
 def distributed_case_rows(case: Case, measure: Measure, base: dict[str, Any],
-                          on_phase: Optional[Callable[[dict], None]] = None) -> list[dict[str, Any]]:
+                          on_phase: Callable[[dict], None] | None = None) -> list[dict[str, Any]]:
     """The rows of an nproc > 1 case (one per phase); a failure becomes the rows' status."""
     from zorro_core.distributed.launch import default_backend, launch
 
