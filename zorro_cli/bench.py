@@ -231,6 +231,7 @@ def run(
     threads: int = typer.Option(0, "--threads", help="torch threads (0: default)."),
     timeout_s: float = typer.Option(600.0, "--timeout"),
     seed: int = typer.Option(0, "--seed"),
+    nproc: int = typer.Option(1, "--nproc", help="Data-parallel ranks: > 1 times no-regroup vs regroup over N spawned ranks (the batch is the global one)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Also append the rows to this CSV."),
 ) -> None:
     """One case from flags."""
@@ -240,7 +241,7 @@ def run(
         case = Case(model=model, attn_implementation=attn, split_attention=split, logits_mode=logits_mode, dtype=dtype,
                     device=device, batch_size=batch_size, num_unique_prompts=unique_prompts, prompt_dedup_ratio=dedup_ratio,
                     prompt_len=prompt_len, response_len=response_len, padding=padding, baseline=baseline,
-                    varlen_backend=varlen_backend, liger=liger, checkpointing=checkpointing, seed=seed)
+                    varlen_backend=varlen_backend, liger=liger, checkpointing=checkpointing, seed=seed, nproc=nproc)
         measure = Measure(warmup=warmup, repeats=repeats, phases=tuple(phases), memory=memory, timeout_s=timeout_s, threads=threads)
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")

@@ -28,6 +28,8 @@ _BUG_HELP = "Hidden, for testing the verifier: corrupt every dedup plan (" + ", 
 
 
 def register(app: typer.Typer) -> None:
+    from zorro_cli import verify_distributed  # noqa: F401 -- adds `verify distributed` to verify_app
+
     app.add_typer(verify_app, name="verify")
 
 

@@ -25,7 +25,12 @@ EXTRA_COLUMNS = [
     "baseline_kind", "dedup_kind", "speedup_p20", "speedup_p80", "n", "warmup", "repeats", "threads", "padding",
     "logical_tokens", "unique_tokens", "baseline_gflops", "dedup_gflops", "seed", "liger", "liger_kernels", "logits_memory_budget_mib", "checkpointing", "finished_utc",
 ]
-COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS
+# Cases with nproc > 1 (zorro_core.bench.distributed): per-rank layout and bytes moved by regroup.
+DISTRIBUTED_COLUMNS = [
+    "nproc", "rows_per_rank_before", "rows_per_rank_after", "prompt_dedup_per_rank_before",
+    "prompt_dedup_per_rank_after", "regroup_bytes_sent", "regroup_metadata_bytes", "restore_bytes_per_step",
+]
+COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS + DISTRIBUTED_COLUMNS
 
 # A row with one of these statuses is done: --resume does not run it again.
 DONE_STATUSES = ("ok", "oom")

@@ -27,32 +27,10 @@ from zorro_core.core.cost import ModelShape, compare_plans
 from zorro_core.core.dtypes import DTYPES as _DTYPES
 from zorro_core.bench.measure import CPU_PEAK_KIND, Stats, peak_memory_mib, speedup, summarize, time_interleaved
 from zorro_core.bench.suite import PHASES, Case, Measure
+from zorro_core.bench.inputs import make_batch, model_config  # noqa: F401 -- re-exported: callers use runner's names
 
 # Status of a row. Only "ok" rows carry timings; "oom" may carry the arm that fit.
 STATUSES = ("ok", "error", "oom", "timeout", "crashed", "skipped")
-
-
-def model_config(name: str):
-    """The config of a preset, a local checkpoint or a model in the local HF cache (no download)."""
-    from zorro_core.models.presets import PRESETS, preset_config
-
-    if name in PRESETS:
-        return preset_config(name)
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(name, local_files_only=True)
-    except Exception as e:
-        raise ValueError(f"cannot resolve model {name!r} (not a preset, a local checkpoint or in the local HF cache; "
-                         f"nothing is downloaded). Presets: {', '.join(PRESETS)}") from e
-
-
-def make_batch(case: Case, vocab_size: int, device: str = "cpu"):
-    from zorro_core.core.batch import create_dummy_batch
-
-    return create_dummy_batch(batch_size=case.batch_size, num_unique_prompts=case.num_unique_prompts,
-                              prompt_len=case.prompt_len, response_len=case.response_len, vocab_size=vocab_size,
-                              device=device, seed=case.seed, vary_lengths=case.padding)
 
 
 @dataclass
@@ -333,6 +311,10 @@ def case_rows(case: Case, measure: Measure, fault: Optional[str] = None,
               on_phase: Optional[Callable[[dict], None]] = None) -> list[dict[str, Any]]:
     """The result rows of a case, one per phase; failures become rows with their status."""
     base = case_base_row(case, measure)
+    if case.nproc > 1:  # data-parallel ranks, no-regroup vs regroup: a process tree of its own
+        from zorro_core.bench.distributed import distributed_case_rows
+
+        return distributed_case_rows(case, measure, base, on_phase)
     try:
         work = case_workload(case)
     except Exception as e:

@@ -78,6 +78,8 @@ class Case:
     """Gradient checkpointing on every decoder layer (non-reentrant, transformers' API), model in training mode (both arms)."""
     seed: int = 0
     """Seed of the weights and the batch."""
+    nproc: int = 1
+    """Data-parallel ranks (> 1: the batch is the global one, the arms are no-regroup vs regroup; zorro_core.bench.distributed)."""
 
     def __post_init__(self) -> None:
         _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
@@ -89,7 +91,7 @@ class Case:
         for name in ("split_attention", "padding", "liger", "checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("batch_size", "prompt_len", "response_len"):
+        for name in ("batch_size", "prompt_len", "response_len", "nproc"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -127,6 +129,8 @@ class Case:
             parts.append(f"lmb{self.logits_memory_budget_mib:g}")
         if self.seed:
             parts.append(f"seed{self.seed}")
+        if self.nproc > 1:
+            parts.append(f"nproc{self.nproc}")
         return ":".join(parts)
 
     @property

@@ -20,6 +20,7 @@ from zorro_core.stack.auto import AUTO, AttentionChoice, choose_attention
 from zorro_core.core.batch import RolloutBatch
 from zorro_core.core.dtypes import resolve_dtype
 from zorro_core.models.families import AUX_WEIGHTINGS, aux_loss_of, forward_kwargs, install_family_adapters, load_balancing_loss
+from zorro_core.core.fsdp import as_root_forward, is_fsdp_root
 from zorro_core.core.logprobs import LOGITS_MODES, response_logprobs
 from zorro_core.core import microbatch
 from zorro_core.models.presets import load_model
@@ -140,6 +141,11 @@ class _Actor:
         plan = self.plan(batch)  # validates the batch, token ids against the vocabulary included
         mode = "split" if self.use_split_attention else "mask"
         route = Route(plan=plan, mode=mode, backend=self.varlen_backend or "reference", inner=self.attn_implementation)
+        # Through the FSDP2 root's hooks when the model is sharded with fully_shard (zorro_core.core.fsdp).
+        lp, ent, aux = as_root_forward(self.model, lambda: self._compute(plan, route, temperature, calculate_entropy))
+        return ActorOutput(plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan, aux)
+
+    def _compute(self, plan: DedupPlan, route: Route, temperature: float, calculate_entropy: bool):
         outputs = self.parts.base(
             input_ids=plan.input_ids[None], position_ids=plan.position_ids[None], attention_mask=route_mask(self.device),
             use_cache=False, zorro_route=route, **forward_kwargs(self.parts, self.model.config),
@@ -152,7 +158,7 @@ class _Actor:
         lp, ent = response_logprobs(hidden, self.parts.lm_head, plan.logit_index, plan.labels, temperature,
                                     calculate_entropy, self.logits_mode, self.logits_chunk_size,
                                     self.logits_memory_budget_mib)
-        return ActorOutput(plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan, aux)
+        return lp, ent, aux
 
     __call__ = forward
 
@@ -221,6 +227,9 @@ class BaselineActor(_Actor):
         if self.parts.num_linear_layers:
             raise UnsupportedModelError("the padded baseline does not support linear-attention layers (padding would "
                                         "enter their recurrent state); use BaselineActor(padded=False)")
+        if is_fsdp_root(self.model):
+            raise UnsupportedModelError("the padded baseline does not run an FSDP2-sharded model (fully_shard); "
+                                        "use BaselineActor(padded=False)")
         batch = batch.to(self.device)
         batch.check_vocab(self.vocab_size)
         check_trainable_state(self.model)

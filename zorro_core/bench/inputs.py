@@ -1,0 +1,32 @@
+"""What a benchmark case computes on: the model's config and the case's batch (no weights).
+
+Shared by the single-process runner and the data-parallel cases (zorro_core.bench.distributed),
+so both build the same batch from the same case.
+"""
+
+from __future__ import annotations
+
+from zorro_core.bench.suite import Case
+
+
+def model_config(name: str):
+    """The config of a preset, a local checkpoint or a model in the local HF cache (no download)."""
+    from zorro_core.models.presets import PRESETS, preset_config
+
+    if name in PRESETS:
+        return preset_config(name)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name, local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"cannot resolve model {name!r} (not a preset, a local checkpoint or in the local HF cache; "
+                         f"nothing is downloaded). Presets: {', '.join(PRESETS)}") from e
+
+
+def make_batch(case: Case, vocab_size: int, device: str = "cpu"):
+    from zorro_core.core.batch import create_dummy_batch
+
+    return create_dummy_batch(batch_size=case.batch_size, num_unique_prompts=case.num_unique_prompts,
+                              prompt_len=case.prompt_len, response_len=case.response_len, vocab_size=vocab_size,
+                              device=device, seed=case.seed, vary_lengths=case.padding)

@@ -1,0 +1,109 @@
+"""Start N ranks of a function on this machine, or join the ranks torchrun started.
+
+`launch(fn, nproc, *args)` spawns `nproc` fresh processes (torch.multiprocessing, "spawn"),
+each with a process group over TCP on 127.0.0.1 (gloo on CPU, NCCL with one GPU per rank), runs
+`fn(*args)` in each and returns the ranks' return values in rank order. A rank that raises stops
+the others (they would wait forever in their next collective) and the error is re-raised here.
+`under_torchrun()` tells whether this process is one of torchrun's ranks (RANK, WORLD_SIZE and
+MASTER_ADDR set); then `init_from_env` joins its process group instead.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def default_backend(device: str) -> str:
+    """gloo for CPU tensors, nccl for CUDA tensors."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+GLOO_FSDP2_TORCH = (2, 7)
+"""FSDP2 (fully_shard) on gloo needs ReduceOp.AVG and reduce_scatter on gloo: torch 2.7."""
+
+
+def check_fsdp_backend(backend: str) -> None:
+    """Refuse FSDP2 on gloo with a torch older than GLOO_FSDP2_TORCH (it would fail mid-backward)."""
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if backend == "gloo" and version < GLOO_FSDP2_TORCH:
+        raise RuntimeError(f"FSDP2 on gloo (CPU) needs torch >= 2.7 (reduce_scatter and ReduceOp.AVG on gloo); "
+                           f"this is torch {torch.__version__}")
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def init_from_env(backend: str, timeout_s: float = 300.0) -> None:
+    """Join the process group torchrun describes in the environment (no-op if already joined)."""
+    check_fsdp_backend(backend)
+    if not dist.is_initialized():
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, backend: str, threads: int, fn, args, results) -> None:
+    try:
+        torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=300))
+        try:
+            out = fn(*args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, out))
+    except Exception:  # noqa: BLE001 -- reported to the parent, which stops the other ranks
+        results.put((rank, False, traceback.format_exc()))
+
+
+def launch(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo", threads: int = 1,
+           timeout_s: float = 600.0) -> list[Any]:
+    """`fn(*args)` on `nproc` new ranks (module doc); `fn` must be importable (spawn pickles it by name)."""
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    if backend == "nccl" and torch.cuda.device_count() < 1:
+        raise RuntimeError("backend nccl needs a CUDA device")
+    check_fsdp_backend(backend)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, backend, threads, fn, args, results), daemon=False)
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    try:
+        while len(out) < nproc:
+            try:
+                rank, ok, value = results.get(timeout=timeout_s)
+            except queue_mod.Empty:
+                raise TimeoutError(f"{nproc - len(out)} rank(s) gave no result within {timeout_s:.0f} s") from None
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10 if len(out) == nproc else 0.1)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
+    return [out[r] for r in range(nproc)]
