@@ -12,8 +12,13 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.markup import escape
 from rich.table import Table
+
+from zorro_core.bench.report import load_results
+from zorro_core.bench.stack_table import WORKLOAD, stack_report
+
+from .choices import Phase
+from .console import console, escape, fail
 
 COLUMNS = ("config", "tokens/s", "peak MiB", "step", "step MiB", "total", "total MiB", "status", "from")
 
@@ -63,23 +68,18 @@ def _notes(g) -> list[str]:
 
 def stack(
     results: list[Path] = typer.Argument(..., help="Benchmark result CSVs (later files win for the same case and phase)."),
-    phase: Optional[str] = typer.Option(None, "--phase", help="Only this phase (forward or forward_backward)."),
+    phase: Optional[Phase] = typer.Option(None, "--phase", help="Only this phase."),
     markdown: bool = typer.Option(False, "--markdown", help="Print Markdown tables."),
     csv_out: Optional[Path] = typer.Option(None, "--csv", help="Write the stack tables to this CSV."),
 ) -> None:
     """The cumulative table: baseline, + flash attention, + liger, + dedup, + split attention (see suites/stack.toml)."""
-    from zorro_core.bench.stack_table import WORKLOAD, stack_report
-
-    from .report import console, load_results
-
     try:
         df = load_results(results)
-        if phase:
-            df = df[df["phase"] == phase]
+        if phase is not None:
+            df = df[df["phase"] == phase.value]
         table = stack_report(df)
     except ValueError as e:
-        console.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2)
+        fail(str(e))
     if table.empty:
         console.print("[yellow]no stack rows: the results hold no case of the stack (see suites/stack.toml)[/]")
         raise typer.Exit(1)
