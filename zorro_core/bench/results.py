@@ -11,7 +11,7 @@ import csv
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 # The required columns, in this order, then the extra ones.
 REQUIRED_COLUMNS = [
@@ -125,9 +125,3 @@ def update_last_run(path: str | Path, **fields: Any) -> None:
         data["runs"][-1].update(fields)
         path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
-
-def rows_from(paths: Iterable[str | Path]) -> list[dict[str, str]]:
-    rows: list[dict[str, str]] = []
-    for p in paths:
-        rows.extend(read_rows(p))
-    return rows

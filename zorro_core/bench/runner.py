@@ -27,9 +27,6 @@ from zorro_core.core.cost import ModelShape, compare_plans
 from zorro_core.bench.measure import CPU_PEAK_KIND, Stats, peak_memory_mib, speedup, summarize, time_interleaved
 from zorro_core.bench.suite import PHASES, Case, Measure
 
-# Status of a row. Only "ok" rows carry timings; "oom" may carry the arm that fit.
-STATUSES = ("ok", "error", "oom", "timeout", "crashed", "skipped")
-
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
