@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from zorro_core.bench.runner import model_config
 from zorro_core.core.cost import COMPONENTS, ModelShape, compare, shape_workloads
 
-console = Console()
+from .choices import LogitsMode
+from .console import console, escape, fail
 
 
 def _tokens(n: float) -> str:
@@ -23,23 +24,17 @@ def analyze(
     response_len: int = typer.Option(..., "--response-len", "-r", help="Tokens of each response."),
     prompts: int = typer.Option(1, "--prompts", help="Distinct prompts in the batch (each with --responses responses)."),
     model: str = typer.Option("Qwen/Qwen3-8B", "--model", help="Preset, local checkpoint or cached model whose shape weighs the components."),
-    logits_mode: str = typer.Option("compute", "--logits-mode", help="none (lm_head at every position) or compute/memory (only where a response token is predicted)."),
+    logits_mode: LogitsMode = typer.Option(LogitsMode("compute"), "--logits-mode", help="none (lm_head at every position) or compute/memory (only where a response token is predicted)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """Total, unique and redundant tokens of a workload and the ideal speedup of each kind of work."""
-    from zorro_core.bench.runner import model_config
-
     if min(prompt_len, responses, response_len, prompts) < 1:
-        console.print("[red]error:[/] --prompt-len, --responses, --response-len and --prompts must be >= 1")
-        raise typer.Exit(2)
-    if logits_mode not in ("none", "compute", "memory"):
-        console.print(f"[red]error:[/] unknown --logits-mode {logits_mode!r}; choose none, compute or memory")
-        raise typer.Exit(2)
+        fail("--prompt-len, --responses, --response-len and --prompts must be >= 1")
+    logits_mode = logits_mode.value
     try:
         shape = ModelShape.from_config(model_config(model))
     except ValueError as e:
-        console.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2)
+        fail(str(e))
     base_w, dedup_w = shape_workloads([prompt_len] * prompts, [responses] * prompts,
                                       [[response_len] * responses] * prompts, logits_mode)
     cmp = compare(shape, base_w, dedup_w, logits_mode)
@@ -70,7 +65,7 @@ def analyze(
     t.add_row("prompt dedup ratio", f"{result['prompt_dedup_ratio']:.0%}")
     console.print(t)
 
-    s = Table(title=f"ideal speedup (FLOPs, {model}, logits_mode={logits_mode})")
+    s = Table(title=escape(f"ideal speedup (FLOPs, {model}, logits_mode={logits_mode})"))
     s.add_column("work")
     s.add_column("share of baseline FLOPs", justify="right")
     s.add_column("ideal speedup", justify="right")
