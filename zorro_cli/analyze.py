@@ -22,9 +22,17 @@ def analyze(
     prompt_len: int = typer.Option(..., "--prompt-len", "-p", help="Tokens of each prompt."),
     responses: int = typer.Option(..., "--responses", "-n", help="Responses sampled per prompt (group size)."),
     response_len: int = typer.Option(..., "--response-len", "-r", help="Tokens of each response."),
-    prompts: int = typer.Option(1, "--prompts", help="Distinct prompts in the batch (each with --responses responses)."),
-    model: str = typer.Option("Qwen/Qwen3-8B", "--model", help="Preset, local checkpoint or cached model whose shape weighs the components."),
-    logits_mode: LogitsMode = typer.Option(LogitsMode("compute"), "--logits-mode", help="none (lm_head at every position) or compute/memory (only where a response token is predicted)."),
+    prompts: int = typer.Option(
+        1, "--prompts", help="Distinct prompts in the batch (each with --responses responses)."
+    ),
+    model: str = typer.Option(
+        "Qwen/Qwen3-8B", "--model", help="Preset, local checkpoint or cached model whose shape weighs the components."
+    ),
+    logits_mode: LogitsMode = typer.Option(
+        LogitsMode("compute"),
+        "--logits-mode",
+        help="none (lm_head at every position) or compute/memory (only where a response token is predicted).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """Total, unique and redundant tokens of a workload and the ideal speedup of each kind of work."""
@@ -35,23 +43,30 @@ def analyze(
         shape = ModelShape.from_config(model_config(model))
     except ValueError as e:
         fail(str(e))
-    base_w, dedup_w = shape_workloads([prompt_len] * prompts, [responses] * prompts,
-                                      [[response_len] * responses] * prompts, logits_mode)
+    base_w, dedup_w = shape_workloads(
+        [prompt_len] * prompts, [responses] * prompts, [[response_len] * responses] * prompts, logits_mode
+    )
     cmp = compare(shape, base_w, dedup_w, logits_mode)
     total, unique = base_w.tokens, dedup_w.tokens
     prompt_total, prompt_unique = prompt_len * responses * prompts, prompt_len * prompts
     result = {
-        "model": model, "logits_mode": logits_mode,
-        "total_tokens": total, "unique_tokens": unique, "redundant_tokens": total - unique,
-        "token_redundancy": 1 - unique / total, "prompt_dedup_ratio": 1 - prompt_unique / prompt_total,
+        "model": model,
+        "logits_mode": logits_mode,
+        "total_tokens": total,
+        "unique_tokens": unique,
+        "redundant_tokens": total - unique,
+        "token_redundancy": 1 - unique / total,
+        "prompt_dedup_ratio": 1 - prompt_unique / prompt_total,
         "attended_pairs": {"baseline": base_w.attended_pairs, "dedup": dedup_w.attended_pairs},
         "ideal_speedup": {c: cmp.component_speedup(c) for c in COMPONENTS},
         "flops_share_baseline": {c: getattr(cmp.baseline, c) / cmp.baseline.forward for c in COMPONENTS},
     }
     result["ideal_speedup"]["total_forward"] = cmp.ideal_speedup("forward")
     result["ideal_speedup"]["total_forward_backward"] = cmp.ideal_speedup("forward_backward")
-    result["tflops"] = {"baseline_forward_backward": cmp.baseline.forward_backward / 1e12,
-                        "dedup_forward_backward": cmp.dedup.forward_backward / 1e12}
+    result["tflops"] = {
+        "baseline_forward_backward": cmp.baseline.forward_backward / 1e12,
+        "dedup_forward_backward": cmp.dedup.forward_backward / 1e12,
+    }
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return
@@ -69,15 +84,23 @@ def analyze(
     s.add_column("work")
     s.add_column("share of baseline FLOPs", justify="right")
     s.add_column("ideal speedup", justify="right")
-    for c, label in (("linear", "linear layers (by tokens)"), ("attention", "attention (by query-key pairs)"),
-                     ("lm_head", "lm_head (by positions with logits)")):
+    for c, label in (
+        ("linear", "linear layers (by tokens)"),
+        ("attention", "attention (by query-key pairs)"),
+        ("lm_head", "lm_head (by positions with logits)"),
+    ):
         s.add_row(label, f"{result['flops_share_baseline'][c]:.1%}", f"{result['ideal_speedup'][c]:.2f}x")
-    s.add_row("[bold]total[/] (forward; forward+backward)", "100%",
-              f"[bold]{result['ideal_speedup']['total_forward']:.2f}x[/]; {result['ideal_speedup']['total_forward_backward']:.2f}x")
+    s.add_row(
+        "[bold]total[/] (forward; forward+backward)",
+        "100%",
+        f"[bold]{result['ideal_speedup']['total_forward']:.2f}x[/]; {result['ideal_speedup']['total_forward_backward']:.2f}x",
+    )
     console.print(s)
-    console.print(f"baseline {result['tflops']['baseline_forward_backward']:.1f} TFLOP vs dedup "
-                  f"{result['tflops']['dedup_forward_backward']:.1f} TFLOP per forward+backward. Ideal: measured speedups "
-                  "fall short by kernel efficiency and fixed costs (`zorro bench` measures them).")
+    console.print(
+        f"baseline {result['tflops']['baseline_forward_backward']:.1f} TFLOP vs dedup "
+        f"{result['tflops']['dedup_forward_backward']:.1f} TFLOP per forward+backward. Ideal: measured speedups "
+        "fall short by kernel efficiency and fixed costs (`zorro bench` measures them)."
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -54,23 +54,49 @@ def _short_ids(ids: list[str]) -> tuple[list[str], str]:
 def results_table(rows: list[dict], title: str) -> Table:
     labels, common = _short_ids([r["case_id"] for r in rows])
     t = Table(title=title, caption=escape(f"all cases: {common}") if common else None)
-    for col, just in [("case", "left"), ("phase", "left"), ("baseline ms", "right"), ("dedup ms", "right"),
-                      ("speedup", "right"), ("ideal", "right"), ("eff.", "right"), ("peak MiB b/d", "right"),
-                      ("status", "left")]:  # fmt: skip
+    for col, just in [
+        ("case", "left"),
+        ("phase", "left"),
+        ("baseline ms", "right"),
+        ("dedup ms", "right"),
+        ("speedup", "right"),
+        ("ideal", "right"),
+        ("eff.", "right"),
+        ("peak MiB b/d", "right"),
+        ("status", "left"),
+    ]:
         t.add_column(col, justify=just)
     for label, r in zip(labels, rows):
-        status = r["status"] if r["status"] == "ok" else f"[red]{r['status']}[/]: {escape(str(r.get('error', ''))[:60])}"
+        status = (
+            r["status"] if r["status"] == "ok" else f"[red]{r['status']}[/]: {escape(str(r.get('error', ''))[:60])}"
+        )
         mem = f"{_cell(r, 'baseline_peak_mem_mib', '{:.0f}')}/{_cell(r, 'dedup_peak_mem_mib', '{:.0f}')}"
         phase = r["phase"].replace("forward_backward", "fwd+bwd")
-        t.add_row(escape(label), phase, _cell(r, "baseline_ms_p50"), _cell(r, "dedup_ms_p50"), _speedup(r),
-                  _cell(r, "ideal_speedup"), _cell(r, "efficiency"), mem, status)  # fmt: skip
+        t.add_row(
+            escape(label),
+            phase,
+            _cell(r, "baseline_ms_p50"),
+            _cell(r, "dedup_ms_p50"),
+            _speedup(r),
+            _cell(r, "ideal_speedup"),
+            _cell(r, "efficiency"),
+            mem,
+            status,
+        )
     return t
 
 
 def _sweep(suite: Suite, out: Path, mode: str) -> list[dict]:
     """run_suite with a progress bar and a line per row."""
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        TextColumn("{task.fields[case]}"), console=console, transient=False)  # fmt: skip
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[case]}"),
+        console=console,
+        transient=False,
+    )
     task = progress.add_task(escape(suite.name), total=None, case="")
 
     def on_case(case: Case, i: int, n: int) -> None:
@@ -95,7 +121,9 @@ def _finish(rows: list[dict], out: Optional[Path], title: str) -> None:
     if out is not None:
         console.print(f"rows appended to [bold]{escape(str(out))}[/], environment in {escape(str(sidecar_path(out)))}")
     if failed:
-        console.print(f"[red]{len(failed)} row(s) failed[/] (status {', '.join(sorted({r['status'] for r in failed}))})")
+        console.print(
+            f"[red]{len(failed)} row(s) failed[/] (status {', '.join(sorted({r['status'] for r in failed}))})"
+        )
         raise typer.Exit(1)
 
 
@@ -104,13 +132,22 @@ def sweep(
     suite_file: Path = typer.Argument(..., help="Suite TOML (see suites/)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="CSV to write (default results/<suite>.csv)."),
     resume: bool = typer.Option(False, "--resume", help="Keep the CSV and skip every case+phase already done."),
-    filters: list[str] = typer.Option([], "--filter", "-k", help="Only cases matching: key=value (glob) on a case field, else a substring/glob of the case id. Repeatable (all must match)."),
-    device: Optional[str] = typer.Option(None, "--device", help="Run every case on this device (cpu or cuda) instead of the suite's."),
+    filters: list[str] = typer.Option(
+        [],
+        "--filter",
+        "-k",
+        help="Only cases matching: key=value (glob) on a case field, else a substring/glob of the case id. Repeatable (all must match).",
+    ),
+    device: Optional[str] = typer.Option(
+        None, "--device", help="Run every case on this device (cpu or cuda) instead of the suite's."
+    ),
     repeats: Optional[int] = typer.Option(None, "--repeats", help="Override the suite's timed repeats."),
     warmup: Optional[int] = typer.Option(None, "--warmup", help="Override the suite's warmup rounds."),
-    memory: Optional[bool] = typer.Option(None, "--memory/--no-memory", help="Override the suite's peak-memory setting."),
+    memory: Optional[bool] = typer.Option(
+        None, "--memory/--no-memory", help="Override the suite's peak-memory setting."
+    ),
     list_only: bool = typer.Option(False, "--list", help="Print the cases and exit."),
-) -> None:  # fmt: skip
+) -> None:
     """Run every case of a suite, each in its own process, appending one row per case and phase."""
     try:
         suite = load_suite(suite_file)
@@ -135,40 +172,80 @@ def sweep(
 
 @bench_app.command("run")
 def run(
-    model: str = typer.Option("small-qwen3", "--model", help="Preset, local checkpoint, or a model in the local HF cache."),
-    attn: Attn = typer.Option(Attn("sdpa"), "--attn", help="Attention implementation of both arms (flex_attention needs --mask; auto: zorro picks)."),
-    split: bool = typer.Option(True, "--split/--mask", help="Dedup arm: split attention (two varlen calls) or one masked call."),
-    logits_mode: LogitsMode = typer.Option(LogitsMode("compute"), "--logits-mode", help="How log-probs are computed (both arms)."),
+    model: str = typer.Option(
+        "small-qwen3", "--model", help="Preset, local checkpoint, or a model in the local HF cache."
+    ),
+    attn: Attn = typer.Option(
+        Attn("sdpa"),
+        "--attn",
+        help="Attention implementation of both arms (flex_attention needs --mask; auto: zorro picks).",
+    ),
+    split: bool = typer.Option(
+        True, "--split/--mask", help="Dedup arm: split attention (two varlen calls) or one masked call."
+    ),
+    logits_mode: LogitsMode = typer.Option(
+        LogitsMode("compute"), "--logits-mode", help="How log-probs are computed (both arms)."
+    ),
     dtype: DType = typer.Option(DType("float32"), "--dtype", help="Model dtype."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
     batch_size: int = typer.Option(8, "--batch-size", "-b", help="Rows of the batch."),
-    unique_prompts: Optional[int] = typer.Option(None, "--unique-prompts", "-u", help="Distinct prompts among the rows (default 1)."),
-    dedup_ratio: Optional[float] = typer.Option(None, "--dedup-ratio", help="Instead of --unique-prompts: the prompt dedup ratio."),
+    unique_prompts: Optional[int] = typer.Option(
+        None, "--unique-prompts", "-u", help="Distinct prompts among the rows (default 1)."
+    ),
+    dedup_ratio: Optional[float] = typer.Option(
+        None, "--dedup-ratio", help="Instead of --unique-prompts: the prompt dedup ratio."
+    ),
     prompt_len: int = typer.Option(256, "--prompt-len", "-p", help="Prompt tokens (the maximum with --padding)."),
     response_len: int = typer.Option(32, "--response-len", "-r", help="Response tokens (the maximum with --padding)."),
     padding: bool = typer.Option(False, "--padding", help="Vary lengths so rows carry padding."),
-    baseline: Baseline = typer.Option(Baseline("packed"), "--baseline", help="packed (fair: same backend, no padding) or padded (plain HF forward)."),
-    varlen_backend: Optional[str] = typer.Option(None, "--varlen-backend", help="Split-mode varlen backend (default: the one for --attn and --device)."),
+    baseline: Baseline = typer.Option(
+        Baseline("packed"), "--baseline", help="packed (fair: same backend, no padding) or padded (plain HF forward)."
+    ),
+    varlen_backend: Optional[str] = typer.Option(
+        None, "--varlen-backend", help="Split-mode varlen backend (default: the one for --attn and --device)."
+    ),
     liger: bool = typer.Option(False, "--liger", help="Apply Liger kernels before timing (GPU; else a skipped row)."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed rounds of each arm per phase."),
     repeats: int = typer.Option(5, "--repeats", help="Timed rounds per phase."),
     phases: list[Phase] = typer.Option(list(Phase), "--phase", help="Phase to time (repeatable; default both)."),
     memory: bool = typer.Option(True, "--memory/--no-memory", help="Measure peak memory."),
     threads: int = typer.Option(0, "--threads", help="torch threads (0: default)."),
-    timeout_s: float = typer.Option(600.0, "--timeout", help="Seconds the case process may run before it is a status=timeout row."),
+    timeout_s: float = typer.Option(
+        600.0, "--timeout", help="Seconds the case process may run before it is a status=timeout row."
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of the weights and the batch."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Also append the rows to this CSV."),
-) -> None:  # fmt: skip
+) -> None:
     """One case from flags."""
     if unique_prompts is None and dedup_ratio is None:
         unique_prompts = 1
     try:
-        case = Case(model=model, attn_implementation=attn.value, split_attention=split, logits_mode=logits_mode.value,
-                    dtype=dtype.value, device=device, batch_size=batch_size, num_unique_prompts=unique_prompts,
-                    prompt_dedup_ratio=dedup_ratio, prompt_len=prompt_len, response_len=response_len, padding=padding,
-                    baseline=baseline.value, varlen_backend=varlen_backend, liger=liger, seed=seed)  # fmt: skip
-        measure = Measure(warmup=warmup, repeats=repeats, phases=tuple(p.value for p in phases), memory=memory,
-                          timeout_s=timeout_s, threads=threads)  # fmt: skip
+        case = Case(
+            model=model,
+            attn_implementation=attn.value,
+            split_attention=split,
+            logits_mode=logits_mode.value,
+            dtype=dtype.value,
+            device=device,
+            batch_size=batch_size,
+            num_unique_prompts=unique_prompts,
+            prompt_dedup_ratio=dedup_ratio,
+            prompt_len=prompt_len,
+            response_len=response_len,
+            padding=padding,
+            baseline=baseline.value,
+            varlen_backend=varlen_backend,
+            liger=liger,
+            seed=seed,
+        )
+        measure = Measure(
+            warmup=warmup,
+            repeats=repeats,
+            phases=tuple(p.value for p in phases),
+            memory=memory,
+            timeout_s=timeout_s,
+            threads=threads,
+        )
     except ValueError as e:
         fail(str(e))
     suite = Suite(name="run", cases=[case], measure=measure, device=device, seed=seed)
@@ -182,5 +259,3 @@ def run(
 
 def register(app: typer.Typer) -> None:
     app.add_typer(bench_app, name="bench")
-
-

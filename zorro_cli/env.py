@@ -23,7 +23,9 @@ def env(as_json: bool = typer.Option(False, "--json", help="Print JSON instead o
     for k, v in info.items():
         if k == "varlen_backends":
             for name, why in v.items():
-                table.add_row(f"varlen backend {name}", "[green]ok[/]" if why == "ok" else f"[yellow]unavailable[/]: {why}")
+                table.add_row(
+                    f"varlen backend {name}", "[green]ok[/]" if why == "ok" else f"[yellow]unavailable[/]: {why}"
+                )
         elif k == "model_families":
             for name, how in v.items():
                 table.add_row(f"family {name}", how)

@@ -48,7 +48,7 @@ def parse_fraction(text: str) -> float:
     try:
         v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
     except ValueError:
-        raise ValueError(f"cannot read {text!r} as a fraction (use 5% or 0.05)")
+        raise ValueError(f"cannot read {text!r} as a fraction (use 5% or 0.05)") from None
     if not 0 <= v < 10:
         raise ValueError(f"threshold {text!r} is out of range")
     return v
@@ -57,11 +57,17 @@ def parse_fraction(text: str) -> float:
 @report_app.command("show")
 def show(
     results: list[Path] = typer.Argument(..., help="Result CSVs (later files win for the same case and phase)."),
-    value: str = typer.Option("speedup", "--value", help="Column to pivot: speedup, efficiency, ideal_speedup, dedup_ms_p50, ..."),
+    value: str = typer.Option(
+        "speedup", "--value", help="Column to pivot: speedup, efficiency, ideal_speedup, dedup_ms_p50, ..."
+    ),
     phase: Optional[Phase] = typer.Option(None, "--phase", help="Only this phase."),
     markdown: bool = typer.Option(False, "--markdown", help="Print the pivots as Markdown tables."),
-    csv_out: Optional[Path] = typer.Option(None, "--csv", help="Write the pivots (one row per configuration and dedup ratio) to this CSV."),
-    plots: Optional[Path] = typer.Option(None, "--plots", help="Write PNG plots (speedup, peak memory) into this directory."),
+    csv_out: Optional[Path] = typer.Option(
+        None, "--csv", help="Write the pivots (one row per configuration and dedup ratio) to this CSV."
+    ),
+    plots: Optional[Path] = typer.Option(
+        None, "--plots", help="Write PNG plots (speedup, peak memory) into this directory."
+    ),
 ) -> None:
     """Merge result CSVs and pivot `value` by prompt dedup ratio x prompt length, per configuration."""
     try:
@@ -106,8 +112,12 @@ def show(
 def compare(
     old: Path = typer.Argument(..., help="Results of the reference run."),
     new: Path = typer.Argument(..., help="Results of the run to check."),
-    fail_above: str = typer.Option("5%", "--fail-above", help="Exit 1 when a case is worse by more than this (and beyond the p20-p80 noise)."),
-    metric: Metric = typer.Option(Metric("speedup"), "--metric", help="speedup (higher is better), dedup_ms or baseline_ms (lower is better)."),
+    fail_above: str = typer.Option(
+        "5%", "--fail-above", help="Exit 1 when a case is worse by more than this (and beyond the p20-p80 noise)."
+    ),
+    metric: Metric = typer.Option(
+        Metric("speedup"), "--metric", help="speedup (higher is better), dedup_ms or baseline_ms (lower is better)."
+    ),
 ) -> None:
     """Compare two runs case by case; exit 1 on a regression beyond the threshold and the noise."""
     try:
@@ -122,8 +132,14 @@ def compare(
     for case, phase, vo, vn, change, verdict in rows:
         regressions += verdict.startswith("REGRESSION")
         style = "red" if verdict.startswith("REGRESSION") else ("green" if verdict == "improved" else "")
-        t.add_row(escape(str(case)), str(phase), "" if vo is None else f"{vo:.3f}", "" if vn is None else f"{vn:.3f}",
-                  "" if change is None else f"{change:+.1%}", f"[{style}]{verdict}[/]" if style else verdict)
+        t.add_row(
+            escape(str(case)),
+            str(phase),
+            "" if vo is None else f"{vo:.3f}",
+            "" if vn is None else f"{vn:.3f}",
+            "" if change is None else f"{change:+.1%}",
+            f"[{style}]{verdict}[/]" if style else verdict,
+        )
     console.print(t)
     if regressions:
         console.print(f"[red]{regressions} regression(s)[/]")

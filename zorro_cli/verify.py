@@ -19,8 +19,10 @@ from .choices import Layout, LogitsMode
 from .console import console, err_console, escape, fail
 
 # Column notes printed under the gradients table.
-_LEGEND = ("errors are dedup's against ref64 (each sequence alone, float64, same weights); 'base' is the baseline's "
-           "(the dtype's noise); err/tol is the worst check's error over its tolerance (> 1 fails).")
+_LEGEND = (
+    "errors are dedup's against ref64 (each sequence alone, float64, same weights); 'base' is the baseline's "
+    "(the dtype's noise); err/tol is the worst check's error over its tolerance (> 1 fails)."
+)
 
 verify_app = typer.Typer(
     help="Prove dedup: log-probs, entropy, every gradient, and training steps against a float64 per-sequence reference.",
@@ -90,35 +92,68 @@ def _short(param: str) -> str:
     return param.removeprefix("model.")
 
 
-_STYLE = {"pass": "[green]pass[/]", "fail": "[bold red]FAIL[/]", "error": "[bold red]ERROR[/]", "skip": "[yellow]skip[/]"}
+_STYLE = {
+    "pass": "[green]pass[/]",
+    "fail": "[bold red]FAIL[/]",
+    "error": "[bold red]ERROR[/]",
+    "skip": "[yellow]skip[/]",
+}
 
 
-@verify_app.command("gradients", help=(
-    "Every combination of model x attention x dtype x layout x split/mask x logits mode available here: "
-    "the deduplicated actor and the baseline against each sequence run alone in float64 (log-probs, "
-    "entropy, every parameter's gradient). Exit code 1 on any failure.\n\n" + RULE))
+@verify_app.command(
+    "gradients",
+    help=(
+        "Every combination of model x attention x dtype x layout x split/mask x logits mode available here: "
+        "the deduplicated actor and the baseline against each sequence run alone in float64 (log-probs, "
+        "entropy, every parameter's gradient). Exit code 1 on any failure.\n\n" + RULE
+    ),
+)
 def gradients(
-    models: Optional[list[str]] = typer.Option(None, "--models", help="Presets, comma-separated (default: every tiny-* preset of a supported family)."),
-    attn: Optional[list[str]] = typer.Option(None, "--attn", help=f"Attention implementations ({', '.join(ATTNS)}; default eager,sdpa and flash_attention_2 on CUDA)."),
+    models: Optional[list[str]] = typer.Option(
+        None, "--models", help="Presets, comma-separated (default: every tiny-* preset of a supported family)."
+    ),
+    attn: Optional[list[str]] = typer.Option(
+        None,
+        "--attn",
+        help=f"Attention implementations ({', '.join(ATTNS)}; default eager,sdpa and flash_attention_2 on CUDA).",
+    ),
     dtype: Optional[list[str]] = typer.Option(None, "--dtype", help=f"dtypes ({', '.join(DTYPES)}; default all)."),
-    layout: Optional[list[str]] = typer.Option(None, "--layout", help="padded (varied lengths, a lone row, a prefix prompt) and/or unpadded (default both)."),
-    mode: Optional[list[str]] = typer.Option(None, "--mode", help="split (two varlen calls) and/or mask (one masked attention) (default both)."),
-    logits_mode: Optional[list[str]] = typer.Option(None, "--logits-mode", help=f"Log-prob modes ({', '.join(LOGITS_MODES)}; default all)."),
+    layout: Optional[list[str]] = typer.Option(
+        None, "--layout", help="padded (varied lengths, a lone row, a prefix prompt) and/or unpadded (default both)."
+    ),
+    mode: Optional[list[str]] = typer.Option(
+        None, "--mode", help="split (two varlen calls) and/or mask (one masked attention) (default both)."
+    ),
+    logits_mode: Optional[list[str]] = typer.Option(
+        None, "--logits-mode", help=f"Log-prob modes ({', '.join(LOGITS_MODES)}; default all)."
+    ),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
-    factor: float = typer.Option(FACTOR, "--factor", help="Low-precision allowance: dedup error <= factor x baseline error + float64 floor."),
+    factor: float = typer.Option(
+        FACTOR, "--factor", help="Low-precision allowance: dedup error <= factor x baseline error + float64 floor."
+    ),
     seed: int = typer.Option(0, "--seed", help="Seeds weights, batches and loss weights."),
     top: int = typer.Option(5, "--top", help="Worst offenders to list."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON (rule, one object per case, summary) instead of tables."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print JSON (rule, one object per case, summary) instead of tables."
+    ),
     inject_bug: Optional[str] = typer.Option(None, "--inject-bug", hidden=True, help=_BUG_HELP),
-    lora: Optional[int] = typer.Option(None, "--lora", min=1, help="Wrap each model in a LoRA adapter of this rank (peft) and compare the adapter weights' gradients."),
+    lora: Optional[int] = typer.Option(
+        None,
+        "--lora",
+        min=1,
+        help="Wrap each model in a LoRA adapter of this rank (peft) and compare the adapter weights' gradients.",
+    ),
 ) -> None:
     from zorro_core.verify.gradients import expand_cases, verify_cases
 
     dev = _device(device)
     factor = _factor(factor)
     cases = expand_cases(
-        _models(models), _attns(attn, dev), _split(dtype, list(DTYPES), list(DTYPES), "--dtype"),
-        _split(layout, LAYOUTS, list(LAYOUTS), "--layout"), _split(mode, MODES, list(MODES), "--mode"),
+        _models(models),
+        _attns(attn, dev),
+        _split(dtype, list(DTYPES), list(DTYPES), "--dtype"),
+        _split(layout, LAYOUTS, list(LAYOUTS), "--layout"),
+        _split(mode, MODES, list(MODES), "--mode"),
         _split(logits_mode, LOGITS_MODES, list(LOGITS_MODES), "--logits-mode"),
     )
     bug = _bug(inject_bug)
@@ -135,8 +170,15 @@ def gradients(
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "error", "skip")}
     ok = counts["fail"] == counts["error"] == 0 and counts["pass"] > 0
     if as_json:
-        out = {"rule": RULE, "device": dev, "injected_bug": bug, "seconds": round(seconds, 2), "summary": counts,
-               "passed": ok, "results": [r.to_dict() for r in results]}
+        out = {
+            "rule": RULE,
+            "device": dev,
+            "injected_bug": bug,
+            "seconds": round(seconds, 2),
+            "summary": counts,
+            "passed": ok,
+            "results": [r.to_dict() for r in results],
+        }
         typer.echo(json.dumps(out, indent=2, allow_nan=False))
     else:
         _gradients_table(results, counts, seconds, dev, bug, top)
@@ -145,46 +187,77 @@ def gradients(
 
 def _gradients_table(results, counts, seconds, dev, bug, top) -> None:
     table = Table(title=f"zorro verify gradients ({dev})" + (f" [red]with injected bug {bug}[/]" if bug else ""))
-    for col, just in (("case", "left"), ("log-prob err", "right"), ("base", "right"), ("entropy err", "right"),
-                      ("worst parameter", "left"), ("grad rel err", "right"), ("base", "right"),
-                      ("err/tol", "right"), ("", "left")):
+    for col, just in (
+        ("case", "left"),
+        ("log-prob err", "right"),
+        ("base", "right"),
+        ("entropy err", "right"),
+        ("worst parameter", "left"),
+        ("grad rel err", "right"),
+        ("base", "right"),
+        ("err/tol", "right"),
+        ("", "left"),
+    ):
         table.add_column(col, justify=just, no_wrap=col == "case")
     for r in results:
         if r.dedup is None:
             table.add_row(escape(r.case.name), "-", "-", "-", escape(r.reason[:60]), "-", "-", "-", _STYLE[r.status])
             continue
         name, g = r.dedup.worst_param
-        table.add_row(escape(r.case.name), _e(r.dedup.log_prob), _e(r.baseline.log_prob), _e(r.dedup.entropy), _short(name), _e(g),
-                      _e(r.baseline.grads.get(name, float("nan"))), f"{r.worst_ratio:.2f}", _STYLE[r.status])
+        table.add_row(
+            escape(r.case.name),
+            _e(r.dedup.log_prob),
+            _e(r.baseline.log_prob),
+            _e(r.dedup.entropy),
+            _short(name),
+            _e(g),
+            _e(r.baseline.grads.get(name, float("nan"))),
+            f"{r.worst_ratio:.2f}",
+            _STYLE[r.status],
+        )
     console.print(table)
     console.print(_LEGEND)
-    ranked = sorted((r for r in results if r.status in ("fail", "error", "pass")),
-                    key=lambda r: (r.status != "error", -(r.worst_ratio if not math.isnan(r.worst_ratio) else math.inf)))
+    ranked = sorted(
+        (r for r in results if r.status in ("fail", "error", "pass")),
+        key=lambda r: (r.status != "error", -(r.worst_ratio if not math.isnan(r.worst_ratio) else math.inf)),
+    )
     if ranked and top > 0:
         console.print("[bold]Worst offenders[/] (error / tolerance; > 1 fails):")
         for r in ranked[:top]:
             detail = r.reason if r.status != "pass" else f"{r.worst_check}"
             ratio = "crashed" if r.status == "error" else f"{r.worst_ratio:.3g}"
             console.print(f"  {_STYLE[r.status]} {escape(r.case.name)}: {ratio}  {escape(str(detail))}")
-    console.print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['error']} errors, "
-                  f"{counts['skip']} skipped in {seconds:.0f} s. Rule: `zorro verify gradients --help`.")
+    console.print(
+        f"{counts['pass']} passed, {counts['fail']} failed, {counts['error']} errors, "
+        f"{counts['skip']} skipped in {seconds:.0f} s. Rule: `zorro verify gradients --help`."
+    )
 
 
-@verify_app.command("training", help=(
-    "K AdamW steps of a GRPO-style loss (group-normalised advantages, clipped ratio, entropy bonus) "
-    "from the same weights on the same batches: ref64 (per sequence, float64), baseline and dedup; "
-    "parameters compared after every step. Exit code 1 on divergence.\n\n" + TRAIN_RULE))
+@verify_app.command(
+    "training",
+    help=(
+        "K AdamW steps of a GRPO-style loss (group-normalised advantages, clipped ratio, entropy bonus) "
+        "from the same weights on the same batches: ref64 (per sequence, float64), baseline and dedup; "
+        "parameters compared after every step. Exit code 1 on divergence.\n\n" + TRAIN_RULE
+    ),
+)
 def training(
     steps: int = typer.Option(5, "--steps", help="AdamW steps."),
-    models: Optional[list[str]] = typer.Option(None, "--models", help="Presets, comma-separated (default: every tiny-* preset of a supported family)."),
+    models: Optional[list[str]] = typer.Option(
+        None, "--models", help="Presets, comma-separated (default: every tiny-* preset of a supported family)."
+    ),
     attn: Optional[list[str]] = typer.Option(None, "--attn", help="Attention implementations (default sdpa)."),
     dtype: Optional[list[str]] = typer.Option(None, "--dtype", help=f"dtypes ({', '.join(DTYPES)}; default all)."),
-    layout: Layout = typer.Option(Layout("padded"), "--layout", help="Batch layout: padded (varied lengths) or unpadded."),
+    layout: Layout = typer.Option(
+        Layout("padded"), "--layout", help="Batch layout: padded (varied lengths) or unpadded."
+    ),
     mode: Optional[list[str]] = typer.Option(None, "--mode", help="split and/or mask (default split)."),
     logits_mode: LogitsMode = typer.Option(LogitsMode("compute"), "--logits-mode", help="Log-prob mode."),
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
-    factor: float = typer.Option(TRAIN_FACTOR, "--factor", help="Allowance: dedup drift <= factor x baseline drift + floor."),
+    factor: float = typer.Option(
+        TRAIN_FACTOR, "--factor", help="Allowance: dedup drift <= factor x baseline drift + floor."
+    ),
     seed: int = typer.Option(0, "--seed", help="Seeds weights, batches and rewards."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     inject_bug: Optional[str] = typer.Option(None, "--inject-bug", hidden=True, help=_BUG_HELP),
@@ -198,28 +271,75 @@ def training(
     dev = _device(device)
     factor = _factor(factor)
     bug = _bug(inject_bug)
-    configs = [TrainConfig(model=m, attn=a, dtype=d, split=s == "split", logits_mode=logits_mode.value, layout=layout.value,
-                           steps=steps, lr=lr, seed=seed)
-               for m in _models(models) for d in _split(dtype, list(DTYPES), list(DTYPES), "--dtype")
-               for a in _split(attn, ATTNS, ["sdpa"], "--attn") for s in _split(mode, MODES, ["split"], "--mode")]
+    configs = [
+        TrainConfig(
+            model=m,
+            attn=a,
+            dtype=d,
+            split=s == "split",
+            logits_mode=logits_mode.value,
+            layout=layout.value,
+            steps=steps,
+            lr=lr,
+            seed=seed,
+        )
+        for m in _models(models)
+        for d in _split(dtype, list(DTYPES), list(DTYPES), "--dtype")
+        for a in _split(attn, ATTNS, ["sdpa"], "--attn")
+        for s in _split(mode, MODES, ["split"], "--mode")
+    ]
     results = []
     t0 = time.perf_counter()
     with err_console.status("training") as status:
         for i, cfg in enumerate(configs, 1):
             name = escape(f"[{i}/{len(configs)}] {cfg.model}/{cfg.attn}/{cfg.dtype}/{'split' if cfg.split else 'mask'}")
             status.update(name)
-            results.append(verify_training(cfg, device=dev, factor=factor, bug=bug,
-                                           on_step=lambda s, n=name: status.update(f"{n} step {s.step}")))
+            results.append(
+                verify_training(
+                    cfg,
+                    device=dev,
+                    factor=factor,
+                    bug=bug,
+                    on_step=lambda s, n=name: status.update(f"{n} step {s.step}"),
+                )
+            )
     seconds = time.perf_counter() - t0
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "error", "skip")}
     ok = counts["fail"] == counts["error"] == 0 and counts["pass"] > 0
     if as_json:
-        typer.echo(json.dumps({"rule": TRAIN_RULE, "device": dev, "injected_bug": bug, "seconds": round(seconds, 2),
-                               "summary": counts, "passed": ok, "results": [r.to_dict() for r in results]}, indent=2, allow_nan=False))
+        typer.echo(
+            json.dumps(
+                {
+                    "rule": TRAIN_RULE,
+                    "device": dev,
+                    "injected_bug": bug,
+                    "seconds": round(seconds, 2),
+                    "summary": counts,
+                    "passed": ok,
+                    "results": [r.to_dict() for r in results],
+                },
+                indent=2,
+                allow_nan=False,
+            )
+        )
         raise typer.Exit(0 if ok else 1)
-    table = Table(title=f"zorro verify training ({dev}, {steps} AdamW steps, lr {lr:g})" + (f" [red]with injected bug {bug}[/]" if bug else ""))
-    for col in ("run", "step", "loss ref64", "loss base", "loss dedup", "clipped", "drift base", "drift dedup",
-                "dedup vs base", "tolerance", ""):
+    table = Table(
+        title=f"zorro verify training ({dev}, {steps} AdamW steps, lr {lr:g})"
+        + (f" [red]with injected bug {bug}[/]" if bug else "")
+    )
+    for col in (
+        "run",
+        "step",
+        "loss ref64",
+        "loss base",
+        "loss dedup",
+        "clipped",
+        "drift base",
+        "drift dedup",
+        "dedup vs base",
+        "tolerance",
+        "",
+    ):
         table.add_column(col, justify="left" if col in ("run", "") else "right", no_wrap=col == "run")
     for r in results:
         c = r.config
@@ -227,17 +347,31 @@ def training(
         if not r.steps:
             table.add_row(name, "-", "-", "-", "-", "-", "-", "-", "-", escape(r.reason[:50]), _STYLE[r.status])
         for s in r.steps:
-            table.add_row(name if s.step == 1 else "", str(s.step), f"{s.loss_ref:.5f}", f"{s.loss_baseline:.5f}",
-                          f"{s.loss_dedup:.5f}", f"{s.clip_fraction:.0%}", _e(s.drift_baseline), _e(s.drift_dedup),
-                          _e(s.dedup_vs_baseline), _e(s.tolerance), _STYLE["pass" if s.passed else "fail"],
-                          end_section=s.step == len(r.steps))
+            table.add_row(
+                name if s.step == 1 else "",
+                str(s.step),
+                f"{s.loss_ref:.5f}",
+                f"{s.loss_baseline:.5f}",
+                f"{s.loss_dedup:.5f}",
+                f"{s.clip_fraction:.0%}",
+                _e(s.drift_baseline),
+                _e(s.drift_dedup),
+                _e(s.dedup_vs_baseline),
+                _e(s.tolerance),
+                _STYLE["pass" if s.passed else "fail"],
+                end_section=s.step == len(r.steps),
+            )
         if r.status == "error":
-            table.add_row(name, "-", "-", "-", "-", "-", "-", "-", "-", escape(r.reason[:50]), _STYLE["error"], end_section=True)
+            table.add_row(
+                name, "-", "-", "-", "-", "-", "-", "-", "-", escape(r.reason[:50]), _STYLE["error"], end_section=True
+            )
     console.print(table)
     for r in results:
         if r.status in ("fail", "error"):
             console.print(f"  {_STYLE[r.status]} {r.config.model}/{r.config.dtype}: {escape(r.reason)}")
-    console.print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['error']} errors, {counts['skip']} skipped "
-                  f"in {seconds:.0f} s. drift = |theta - theta_ref64| / |theta_ref64 - theta_0| over all parameters; "
-                  "rule: `zorro verify training --help`.")
+    console.print(
+        f"{counts['pass']} passed, {counts['fail']} failed, {counts['error']} errors, {counts['skip']} skipped "
+        f"in {seconds:.0f} s. drift = |theta - theta_ref64| / |theta_ref64 - theta_0| over all parameters; "
+        "rule: `zorro verify training --help`."
+    )
     raise typer.Exit(0 if ok else 1)

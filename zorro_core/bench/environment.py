@@ -11,9 +11,9 @@ def environment() -> dict:
     import torch
     import transformers
 
+    from zorro_core.attention.backends import BACKENDS, backend_unavailable
     from zorro_core.models.families import family_support
     from zorro_core.models.support import SUPPORTED_MODEL_TYPES
-    from zorro_core.attention.backends import BACKENDS, backend_unavailable
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     info = {
@@ -52,7 +52,7 @@ def stack_support(device: str) -> dict:
     scaling = "dynamic loss scaling" if policy.loss_scaling else "no loss scaling"
     return {
         "precision": f"{str(policy.compute_dtype).removeprefix('torch.')} compute, {scaling}, "
-                     f"float32 weights/grads/optimizer state ({policy.reason})",
+        f"float32 weights/grads/optimizer state ({policy.reason})",
         "attn auto": f"{choice.implementation} ({choice.reason})",
         "liger": liger_unavailable("qwen3", device) or "ok",
         "lora": lora_unavailable(None, device) or "ok",

@@ -10,8 +10,18 @@ from pathlib import Path
 from zorro_core.bench.measure import format_speedup
 
 # Columns that define a configuration: one pivot table (and one plot) per combination.
-GROUP_COLUMNS = ["model", "attn_implementation", "split_attention", "logits_mode", "dtype", "device", "batch_size",
-                 "response_len", "padding", "baseline_kind"]
+GROUP_COLUMNS = [
+    "model",
+    "attn_implementation",
+    "split_attention",
+    "logits_mode",
+    "dtype",
+    "device",
+    "batch_size",
+    "response_len",
+    "padding",
+    "baseline_kind",
+]
 KEY = ["case_id", "phase"]
 
 
@@ -47,8 +57,10 @@ def group_title(key: tuple) -> str:
     d = dict(zip(GROUP_COLUMNS + ["phase"], key))
     split = "split" if str(d["split_attention"]).lower() == "true" else "mask"
     pad = ", padded lengths" if str(d["padding"]).lower() == "true" else ""
-    return (f"{d['model']} {d['attn_implementation']}/{split} logits={d['logits_mode']} {d['dtype']} {d['device']} "
-            f"B={d['batch_size']} R={d['response_len']}{pad} vs {d['baseline_kind'] or 'baseline'}: {d['phase']}")
+    return (
+        f"{d['model']} {d['attn_implementation']}/{split} logits={d['logits_mode']} {d['dtype']} {d['device']} "
+        f"B={d['batch_size']} R={d['response_len']}{pad} vs {d['baseline_kind'] or 'baseline'}: {d['phase']}"
+    )
 
 
 def pivots(df, value: str = "speedup"):
@@ -108,7 +120,9 @@ def plot(df, out_dir: Path) -> list[Path]:
     for key, g in ok.groupby(GROUP_COLUMNS, sort=True, dropna=False):
         phases = [p for p in ("forward", "forward_backward") if p in set(g["phase"])]
         title = group_title(tuple(key) + ("",)).rsplit(":", 1)[0]
-        name = _slug(f"{key[0]}_{key[1]}_{'split' if str(key[2]).lower() == 'true' else 'mask'}_{key[3]}_{key[4]}_{key[5]}_b{key[6]}_r{key[7]}")
+        name = _slug(
+            f"{key[0]}_{key[1]}_{'split' if str(key[2]).lower() == 'true' else 'mask'}_{key[3]}_{key[4]}_{key[5]}_b{key[6]}_r{key[7]}"
+        )
         fig, axes = plt.subplots(1, len(phases), figsize=(5.5 * len(phases), 4.2), squeeze=False)
         for ax, phase in zip(axes[0], phases):
             gp = g[g["phase"] == phase]
@@ -127,7 +141,11 @@ def plot(df, out_dir: Path) -> list[Path]:
             ax.legend(title="dashed: ideal (FLOPs)\nband: p20-p80", fontsize=8, title_fontsize=7)
         written.append(_save(fig, title, out_dir / f"speedup_{name}.png"))
 
-        mem = g.dropna(subset=["baseline_peak_mem_mib", "dedup_peak_mem_mib"]) if "dedup_peak_mem_mib" in g else g.iloc[0:0]
+        mem = (
+            g.dropna(subset=["baseline_peak_mem_mib", "dedup_peak_mem_mib"])
+            if "dedup_peak_mem_mib" in g
+            else g.iloc[0:0]
+        )
         if mem.empty:
             continue
         fig, axes = plt.subplots(1, len(phases), figsize=(5.5 * len(phases), 4.2), squeeze=False)
@@ -135,7 +153,14 @@ def plot(df, out_dir: Path) -> list[Path]:
             gp = mem[mem["phase"] == phase]
             for i, (plen, gl) in enumerate(sorted(gp.groupby("prompt_len"), key=lambda x: x[0])):
                 gl = gl.sort_values("ratio")
-                ax.plot(gl["ratio"], gl["baseline_peak_mem_mib"], "s--", color=f"C{i}", alpha=0.7, label=f"baseline P={plen}")
+                ax.plot(
+                    gl["ratio"],
+                    gl["baseline_peak_mem_mib"],
+                    "s--",
+                    color=f"C{i}",
+                    alpha=0.7,
+                    label=f"baseline P={plen}",
+                )
                 ax.plot(gl["ratio"], gl["dedup_peak_mem_mib"], "o-", color=f"C{i}", label=f"dedup P={plen}")
             kind = ", ".join(sorted(set(gp["peak_mem_kind"].astype(str))))
             ax.set_xlabel("prompt dedup ratio")

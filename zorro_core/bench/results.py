@@ -15,15 +15,57 @@ from typing import Any
 
 # The required columns, in this order, then the extra ones.
 REQUIRED_COLUMNS = [
-    "case_id", "model", "attn_implementation", "split_attention", "logits_mode", "dtype", "device", "batch_size",
-    "num_unique_prompts", "prompt_len", "response_len", "prompt_dedup_ratio", "token_redundancy", "phase",
-    "baseline_ms_p50", "dedup_ms_p50", "baseline_ms_p20", "baseline_ms_p80", "dedup_ms_p20", "dedup_ms_p80",
-    "speedup", "speedup_err", "baseline_tokens_per_s", "dedup_tokens_per_s", "baseline_peak_mem_mib",
-    "dedup_peak_mem_mib", "peak_mem_kind", "ideal_speedup", "efficiency", "status", "error",
+    "case_id",
+    "model",
+    "attn_implementation",
+    "split_attention",
+    "logits_mode",
+    "dtype",
+    "device",
+    "batch_size",
+    "num_unique_prompts",
+    "prompt_len",
+    "response_len",
+    "prompt_dedup_ratio",
+    "token_redundancy",
+    "phase",
+    "baseline_ms_p50",
+    "dedup_ms_p50",
+    "baseline_ms_p20",
+    "baseline_ms_p80",
+    "dedup_ms_p20",
+    "dedup_ms_p80",
+    "speedup",
+    "speedup_err",
+    "baseline_tokens_per_s",
+    "dedup_tokens_per_s",
+    "baseline_peak_mem_mib",
+    "dedup_peak_mem_mib",
+    "peak_mem_kind",
+    "ideal_speedup",
+    "efficiency",
+    "status",
+    "error",
 ]
 EXTRA_COLUMNS = [
-    "baseline_kind", "dedup_kind", "speedup_p20", "speedup_p80", "n", "warmup", "repeats", "threads", "padding",
-    "logical_tokens", "unique_tokens", "baseline_gflops", "dedup_gflops", "seed", "liger", "liger_kernels", "logits_memory_budget_mib", "finished_utc",
+    "baseline_kind",
+    "dedup_kind",
+    "speedup_p20",
+    "speedup_p80",
+    "n",
+    "warmup",
+    "repeats",
+    "threads",
+    "padding",
+    "logical_tokens",
+    "unique_tokens",
+    "baseline_gflops",
+    "dedup_gflops",
+    "seed",
+    "liger",
+    "liger_kernels",
+    "logits_memory_budget_mib",
+    "finished_utc",
 ]
 COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS
 
@@ -77,7 +119,8 @@ class ResultWriter:
     def append(self, row: dict[str, Any]) -> None:
         with self.path.open("a", newline="") as f:
             csv.DictWriter(f, fieldnames=self.columns, extrasaction="ignore").writerow(
-                {k: ("" if row.get(k) is None else row.get(k, "")) for k in self.columns})
+                {k: ("" if row.get(k) is None else row.get(k, "")) for k in self.columns}
+            )
             f.flush()
             os.fsync(f.fileno())
 
@@ -124,4 +167,3 @@ def update_last_run(path: str | Path, **fields: Any) -> None:
     if data.get("runs"):
         data["runs"][-1].update(fields)
         path.write_text(json.dumps(data, indent=2, default=str) + "\n")
-

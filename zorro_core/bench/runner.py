@@ -23,9 +23,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from zorro_core.core.cost import ModelShape, compare_plans
 from zorro_core.bench.measure import CPU_PEAK_KIND, Stats, peak_memory_mib, speedup, summarize, time_interleaved
 from zorro_core.bench.suite import PHASES, Case, Measure
+from zorro_core.core.cost import ModelShape, compare_plans
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,16 +41,25 @@ def model_config(name: str):
     try:
         return AutoConfig.from_pretrained(name, local_files_only=True)
     except Exception as e:
-        raise ValueError(f"cannot resolve model {name!r} (not a preset, a local checkpoint or in the local HF cache; "
-                         f"nothing is downloaded). Presets: {', '.join(PRESETS)}") from e
+        raise ValueError(
+            f"cannot resolve model {name!r} (not a preset, a local checkpoint or in the local HF cache; "
+            f"nothing is downloaded). Presets: {', '.join(PRESETS)}"
+        ) from e
 
 
 def make_batch(case: Case, vocab_size: int, device: str = "cpu"):
     from zorro_core.core.batch import create_dummy_batch
 
-    return create_dummy_batch(batch_size=case.batch_size, num_unique_prompts=case.num_unique_prompts,
-                              prompt_len=case.prompt_len, response_len=case.response_len, vocab_size=vocab_size,
-                              device=device, seed=case.seed, vary_lengths=case.padding)
+    return create_dummy_batch(
+        batch_size=case.batch_size,
+        num_unique_prompts=case.num_unique_prompts,
+        prompt_len=case.prompt_len,
+        response_len=case.response_len,
+        vocab_size=vocab_size,
+        device=device,
+        seed=case.seed,
+        vary_lengths=case.padding,
+    )
 
 
 @dataclass
@@ -78,8 +87,10 @@ def case_workload(case: Case) -> Workload:
     base, dedup = build_dedup_plan(batch, dedup=False), build_dedup_plan(batch, dedup=True)
     cmp = compare_plans(ModelShape.from_config(config), base, dedup, case.logits_mode)
     return Workload(
-        logical_tokens=dedup.logical_tokens, unique_tokens=dedup.num_tokens,
-        prompt_dedup_ratio=dedup.prompt_dedup_ratio, token_redundancy=dedup.token_redundancy,
+        logical_tokens=dedup.logical_tokens,
+        unique_tokens=dedup.num_tokens,
+        prompt_dedup_ratio=dedup.prompt_dedup_ratio,
+        token_redundancy=dedup.token_redundancy,
         ideal_speedup={p: cmp.ideal_speedup(p) for p in PHASES},
         baseline_gflops={p: cmp.baseline.phase(p) / 1e9 for p in PHASES},
         dedup_gflops={p: cmp.dedup.phase(p) / 1e9 for p in PHASES},
@@ -91,6 +102,7 @@ class CaseSkipped(Exception):
 
 
 # ---------------------------------------------------------------- inside the case process
+
 
 class _Bench:
     """Model, batch and the two actors of a case, built inside the case process."""
@@ -108,10 +120,12 @@ class _Bench:
         if attn == "auto":  # resolved once, the same for both arms (zorro_core.stack.auto's rule)
             from zorro_core.stack.auto import choose_attention
 
-            attn = choose_attention(self.device, _DTYPES[case.dtype], case.prompt_len + case.response_len,
-                                    case.split_attention).implementation
-        self.model = load_model(case.model, device=self.device, dtype=_DTYPES[case.dtype],
-                                attn_implementation=attn, seed=case.seed)
+            attn = choose_attention(
+                self.device, _DTYPES[case.dtype], case.prompt_len + case.response_len, case.split_attention
+            ).implementation
+        self.model = load_model(
+            case.model, device=self.device, dtype=_DTYPES[case.dtype], attn_implementation=attn, seed=case.seed
+        )
         self.model.eval()  # no dropout; gradients still flow
         self.liger_kernels = ""
         if case.liger:  # before the actors: liger swaps the instance's modules (and RoPE module-wide)
@@ -123,18 +137,26 @@ class _Bench:
             self.liger_kernels = ",".join(apply_liger(self.model).applied)
         self.batch = make_batch(case, self.model.config.vocab_size, device=str(self.device))
         self.n_response = int(self.batch.response_mask.sum())
-        common = dict(model=self.model, attn_implementation=attn, logits_mode=case.logits_mode,
-                      logits_memory_budget_mib=case.logits_memory_budget_mib)
+        common = dict(
+            model=self.model,
+            attn_implementation=attn,
+            logits_mode=case.logits_mode,
+            logits_memory_budget_mib=case.logits_memory_budget_mib,
+        )
         self.actors: dict[str, Any] = {}
         if "baseline" in arms:
             if case.baseline == "padded":
                 self.actors["baseline"] = BaselineActor(padded=True, **common)
             else:
-                self.actors["baseline"] = BaselineActor(use_split_attention=True, varlen_backend=case.varlen_backend, **common)
+                self.actors["baseline"] = BaselineActor(
+                    use_split_attention=True, varlen_backend=case.varlen_backend, **common
+                )
         if "dedup" in arms:
-            self.actors["dedup"] = DeduplicatedActor(use_split_attention=case.split_attention,
-                                                     varlen_backend=case.varlen_backend if case.split_attention else None,
-                                                     **common)
+            self.actors["dedup"] = DeduplicatedActor(
+                use_split_attention=case.split_attention,
+                varlen_backend=case.varlen_backend if case.split_attention else None,
+                **common,
+            )
 
     def baseline_kind(self) -> str:
         a = self.actors["baseline"]
@@ -232,9 +254,13 @@ def timing_process(case: Case, measure: Measure, fault: Optional[str], conn) -> 
     try:
         _apply_fault(fault)
         bench = _Bench(case, measure.threads)
-        out: dict[str, Any] = {"baseline_kind": bench.baseline_kind(), "dedup_kind": bench.dedup_kind(),
-                               "liger_kernels": bench.liger_kernels,
-                               "threads": torch.get_num_threads(), "phases": {}}
+        out: dict[str, Any] = {
+            "baseline_kind": bench.baseline_kind(),
+            "dedup_kind": bench.dedup_kind(),
+            "liger_kernels": bench.liger_kernels,
+            "threads": torch.get_num_threads(),
+            "phases": {},
+        }
         for phase in measure.phases:
             try:
                 out["phases"][phase] = _time_phase(bench, phase, measure)
@@ -322,8 +348,9 @@ def run_isolated(target: Callable, args: tuple, timeout_s: float) -> ChildResult
         reader.close()
 
 
-def case_rows(case: Case, measure: Measure, fault: Optional[str] = None,
-              on_phase: Optional[Callable[[dict], None]] = None) -> list[dict[str, Any]]:
+def case_rows(
+    case: Case, measure: Measure, fault: Optional[str] = None, on_phase: Optional[Callable[[dict], None]] = None
+) -> list[dict[str, Any]]:
     """The result rows of a case, one per phase; failures become rows with their status."""
     base = case_base_row(case, measure)
     try:
@@ -380,39 +407,74 @@ def _emit(row: dict, on_phase: Optional[Callable[[dict], None]]) -> None:
 
 def case_base_row(case: Case, measure: Measure) -> dict[str, Any]:
     return {
-        "case_id": case.case_id, "model": case.model, "attn_implementation": case.attn_implementation,
-        "split_attention": case.split_attention, "logits_mode": case.logits_mode,
+        "case_id": case.case_id,
+        "model": case.model,
+        "attn_implementation": case.attn_implementation,
+        "split_attention": case.split_attention,
+        "logits_mode": case.logits_mode,
         "logits_memory_budget_mib": case.logits_memory_budget_mib if case.logits_memory_budget_mib is not None else "",
         "dtype": case.dtype,
-        "device": case.device, "batch_size": case.batch_size, "num_unique_prompts": case.num_unique_prompts,
-        "prompt_len": case.prompt_len, "response_len": case.response_len, "padding": case.padding,
-        "baseline_kind": "", "dedup_kind": "", "warmup": measure.warmup, "repeats": measure.repeats,
-        "threads": measure.threads or "", "seed": case.seed, "liger": case.liger, "liger_kernels": "",
+        "device": case.device,
+        "batch_size": case.batch_size,
+        "num_unique_prompts": case.num_unique_prompts,
+        "prompt_len": case.prompt_len,
+        "response_len": case.response_len,
+        "padding": case.padding,
+        "baseline_kind": "",
+        "dedup_kind": "",
+        "warmup": measure.warmup,
+        "repeats": measure.repeats,
+        "threads": measure.threads or "",
+        "seed": case.seed,
+        "liger": case.liger,
+        "liger_kernels": "",
         "peak_mem_kind": "not_measured",
     }
 
 
 def _fill_workload(row: dict, work: Workload) -> None:
-    row.update(prompt_dedup_ratio=round(work.prompt_dedup_ratio, 6), token_redundancy=round(work.token_redundancy, 6),
-               logical_tokens=work.logical_tokens, unique_tokens=work.unique_tokens)
+    row.update(
+        prompt_dedup_ratio=round(work.prompt_dedup_ratio, 6),
+        token_redundancy=round(work.token_redundancy, 6),
+        logical_tokens=work.logical_tokens,
+        unique_tokens=work.unique_tokens,
+    )
 
 
 def _phase_row(base: dict, work: Workload, phase: str, status: str, error: str = "") -> dict[str, Any]:
-    return dict(base, phase=phase, status=status, error=error, ideal_speedup=round(work.ideal_speedup[phase], 4),
-                baseline_gflops=round(work.baseline_gflops[phase], 3), dedup_gflops=round(work.dedup_gflops[phase], 3))
+    return dict(
+        base,
+        phase=phase,
+        status=status,
+        error=error,
+        ideal_speedup=round(work.ideal_speedup[phase], 4),
+        baseline_gflops=round(work.baseline_gflops[phase], 3),
+        dedup_gflops=round(work.dedup_gflops[phase], 3),
+    )
 
 
 def _fill_timing(row: dict, res: dict, work: Workload, phase: str) -> None:
     times = res.get("times", {})
     stats: dict[str, Stats] = {arm: summarize(t) for arm, t in times.items()}
     for arm, s in stats.items():
-        row.update({f"{arm}_ms_p50": round(s.p50, 3), f"{arm}_ms_p20": round(s.p20, 3), f"{arm}_ms_p80": round(s.p80, 3),
-                    f"{arm}_tokens_per_s": round(work.logical_tokens / (s.p50 / 1e3), 1)})
+        row.update(
+            {
+                f"{arm}_ms_p50": round(s.p50, 3),
+                f"{arm}_ms_p20": round(s.p20, 3),
+                f"{arm}_ms_p80": round(s.p80, 3),
+                f"{arm}_tokens_per_s": round(work.logical_tokens / (s.p50 / 1e3), 1),
+            }
+        )
         row["n"] = s.n
     if len(stats) == 2:
         sp = speedup(times["baseline"], times["dedup"])
-        row.update(speedup=round(sp.value, 4), speedup_err=round(sp.err, 4) if math.isfinite(sp.err) else "", speedup_p20=round(sp.p20, 4),
-                   speedup_p80=round(sp.p80, 4), efficiency=round(sp.value / work.ideal_speedup[phase], 4))
+        row.update(
+            speedup=round(sp.value, 4),
+            speedup_err=round(sp.err, 4) if math.isfinite(sp.err) else "",
+            speedup_p20=round(sp.p20, 4),
+            speedup_p80=round(sp.p80, 4),
+            efficiency=round(sp.value / work.ideal_speedup[phase], 4),
+        )
     for arm in ("baseline", "dedup"):
         if f"{arm}_peak_mib" in res:
             row[f"{arm}_peak_mem_mib"] = round(res[f"{arm}_peak_mib"], 1)
@@ -427,7 +489,9 @@ def _fill_cpu_memory(row: dict, case: Case, measure: Measure, phase: str, res: d
     notes = []
     arms = [a for a in ("baseline", "dedup") if a in res.get("times", {})]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda a: run_isolated(memory_process, (case, measure, a, phase), measure.timeout_s), arms))
+        results = list(
+            pool.map(lambda a: run_isolated(memory_process, (case, measure, a, phase), measure.timeout_s), arms)
+        )
     for arm, mem in zip(arms, results):
         if mem.status == "ok" and "peak_mib" in mem.payload:
             row[f"{arm}_peak_mem_mib"] = round(mem.payload["peak_mib"], 1)

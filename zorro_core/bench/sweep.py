@@ -32,9 +32,15 @@ def git_state() -> dict[str, Any]:
     """Commit and dirty flag of the checkout the code runs from (None outside git)."""
     root = Path(__file__).resolve().parents[2]
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=10
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
         ).stdout.strip()
         return {"git_sha": sha or None, "git_dirty": bool(dirty) if sha else None}
     except (OSError, subprocess.SubprocessError):
