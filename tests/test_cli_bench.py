@@ -144,6 +144,7 @@ def test_bench_run_one_case_from_flags(tmp_path):
     rows = read_rows(out)
     assert len(rows) == 1 and rows[0]["status"] == "ok" and rows[0]["baseline_kind"] == "packed_varlen_reference"
     assert rows[0]["case_id"] == "tiny-qwen3:eager:split:compute:float32:cpu:b4u2p12r3"
+    assert rows[0]["threads"] == "1"  # one thread unless --threads says otherwise, as in the suites (issue 15 #7)
     res = runner.invoke(app, args + ["--dedup-ratio", "0.5", "--mask"])
     assert res.exit_code == 0, res.output
     assert ":mask:" in res.output and "\U0001f637" not in res.output  # an id, not rich's :mask: emoji
@@ -170,7 +171,7 @@ def test_liger_case_is_skipped_with_the_reason_here(tmp_path):
     assert [r["status"] for r in rows] == ["skipped", "skipped"] and "CUDA" in rows[0]["error"] and rows[0]["liger"] is True
     # In the case process (where a GPU case is checked, with the model on its device) it is a skip too.
     reader, writer = mp.Pipe(duplex=False)
-    timing_process(case, Measure(repeats=1, memory=False), None, writer)
+    timing_process(case, Measure(repeats=1, memory=False), None, ("baseline", "dedup"), writer)
     payload = reader.recv()
     assert payload["status"] == "skipped" and payload["error"].startswith("Liger kernels")
     # A sweep writes the column and does not fail on the skipped case.

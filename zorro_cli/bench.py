@@ -4,6 +4,7 @@ The sweep itself is zorro_core.bench.sweep; this module parses arguments and pri
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -13,13 +14,17 @@ from rich.table import Table
 
 from zorro_core.bench.measure import format_speedup
 from zorro_core.bench.results import sidecar_path
-from zorro_core.bench.runner import case_rows
+from zorro_core.bench.runner import ARMS, case_rows, model_config, refused_arms
 from zorro_core.bench.suite import Case, Measure, Suite, load_suite
 from zorro_core.bench.sweep import FAILED, run_suite
 
 from .choices import Attn, Baseline, DType, LogitsMode, Phase
 from .console import console, escape, fail, warn
 
+MAX_MEMORY_HELP = (
+    "Memory a case may take, as 16GiB (default: what the machine has available). A case estimated "
+    "past it is refused before running, a case process that grows past it is stopped: status=oom."
+)
 bench_app = typer.Typer(help="Time the deduplicated actor against the packed baseline.", no_args_is_help=True)
 
 
@@ -86,7 +91,22 @@ def results_table(rows: list[dict], title: str) -> Table:
     return t
 
 
-def _sweep(suite: Suite, out: Path, mode: str) -> list[dict]:
+_UNITS = {"": None, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+
+
+def parse_size(text: Optional[str]) -> Optional[int]:
+    """'512MiB', '4G', '1.5GiB' -> bytes (K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB of 1000)."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = _UNITS.get(m.group(2).lower()) if m else None
+    if m is None or unit is None or float(m.group(1)) <= 0:
+        fail(f"--max-memory {text!r}: give a size > 0 with a unit, as 512MiB, 4GiB or 16G")
+    return int(float(m.group(1)) * unit)
+
+
+def _sweep(suite: Suite, out: Path, mode: str, max_memory: Optional[int]) -> list[dict]:
     """run_suite with a progress bar and a line per row."""
     progress = Progress(
         TextColumn("[bold]{task.description}"),
@@ -109,7 +129,7 @@ def _sweep(suite: Suite, out: Path, mode: str) -> list[dict]:
         )
 
     with progress:
-        rows = run_suite(suite, out, mode=mode, notify=warn, on_case=on_case, on_row=on_row)
+        rows = run_suite(suite, out, mode=mode, notify=warn, on_case=on_case, on_row=on_row, max_memory=max_memory)
         progress.update(task, completed=progress.tasks[0].total or 0)
     return rows
 
@@ -147,6 +167,7 @@ def sweep(
         None, "--memory/--no-memory", help="Override the suite's peak-memory setting."
     ),
     list_only: bool = typer.Option(False, "--list", help="Print the cases and exit."),
+    max_memory: Optional[str] = typer.Option(None, "--max-memory", help=MAX_MEMORY_HELP),
 ) -> None:
     """Run every case of a suite, each in its own process, appending one row per case and phase."""
     try:
@@ -166,7 +187,7 @@ def sweep(
     if not suite.cases:
         fail("no case matches the filters")
     out = out or Path("results") / f"{suite.name}.csv"
-    rows = _sweep(suite, out, mode="resume" if resume else "replace")
+    rows = _sweep(suite, out, mode="resume" if resume else "replace", max_memory=parse_size(max_memory))
     _finish(rows, out, f"zorro bench sweep {suite.name}")
 
 
@@ -209,12 +230,17 @@ def run(
     repeats: int = typer.Option(5, "--repeats", help="Timed rounds per phase."),
     phases: list[Phase] = typer.Option(list(Phase), "--phase", help="Phase to time (repeatable; default both)."),
     memory: bool = typer.Option(True, "--memory/--no-memory", help="Measure peak memory."),
-    threads: int = typer.Option(0, "--threads", help="torch threads (0: default)."),
+    threads: int = typer.Option(
+        1,
+        "--threads",
+        help="torch threads in the case process (default 1, as in the suites: on a loaded machine OpenMP threads stall each other; 0: torch's default).",
+    ),
     timeout_s: float = typer.Option(
         600.0, "--timeout", help="Seconds the case process may run before it is a status=timeout row."
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of the weights and the batch."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Also append the rows to this CSV."),
+    max_memory: Optional[str] = typer.Option(None, "--max-memory", help=MAX_MEMORY_HELP),
 ) -> None:
     """One case from flags."""
     if unique_prompts is None and dedup_ratio is None:
@@ -246,14 +272,17 @@ def run(
             timeout_s=timeout_s,
             threads=threads,
         )
+        refused = refused_arms(case, model_config(case.model), measure.phases, limit := parse_size(max_memory))
     except ValueError as e:
         fail(str(e))
+    if len(refused) == len(ARMS):
+        fail(f"{case.case_id}: {refused['dedup']}")
     suite = Suite(name="run", cases=[case], measure=measure, device=device, seed=seed)
     if out is not None:
-        rows = _sweep(suite, out, mode="append")
+        rows = _sweep(suite, out, mode="append", max_memory=limit)
     else:
         with console.status(f"running {escape(case.case_id)}"):
-            rows = case_rows(case, measure)
+            rows = case_rows(case, measure, max_memory=limit)
     _finish(rows, out, "zorro bench run")
 
 

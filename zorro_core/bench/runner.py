@@ -1,5 +1,10 @@
 """Run one benchmark case in fresh processes and turn it into result rows (one per phase).
 
+- Before anything is allocated, the case's memory is estimated from its shapes
+  (footprint.py): an arm that cannot fit is refused with the figure (status=oom), the other
+  still runs. Nothing of the case is built in the sweep's process: the workload (batch and
+  plans, for the ideal speedup) is computed in a case process too (isolation.py: timeout,
+  memory watchdog, no orphans).
 - The timing process builds the model, the batch and both actors, then times baseline and
   dedup interleaved for each phase (a speedup is a ratio from one run). On CUDA it also
   reads max_memory_allocated for each arm.
@@ -7,25 +12,26 @@
 - A raise, an out-of-memory, a crash or a timeout becomes the case's status; the caller goes on.
 - A case that cannot run here (CUDA absent; Liger where liger_unavailable says why) is a
   status=skipped row with the reason, not an error.
-Processes come from a fork server that has imported torch and transformers once, so a case
-pays for building its model, not for the imports. The server never touches CUDA.
 """
 
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
+from zorro_core.bench.footprint import case_footprint, too_large
+from zorro_core.bench.isolation import ChildResult, die_with_parent, run_isolated
 from zorro_core.bench.measure import CPU_PEAK_KIND, Stats, peak_memory_mib, speedup, summarize, time_interleaved
 from zorro_core.bench.suite import PHASES, Case, Measure
 from zorro_core.core.cost import ModelShape, compare_plans
+
+ARMS = ("baseline", "dedup")
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -107,7 +113,7 @@ class CaseSkipped(Exception):
 class _Bench:
     """Model, batch and the two actors of a case, built inside the case process."""
 
-    def __init__(self, case: Case, threads: int, arms: tuple[str, ...] = ("baseline", "dedup")) -> None:
+    def __init__(self, case: Case, threads: int, arms: tuple[str, ...] = ARMS) -> None:
         from zorro_core.core.actor import BaselineActor, DeduplicatedActor
         from zorro_core.models.support import load_model
 
@@ -159,13 +165,17 @@ class _Bench:
             )
 
     def baseline_kind(self) -> str:
-        a = self.actors["baseline"]
+        a = self.actors.get("baseline")
+        if a is None:
+            return ""
         if getattr(a, "padded", False):
             return f"padded_hf_{a.attn_implementation}"
         return f"packed_varlen_{a.varlen_backend}"
 
     def dedup_kind(self) -> str:
-        a = self.actors["dedup"]
+        a = self.actors.get("dedup")
+        if a is None:
+            return ""
         return f"split_{a.varlen_backend}" if a.use_split_attention else f"mask_{a.attn_implementation}"
 
     def step(self, arm: str, phase: str) -> Callable[[], None]:
@@ -200,20 +210,26 @@ def _status_of(e: BaseException) -> str:
 
 
 def _apply_fault(fault: Optional[str]) -> None:
-    """Test hook: make the case process fail on purpose ("raise", "exit", "sleep")."""
+    """Test hook: make the case process fail on purpose ("raise", "exit", "sleep", "grow": take
+    memory 64 MiB at a time, up to 4 GiB, as a blow-up the estimate did not foresee)."""
     if fault == "raise":
         raise RuntimeError("injected fault")
     if fault == "exit":
         os._exit(3)
     if fault == "sleep":
         time.sleep(3600)
+    if fault == "grow":
+        held = []
+        for _ in range(64):
+            held.append(bytearray(64 * 2**20))  # zero-filled: the pages are touched, resident
+            time.sleep(0.05)
 
 
 def _time_phase(bench: _Bench, phase: str, measure: Measure) -> dict[str, Any]:
     """Warm up each arm (dropping an arm that runs out of memory), then time them interleaved."""
     res: dict[str, Any] = {"status": "ok", "error": ""}
     arms = {}
-    for arm in ("baseline", "dedup"):
+    for arm in bench.actors:
         fn = bench.step(arm, phase)
         oom = False
         try:
@@ -249,11 +265,23 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def timing_process(case: Case, measure: Measure, fault: Optional[str], conn) -> None:
+def workload_process(case: Case, conn) -> None:
+    """Entry point of the workload process: sends the case's Workload as a dict, or {"error": text}."""
+    die_with_parent()
+    try:
+        conn.send({"workload": asdict(case_workload(case))})
+    except BaseException as e:
+        conn.send({"error": _error_text(e), "status": _status_of(e)})
+    finally:
+        conn.close()
+
+
+def timing_process(case: Case, measure: Measure, fault: Optional[str], arms: tuple[str, ...], conn) -> None:
     """Entry point of the timing process: sends {phase: result} or {"error": text}."""
+    die_with_parent()
     try:
         _apply_fault(fault)
-        bench = _Bench(case, measure.threads)
+        bench = _Bench(case, measure.threads, arms=arms)
         out: dict[str, Any] = {
             "baseline_kind": bench.baseline_kind(),
             "dedup_kind": bench.dedup_kind(),
@@ -278,6 +306,7 @@ def timing_process(case: Case, measure: Measure, fault: Optional[str], conn) -> 
 
 def memory_process(case: Case, measure: Measure, arm: str, phase: str, conn) -> None:
     """Entry point of a CPU memory process: one cold run of one arm and phase."""
+    die_with_parent()
     try:
         bench = _Bench(case, measure.threads, arms=(arm,))
         fn = bench.step(arm, phase)
@@ -293,73 +322,48 @@ def memory_process(case: Case, measure: Measure, arm: str, phase: str, conn) -> 
 
 # ---------------------------------------------------------------- in the parent
 
-_CTX: Optional[mp.context.BaseContext] = None
+
+def refused_arms(case: Case, config, phases: tuple[str, ...], max_memory: Optional[int]) -> dict[str, str]:
+    """{arm: why} for each arm whose memory estimate (footprint.py) cannot fit."""
+    out = {}
+    for arm in ARMS:
+        why = too_large(case_footprint(case, config, phases, arm), max_memory, case.device)
+        if why:
+            out[arm] = f"refused before running: {why}"
+    return out
 
 
-def _context() -> mp.context.BaseContext:
-    global _CTX
-    if _CTX is None:
-        if "forkserver" in mp.get_all_start_methods():
-            _CTX = mp.get_context("forkserver")
-            _CTX.set_forkserver_preload(["zorro_core.bench.runner", "zorro_core.core.actor"])
-        else:  # pragma: no cover (macOS/Windows)
-            _CTX = mp.get_context("spawn")
-    return _CTX
-
-
-@dataclass
-class ChildResult:
-    """What came back from a case process."""
-
-    status: str
-    payload: dict = field(default_factory=dict)
-    error: str = ""
-
-
-def run_isolated(target: Callable, args: tuple, timeout_s: float) -> ChildResult:
-    """Run target(*args, conn) in a fresh process; a timeout, crash or kill becomes the status."""
-    ctx = _context()
-    reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=target, args=(*args, writer), daemon=True)
-    proc.start()
-    writer.close()
-    try:
-        if not reader.poll(timeout_s):
-            proc.kill()
-            proc.join()
-            return ChildResult("timeout", error=f"no result within {timeout_s:g} s; process killed")
-        try:
-            payload = reader.recv()
-        except EOFError:
-            proc.join()
-            code = proc.exitcode
-            why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            if code == -9:
-                why += " (likely out of memory: the kernel's OOM killer sends SIGKILL)"
-            return ChildResult("crashed", error=f"case process died without a result: {why}")
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        if "error" in payload and "phases" not in payload:
-            return ChildResult(payload.get("status", "error"), payload, payload["error"])
-        return ChildResult("ok", payload)
-    finally:
-        reader.close()
+def _workload(case: Case, measure: Measure, max_memory: Optional[int]) -> tuple[Optional[Workload], ChildResult]:
+    res = run_isolated(workload_process, (case,), measure.timeout_s, max_memory)
+    return (Workload(**res.payload["workload"]) if res.status == "ok" else None), res
 
 
 def case_rows(
-    case: Case, measure: Measure, fault: Optional[str] = None, on_phase: Optional[Callable[[dict], None]] = None
+    case: Case,
+    measure: Measure,
+    fault: Optional[str] = None,
+    on_phase: Optional[Callable[[dict], None]] = None,
+    max_memory: Optional[int] = None,
 ) -> list[dict[str, Any]]:
-    """The result rows of a case, one per phase; failures become rows with their status."""
+    """The result rows of a case, one per phase; failures become rows with their status.
+    max_memory: bytes a case may take (None: what the machine has available)."""
     base = case_base_row(case, measure)
-    try:
-        work = case_workload(case)
-    except Exception as e:
-        rows = [dict(base, phase=p, status="error", error=_error_text(e)) for p in measure.phases]
+
+    def failed(status: str, error: str) -> list[dict[str, Any]]:
+        rows = [dict(base, phase=p, status=status, error=error) for p in measure.phases]
         for r in rows:
             _emit(r, on_phase)
         return rows
+
+    try:
+        refused = refused_arms(case, model_config(case.model), measure.phases, max_memory)
+    except Exception as e:
+        return failed("error", _error_text(e))
+    if len(refused) == len(ARMS):
+        return failed("oom", refused["dedup"])
+    work, res = _workload(case, measure, max_memory)
+    if work is None:
+        return failed(res.status, res.error)
     _fill_workload(base, work)
     why = skip_reason(case)
     if why:
@@ -368,7 +372,8 @@ def case_rows(
             rows.append(_phase_row(base, work, p, status="skipped", error=why))
             _emit(rows[-1], on_phase)
         return rows
-    timing = run_isolated(timing_process, (case, measure, fault), measure.timeout_s)
+    arms = tuple(a for a in ARMS if a not in refused)
+    timing = run_isolated(timing_process, (case, measure, fault, arms), measure.timeout_s, max_memory)
     base["liger_kernels"] = timing.payload.get("liger_kernels", "")
     base["baseline_kind"] = timing.payload.get("baseline_kind", "")
     base["dedup_kind"] = timing.payload.get("dedup_kind", "")
@@ -379,10 +384,14 @@ def case_rows(
             row = _phase_row(base, work, phase, status=timing.status, error=timing.error)
         else:
             res = timing.payload["phases"][phase]
-            row = _phase_row(base, work, phase, status=res["status"], error=res.get("error", ""))
+            status, errors = res["status"], [res.get("error", "")]
+            for arm, why in refused.items():
+                status = "oom" if status == "ok" else status
+                errors.append(f"{arm}: {why}")
+            row = _phase_row(base, work, phase, status=status, error="; ".join(e for e in errors if e))
             _fill_timing(row, res, work, phase)
             if measure.memory and not case.device.startswith("cuda"):
-                _fill_cpu_memory(row, case, measure, phase, res)
+                _fill_cpu_memory(row, case, measure, phase, res, max_memory)
         rows.append(row)
         _emit(row, on_phase)
     return rows
@@ -481,7 +490,7 @@ def _fill_timing(row: dict, res: dict, work: Workload, phase: str) -> None:
             row["peak_mem_kind"] = res["peak_mem_kind"]
 
 
-def _fill_cpu_memory(row: dict, case: Case, measure: Measure, phase: str, res: dict) -> None:
+def _fill_cpu_memory(row: dict, case: Case, measure: Measure, phase: str, res: dict, max_memory: Optional[int]) -> None:
     """One fresh process per arm for this phase (only arms that ran), the two side by side:
     a peak RSS is per process, so they do not disturb each other's figure (timing is done)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -490,7 +499,9 @@ def _fill_cpu_memory(row: dict, case: Case, measure: Measure, phase: str, res: d
     arms = [a for a in ("baseline", "dedup") if a in res.get("times", {})]
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(
-            pool.map(lambda a: run_isolated(memory_process, (case, measure, a, phase), measure.timeout_s), arms)
+            pool.map(
+                lambda a: run_isolated(memory_process, (case, measure, a, phase), measure.timeout_s, max_memory), arms
+            )
         )
     for arm, mem in zip(arms, results):
         if mem.status == "ok" and "peak_mib" in mem.payload:

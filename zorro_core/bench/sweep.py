@@ -96,11 +96,14 @@ def run_suite(
     notify: Callable[[str], None] = _nothing,
     on_case: Callable[[Case, int, int], None] = _nothing,
     on_row: Callable[[dict], None] = _nothing,
+    max_memory: Optional[int] = None,
 ) -> list[dict]:
     """Run the suite, appending rows to `out` as they finish; the rows written.
 
     mode: one of MODES. notify(text): a plain-text notice (backup made, cases skipped);
-    on_case(case, i, n): case i of n starts; on_row(row): a row was written."""
+    on_case(case, i, n): case i of n starts; on_row(row): a row was written.
+    max_memory: bytes a case may take (its estimate is refused past it, its process stopped past
+    it); None: what the machine has available."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     out = Path(out)
@@ -138,7 +141,7 @@ def run_suite(
             phases = tuple(p for p in measure.phases if (case.case_id, p) not in done)
             if phases != measure.phases:
                 measure = Measure(**{**dataclasses.asdict(measure), "phases": phases})
-            case_rows(case, measure, fault=fault, on_phase=emit)
+            case_rows(case, measure, fault=fault, on_phase=emit, max_memory=max_memory)
         update_last_run(sidecar_path(out), finished_utc=now_utc(), loadavg_end=loadavg(), rows_written=len(rows))
     return rows
 
