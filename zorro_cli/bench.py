@@ -129,7 +129,10 @@ def _sweep(suite: Suite, out: Path, mode: str, max_memory: Optional[int]) -> lis
         )
 
     with progress:
-        rows = run_suite(suite, out, mode=mode, notify=warn, on_case=on_case, on_row=on_row, max_memory=max_memory)
+        try:
+            rows = run_suite(suite, out, mode=mode, notify=warn, on_case=on_case, on_row=on_row, max_memory=max_memory)
+        except ValueError as e:  # the results file is locked by another sweep, damaged, or not ours
+            fail(str(e))
         progress.update(task, completed=progress.tasks[0].total or 0)
     return rows
 

@@ -3,11 +3,13 @@ plot speedup and memory, compare two runs case by case (`zorro report` prints th
 
 from __future__ import annotations
 
+import io
 import math
 import re
 from pathlib import Path
 
 from zorro_core.bench.measure import format_speedup
+from zorro_core.bench.results import parse_results, read_results_text
 
 # Columns that define a configuration: one pivot table (and one plot) per combination.
 GROUP_COLUMNS = [
@@ -26,14 +28,19 @@ KEY = ["case_id", "phase"]
 
 
 def load_results(paths: list[Path]):
-    """All rows of the CSVs, the last row of each (case_id, phase) kept."""
+    """All rows of the CSVs, the last row of each (case_id, phase) kept. ValueError naming the
+    file when one is missing, a directory, empty, binary, damaged (a cut or ragged line) or not
+    a zorro results CSV."""
     import pandas as pd
 
     frames = []
     for p in paths:
-        if not Path(p).is_file():
-            raise ValueError(f"results file {str(p)!r} not found")
-        df = pd.read_csv(p, keep_default_na=False, na_values=[""])
+        text = read_results_text(p)
+        parse_results(p)  # every line whole, with the header's number of fields
+        try:
+            df = pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=[""])
+        except (pd.errors.ParserError, pd.errors.EmptyDataError) as e:
+            raise ValueError(f"{p}: not a readable CSV ({str(e).strip()})") from None
         missing = [c for c in KEY + ["status"] if c not in df.columns]
         if missing:
             raise ValueError(f"{p} is not a zorro results CSV (missing columns {missing})")

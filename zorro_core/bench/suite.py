@@ -93,13 +93,10 @@ class Case:
         if (self.num_unique_prompts is None) == (self.prompt_dedup_ratio is None):
             raise ValueError("give exactly one of num_unique_prompts and prompt_dedup_ratio")
         if self.logits_memory_budget_mib is not None and not (
-            isinstance(self.logits_memory_budget_mib, (int, float)) and self.logits_memory_budget_mib > 0
-        ):
+                isinstance(self.logits_memory_budget_mib, (int, float)) and self.logits_memory_budget_mib > 0):
             raise ValueError(f"logits_memory_budget_mib must be > 0, got {self.logits_memory_budget_mib!r}")
         if self.num_unique_prompts is not None and not 1 <= self.num_unique_prompts <= self.batch_size:
-            raise ValueError(
-                f"num_unique_prompts must be in [1, batch_size={self.batch_size}], got {self.num_unique_prompts}"
-            )
+            raise ValueError(f"num_unique_prompts must be in [1, batch_size={self.batch_size}], got {self.num_unique_prompts}")
         if self.prompt_dedup_ratio is not None:
             if not 0 <= self.prompt_dedup_ratio < 1:
                 raise ValueError(f"prompt_dedup_ratio must be in [0, 1), got {self.prompt_dedup_ratio}")
@@ -111,15 +108,8 @@ class Case:
     @property
     def case_id(self) -> str:
         """Stable id of the case (the resume key, with the phase)."""
-        parts = [
-            self.model,
-            self.attn_implementation,
-            "split" if self.split_attention else "mask",
-            self.logits_mode,
-            self.dtype,
-            self.device,
-            f"b{self.batch_size}u{self.num_unique_prompts}p{self.prompt_len}r{self.response_len}",
-        ]
+        parts = [self.model, self.attn_implementation, "split" if self.split_attention else "mask", self.logits_mode,
+                 self.dtype, self.device, f"b{self.batch_size}u{self.num_unique_prompts}p{self.prompt_len}r{self.response_len}"]
         if self.padding:
             parts.append("pad")
         if self.baseline != "packed":
@@ -273,13 +263,8 @@ def parse_suite(data: dict[str, Any], source: Optional[str] = None, name: Option
     if "prompt_dedup_ratio" not in defaults:
         defaults.setdefault("num_unique_prompts", 1)
     return Suite(
-        name=data.get("name") or name or "suite",
-        cases=expand(defaults, grids),
-        measure=Measure(**measure_t),
-        description=data.get("description", ""),
-        device=device,
-        seed=seed,
-        source=source,
+        name=data.get("name") or name or "suite", cases=expand(defaults, grids), measure=Measure(**measure_t),
+        description=data.get("description", ""), device=device, seed=seed, source=source,
     )
 
 

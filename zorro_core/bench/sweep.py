@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from zorro_core.bench.environment import environment
-from zorro_core.bench.results import ResultWriter, done_keys, sidecar_path, update_last_run, write_sidecar
+from zorro_core.bench.results import (
+    ResultsLock,
+    ResultWriter,
+    backup,
+    done_keys,
+    sidecar_path,
+    update_last_run,
+    write_sidecar,
+)
 from zorro_core.bench.runner import case_rows
 from zorro_core.bench.suite import Case, Measure, Suite
 
@@ -107,12 +115,9 @@ def run_suite(
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     out = Path(out)
-    if True:
+    with ResultsLock(out):
         if out.exists() and mode == "replace":
-            kept = out.with_name(out.name + ".bak")
-            out.replace(kept)
-            if sidecar_path(out).exists():
-                sidecar_path(out).replace(out.with_name(out.stem + ".json.bak"))
+            kept = backup(out)
             notify(f"starting {out} afresh; the old one is now {kept} (--resume continues a file instead)")
         done = done_keys(out) if mode == "resume" else set()
         todo = [c for c in suite.cases if any((c.case_id, p) not in done for p in suite.measure.phases)]
