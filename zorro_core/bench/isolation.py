@@ -8,9 +8,9 @@
   when it started, or when the machine itself is about to run out (MemAvailable under a
   reserve), the process is killed and the result is status=oom, before the machine swaps or
   freezes.
-- Every case process asks the kernel for SIGKILL when its parent (the fork server) dies, and
-  the fork server exits when the sweep does (its end of a pipe closes): a killed sweep leaves
-  no process computing on (the resource tracker exits once the last of them is gone).
+- Every case process ends as soon as the sweep does (die_with); the fork server then exits
+  (its last client is gone), and the resource tracker with them: a killed sweep leaves no
+  process computing on.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import select
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -45,16 +47,48 @@ def context() -> mp.context.BaseContext:
     return _CTX
 
 
-def die_with_parent() -> None:
-    """In a case process: be killed when the parent goes (Linux prctl); if it is gone already, go."""
-    parent = os.getppid()
+def die_with(sweep_pid: int) -> None:
+    """In a case process: end as soon as the sweep `sweep_pid` ends, however it ends.
+
+    The fork server cannot do it: each process it forks holds the fork server's "alive" pipe, so
+    the server waits for its children while they compute on. So a thread waits on the sweep's
+    pidfd (readable when it exits; polled where pidfds are missing) and ends this process; and
+    the kernel ends it with the fork server (PR_SET_PDEATHSIG), should that go first."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # pragma: no cover (not Linux)
         pass
-    if os.getppid() != parent:  # the parent went between the two reads: nobody waits for us
-        os._exit(1)
+    threading.Thread(target=_end_with, args=(sweep_pid,), name="end-with-sweep", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _end_with(pid: int) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        select.select([fd], [], [])
+    else:  # pragma: no cover (kernels before 5.3)
+        while _alive(pid):
+            time.sleep(POLL_S)
+    os._exit(1)
+
+
+def _entry(target: Callable, sweep_pid: int, *args) -> None:
+    """What a case process runs: target(*args), ended with the sweep."""
+    die_with(sweep_pid)
+    target(*args)
 
 
 def rss_of(pid: int) -> Optional[int]:
@@ -117,7 +151,7 @@ def run_isolated(target: Callable, args: tuple, timeout_s: float, max_memory: Op
     becomes the status. `max_memory`: bytes the process may grow by (None: what the machine has)."""
     ctx = context()
     reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=target, args=(*args, writer), daemon=True)
+    proc = ctx.Process(target=_entry, args=(target, os.getpid(), *args, writer), daemon=True)
     proc.start()
     writer.close()
     try:

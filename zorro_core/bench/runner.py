@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from zorro_core.bench.footprint import case_footprint, too_large
-from zorro_core.bench.isolation import ChildResult, die_with_parent, run_isolated
+from zorro_core.bench.isolation import ChildResult, run_isolated
 from zorro_core.bench.measure import CPU_PEAK_KIND, Stats, peak_memory_mib, speedup, summarize, time_interleaved
 from zorro_core.bench.suite import PHASES, Case, Measure
 from zorro_core.core.cost import ModelShape, compare_plans
@@ -267,7 +267,6 @@ def _free(device: torch.device) -> None:
 
 def workload_process(case: Case, conn) -> None:
     """Entry point of the workload process: sends the case's Workload as a dict, or {"error": text}."""
-    die_with_parent()
     try:
         conn.send({"workload": asdict(case_workload(case))})
     except BaseException as e:
@@ -278,7 +277,6 @@ def workload_process(case: Case, conn) -> None:
 
 def timing_process(case: Case, measure: Measure, fault: Optional[str], arms: tuple[str, ...], conn) -> None:
     """Entry point of the timing process: sends {phase: result} or {"error": text}."""
-    die_with_parent()
     try:
         _apply_fault(fault)
         bench = _Bench(case, measure.threads, arms=arms)
@@ -306,7 +304,6 @@ def timing_process(case: Case, measure: Measure, fault: Optional[str], arms: tup
 
 def memory_process(case: Case, measure: Measure, arm: str, phase: str, conn) -> None:
     """Entry point of a CPU memory process: one cold run of one arm and phase."""
-    die_with_parent()
     try:
         bench = _Bench(case, measure.threads, arms=(arm,))
         fn = bench.step(arm, phase)
