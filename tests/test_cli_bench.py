@@ -185,3 +185,23 @@ def test_liger_case_is_skipped_with_the_reason_here(tmp_path):
     assert res.exit_code == 0, res.output
     got = read_rows(out)
     assert [(r["liger"], r["status"]) for r in got] == [("True", "skipped")] * 2 and "need a CUDA GPU" in got[0]["error"]
+
+
+def test_suite_errors_keep_their_brackets(tmp_path):
+    """Rich read "[measure]" as markup and printed "in ;" (issue 15, item 9)."""
+    suite = tmp_path / "bad.toml"
+    suite.write_text(TINY.read_text().replace("repeats = 3", "repeats = 3\nrepeat = 2"))
+    res = sweep(suite, "--list")
+    assert res.exit_code == 2 and "unknown key 'repeat' in [measure]; did you mean 'repeats'?" in " ".join(res.output.split())
+    suite.write_text(TINY.read_text().replace("num_unique_prompts = [1, 4]", "num_unique_prompt = [1, 4]"))
+    res = sweep(suite, "--list")
+    assert res.exit_code == 2 and "in [[grid]] #1" in res.output
+
+
+def test_an_unknown_model_is_found_when_the_suite_loads(tmp_path):
+    suite = tmp_path / "typo.toml"
+    suite.write_text(TINY.read_text().replace('model = "tiny-qwen3"', 'model = "tiny-qwen33"'))
+    out = tmp_path / "typo.csv"
+    res = sweep(suite, "--out", out)
+    assert res.exit_code == 2 and "cannot resolve model 'tiny-qwen33'" in " ".join(res.output.split())
+    assert not out.exists()  # nothing ran, nothing written

@@ -81,3 +81,17 @@ def test_lora_compares_adapter_gradients_and_can_fail():
     case = json.loads(res.output)["results"][0]
     assert "lora_A" in case["dedup"]["worst_param"] or "lora_B" in case["dedup"]["worst_param"]
     assert invoke("gradients", *args, "--inject-bug", "wrong_prompt").exit_code == 1
+
+
+@pytest.mark.parametrize("args,reason", [
+    (["--factor", "-1"], "--factor must be a finite number > 0, got -1"),
+    (["--factor", "0"], "--factor must be a finite number > 0, got 0"),
+    (["--device", "tpu"], "--device 'tpu' is not a device zorro runs on"),
+    (["--models", ""], "--models is empty"),
+])  # fmt: skip
+def test_bad_values_are_refused_with_the_reason(args, reason):
+    """Issue 15, items 4, 6 and 10: a negative factor passed, tpu was a traceback, "" ran nothing."""
+    for command in ("gradients", "training"):
+        res = invoke(command, *args)
+        assert res.exit_code == 2 and reason in " ".join(res.output.split()), (command, res.output)
+        assert "Traceback" not in res.output

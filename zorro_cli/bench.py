@@ -16,7 +16,7 @@ from zorro_core.bench.measure import format_speedup
 from zorro_core.bench.results import sidecar_path
 from zorro_core.bench.runner import ARMS, case_rows, model_config, refused_arms
 from zorro_core.bench.suite import Case, Measure, Suite, load_suite
-from zorro_core.bench.sweep import FAILED, run_suite
+from zorro_core.bench.sweep import FAILED, run_suite, unresolved_models
 
 from .choices import Attn, Baseline, DType, LogitsMode, Phase
 from .console import console, escape, fail, warn
@@ -189,6 +189,9 @@ def sweep(
         return
     if not suite.cases:
         fail("no case matches the filters")
+    unknown = unresolved_models(suite.cases)
+    if unknown:
+        fail(f"{suite_file}: " + "; ".join(unknown.values()))
     out = out or Path("results") / f"{suite.name}.csv"
     rows = _sweep(suite, out, mode="resume" if resume else "replace", max_memory=parse_size(max_memory))
     _finish(rows, out, f"zorro bench sweep {suite.name}")

@@ -25,7 +25,7 @@ from zorro_core.bench.results import (
     update_last_run,
     write_sidecar,
 )
-from zorro_core.bench.runner import case_rows
+from zorro_core.bench.runner import case_rows, model_config
 from zorro_core.bench.suite import Case, Measure, Suite
 
 MODES = ("replace", "resume", "append")
@@ -90,6 +90,18 @@ def run_record(suite: Suite) -> dict[str, Any]:
         "loadavg_start": loadavg(),
         "environment": environment(),
     }
+
+
+def unresolved_models(cases: list[Case]) -> dict[str, str]:
+    """{model: why} for each model of `cases` that resolves to no config (checked when a suite
+    loads, so that a typo is not found only when its case runs)."""
+    out = {}
+    for name in dict.fromkeys(c.model for c in cases):
+        try:
+            model_config(name)
+        except ValueError as e:
+            out[name] = str(e)
+    return out
 
 
 def _nothing(*_: Any) -> None:

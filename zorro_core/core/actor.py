@@ -7,6 +7,7 @@ fair baseline), or with `padded=True` as the plain HF forward trainers run today
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -90,6 +91,8 @@ class _Actor:
         self.model = model
         self.parts = model_parts(model)
         self.device = next(model.parameters()).device
+        # Backends, the "auto" choice and the batch's device follow from these: checked every call.
+        self._built_for = (self.device, next(model.parameters()).dtype)
         self.attn_implementation = attn_implementation or model.config._attn_implementation or "sdpa"
         self.attn_choice = auto_choice or AttentionChoice(
             self.attn_implementation, "requested explicitly" if attn_implementation else "the model's own attention implementation")
@@ -122,8 +125,24 @@ class _Actor:
     def plan(self, batch: RolloutBatch) -> DedupPlan:
         return build_dedup_plan(batch.to(self.device), dedup=self.dedup, vocab_size=self.vocab_size)
 
+    def check_call(self, temperature: float) -> None:
+        """Refuse a temperature that is not a finite number > 0, and a model moved or cast since
+        the actor was built (its backends and attention choice were made for the old one)."""
+        try:
+            t = float(temperature)
+        except (TypeError, ValueError):
+            t = math.nan
+        if not (math.isfinite(t) and t > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        p = next(self.model.parameters())
+        if (p.device, p.dtype) != self._built_for:
+            was, now = self._built_for, (p.device, p.dtype)
+            raise ValueError(f"the model was moved or cast after the actor was built ({was[0]}, {was[1]} -> {now[0]}, "
+                             f"{now[1]}); build a new actor for it")
+
     def forward(self, batch: RolloutBatch, temperature: float = 1.0, calculate_entropy: bool = False) -> ActorOutput:
         """Log-probs (and optionally entropy) of every response token, differentiable."""
+        self.check_call(temperature)
         check_trainable_state(self.model)
         plan = self.plan(batch)  # validates the batch, token ids against the vocabulary included
         mode = "split" if self.use_split_attention else "mask"
@@ -193,6 +212,7 @@ class BaselineActor(_Actor):
         if self.parts.num_linear_layers:
             raise UnsupportedModelError("the padded baseline does not support linear-attention layers (padding would "
                                         "enter their recurrent state); use BaselineActor(padded=False)")
+        self.check_call(temperature)
         batch = batch.to(self.device)
         batch.validate(vocab_size=self.vocab_size)
         check_trainable_state(self.model)
