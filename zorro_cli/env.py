@@ -9,7 +9,7 @@ from rich.table import Table
 
 from zorro_core.bench.environment import environment
 
-from .console import console
+from .console import console, escape
 
 
 def env(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
@@ -28,7 +28,7 @@ def env(as_json: bool = typer.Option(False, "--json", help="Print JSON instead o
                 )
         elif k == "model_families":
             for name, how in v.items():
-                table.add_row(f"family {name}", how)
+                table.add_row(f"family {name}", escape(str(how)))
         else:
-            table.add_row(k, str(v))
+            table.add_row(k, escape(str(v)))
     console.print(table)
