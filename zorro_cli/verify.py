@@ -7,13 +7,25 @@ import math
 import time
 from typing import Optional
 
+import torch
 import typer
 from rich.table import Table
 
 from zorro_core.core.logprobs import LOGITS_MODES
 from zorro_core.models.support import PRESETS
-from zorro_core.verify.gradients import ATTNS, BUGS, DTYPES, FACTOR, LAYOUTS, MODES, RULE, tiny_models
-from zorro_core.verify.training import TRAIN_FACTOR, TRAIN_RULE
+from zorro_core.verify.gradients import (
+    ATTNS,
+    BUGS,
+    DTYPES,
+    FACTOR,
+    LAYOUTS,
+    MODES,
+    RULE,
+    expand_cases,
+    tiny_models,
+    verify_cases,
+)
+from zorro_core.verify.training import TRAIN_FACTOR, TRAIN_RULE, TrainConfig, verify_training
 
 from .choices import Layout, LogitsMode
 from .console import console, err_console, escape, fail
@@ -54,8 +66,6 @@ def _models(values: Optional[list[str]]) -> list[str]:
 
 
 def _device(device: Optional[str]) -> str:
-    import torch
-
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     kind, _, index = device.partition(":")
@@ -144,8 +154,6 @@ def gradients(
         help="Wrap each model in a LoRA adapter of this rank (peft) and compare the adapter weights' gradients.",
     ),
 ) -> None:
-    from zorro_core.verify.gradients import expand_cases, verify_cases
-
     dev = _device(device)
     factor = _factor(factor)
     cases = expand_cases(
@@ -262,8 +270,6 @@ def training(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     inject_bug: Optional[str] = typer.Option(None, "--inject-bug", hidden=True, help=_BUG_HELP),
 ) -> None:
-    from zorro_core.verify.training import TrainConfig, verify_training
-
     if steps < 1:
         fail(f"--steps must be >= 1, got {steps}")
     if not (math.isfinite(lr) and lr > 0):

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import platform
 
+import torch
+import transformers
+
+from zorro_core.attention.backends import BACKENDS, backend_unavailable
+from zorro_core.models.families import family_support
+from zorro_core.models.support import SUPPORTED_MODEL_TYPES
+from zorro_core.stack.auto import choose_attention
+from zorro_core.stack.liger import liger_unavailable
+from zorro_core.stack.lora import LoraSettings, lora_unavailable
+from zorro_core.stack.precision import precision_policy
+
 
 def environment() -> dict:
     """Versions, devices and backend availability, as plain data (also written beside results)."""
-    import torch
-    import transformers
-
-    from zorro_core.attention.backends import BACKENDS, backend_unavailable
-    from zorro_core.models.families import family_support
-    from zorro_core.models.support import SUPPORTED_MODEL_TYPES
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     info = {
         "python": platform.python_version(),
@@ -42,11 +46,6 @@ def environment() -> dict:
 
 def stack_support(device: str) -> dict:
     """The precision policy, the "auto" attention choice, and Liger/LoRA/QLoRA, on this machine."""
-    from zorro_core.stack.auto import choose_attention
-    from zorro_core.stack.liger import liger_unavailable
-    from zorro_core.stack.lora import LoraSettings, lora_unavailable
-    from zorro_core.stack.precision import precision_policy
-
     policy = precision_policy(device)
     choice = choose_attention(device, policy.compute_dtype, None)
     scaling = "dynamic loss scaling" if policy.loss_scaling else "no loss scaling"

@@ -16,20 +16,29 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 import torch
+from transformers import AutoConfig
 
 from zorro_core.bench.footprint import case_footprint, too_large
 from zorro_core.bench.isolation import ChildResult, run_isolated
 from zorro_core.bench.measure import CPU_PEAK_KIND, Stats, peak_memory_mib, speedup, summarize, time_interleaved
 from zorro_core.bench.suite import PHASES, Case, Measure
+from zorro_core.core.actor import BaselineActor, DeduplicatedActor
+from zorro_core.core.batch import create_dummy_batch
 from zorro_core.core.cost import ModelShape, compare_plans
+from zorro_core.core.plan import build_dedup_plan
+from zorro_core.models.support import PRESETS, load_model, preset_config
+from zorro_core.stack.auto import choose_attention
+from zorro_core.stack.liger import apply_liger, liger_unavailable
 
 ARMS = ("baseline", "dedup")
 
@@ -38,12 +47,8 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 
 def model_config(name: str):
     """The config of a preset, a local checkpoint or a model in the local HF cache (no download)."""
-    from zorro_core.models.support import PRESETS, preset_config
-
     if name in PRESETS:
         return preset_config(name)
-    from transformers import AutoConfig
-
     try:
         return AutoConfig.from_pretrained(name, local_files_only=True)
     except Exception as e:
@@ -54,8 +59,6 @@ def model_config(name: str):
 
 
 def make_batch(case: Case, vocab_size: int, device: str = "cpu"):
-    from zorro_core.core.batch import create_dummy_batch
-
     return create_dummy_batch(
         batch_size=case.batch_size,
         num_unique_prompts=case.num_unique_prompts,
@@ -86,8 +89,6 @@ class Workload:
 
 def case_workload(case: Case) -> Workload:
     """Tokens, redundancy and ideal speedup of a case, from its config and batch (no weights)."""
-    from zorro_core.core.plan import build_dedup_plan
-
     config = model_config(case.model)
     batch = make_batch(case, config.vocab_size)
     base, dedup = build_dedup_plan(batch, dedup=False), build_dedup_plan(batch, dedup=True)
@@ -114,9 +115,6 @@ class _Bench:
     """Model, batch and the two actors of a case, built inside the case process."""
 
     def __init__(self, case: Case, threads: int, arms: tuple[str, ...] = ARMS) -> None:
-        from zorro_core.core.actor import BaselineActor, DeduplicatedActor
-        from zorro_core.models.support import load_model
-
         if threads:
             torch.set_num_threads(threads)
         if case.device.startswith("cuda") and not torch.cuda.is_available():
@@ -124,8 +122,6 @@ class _Bench:
         self.device = torch.device(case.device)
         attn = case.attn_implementation
         if attn == "auto":  # resolved once, the same for both arms (zorro_core.stack.auto's rule)
-            from zorro_core.stack.auto import choose_attention
-
             attn = choose_attention(
                 self.device, _DTYPES[case.dtype], case.prompt_len + case.response_len, case.split_attention
             ).implementation
@@ -135,8 +131,6 @@ class _Bench:
         self.model.eval()  # no dropout; gradients still flow
         self.liger_kernels = ""
         if case.liger:  # before the actors: liger swaps the instance's modules (and RoPE module-wide)
-            from zorro_core.stack.liger import apply_liger, liger_unavailable
-
             why = liger_unavailable(self.model)
             if why:
                 raise CaseSkipped(why)
@@ -258,8 +252,6 @@ def _time_phase(bench: _Bench, phase: str, measure: Measure) -> dict[str, Any]:
 
 
 def _free(device: torch.device) -> None:
-    import gc
-
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -400,8 +392,6 @@ def skip_reason(case: Case) -> Optional[str]:
     if case.device.startswith("cuda") and not torch.cuda.is_available():
         return f"device {case.device} is not available on this machine (no CUDA)"
     if case.liger and not case.device.startswith("cuda"):
-        from zorro_core.stack.liger import liger_unavailable
-
         return liger_unavailable(model_config(case.model).model_type, case.device)
     return None
 
@@ -490,8 +480,6 @@ def _fill_timing(row: dict, res: dict, work: Workload, phase: str) -> None:
 def _fill_cpu_memory(row: dict, case: Case, measure: Measure, phase: str, res: dict, max_memory: Optional[int]) -> None:
     """One fresh process per arm for this phase (only arms that ran), the two side by side:
     a peak RSS is per process, so they do not disturb each other's figure (timing is done)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     notes = []
     arms = [a for a in ("baseline", "dedup") if a in res.get("times", {})]
     with ThreadPoolExecutor(max_workers=2) as pool:

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
+
 from zorro_core.bench.environment import environment
 from zorro_core.bench.results import (
     ResultsLock,
@@ -164,6 +166,4 @@ def run_suite(
 
 
 def _cuda_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()
