@@ -116,6 +116,10 @@ def test_empty_and_binary_files_are_named(tmp_path, content, what):
 def test_a_directory_is_a_directory(tmp_path):
     res = runner.invoke(app, ["report", str(tmp_path)])
     assert res.exit_code == 2 and "is a directory" in res.output and "not found" not in res.output
+    (tmp_path / "out").mkdir()
+    res = runner.invoke(app, ["bench", "sweep", str(TINY), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2 and "is a directory" in res.output
+    assert (tmp_path / "out").is_dir() and not list(tmp_path.glob("*.bak"))  # not moved aside as a "backup"
 
 
 def test_backups_never_overwrite_an_earlier_backup(tmp_path):

@@ -23,10 +23,11 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from zorro_core.bench.suite import Case
 from zorro_core.core.cost import ModelShape
 
-DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 _MEMORY_MODE_DEFAULT_MIB = 256  # the actor's default chunk budget in logits_mode "memory"
 GIB = 2**30
 
@@ -72,7 +73,7 @@ def case_footprint(case: Case, config, phases: tuple[str, ...], arm: str = "base
     from its config's shapes. With padding, lengths are drawn in [P/2, P] and [1, R]: the
     bound takes the shortest."""
     shape = ModelShape.from_config(config)
-    width = DTYPE_BYTES[case.dtype]
+    width = getattr(torch, case.dtype).itemsize  # suite dtypes are torch's names
     backward = "forward_backward" in phases
     params = parameter_count(shape, bool(getattr(config, "tie_word_embeddings", False)))
     b, u = case.batch_size, case.num_unique_prompts

@@ -36,7 +36,7 @@ def load_results(paths: list[Path]):
     frames = []
     for p in paths:
         text = read_results_text(p)
-        parse_results(p)  # every line whole, with the header's number of fields
+        parse_results(p, text=text)  # every line whole, with the header's number of fields
         try:
             df = pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=[""])
         except (pd.errors.ParserError, pd.errors.EmptyDataError) as e:

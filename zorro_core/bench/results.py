@@ -134,10 +134,10 @@ def read_results_text(path: str | Path, drop_cut_line: bool = False) -> str:
     return text
 
 
-def parse_results(path: str | Path, drop_cut_line: bool = False) -> list[dict[str, str]]:
-    """The rows of a results CSV (see read_results_text); ValueError naming the file and the line
-    when a row's fields do not match the header."""
-    text = read_results_text(path, drop_cut_line)
+def parse_results(path: str | Path, drop_cut_line: bool = False, text: Optional[str] = None) -> list[dict[str, str]]:
+    """The rows of a results CSV (see read_results_text; `text`: already read); ValueError naming
+    the file and the line when a row's fields do not match the header."""
+    text = read_results_text(path, drop_cut_line) if text is None else text
     reader = csv.reader(io.StringIO(text, newline=""))
     header = next(reader, None) or []
     rows = []

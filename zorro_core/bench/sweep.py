@@ -129,6 +129,8 @@ def run_suite(
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     out = Path(out)
+    if out.is_dir():
+        raise ValueError(f"{out} is a directory; --out takes a CSV file")
     with ResultsLock(out):
         if out.exists() and mode == "replace":
             kept = backup(out)
