@@ -44,12 +44,21 @@ def _start(suite: Path, out: Path, *extra: str) -> subprocess.Popen:
 
 
 def _kill_and_check_nothing_left(proc: subprocess.Popen) -> None:
+    """Kill -9 the sweep: its case processes must end at once; the fork server and the resource
+    tracker as soon as they notice (a fork server still importing its preload modules notices
+    when the imports are done: it computes nothing meanwhile)."""
+    servers = {p for p, (pp, _) in _session(proc.pid).items() if pp == proc.pid}
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 5
-    while _session(proc.pid) and time.monotonic() < deadline:
+    while any(p not in servers for p in _session(proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _session(proc.pid), f"left running after the sweep was killed: {_session(proc.pid)}"
+    left = {p: v for p, v in _session(proc.pid).items() if p not in servers}
+    assert not left, f"case processes left running after the sweep was killed: {left}"
+    deadline = time.monotonic() + 60
+    while _session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _session(proc.pid), f"left running a minute after the sweep was killed: {_session(proc.pid)}"
 
 
 LONG_CASE = """
