@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 
+from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
 
 # Measured floor in float64: transformers runs RMSNorm and eager softmax in float32 even in a

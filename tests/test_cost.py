@@ -5,16 +5,8 @@ import pytest
 import torch
 
 from zorro_core import RolloutBatch, build_dedup_plan, create_dummy_batch
-from zorro_core.core.cost import (
-    ModelShape,
-    Workload,
-    causal_pairs,
-    compare,
-    compare_plans,
-    flops,
-    plan_workload,
-    shape_workloads,
-)
+from zorro_core.core.cost import (ModelShape, Workload, causal_pairs, compare, compare_plans, flops, plan_workload,
+                             shape_workloads)
 from zorro_core.models.support import build_model, preset_config
 
 

@@ -3,12 +3,12 @@ that names it (UnsupportedModelError, a ValueError)."""
 
 import pytest
 import torch
-from test_actor import mixed_batch
 
+from test_actor import mixed_batch
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.attention.hook import ZORRO_ATTENTION, Route, attention_implementation
-from zorro_core.core.plan import build_dedup_plan
 from zorro_core.models.support import PRESETS, UnsupportedModelError, build_model, model_parts, preset_config
+from zorro_core.core.plan import build_dedup_plan
 
 
 def fresh(name="tiny-qwen3", **overrides):

@@ -9,20 +9,13 @@ import types
 
 import pytest
 import torch
-from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
-from test_actor import mixed_batch
 
 import zorro_core.stack.liger as liger_mod
+from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
+from test_actor import mixed_batch
 from zorro_core import BaselineActor, DeduplicatedActor
+from zorro_core.stack.liger import FLCE_NOTE, LIGER_FUNCTIONS, LigerSettings, apply_liger, liger_applied, liger_unavailable
 from zorro_core.models.support import SUPPORTED_MODEL_TYPES, build_model, preset_config
-from zorro_core.stack.liger import (
-    FLCE_NOTE,
-    LIGER_FUNCTIONS,
-    LigerSettings,
-    apply_liger,
-    liger_applied,
-    liger_unavailable,
-)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GPU_REASON = liger_unavailable("qwen3", DEVICE)

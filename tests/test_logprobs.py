@@ -3,9 +3,9 @@ against each other in float32, and the memory mode's autograd function on its ow
 
 import pytest
 import torch
-from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 from torch import nn
 
+from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 from zorro_core import DeduplicatedActor, RolloutBatch, create_dummy_batch
 from zorro_core.core.logprobs import ChunkedLogProbs, chunk_size_for_budget, response_logprobs
 
@@ -164,7 +164,7 @@ def test_memory_mode_saves_no_vocab_sized_tensor():
     labels = torch.randint(0, vocab, (n,))
     for mode, expect_big in (("compute", True), ("memory", False)):
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):  # noqa: B023 (the hooks run inside this iteration)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
             response_logprobs(h, head, torch.arange(n), labels, 1.0, True, mode, chunk_size=8)
         assert (max(saved) >= n * vocab) == expect_big, (mode, max(saved))
 

@@ -7,12 +7,12 @@ and only they) must get the reference's gradient.
 
 import pytest
 import torch
+
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 from test_actor import GRAD_RTOL, LP_ATOL, mixed_batch
-
 from zorro_core import BaselineActor, DeduplicatedActor
-from zorro_core.models.support import UnsupportedModelError, build_model, model_parts, preset_config
 from zorro_core.stack.lora import LoraSettings, apply_lora, lora_unavailable, trainable_parameters, unwrap_adapters
+from zorro_core.models.support import UnsupportedModelError, build_model, model_parts, preset_config
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install 'zorro[lora]')")
 

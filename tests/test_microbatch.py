@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+
 from reference import max_rel_grad_error, token_weights
 from test_logprobs import batch_with_groups
-
 from zorro_core import BaselineActor, DeduplicatedActor
 
 LP_ATOL = 1e-6      # float64 floor (see test_actor.py): packing differs, transformers' float32 norms do not

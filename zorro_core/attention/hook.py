@@ -22,9 +22,9 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from zorro_core.attention.backends import BACKENDS, PADDED
-from zorro_core.attention.padded import cross_attention
 from zorro_core.core.plan import DedupPlan
+from zorro_core.attention.padded import cross_attention
+from zorro_core.attention.backends import BACKENDS, PADDED
 
 ZORRO_ATTENTION = "zorro"
 

@@ -14,21 +14,15 @@ from typing import Optional
 import torch
 from torch import nn
 
-from zorro_core.attention.backends import default_backend, get_backend
 from zorro_core.attention.hook import ZORRO_ATTENTION, Route, attention_implementation
+from zorro_core.stack.auto import AUTO, AttentionChoice, choose_attention
 from zorro_core.core.batch import RolloutBatch
-from zorro_core.core.logprobs import LOGITS_MODES, response_logprobs
-from zorro_core.core.plan import DedupPlan, build_dedup_plan
 from zorro_core.models.families import AUX_WEIGHTINGS, aux_loss_of, family_hooks, forward_kwargs, load_balancing_loss
 from zorro_core.models.sliding import custom_masks
-from zorro_core.models.support import (
-    UnsupportedModelError,
-    check_layers_served,
-    check_trainable_state,
-    load_model,
-    model_parts,
-)
-from zorro_core.stack.auto import AUTO, AttentionChoice, choose_attention
+from zorro_core.core.logprobs import LOGITS_MODES, response_logprobs
+from zorro_core.models.support import UnsupportedModelError, check_layers_served, check_trainable_state, load_model, model_parts
+from zorro_core.core.plan import DedupPlan, build_dedup_plan
+from zorro_core.attention.backends import default_backend, get_backend
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

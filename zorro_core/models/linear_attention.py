@@ -35,8 +35,8 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from zorro_core.core.plan import DedupPlan, _cu, _ranges
 from zorro_core.models.support import LINEAR_LAYER_TYPES, UnsupportedModelError
+from zorro_core.core.plan import DedupPlan, _cu, _ranges
 
 DEFAULT_CHUNK = 64
 _CONV_FN = "causal_conv1d_fn"

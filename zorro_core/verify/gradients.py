@@ -24,8 +24,8 @@ from torch import nn
 from zorro_core.core.actor import BaselineActor, DeduplicatedActor
 from zorro_core.core.batch import RolloutBatch, create_dummy_batch
 from zorro_core.core.logprobs import LOGITS_MODES
-from zorro_core.core.plan import DedupPlan, build_dedup_plan
 from zorro_core.models.support import PRESETS, SUPPORTED_MODEL_TYPES, build_model, preset_config
+from zorro_core.core.plan import DedupPlan, build_dedup_plan
 from zorro_core.verify.reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
 
 # Measured float64 floor (transformers keeps RMSNorm, RoPE and eager softmax in float32 even in a
