@@ -4,8 +4,8 @@ Plain functions live here (test files import them); fixtures live in conftest.py
 """
 
 import torch
-
 from reference import actor_run, max_rel_grad_error
+
 from zorro_core import RolloutBatch
 
 # Measured floor in float64: transformers runs RMSNorm and eager softmax in float32 even in a

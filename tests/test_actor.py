@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-
 from helpers import GRAD_RTOL, LP_ATOL, check, mixed_batch
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
+
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
 from zorro_core.verify.gradients import BUGS, inject_bug
 

@@ -5,8 +5,8 @@ import torch
 
 import zorro_core.stack.auto as auto
 from zorro_core import DeduplicatedActor
-from zorro_core.stack.auto import FLASH, AttentionChoice, choose_attention, resolve_attention
 from zorro_core.models.presets import build_model, preset_config
+from zorro_core.stack.auto import FLASH, AttentionChoice, choose_attention, resolve_attention
 from zorro_core.stack.precision import DeviceCaps
 
 H100 = DeviceCaps("cuda", "NVIDIA H100", (9, 0))

@@ -4,11 +4,18 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zorro_core import RolloutBatch, create_dummy_batch
-from zorro_core.core.balance import (GroupedLengths, greedy_partition, karmarkar_karp, partition_micro_batches, partition_ranks,
-                                select_rows)
+from zorro_core.core.balance import (
+    GroupedLengths,
+    greedy_partition,
+    karmarkar_karp,
+    partition_micro_batches,
+    partition_ranks,
+    select_rows,
+)
 
 
 @st.composite

@@ -144,6 +144,7 @@ def test_bench_run_one_case_from_flags(tmp_path):
     rows = read_rows(out)
     assert len(rows) == 1 and rows[0]["status"] == "ok" and rows[0]["baseline_kind"] == "packed_varlen_reference"
     assert rows[0]["case_id"] == "tiny-qwen3:eager:split:compute:float32:cpu:b4u2p12r3"
+    assert rows[0]["threads"] == "1"  # one thread unless --threads says otherwise, as in the suites (issue 15 #7)
     res = runner.invoke(app, args + ["--dedup-ratio", "0.5", "--mask"])
     assert res.exit_code == 0, res.output
     assert ":mask:" in res.output and "\U0001f637" not in res.output  # an id, not rich's :mask: emoji
@@ -170,7 +171,7 @@ def test_liger_case_is_skipped_with_the_reason_here(tmp_path):
     assert [r["status"] for r in rows] == ["skipped", "skipped"] and "CUDA" in rows[0]["error"] and rows[0]["liger"] is True
     # In the case process (where a GPU case is checked, with the model on its device) it is a skip too.
     reader, writer = mp.Pipe(duplex=False)
-    timing_process(case, Measure(repeats=1, memory=False), None, writer)
+    timing_process(case, Measure(repeats=1, memory=False), None, ("baseline", "dedup"), writer)
     payload = reader.recv()
     assert payload["status"] == "skipped" and payload["error"].startswith("Liger kernels")
     # A sweep writes the column and does not fail on the skipped case.
@@ -201,3 +202,23 @@ def test_checkpointing_axis(tmp_path):
     (row,) = read_rows(out)
     assert row["status"] == "ok" and row["checkpointing"] == "True" and row["case_id"].endswith(":ckpt")
     assert float(row["baseline_peak_mem_mib"]) >= 0 and float(row["dedup_peak_mem_mib"]) >= 0
+
+
+def test_suite_errors_keep_their_brackets(tmp_path):
+    """Rich read "[measure]" as markup and printed "in ;" (issue 15, item 9)."""
+    suite = tmp_path / "bad.toml"
+    suite.write_text(TINY.read_text().replace("repeats = 3", "repeats = 3\nrepeat = 2"))
+    res = sweep(suite, "--list")
+    assert res.exit_code == 2 and "unknown key 'repeat' in [measure]; did you mean 'repeats'?" in " ".join(res.output.split())
+    suite.write_text(TINY.read_text().replace("num_unique_prompts = [1, 4]", "num_unique_prompt = [1, 4]"))
+    res = sweep(suite, "--list")
+    assert res.exit_code == 2 and "in [[grid]] #1" in res.output
+
+
+def test_an_unknown_model_is_found_when_the_suite_loads(tmp_path):
+    suite = tmp_path / "typo.toml"
+    suite.write_text(TINY.read_text().replace('model = "tiny-qwen3"', 'model = "tiny-qwen33"'))
+    out = tmp_path / "typo.csv"
+    res = sweep(suite, "--out", out)
+    assert res.exit_code == 2 and "cannot resolve model 'tiny-qwen33'" in " ".join(res.output.split())
+    assert not out.exists()  # nothing ran, nothing written

@@ -98,3 +98,17 @@ def test_checkpointing_passes_and_can_fail(reentrant):
 def test_reentrant_needs_checkpointing():
     res = invoke("gradients", "--reentrant")
     assert res.exit_code == 2 and "--reentrant" in res.output
+
+
+@pytest.mark.parametrize("args,reason", [
+    (["--factor", "-1"], "--factor must be a finite number > 0, got -1"),
+    (["--factor", "0"], "--factor must be a finite number > 0, got 0"),
+    (["--device", "tpu"], "--device 'tpu' is not a device zorro runs on"),
+    (["--models", ""], "--models is empty"),
+])  # fmt: skip
+def test_bad_values_are_refused_with_the_reason(args, reason):
+    """Issue 15, items 4, 6 and 10: a negative factor passed, tpu was a traceback, "" ran nothing."""
+    for command in ("gradients", "training"):
+        res = invoke(command, *args)
+        assert res.exit_code == 2 and reason in " ".join(res.output.split()), (command, res.output)
+        assert "Traceback" not in res.output

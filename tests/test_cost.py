@@ -3,11 +3,19 @@ own parameters, and the DESIGN's worked example."""
 
 import pytest
 import torch
-
 from helpers import mixed_batch
+
 from zorro_core import build_dedup_plan, create_dummy_batch
-from zorro_core.core.cost import (ModelShape, ForwardWork, causal_pairs, compare, compare_plans, flops, plan_workload,
-                             shape_workloads)
+from zorro_core.core.cost import (
+    ForwardWork,
+    ModelShape,
+    causal_pairs,
+    compare,
+    compare_plans,
+    flops,
+    plan_workload,
+    shape_workloads,
+)
 from zorro_core.models.presets import build_model, preset_config
 
 

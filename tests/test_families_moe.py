@@ -5,12 +5,12 @@ prompt token once), which is what the test expects it to differ by."""
 
 import pytest
 import torch
-
-from reference import max_rel_grad_error
 from helpers import GRAD_RTOL, check, mixed_batch
+from reference import max_rel_grad_error
+
 from zorro_core import BaselineActor, DeduplicatedActor, create_dummy_batch
-from zorro_core.models.moe import load_balancing_loss, token_multiplicity
 from zorro_core.core.plan import build_dedup_plan
+from zorro_core.models.moe import load_balancing_loss, token_multiplicity
 
 MODES = [(True, "eager"), (True, "sdpa"), (False, "eager"), (False, "sdpa")]
 BATCHES = {

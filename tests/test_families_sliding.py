@@ -7,9 +7,9 @@ here, so both split calls (prompt->prompt and response->(prompt+response)) cut i
 
 import pytest
 import torch
-
-from reference import per_sequence, token_weights
 from helpers import check, mixed_batch
+from reference import per_sequence, token_weights
+
 from zorro_core import BaselineActor, DeduplicatedActor, create_dummy_batch
 from zorro_core.models.presets import preset_config
 

@@ -10,11 +10,19 @@ import copy
 
 import pytest
 import torch
-
 from reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
 from test_actor import BATCHES
-from varlen_standins import (Calls, ContractError, chunk_gated_delta_rule, flash_attn_varlen_func, install_fla,
-                             install_flash_attn, install_torch_varlen, varlen_attn)
+from varlen_standins import (
+    Calls,
+    ContractError,
+    chunk_gated_delta_rule,
+    flash_attn_varlen_func,
+    install_fla,
+    install_flash_attn,
+    install_torch_varlen,
+    varlen_attn,
+)
+
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.models.presets import build_model, preset_config
 from zorro_core.verify.gradients import Errors, judge

@@ -17,19 +17,19 @@ import torch
 
 trl = pytest.importorskip("trl")
 
-from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
-from trl import GRPOConfig, GRPOTrainer
+from datasets import Dataset  # noqa: E402 (after the skip: trl is an optional extra)
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from zorro_core.integrations.trl import (
+from zorro_core.integrations.trl import (  # noqa: E402
     DedupGRPOTrainer,
     ZorroFallbackWarning,
     check_trl_version,
 )
-from zorro_core.models.presets import build_model, preset_config
-from zorro_core.verify.gradients import GRAD_FLOOR, LP_FLOOR
-from zorro_core.verify.reference import rel_grad_errors
+from zorro_core.models.presets import build_model, preset_config  # noqa: E402
+from zorro_core.verify.gradients import GRAD_FLOOR, LP_FLOOR  # noqa: E402
+from zorro_core.verify.reference import rel_grad_errors  # noqa: E402
 
 VOCAB = 256  # tiny-qwen3's vocabulary
 PROMPTS = ["w5 w6 w7", "w9 w10", "w11 w12 w13 w14 w15", "w20", "w30 w31", "w40 w41 w42"]

@@ -3,10 +3,10 @@ against each other in float32, and the memory mode's autograd function on its ow
 
 import pytest
 import torch
-from torch import nn
-
 from helpers import GRAD_RTOL, LP_ATOL, mixed_batch
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
+from torch import nn
+
 from zorro_core import DeduplicatedActor, create_dummy_batch
 from zorro_core.core.logprobs import ChunkedLogProbs, chunk_size_for_budget, response_logprobs
 
@@ -156,7 +156,7 @@ def test_memory_mode_saves_no_vocab_sized_tensor():
     labels = torch.randint(0, vocab, (n,))
     for mode, expect_big in (("compute", True), ("memory", False)):
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t.numel()) or t, lambda t: t):
             response_logprobs(h, head, torch.arange(n), labels, 1.0, True, mode, chunk_size=8)
         assert (max(saved) >= n * vocab) == expect_big, (mode, max(saved))
 

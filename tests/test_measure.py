@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from zorro_core.bench.measure import (CPU_PEAK_KIND, format_speedup, peak_memory_mib, speedup, summarize, time_interleaved)
+from zorro_core.bench.measure import (
+    CPU_PEAK_KIND,
+    format_speedup,
+    peak_memory_mib,
+    speedup,
+    summarize,
+    time_interleaved,
+)
 
 
 def test_summarize():

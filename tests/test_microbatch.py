@@ -2,11 +2,14 @@
 
 import pytest
 import torch
-
+from helpers import (  # float64 floor: packing differs, transformers' float32 norms do not
+    GRAD_RTOL,
+    LP_ATOL,
+    mixed_batch,
+)
 from reference import max_rel_grad_error, token_weights
-from helpers import GRAD_RTOL, LP_ATOL, mixed_batch  # float64 floor: packing differs, transformers' float32 norms do not
-from zorro_core import BaselineActor, DeduplicatedActor
 
+from zorro_core import BaselineActor, DeduplicatedActor
 
 
 def token_mean_loss(batch, weights):

@@ -4,8 +4,8 @@ import copy
 
 import pytest
 import torch
-
 from helpers import mixed_batch
+
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.attention.registration import install_attention, is_installed, original_attention
 from zorro_core.models.presets import build_model, preset_config

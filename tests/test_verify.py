@@ -6,11 +6,21 @@ import pytest
 import torch
 
 from zorro_core import DeduplicatedActor, build_dedup_plan
-from zorro_core.verify.reference import per_sequence, sequence_forward, token_weights
 from zorro_core.verify.gradients import (
-    BUGS, FACTOR, GRAD_FLOOR, LP_FLOOR, Errors, Verifier, VerifyCase, case_unavailable, inject_bug, judge, tiny_models,
+    BUGS,
+    FACTOR,
+    GRAD_FLOOR,
+    LP_FLOOR,
+    Errors,
+    Verifier,
+    VerifyCase,
+    case_unavailable,
+    inject_bug,
+    judge,
+    tiny_models,
     verify_batch,
 )
+from zorro_core.verify.reference import per_sequence, sequence_forward, token_weights
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from zorro_core.bench.runner import model_config
 from zorro_core.core.cost import COMPONENTS, ModelShape, compare, shape_workloads
 
-console = Console()
+from .choices import LogitsMode
+from .console import console, escape, fail
 
 
 def _tokens(n: float) -> str:
@@ -21,42 +22,51 @@ def analyze(
     prompt_len: int = typer.Option(..., "--prompt-len", "-p", help="Tokens of each prompt."),
     responses: int = typer.Option(..., "--responses", "-n", help="Responses sampled per prompt (group size)."),
     response_len: int = typer.Option(..., "--response-len", "-r", help="Tokens of each response."),
-    prompts: int = typer.Option(1, "--prompts", help="Distinct prompts in the batch (each with --responses responses)."),
-    model: str = typer.Option("Qwen/Qwen3-8B", "--model", help="Preset, local checkpoint or cached model whose shape weighs the components."),
-    logits_mode: str = typer.Option("compute", "--logits-mode", help="none (lm_head at every position) or compute/memory (only where a response token is predicted)."),
+    prompts: int = typer.Option(
+        1, "--prompts", help="Distinct prompts in the batch (each with --responses responses)."
+    ),
+    model: str = typer.Option(
+        "Qwen/Qwen3-8B", "--model", help="Preset, local checkpoint or cached model whose shape weighs the components."
+    ),
+    logits_mode: LogitsMode = typer.Option(
+        LogitsMode("compute"),
+        "--logits-mode",
+        help="none (lm_head at every position) or compute/memory (only where a response token is predicted).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """Total, unique and redundant tokens of a workload and the ideal speedup of each kind of work."""
-    from zorro_core.bench.runner import model_config
-
     if min(prompt_len, responses, response_len, prompts) < 1:
-        console.print("[red]error:[/] --prompt-len, --responses, --response-len and --prompts must be >= 1")
-        raise typer.Exit(2)
-    if logits_mode not in ("none", "compute", "memory"):
-        console.print(f"[red]error:[/] unknown --logits-mode {logits_mode!r}; choose none, compute or memory")
-        raise typer.Exit(2)
+        fail("--prompt-len, --responses, --response-len and --prompts must be >= 1")
+    logits_mode = logits_mode.value
     try:
         shape = ModelShape.from_config(model_config(model))
     except ValueError as e:
-        console.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2)
-    base_w, dedup_w = shape_workloads([prompt_len] * prompts, [responses] * prompts,
-                                      [[response_len] * responses] * prompts, logits_mode)
+        fail(str(e))
+    base_w, dedup_w = shape_workloads(
+        [prompt_len] * prompts, [responses] * prompts, [[response_len] * responses] * prompts, logits_mode
+    )
     cmp = compare(shape, base_w, dedup_w, logits_mode)
     total, unique = base_w.tokens, dedup_w.tokens
     prompt_total, prompt_unique = prompt_len * responses * prompts, prompt_len * prompts
     result = {
-        "model": model, "logits_mode": logits_mode,
-        "total_tokens": total, "unique_tokens": unique, "redundant_tokens": total - unique,
-        "token_redundancy": 1 - unique / total, "prompt_dedup_ratio": 1 - prompt_unique / prompt_total,
+        "model": model,
+        "logits_mode": logits_mode,
+        "total_tokens": total,
+        "unique_tokens": unique,
+        "redundant_tokens": total - unique,
+        "token_redundancy": 1 - unique / total,
+        "prompt_dedup_ratio": 1 - prompt_unique / prompt_total,
         "attended_pairs": {"baseline": base_w.attended_pairs, "dedup": dedup_w.attended_pairs},
         "ideal_speedup": {c: cmp.component_speedup(c) for c in COMPONENTS},
         "flops_share_baseline": {c: getattr(cmp.baseline, c) / cmp.baseline.forward for c in COMPONENTS},
     }
     result["ideal_speedup"]["total_forward"] = cmp.ideal_speedup("forward")
     result["ideal_speedup"]["total_forward_backward"] = cmp.ideal_speedup("forward_backward")
-    result["tflops"] = {"baseline_forward_backward": cmp.baseline.forward_backward / 1e12,
-                        "dedup_forward_backward": cmp.dedup.forward_backward / 1e12}
+    result["tflops"] = {
+        "baseline_forward_backward": cmp.baseline.forward_backward / 1e12,
+        "dedup_forward_backward": cmp.dedup.forward_backward / 1e12,
+    }
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return
@@ -70,19 +80,27 @@ def analyze(
     t.add_row("prompt dedup ratio", f"{result['prompt_dedup_ratio']:.0%}")
     console.print(t)
 
-    s = Table(title=f"ideal speedup (FLOPs, {model}, logits_mode={logits_mode})")
+    s = Table(title=escape(f"ideal speedup (FLOPs, {model}, logits_mode={logits_mode})"))
     s.add_column("work")
     s.add_column("share of baseline FLOPs", justify="right")
     s.add_column("ideal speedup", justify="right")
-    for c, label in (("linear", "linear layers (by tokens)"), ("attention", "attention (by query-key pairs)"),
-                     ("lm_head", "lm_head (by positions with logits)")):
+    for c, label in (
+        ("linear", "linear layers (by tokens)"),
+        ("attention", "attention (by query-key pairs)"),
+        ("lm_head", "lm_head (by positions with logits)"),
+    ):
         s.add_row(label, f"{result['flops_share_baseline'][c]:.1%}", f"{result['ideal_speedup'][c]:.2f}x")
-    s.add_row("[bold]total[/] (forward; forward+backward)", "100%",
-              f"[bold]{result['ideal_speedup']['total_forward']:.2f}x[/]; {result['ideal_speedup']['total_forward_backward']:.2f}x")
+    s.add_row(
+        "[bold]total[/] (forward; forward+backward)",
+        "100%",
+        f"[bold]{result['ideal_speedup']['total_forward']:.2f}x[/]; {result['ideal_speedup']['total_forward_backward']:.2f}x",
+    )
     console.print(s)
-    console.print(f"baseline {result['tflops']['baseline_forward_backward']:.1f} TFLOP vs dedup "
-                  f"{result['tflops']['dedup_forward_backward']:.1f} TFLOP per forward+backward. Ideal: measured speedups "
-                  "fall short by kernel efficiency and fixed costs (`zorro bench` measures them).")
+    console.print(
+        f"baseline {result['tflops']['baseline_forward_backward']:.1f} TFLOP vs dedup "
+        f"{result['tflops']['dedup_forward_backward']:.1f} TFLOP per forward+backward. Ideal: measured speedups "
+        "fall short by kernel efficiency and fixed costs (`zorro bench` measures them)."
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -3,64 +3,13 @@
 from __future__ import annotations
 
 import json
-import platform
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from zorro_core.bench.environment import environment
 
-def environment() -> dict:
-    """Versions, devices and backend availability, as plain data (also written beside results)."""
-    import torch
-    import transformers
-
-    from zorro_core.models.registry import FAMILIES, family_support
-    from zorro_core.attention.backends import BACKENDS, backend_unavailable
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    info = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(),
-        "cuda": torch.version.cuda,
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "device": device,
-        "varlen_backends": {n: backend_unavailable(n, device) or "ok" for n in BACKENDS},
-        "model_types": sorted(FAMILIES),
-        "model_families": family_support(device),
-    }
-    info.update(stack_support(device))
-    for pkg in ("flash_attn", "liger_kernel", "fla", "peft"):
-        try:
-            mod = __import__(pkg)
-            info[pkg] = getattr(mod, "__version__", "installed")
-        except Exception:
-            info[pkg] = None
-    return info
-
-
-def stack_support(device: str) -> dict:
-    """The precision policy, the "auto" attention choice, and Liger/LoRA/QLoRA, on this machine."""
-    from zorro_core.stack.auto import choose_attention
-    from zorro_core.stack.liger import liger_unavailable
-    from zorro_core.stack.lora import LoraSettings, lora_unavailable
-    from zorro_core.stack.precision import precision_policy
-
-    policy = precision_policy(device)
-    choice = choose_attention(device, policy.compute_dtype, None)
-    scaling = "dynamic loss scaling" if policy.loss_scaling else "no loss scaling"
-    return {
-        "precision": f"{str(policy.compute_dtype).removeprefix('torch.')} compute, {scaling}, "
-                     f"float32 weights/grads/optimizer state ({policy.reason})",
-        "attn auto": f"{choice.implementation} ({choice.reason})",
-        "liger": liger_unavailable("qwen3", device) or "ok",
-        "lora": lora_unavailable(None, device) or "ok",
-        "qlora": lora_unavailable(LoraSettings(quantize_base="nf4"), device) or "ok",
-    }
+from .console import console, escape
 
 
 def env(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
@@ -68,17 +17,18 @@ def env(as_json: bool = typer.Option(False, "--json", help="Print JSON instead o
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
-    console = Console()
     table = Table(title="zorro env")
     table.add_column("item")
     table.add_column("value")
     for k, v in info.items():
         if k == "varlen_backends":
             for name, why in v.items():
-                table.add_row(f"varlen backend {name}", "[green]ok[/]" if why == "ok" else f"[yellow]unavailable[/]: {why}")
+                table.add_row(
+                    f"varlen backend {name}", "[green]ok[/]" if why == "ok" else f"[yellow]unavailable[/]: {why}"
+                )
         elif k == "model_families":
             for name, how in v.items():
-                table.add_row(f"family {name}", how)
+                table.add_row(f"family {name}", escape(str(how)))
         else:
-            table.add_row(k, str(v))
+            table.add_row(k, escape(str(v)))
     console.print(table)

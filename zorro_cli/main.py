@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import typer
 
+from . import (
+    analyze,
+    bench,
+    report,
+    verify,
+    verify_distributed,  # noqa: F401 -- adds `verify distributed` to verify's sub-app
+)
 from . import env as env_cmd
 
 app = typer.Typer(
@@ -22,21 +29,8 @@ def main() -> None:
 app.command("env", help="Devices, versions, attention backends and model families that work here.")(env_cmd.env)
 
 
-def _register_optional() -> None:
-    """Sub-commands live in their own modules; each registers itself on the app."""
-    import importlib
-
-    for name in ("bench", "verify", "report", "analyze"):
-        try:
-            mod = importlib.import_module(f"{__package__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__package__}.{name}":
-                raise
-            continue
-        mod.register(app)
-
-
-_register_optional()
+for _module in (bench, verify, report, analyze):  # each sub-command module registers itself
+    _module.register(app)
 
 if __name__ == "__main__":
     app()

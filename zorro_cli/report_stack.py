@@ -12,8 +12,13 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.markup import escape
 from rich.table import Table
+
+from zorro_core.bench.report import load_results
+from zorro_core.bench.stack_table import WORKLOAD, stack_report
+
+from .choices import Phase
+from .console import console, escape, fail
 
 COLUMNS = ("config", "tokens/s", "peak MiB", "step", "step MiB", "total", "total MiB", "status", "from")
 
@@ -35,16 +40,26 @@ def _mib(v, signed: bool = False) -> str:
 
 
 def _cells(r) -> list[str]:
-    return [r["config"], _num(r["tokens_per_s"], "{:,.0f}"), _mib(r["peak_mem_mib"]), _num(r["step_speedup"], "{:.2f}x"),
-            _mib(r["step_mem_delta_mib"], True), _num(r["total_speedup"], "{:.2f}x"), _mib(r["total_mem_delta_mib"], True),
-            str(r["status"]), str(r["label"])]
+    return [
+        r["config"],
+        _num(r["tokens_per_s"], "{:,.0f}"),
+        _mib(r["peak_mem_mib"]),
+        _num(r["step_speedup"], "{:.2f}x"),
+        _mib(r["step_mem_delta_mib"], True),
+        _num(r["total_speedup"], "{:.2f}x"),
+        _mib(r["total_mem_delta_mib"], True),
+        str(r["status"]),
+        str(r["label"]),
+    ]
 
 
 def _title(key: dict) -> str:
     pad = ", padded lengths" if str(key.get("padding", "")).lower() == "true" else ""
-    return (f"{key.get('model', '')} {key.get('dtype', '')} {key.get('device', '')} B={key.get('batch_size', '')} "
-            f"unique={key.get('num_unique_prompts', '')} P={key.get('prompt_len', '')} R={key.get('response_len', '')} "
-            f"logits={key.get('logits_mode', '')}{pad}: {key.get('phase', '')}")
+    return (
+        f"{key.get('model', '')} {key.get('dtype', '')} {key.get('device', '')} B={key.get('batch_size', '')} "
+        f"unique={key.get('num_unique_prompts', '')} P={key.get('prompt_len', '')} R={key.get('response_len', '')} "
+        f"logits={key.get('logits_mode', '')}{pad}: {key.get('phase', '')}"
+    )
 
 
 def _notes(g) -> list[str]:
@@ -52,34 +67,35 @@ def _notes(g) -> list[str]:
     by_text: dict[str, list[str]] = {}
     for _, r in g.iterrows():
         if r["status"] != "ok":
-            by_text.setdefault(f"{r['status']}" + (f" ({r['reason']})" if r.get("reason") else ""), []).append(r["config"])
+            by_text.setdefault(f"{r['status']}" + (f" ({r['reason']})" if r.get("reason") else ""), []).append(
+                r["config"]
+            )
         if r.get("note"):
             by_text.setdefault(str(r["note"]), []).append(r["config"])
     notes = [f"{', '.join(configs)}: {text}" for text, configs in by_text.items()]
     if (g["status"] != "ok").any():
-        notes.append("rows without figures are left out of the chain: the next row's step is over the nearest row above with figures")
+        notes.append(
+            "rows without figures are left out of the chain: the next row's step is over the nearest row above with figures"
+        )
     return notes
 
 
 def stack(
-    results: list[Path] = typer.Argument(..., help="Benchmark result CSVs (later files win for the same case and phase)."),
-    phase: Optional[str] = typer.Option(None, "--phase", help="Only this phase (forward or forward_backward)."),
+    results: list[Path] = typer.Argument(
+        ..., help="Benchmark result CSVs (later files win for the same case and phase)."
+    ),
+    phase: Optional[Phase] = typer.Option(None, "--phase", help="Only this phase."),
     markdown: bool = typer.Option(False, "--markdown", help="Print Markdown tables."),
     csv_out: Optional[Path] = typer.Option(None, "--csv", help="Write the stack tables to this CSV."),
 ) -> None:
     """The cumulative table: baseline, + flash attention, + liger, + dedup, + split attention (see suites/stack.toml)."""
-    from zorro_core.bench.stack_table import WORKLOAD, stack_report
-
-    from .report import console, load_results
-
     try:
         df = load_results(results)
-        if phase:
-            df = df[df["phase"] == phase]
+        if phase is not None:
+            df = df[df["phase"] == phase.value]
         table = stack_report(df)
     except ValueError as e:
-        console.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2)
+        fail(str(e))
     if table.empty:
         console.print("[yellow]no stack rows: the results hold no case of the stack (see suites/stack.toml)[/]")
         raise typer.Exit(1)

@@ -9,9 +9,12 @@ import time
 import typer
 from rich.table import Table
 
-from zorro_cli.verify import _STYLE, _console, _device, _e, _short, verify_app
+from zorro_cli.console import console, escape, fail
+from zorro_cli.verify import _STYLE, _device, _e, _short, verify_app
 from zorro_core.core.logprobs import LOGITS_MODES
-from zorro_core.verify.distributed import BUGS, RULE
+from zorro_core.distributed.launch import under_torchrun
+from zorro_core.models.presets import PRESETS
+from zorro_core.verify.distributed import BUGS, RULE, DistributedConfig, verify_distributed
 
 _BUG_HELP = "Hidden, for testing the verifier: plant a bug (" + ", ".join(BUGS) + ")."
 
@@ -33,18 +36,14 @@ def distributed(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     inject_bug: str | None = typer.Option(None, "--inject-bug", hidden=True, help=_BUG_HELP),
 ) -> None:
-    from zorro_core.distributed.launch import under_torchrun
-    from zorro_core.models.presets import PRESETS
-    from zorro_core.verify.distributed import DistributedConfig, verify_distributed
-
     if inject_bug is not None and inject_bug not in BUGS:
-        raise typer.BadParameter(f"unknown bug {inject_bug!r}; choose from {', '.join(BUGS)}", param_hint="--inject-bug")
+        fail(f"--inject-bug: unknown bug {inject_bug!r}; choose from {', '.join(BUGS)}")
     if model not in PRESETS:
-        raise typer.BadParameter(f"unknown preset {model!r}", param_hint="--model")
+        fail(f"--model: unknown preset {model!r}; presets: {', '.join(PRESETS)}")
     if logits_mode not in LOGITS_MODES:
-        raise typer.BadParameter(f"choose from {', '.join(LOGITS_MODES)}", param_hint="--logits-mode")
+        fail(f"--logits-mode: unknown mode {logits_mode!r}; choose from {', '.join(LOGITS_MODES)}")
     if self_test and inject_bug:
-        raise typer.BadParameter("--self-test runs every bug already", param_hint="--inject-bug")
+        fail("--inject-bug with --self-test: --self-test runs every bug already")
     dev = _device(device)
     bugs = (None, *BUGS) if self_test else (inject_bug,)
     cfg = DistributedConfig(model=model, attn=attn, logits_mode=logits_mode, equal_rows=equal_rows, device=dev,
@@ -64,7 +63,6 @@ def distributed(
                                "seconds": round(seconds, 2), "passed": ok,
                                "results": [r.to_dict() for r in results]}, indent=2, allow_nan=False))
         raise typer.Exit(0 if ok else 1)
-    console = _console()
     table = Table(title=f"zorro verify distributed ({world} ranks, {dev}, {model}, float64, fully_shard)")
     for col in ("variant", "log-prob err", "entropy err", "restore exact", "worst parameter", "grad rel err",
                 "rows per rank before -> after", "prompt dedup per rank before -> after", "bytes sent", ""):
@@ -82,6 +80,6 @@ def distributed(
     console.print(table)
     for r in results:
         if r.status != "pass" and not (self_test and r.bug is not None):
-            console.print(f"  {_STYLE[r.status]} {r.bug or 'clean'}: {r.reason}")
+            console.print(f"  {_STYLE[r.status]} {r.bug or 'clean'}: {escape(r.reason)}")
     console.print(f"{'passed' if ok else 'FAILED'} in {seconds:.0f} s. Rule: `zorro verify distributed --help`.")
     raise typer.Exit(0 if ok else 1)

@@ -24,9 +24,9 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from zorro_core.attention.backends import BACKENDS
 from zorro_core.core.plan import DedupPlan
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.attention.backends import BACKENDS
 
 ZORRO_ATTENTION = "zorro"
 

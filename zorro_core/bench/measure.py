@@ -76,7 +76,7 @@ def format_speedup(value: float, err: float) -> str:
         return "-"
     if not math.isfinite(err):
         return f"{value:.2f}x"
-    digits = 2 if not math.isfinite(err) or err == 0 else max(2, min(4, -int(math.floor(math.log10(err)))))
+    digits = 2 if err == 0 else max(2, min(4, -int(math.floor(math.log10(err)))))
     return f"{value:.{digits}f} ± {err:.{digits}f}x"
 
 

@@ -1,17 +1,30 @@
 """Result files: one CSV row per case and phase, appended as each finishes, and a JSON sidecar.
 
-A killed sweep loses nothing (each row is flushed and fsynced), and a resumed one skips every
-(case_id, phase) that already has a finished row. A CSV may hold several rows of one key (a
-failed case run again); readers keep the last.
+- Whole rows: each row is one line (no newline inside a value), written with one os.write of
+  the whole line on an O_APPEND descriptor and fsynced, so a kill at any moment leaves every
+  earlier row intact and at most a cut last line, which readers detect: a resumed sweep drops
+  it (that row never finished and runs again), a report refuses the file and says so.
+- One writer: a sweep holds an exclusive lock (flock on `<csv>.lock`) for its whole run; a
+  second one is refused with the holder's pid and command. The kernel releases the lock when
+  its holder dies, however it dies.
+- Backups never overwrite: starting a file afresh renames it to the first free
+  `<csv>.<n>.bak` (its sidecar to `<json>.<n>.bak`).
+- The sidecar is replaced atomically (written beside, then renamed).
+A resumed sweep skips every (case_id, phase) that already has a finished row. A CSV may hold
+several rows of one key (a failed case run again); readers keep the last.
 """
 
 from __future__ import annotations
 
 import csv
+import datetime as dt
+import fcntl
+import io
 import json
 import os
+import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Optional
 
 # The required columns, in this order, then the extra ones.
 REQUIRED_COLUMNS = [
@@ -41,6 +54,107 @@ def sidecar_path(csv_path: str | Path) -> Path:
     return Path(csv_path).with_suffix(".json")
 
 
+def lock_path(csv_path: str | Path) -> Path:
+    """results/x.csv -> results/x.csv.lock."""
+    p = Path(csv_path)
+    return p.with_name(p.name + ".lock")
+
+
+class ResultsBusy(ValueError):
+    """Another process is writing this results file."""
+
+
+class ResultsLock:
+    """Exclusive lock on a results file for the duration of a `with` block (a sweep)."""
+
+    def __init__(self, csv_path: str | Path) -> None:
+        self.csv_path = Path(csv_path)
+        self.path = lock_path(csv_path)
+        self.fd: Optional[int] = None
+
+    def __enter__(self) -> "ResultsLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that has not said who it is yet"
+            os.close(fd)
+            raise ResultsBusy(
+                f"{self.csv_path} is being written by another sweep ({holder}); wait for it to finish, "
+                "or write to another file with --out"
+            ) from None
+        me = f"pid {os.getpid()}: {' '.join(sys.argv) or sys.executable}, since {dt.datetime.now().isoformat(timespec='seconds')}"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, me.encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # the lock file stays (removing it would race a waiting writer)
+            os.close(self.fd)  # closing releases the lock
+            self.fd = None
+
+
+def backup(csv_path: str | Path) -> Path:
+    """Move the CSV (and its sidecar) to the first free numbered backup; the backup's path."""
+    csv_path = Path(csv_path)
+    side = sidecar_path(csv_path)
+    n = 1
+    while any(p.with_name(f"{p.name}.{n}.bak").exists() for p in (csv_path, side)):
+        n += 1
+    kept = csv_path.with_name(f"{csv_path.name}.{n}.bak")
+    csv_path.replace(kept)
+    if side.exists():
+        side.replace(side.with_name(f"{side.name}.{n}.bak"))
+    return kept
+
+
+def read_results_text(path: str | Path, drop_cut_line: bool = False) -> str:
+    """The text of a results CSV. ValueError naming the file when it is missing, a directory,
+    empty, not UTF-8 text, or (unless `drop_cut_line`) its last line is cut off."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory, not a results CSV")
+    if not path.exists():
+        raise ValueError(f"results file {str(path)!r} not found")
+    data = path.read_bytes()
+    if not data.strip():
+        raise ValueError(f"{path} is empty (not a zorro results CSV)")
+    if b"\0" in data:
+        raise ValueError(f"{path} is binary, not a zorro results CSV")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}): not a zorro results CSV") from None
+    if not text.endswith("\n"):
+        if not drop_cut_line:
+            lines = text.count("\n") + 1
+            raise ValueError(
+                f"{path} is damaged: its last line (line {lines}) is cut off, as a sweep killed while writing "
+                "leaves it; `zorro bench sweep SUITE --out FILE --resume` drops that line and runs its case again"
+            )
+        text = text[: text.rfind("\n") + 1]
+    return text
+
+
+def parse_results(path: str | Path, drop_cut_line: bool = False, text: Optional[str] = None) -> list[dict[str, str]]:
+    """The rows of a results CSV (see read_results_text; `text`: already read); ValueError naming
+    the file and the line when a row's fields do not match the header."""
+    text = read_results_text(path, drop_cut_line) if text is None else text
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header = next(reader, None) or []
+    rows = []
+    for row in reader:
+        if len(row) != len(header):
+            raise ValueError(
+                f"{path} is damaged: line {reader.line_num} has {len(row)} fields where the header has {len(header)}"
+            )
+        rows.append(dict(zip(header, row)))
+    return rows
+
+
 def _header(path: Path) -> list[str] | None:
     if not path.exists() or path.stat().st_size == 0:
         return None
@@ -61,12 +175,33 @@ def _drop_partial_line(path: Path) -> None:
         f.truncate(cut)
 
 
+def _line(values: list[Any]) -> bytes:
+    """One CSV line; newlines inside a value become spaces, so that a line is a row."""
+    buf = io.StringIO(newline="")
+    csv.writer(buf).writerow(["" if v is None else str(v).replace("\r", " ").replace("\n", " ") for v in values])
+    return buf.getvalue().encode()
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    """Append `data` with one write (looping only if the kernel takes less), then fsync."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class ResultWriter:
-    """Appends rows to a CSV, writing the header first if the file is new."""
+    """Appends whole rows to a CSV, writing the header first if the file is new."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_dir():
+            raise ValueError(f"{self.path} is a directory, not a results CSV")
         _drop_partial_line(self.path)
         header = _header(self.path)
         if header is not None:
@@ -76,35 +211,33 @@ class ResultWriter:
             self.columns = header
         else:
             self.columns = COLUMNS
-            with self.path.open("w", newline="") as f:
-                csv.DictWriter(f, fieldnames=self.columns).writeheader()
+            _write_whole(self.path, _line(self.columns))
 
     def append(self, row: dict[str, Any]) -> None:
-        with self.path.open("a", newline="") as f:
-            csv.DictWriter(f, fieldnames=self.columns, extrasaction="ignore").writerow(
-                {k: ("" if row.get(k) is None else row.get(k, "")) for k in self.columns})
-            f.flush()
-            os.fsync(f.fileno())
+        _write_whole(self.path, _line([row.get(k, "") for k in self.columns]))
 
 
 def read_rows(path: str | Path) -> list[dict[str, str]]:
-    with Path(path).open(newline="") as f:
-        return list(csv.DictReader(f))
+    """Every whole row of a results CSV (a cut last line is left out)."""
+    return parse_results(path, drop_cut_line=True)
 
 
 def done_keys(path: str | Path) -> set[tuple[str, str]]:
-    """(case_id, phase) pairs whose last row is finished (status ok or oom)."""
+    """(case_id, phase) pairs whose last row is finished (status ok or oom); a cut last line is not."""
     path = Path(path)
     if not path.exists() or path.stat().st_size == 0:
         return set()
     last: dict[tuple[str, str], str] = {}
-    data = path.read_text()
-    lines = data.splitlines(keepends=True)
-    if lines and not lines[-1].endswith("\n"):  # a row cut off by a kill is not done
-        lines = lines[:-1]
-    for r in csv.DictReader(lines):
+    for r in parse_results(path, drop_cut_line=True):
         last[(r["case_id"], r["phase"])] = r.get("status") or ""
     return {k for k, s in last.items() if s in DONE_STATUSES}
+
+
+def _write_json(path: Path, data: Any) -> None:
+    """Replace `path` atomically: a kill leaves the old file or the new one, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
 
 
 def write_sidecar(path: str | Path, run: dict[str, Any]) -> None:
@@ -117,7 +250,7 @@ def write_sidecar(path: str | Path, run: dict[str, Any]) -> None:
         except json.JSONDecodeError:
             data = {"runs": []}
     data.setdefault("runs", []).append(run)
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    _write_json(path, data)
 
 
 def update_last_run(path: str | Path, **fields: Any) -> None:
@@ -128,11 +261,5 @@ def update_last_run(path: str | Path, **fields: Any) -> None:
     data = json.loads(path.read_text())
     if data.get("runs"):
         data["runs"][-1].update(fields)
-        path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        _write_json(path, data)
 
-
-def rows_from(paths: Iterable[str | Path]) -> list[dict[str, str]]:
-    rows: list[dict[str, str]] = []
-    for p in paths:
-        rows.extend(read_rows(p))
-    return rows

@@ -1,5 +1,10 @@
 """Run one benchmark case in fresh processes and turn it into result rows (one per phase).
 
+- Before anything is allocated, the case's memory is estimated from its shapes
+  (footprint.py): an arm that cannot fit is refused with the figure (status=oom), the other
+  still runs. Nothing of the case is built in the sweep's process: the workload (batch and
+  plans, for the ideal speedup) is computed in a case process too (isolation.py: timeout,
+  memory watchdog, no orphans).
 - The timing process builds the model, the batch and both actors, then times baseline and
   dedup interleaved for each phase (a speedup is a ratio from one run). On CUDA it also
   reads max_memory_allocated for each arm.
@@ -7,30 +12,36 @@
 - A raise, an out-of-memory, a crash or a timeout becomes the case's status; the caller goes on.
 - A case that cannot run here (CUDA absent; Liger where liger_unavailable says why) is a
   status=skipped row with the reason, not an error.
-Processes come from a fork server that has imported torch and transformers once, so a case
-pays for building its model, not for the imports. The server never touches CUDA.
 """
 
 from __future__ import annotations
 
+import gc
 import math
-import multiprocessing as mp
 import os
 import time
 import traceback
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
-from zorro_core.core.cost import ModelShape, compare_plans
-from zorro_core.core.dtypes import DTYPES as _DTYPES
+from zorro_core.bench.footprint import case_footprint, too_large
+from zorro_core.bench.inputs import make_batch, model_config  # noqa: F401 -- re-exported: callers use runner's names
+from zorro_core.bench.isolation import ChildResult, run_isolated
 from zorro_core.bench.measure import CPU_PEAK_KIND, Stats, peak_memory_mib, speedup, summarize, time_interleaved
 from zorro_core.bench.suite import PHASES, Case, Measure
-from zorro_core.bench.inputs import make_batch, model_config  # noqa: F401 -- re-exported: callers use runner's names
+from zorro_core.core.actor import BaselineActor, DeduplicatedActor
+from zorro_core.core.cost import ModelShape, compare_plans
+from zorro_core.core.dtypes import DTYPES as _DTYPES
+from zorro_core.core.plan import build_dedup_plan
+from zorro_core.models.presets import load_model
+from zorro_core.stack.auto import choose_attention
+from zorro_core.stack.checkpointing import enable_checkpointing
+from zorro_core.stack.liger import apply_liger, liger_unavailable
 
-# Status of a row. Only "ok" rows carry timings; "oom" may carry the arm that fit.
-STATUSES = ("ok", "error", "oom", "timeout", "crashed", "skipped")
+ARMS = ("baseline", "dedup")
 
 
 @dataclass
@@ -51,15 +62,15 @@ class Workload:
 
 def case_workload(case: Case) -> Workload:
     """Tokens, redundancy and ideal speedup of a case, from its config and batch (no weights)."""
-    from zorro_core.core.plan import build_dedup_plan
-
     config = model_config(case.model)
     batch = make_batch(case, config.vocab_size)
     base, dedup = build_dedup_plan(batch, dedup=False), build_dedup_plan(batch, dedup=True)
     cmp = compare_plans(ModelShape.from_config(config), base, dedup, case.logits_mode)
     return Workload(
-        logical_tokens=dedup.logical_tokens, unique_tokens=dedup.num_tokens,
-        prompt_dedup_ratio=dedup.prompt_dedup_ratio, token_redundancy=dedup.token_redundancy,
+        logical_tokens=dedup.logical_tokens,
+        unique_tokens=dedup.num_tokens,
+        prompt_dedup_ratio=dedup.prompt_dedup_ratio,
+        token_redundancy=dedup.token_redundancy,
         ideal_speedup={p: cmp.ideal_speedup(p) for p in PHASES},
         baseline_gflops={p: cmp.baseline.phase(p) / 1e9 for p in PHASES},
         dedup_gflops={p: cmp.dedup.phase(p) / 1e9 for p in PHASES},
@@ -72,13 +83,11 @@ class CaseSkipped(Exception):
 
 # ---------------------------------------------------------------- inside the case process
 
+
 class _Bench:
     """Model, batch and the two actors of a case, built inside the case process."""
 
-    def __init__(self, case: Case, threads: int, arms: tuple[str, ...] = ("baseline", "dedup")) -> None:
-        from zorro_core.core.actor import BaselineActor, DeduplicatedActor
-        from zorro_core.models.presets import load_model
-
+    def __init__(self, case: Case, threads: int, arms: tuple[str, ...] = ARMS) -> None:
         if threads:
             torch.set_num_threads(threads)
         if case.device.startswith("cuda") and not torch.cuda.is_available():
@@ -86,49 +95,57 @@ class _Bench:
         self.device = torch.device(case.device)
         attn = case.attn_implementation
         if attn == "auto":  # resolved once, the same for both arms (zorro_core.stack.auto's rule)
-            from zorro_core.stack.auto import choose_attention
-
-            attn = choose_attention(self.device, _DTYPES[case.dtype], case.prompt_len + case.response_len,
-                                    case.split_attention).implementation
-        self.model = load_model(case.model, device=self.device, dtype=_DTYPES[case.dtype],
-                                attn_implementation=attn, seed=case.seed)
+            attn = choose_attention(
+                self.device, _DTYPES[case.dtype], case.prompt_len + case.response_len, case.split_attention
+            ).implementation
+        self.model = load_model(
+            case.model, device=self.device, dtype=_DTYPES[case.dtype], attn_implementation=attn, seed=case.seed
+        )
         self.model.eval()  # no dropout; gradients still flow
         if case.checkpointing:  # what a trainer runs: every decoder layer recomputed in backward (training mode)
-            from zorro_core.stack.checkpointing import enable_checkpointing
-
             enable_checkpointing(self.model, "non-reentrant")
             self.model.train()
         self.liger_kernels = ""
         if case.liger:  # before the actors: liger swaps the instance's modules (and RoPE module-wide)
-            from zorro_core.stack.liger import apply_liger, liger_unavailable
-
             why = liger_unavailable(self.model)
             if why:
                 raise CaseSkipped(why)
             self.liger_kernels = ",".join(apply_liger(self.model).applied)
         self.batch = make_batch(case, self.model.config.vocab_size, device=str(self.device))
         self.n_response = int(self.batch.response_mask.sum())
-        common = dict(model=self.model, attn_implementation=attn, logits_mode=case.logits_mode,
-                      logits_memory_budget_mib=case.logits_memory_budget_mib)
+        common = dict(
+            model=self.model,
+            attn_implementation=attn,
+            logits_mode=case.logits_mode,
+            logits_memory_budget_mib=case.logits_memory_budget_mib,
+        )
         self.actors: dict[str, Any] = {}
         if "baseline" in arms:
             if case.baseline == "padded":
                 self.actors["baseline"] = BaselineActor(padded=True, **common)
             else:
-                self.actors["baseline"] = BaselineActor(use_split_attention=True, varlen_backend=case.varlen_backend, **common)
+                self.actors["baseline"] = BaselineActor(
+                    use_split_attention=True, varlen_backend=case.varlen_backend, **common
+                )
         if "dedup" in arms:
-            self.actors["dedup"] = DeduplicatedActor(use_split_attention=case.split_attention,
-                                                     varlen_backend=case.varlen_backend if case.split_attention else None,
-                                                     **common)
+            self.actors["dedup"] = DeduplicatedActor(
+                use_split_attention=case.split_attention,
+                varlen_backend=case.varlen_backend if case.split_attention else None,
+                **common,
+            )
 
     def baseline_kind(self) -> str:
-        a = self.actors["baseline"]
+        a = self.actors.get("baseline")
+        if a is None:
+            return ""
         if getattr(a, "padded", False):
             return f"padded_hf_{a.attn_implementation}"
         return f"packed_varlen_{a.varlen_backend}"
 
     def dedup_kind(self) -> str:
-        a = self.actors["dedup"]
+        a = self.actors.get("dedup")
+        if a is None:
+            return ""
         return f"split_{a.varlen_backend}" if a.use_split_attention else f"mask_{a.attn_implementation}"
 
     def step(self, arm: str, phase: str) -> Callable[[], None]:
@@ -163,20 +180,26 @@ def _status_of(e: BaseException) -> str:
 
 
 def _apply_fault(fault: Optional[str]) -> None:
-    """Test hook: make the case process fail on purpose ("raise", "exit", "sleep")."""
+    """Test hook: make the case process fail on purpose ("raise", "exit", "sleep", "grow": take
+    memory 64 MiB at a time, up to 4 GiB, as a blow-up the estimate did not foresee)."""
     if fault == "raise":
         raise RuntimeError("injected fault")
     if fault == "exit":
         os._exit(3)
     if fault == "sleep":
         time.sleep(3600)
+    if fault == "grow":
+        held = []
+        for _ in range(64):
+            held.append(bytearray(64 * 2**20))  # zero-filled: the pages are touched, resident
+            time.sleep(0.05)
 
 
 def _time_phase(bench: _Bench, phase: str, measure: Measure) -> dict[str, Any]:
     """Warm up each arm (dropping an arm that runs out of memory), then time them interleaved."""
     res: dict[str, Any] = {"status": "ok", "error": ""}
     arms = {}
-    for arm in ("baseline", "dedup"):
+    for arm in bench.actors:
         fn = bench.step(arm, phase)
         oom = False
         try:
@@ -205,21 +228,33 @@ def _time_phase(bench: _Bench, phase: str, measure: Measure) -> dict[str, Any]:
 
 
 def _free(device: torch.device) -> None:
-    import gc
-
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def timing_process(case: Case, measure: Measure, fault: Optional[str], conn) -> None:
+def workload_process(case: Case, conn) -> None:
+    """Entry point of the workload process: sends the case's Workload as a dict, or {"error": text}."""
+    try:
+        conn.send({"workload": asdict(case_workload(case))})
+    except BaseException as e:
+        conn.send({"error": _error_text(e), "status": _status_of(e)})
+    finally:
+        conn.close()
+
+
+def timing_process(case: Case, measure: Measure, fault: Optional[str], arms: tuple[str, ...], conn) -> None:
     """Entry point of the timing process: sends {phase: result} or {"error": text}."""
     try:
         _apply_fault(fault)
-        bench = _Bench(case, measure.threads)
-        out: dict[str, Any] = {"baseline_kind": bench.baseline_kind(), "dedup_kind": bench.dedup_kind(),
-                               "liger_kernels": bench.liger_kernels,
-                               "threads": torch.get_num_threads(), "phases": {}}
+        bench = _Bench(case, measure.threads, arms=arms)
+        out: dict[str, Any] = {
+            "baseline_kind": bench.baseline_kind(),
+            "dedup_kind": bench.dedup_kind(),
+            "liger_kernels": bench.liger_kernels,
+            "threads": torch.get_num_threads(),
+            "phases": {},
+        }
         for phase in measure.phases:
             try:
                 out["phases"][phase] = _time_phase(bench, phase, measure)
@@ -252,76 +287,52 @@ def memory_process(case: Case, measure: Measure, arm: str, phase: str, conn) -> 
 
 # ---------------------------------------------------------------- in the parent
 
-_CTX: Optional[mp.context.BaseContext] = None
+
+def refused_arms(case: Case, config, phases: tuple[str, ...], max_memory: Optional[int]) -> dict[str, str]:
+    """{arm: why} for each arm whose memory estimate (footprint.py) cannot fit."""
+    out = {}
+    for arm in ARMS:
+        why = too_large(case_footprint(case, config, phases, arm), max_memory, case.device)
+        if why:
+            out[arm] = f"refused before running: {why}"
+    return out
 
 
-def _context() -> mp.context.BaseContext:
-    global _CTX
-    if _CTX is None:
-        if "forkserver" in mp.get_all_start_methods():
-            _CTX = mp.get_context("forkserver")
-            _CTX.set_forkserver_preload(["zorro_core.bench.runner", "zorro_core.core.actor"])
-        else:  # pragma: no cover (macOS/Windows)
-            _CTX = mp.get_context("spawn")
-    return _CTX
+def _workload(case: Case, measure: Measure, max_memory: Optional[int]) -> tuple[Optional[Workload], ChildResult]:
+    res = run_isolated(workload_process, (case,), measure.timeout_s, max_memory)
+    return (Workload(**res.payload["workload"]) if res.status == "ok" else None), res
 
 
-@dataclass
-class ChildResult:
-    """What came back from a case process."""
-
-    status: str
-    payload: dict = field(default_factory=dict)
-    error: str = ""
-
-
-def run_isolated(target: Callable, args: tuple, timeout_s: float) -> ChildResult:
-    """Run target(*args, conn) in a fresh process; a timeout, crash or kill becomes the status."""
-    ctx = _context()
-    reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=target, args=(*args, writer), daemon=True)
-    proc.start()
-    writer.close()
-    try:
-        if not reader.poll(timeout_s):
-            proc.kill()
-            proc.join()
-            return ChildResult("timeout", error=f"no result within {timeout_s:g} s; process killed")
-        try:
-            payload = reader.recv()
-        except EOFError:
-            proc.join()
-            code = proc.exitcode
-            why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            if code == -9:
-                why += " (likely out of memory: the kernel's OOM killer sends SIGKILL)"
-            return ChildResult("crashed", error=f"case process died without a result: {why}")
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        if "error" in payload and "phases" not in payload:
-            return ChildResult(payload.get("status", "error"), payload, payload["error"])
-        return ChildResult("ok", payload)
-    finally:
-        reader.close()
-
-
-def case_rows(case: Case, measure: Measure, fault: Optional[str] = None,
-              on_phase: Optional[Callable[[dict], None]] = None) -> list[dict[str, Any]]:
-    """The result rows of a case, one per phase; failures become rows with their status."""
+def case_rows(
+    case: Case,
+    measure: Measure,
+    fault: Optional[str] = None,
+    on_phase: Optional[Callable[[dict], None]] = None,
+    max_memory: Optional[int] = None,
+) -> list[dict[str, Any]]:
+    """The result rows of a case, one per phase; failures become rows with their status.
+    max_memory: bytes a case may take (None: what the machine has available)."""
     base = case_base_row(case, measure)
     if case.nproc > 1:  # data-parallel ranks, no-regroup vs regroup: a process tree of its own
         from zorro_core.bench.distributed import distributed_case_rows
 
         return distributed_case_rows(case, measure, base, on_phase)
-    try:
-        work = case_workload(case)
-    except Exception as e:
-        rows = [dict(base, phase=p, status="error", error=_error_text(e)) for p in measure.phases]
+
+    def failed(status: str, error: str) -> list[dict[str, Any]]:
+        rows = [dict(base, phase=p, status=status, error=error) for p in measure.phases]
         for r in rows:
             _emit(r, on_phase)
         return rows
+
+    try:
+        refused = refused_arms(case, model_config(case.model), measure.phases, max_memory)
+    except Exception as e:
+        return failed("error", _error_text(e))
+    if len(refused) == len(ARMS):
+        return failed("oom", refused["dedup"])
+    work, res = _workload(case, measure, max_memory)
+    if work is None:
+        return failed(res.status, res.error)
     _fill_workload(base, work)
     why = skip_reason(case)
     if why:
@@ -330,7 +341,8 @@ def case_rows(case: Case, measure: Measure, fault: Optional[str] = None,
             rows.append(_phase_row(base, work, p, status="skipped", error=why))
             _emit(rows[-1], on_phase)
         return rows
-    timing = run_isolated(timing_process, (case, measure, fault), measure.timeout_s)
+    arms = tuple(a for a in ARMS if a not in refused)
+    timing = run_isolated(timing_process, (case, measure, fault, arms), measure.timeout_s, max_memory)
     base["liger_kernels"] = timing.payload.get("liger_kernels", "")
     base["baseline_kind"] = timing.payload.get("baseline_kind", "")
     base["dedup_kind"] = timing.payload.get("dedup_kind", "")
@@ -341,10 +353,14 @@ def case_rows(case: Case, measure: Measure, fault: Optional[str] = None,
             row = _phase_row(base, work, phase, status=timing.status, error=timing.error)
         else:
             res = timing.payload["phases"][phase]
-            row = _phase_row(base, work, phase, status=res["status"], error=res.get("error", ""))
+            status, errors = res["status"], [res.get("error", "")]
+            for arm, why in refused.items():
+                status = "oom" if status == "ok" else status
+                errors.append(f"{arm}: {why}")
+            row = _phase_row(base, work, phase, status=status, error="; ".join(e for e in errors if e))
             _fill_timing(row, res, work, phase)
             if measure.memory and not case.device.startswith("cuda"):
-                _fill_cpu_memory(row, case, measure, phase, res)
+                _fill_cpu_memory(row, case, measure, phase, res, max_memory)
         rows.append(row)
         _emit(row, on_phase)
     return rows
@@ -356,8 +372,6 @@ def skip_reason(case: Case) -> Optional[str]:
     if case.device.startswith("cuda") and not torch.cuda.is_available():
         return f"device {case.device} is not available on this machine (no CUDA)"
     if case.liger and not case.device.startswith("cuda"):
-        from zorro_core.stack.liger import liger_unavailable
-
         return liger_unavailable(model_config(case.model).model_type, case.device)
     return None
 
@@ -369,55 +383,92 @@ def _emit(row: dict, on_phase: Optional[Callable[[dict], None]]) -> None:
 
 def case_base_row(case: Case, measure: Measure) -> dict[str, Any]:
     return {
-        "case_id": case.case_id, "model": case.model, "attn_implementation": case.attn_implementation,
-        "split_attention": case.split_attention, "logits_mode": case.logits_mode,
+        "case_id": case.case_id,
+        "model": case.model,
+        "attn_implementation": case.attn_implementation,
+        "split_attention": case.split_attention,
+        "logits_mode": case.logits_mode,
         "logits_memory_budget_mib": case.logits_memory_budget_mib if case.logits_memory_budget_mib is not None else "",
         "dtype": case.dtype,
-        "device": case.device, "batch_size": case.batch_size, "num_unique_prompts": case.num_unique_prompts,
-        "prompt_len": case.prompt_len, "response_len": case.response_len, "padding": case.padding,
-        "baseline_kind": "", "dedup_kind": "", "warmup": measure.warmup, "repeats": measure.repeats,
-        "threads": measure.threads or "", "seed": case.seed, "liger": case.liger, "liger_kernels": "",
+        "device": case.device,
+        "batch_size": case.batch_size,
+        "num_unique_prompts": case.num_unique_prompts,
+        "prompt_len": case.prompt_len,
+        "response_len": case.response_len,
+        "padding": case.padding,
+        "baseline_kind": "",
+        "dedup_kind": "",
+        "warmup": measure.warmup,
+        "repeats": measure.repeats,
+        "threads": measure.threads or "",
+        "seed": case.seed,
+        "liger": case.liger,
+        "liger_kernels": "",
         "checkpointing": case.checkpointing,
         "peak_mem_kind": "not_measured",
     }
 
 
 def _fill_workload(row: dict, work: Workload) -> None:
-    row.update(prompt_dedup_ratio=round(work.prompt_dedup_ratio, 6), token_redundancy=round(work.token_redundancy, 6),
-               logical_tokens=work.logical_tokens, unique_tokens=work.unique_tokens)
+    row.update(
+        prompt_dedup_ratio=round(work.prompt_dedup_ratio, 6),
+        token_redundancy=round(work.token_redundancy, 6),
+        logical_tokens=work.logical_tokens,
+        unique_tokens=work.unique_tokens,
+    )
 
 
 def _phase_row(base: dict, work: Workload, phase: str, status: str, error: str = "") -> dict[str, Any]:
-    return dict(base, phase=phase, status=status, error=error, ideal_speedup=round(work.ideal_speedup[phase], 4),
-                baseline_gflops=round(work.baseline_gflops[phase], 3), dedup_gflops=round(work.dedup_gflops[phase], 3))
+    return dict(
+        base,
+        phase=phase,
+        status=status,
+        error=error,
+        ideal_speedup=round(work.ideal_speedup[phase], 4),
+        baseline_gflops=round(work.baseline_gflops[phase], 3),
+        dedup_gflops=round(work.dedup_gflops[phase], 3),
+    )
 
 
 def _fill_timing(row: dict, res: dict, work: Workload, phase: str) -> None:
     times = res.get("times", {})
     stats: dict[str, Stats] = {arm: summarize(t) for arm, t in times.items()}
     for arm, s in stats.items():
-        row.update({f"{arm}_ms_p50": round(s.p50, 3), f"{arm}_ms_p20": round(s.p20, 3), f"{arm}_ms_p80": round(s.p80, 3),
-                    f"{arm}_tokens_per_s": round(work.logical_tokens / (s.p50 / 1e3), 1)})
+        row.update(
+            {
+                f"{arm}_ms_p50": round(s.p50, 3),
+                f"{arm}_ms_p20": round(s.p20, 3),
+                f"{arm}_ms_p80": round(s.p80, 3),
+                f"{arm}_tokens_per_s": round(work.logical_tokens / (s.p50 / 1e3), 1),
+            }
+        )
         row["n"] = s.n
     if len(stats) == 2:
         sp = speedup(times["baseline"], times["dedup"])
-        row.update(speedup=round(sp.value, 4), speedup_err=round(sp.err, 4) if math.isfinite(sp.err) else "", speedup_p20=round(sp.p20, 4),
-                   speedup_p80=round(sp.p80, 4), efficiency=round(sp.value / work.ideal_speedup[phase], 4))
+        row.update(
+            speedup=round(sp.value, 4),
+            speedup_err=round(sp.err, 4) if math.isfinite(sp.err) else "",
+            speedup_p20=round(sp.p20, 4),
+            speedup_p80=round(sp.p80, 4),
+            efficiency=round(sp.value / work.ideal_speedup[phase], 4),
+        )
     for arm in ("baseline", "dedup"):
         if f"{arm}_peak_mib" in res:
             row[f"{arm}_peak_mem_mib"] = round(res[f"{arm}_peak_mib"], 1)
             row["peak_mem_kind"] = res["peak_mem_kind"]
 
 
-def _fill_cpu_memory(row: dict, case: Case, measure: Measure, phase: str, res: dict) -> None:
+def _fill_cpu_memory(row: dict, case: Case, measure: Measure, phase: str, res: dict, max_memory: Optional[int]) -> None:
     """One fresh process per arm for this phase (only arms that ran), the two side by side:
     a peak RSS is per process, so they do not disturb each other's figure (timing is done)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     notes = []
     arms = [a for a in ("baseline", "dedup") if a in res.get("times", {})]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda a: run_isolated(memory_process, (case, measure, a, phase), measure.timeout_s), arms))
+        results = list(
+            pool.map(
+                lambda a: run_isolated(memory_process, (case, measure, a, phase), measure.timeout_s, max_memory), arms
+            )
+        )
     for arm, mem in zip(arms, results):
         if mem.status == "ok" and "peak_mib" in mem.payload:
             row[f"{arm}_peak_mem_mib"] = round(mem.payload["peak_mib"], 1)

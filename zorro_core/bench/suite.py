@@ -21,7 +21,7 @@ import difflib
 import fnmatch
 import itertools
 import sys
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -137,9 +137,6 @@ class Case:
     def nominal_prompt_dedup_ratio(self) -> float:
         """Prompt dedup ratio with equal prompt lengths (the plan gives the exact one)."""
         return 1 - self.num_unique_prompts / self.batch_size
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)

@@ -7,28 +7,38 @@ fair baseline), or with `padded=True` as the plain HF forward trainers run today
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, sliding_window_causal_mask_function
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    causal_mask_function,
+    sliding_window_causal_mask_function,
+)
 
+from zorro_core.attention.backends import default_backend, get_backend
 from zorro_core.attention.hook import Route, route_mask
 from zorro_core.attention.registration import install_attention
-from zorro_core.stack.auto import AUTO, AttentionChoice, choose_attention
+from zorro_core.core import microbatch
 from zorro_core.core.batch import RolloutBatch
 from zorro_core.core.dtypes import resolve_dtype
-from zorro_core.models.families import AUX_WEIGHTINGS, aux_loss_of, forward_kwargs, install_family_adapters, load_balancing_loss
 from zorro_core.core.fsdp import as_root_forward, is_fsdp_root
 from zorro_core.core.logprobs import LOGITS_MODES, response_logprobs
-from zorro_core.core import microbatch
-from zorro_core.models.presets import load_model
-from zorro_core.models.parts import check_layers_served, check_trainable_state, model_parts
-from zorro_core.errors import UnsupportedModelError
 from zorro_core.core.plan import DedupPlan, build_dedup_plan
-from zorro_core.attention.backends import default_backend, get_backend
-
+from zorro_core.errors import UnsupportedModelError
+from zorro_core.models.families import (
+    AUX_WEIGHTINGS,
+    aux_loss_of,
+    forward_kwargs,
+    install_family_adapters,
+    load_balancing_loss,
+)
+from zorro_core.models.parts import check_layers_served, check_trainable_state, model_parts
+from zorro_core.models.presets import load_model
+from zorro_core.stack.auto import AUTO, AttentionChoice, choose_attention
 
 
 @dataclass
@@ -93,6 +103,8 @@ class _Actor:
         self.model = model
         self.parts = model_parts(model)
         self.device = next(model.parameters()).device
+        # Backends, the "auto" choice and the batch's device follow from these: checked every call.
+        self._built_for = (self.device, next(model.parameters()).dtype)
         # Taken once: attention and family adapters registered here, acting only on calls that
         # carry a route (the model's original implementation runs everywhere else).
         original = self._take_model()
@@ -134,8 +146,24 @@ class _Actor:
     def plan(self, batch: RolloutBatch) -> DedupPlan:
         return build_dedup_plan(batch.to(self.device), dedup=self.dedup, vocab_size=self.vocab_size)
 
+    def check_call(self, temperature: float) -> None:
+        """Refuse a temperature that is not a finite number > 0, and a model moved or cast since
+        the actor was built (its backends and attention choice were made for the old one)."""
+        try:
+            t = float(temperature)
+        except (TypeError, ValueError):
+            t = math.nan
+        if not (math.isfinite(t) and t > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        p = next(self.model.parameters())
+        if (p.device, p.dtype) != self._built_for:
+            was, now = self._built_for, (p.device, p.dtype)
+            raise ValueError(f"the model was moved or cast after the actor was built ({was[0]}, {was[1]} -> {now[0]}, "
+                             f"{now[1]}); build a new actor for it")
+
     def forward(self, batch: RolloutBatch, temperature: float = 1.0, calculate_entropy: bool = False) -> ActorOutput:
         """Log-probs (and optionally entropy) of every response token, differentiable."""
+        self.check_call(temperature)
         check_trainable_state(self.model)
         self._take_model()  # a no-op unless something reset the model's attention since
         plan = self.plan(batch)  # validates the batch, token ids against the vocabulary included
@@ -230,6 +258,7 @@ class BaselineActor(_Actor):
         if is_fsdp_root(self.model):
             raise UnsupportedModelError("the padded baseline does not run an FSDP2-sharded model (fully_shard); "
                                         "use BaselineActor(padded=False)")
+        self.check_call(temperature)
         batch = batch.to(self.device)
         batch.check_vocab(self.vocab_size)
         check_trainable_state(self.model)

@@ -227,7 +227,8 @@ def partition_micro_batches(
     # lower bound up (a bounded number of tries: each costs O(pieces x k)), then k_fit itself.
     fit = _first_fit_decreasing([work.tokens(p) for p in pieces], max_tokens)
     k_fit = max(len(fit), min(min_micro_batches, len(pieces)))
-    for k in sorted(set(range(k, min(k + _MAX_TRIES, k_fit))) | {k_fit}):
+    tries = sorted(set(range(k, min(k + _MAX_TRIES, k_fit))) | {k_fit})
+    for k in tries:
         assign = _BALANCERS[balance](costs, k)
         parts = _assemble(pieces, assign)
         # Feasible when every part over the budget is a single piece that cannot fit anywhere.

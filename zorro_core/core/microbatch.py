@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from zorro_core.core.balance import Partition, GroupedLengths, partition_micro_batches, select_rows
+from zorro_core.core.balance import GroupedLengths, Partition, partition_micro_batches, select_rows
 from zorro_core.core.batch import RolloutBatch
 
 

@@ -40,8 +40,8 @@ from packaging.version import Version
 from trl import GRPOTrainer
 
 from zorro_core.core.actor import DeduplicatedActor
-from zorro_core.integrations.layout import ZorroFallbackWarning, joined_logprobs, layout_problem
 from zorro_core.errors import UnsupportedModelError
+from zorro_core.integrations.layout import ZorroFallbackWarning, joined_logprobs, layout_problem
 
 TESTED_TRL = ("1.15", "1.16")
 """TRL minor versions whose `_get_per_token_logps_and_entropies` this module reproduces."""

@@ -25,11 +25,11 @@ from zorro_core.core.actor import BaselineActor, DeduplicatedActor
 from zorro_core.core.batch import RolloutBatch, create_dummy_batch
 from zorro_core.core.dtypes import DTYPES as TORCH_DTYPES
 from zorro_core.core.logprobs import LOGITS_MODES
+from zorro_core.core.plan import DedupPlan, build_dedup_plan
+from zorro_core.models.parts import unwrap_adapters
 from zorro_core.models.presets import PRESETS, build_model, preset_config
 from zorro_core.models.registry import FAMILIES
-from zorro_core.core.plan import DedupPlan, build_dedup_plan
 from zorro_core.stack.checkpointing import checkpointed
-from zorro_core.models.parts import unwrap_adapters
 from zorro_core.verify.reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
 
 # Measured float64 floor (transformers keeps RMSNorm, RoPE and eager softmax in float32 even in a

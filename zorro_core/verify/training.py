@@ -24,10 +24,17 @@ from zorro_core.core.actor import BaselineActor, DeduplicatedActor
 from zorro_core.core.batch import RolloutBatch
 from zorro_core.core.plan import group_rows
 from zorro_core.models.parts import unwrap_adapters
-from zorro_core.verify.reference import sequence_forward
 from zorro_core.verify.gradients import (
-    DTYPES, LAYOUTS, VerifyCase, build_verify_model, case_unavailable, finite_or_none, inject_bug, verify_batch,
+    DTYPES,
+    LAYOUTS,
+    VerifyCase,
+    build_verify_model,
+    case_unavailable,
+    finite_or_none,
+    inject_bug,
+    verify_batch,
 )
+from zorro_core.verify.reference import sequence_forward
 
 # AdamW divides each gradient entry by its running RMS, so an entry whose gradient is near zero
 # turns float noise into a full-size step. Measured on the tiny presets (3 steps, seeds 0-3, split

@@ -1,0 +1,29 @@
+"""The CLI's closed choices as Enums (typer lists them in --help and refuses anything else),
+each built from the library's own tuple so the two cannot drift apart."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Iterable
+
+from zorro_core.bench.report import METRICS
+from zorro_core.bench.suite import ATTN_IMPLEMENTATIONS, BASELINES, DTYPES, LOGITS_MODES, PHASES
+from zorro_core.verify.gradients import LAYOUTS
+
+
+def _choices(name: str, values: Iterable[str]) -> type[Enum]:
+    return Enum(name, [(v, v) for v in values], type=str)
+
+
+Attn = _choices("Attn", ATTN_IMPLEMENTATIONS)
+LogitsMode = _choices("LogitsMode", LOGITS_MODES)
+DType = _choices("DType", DTYPES)
+Baseline = _choices("Baseline", BASELINES)
+Phase = _choices("Phase", PHASES)
+Metric = _choices("Metric", METRICS)
+Layout = _choices("Layout", LAYOUTS)
+
+
+def value(choice: Enum | None) -> str | None:
+    """The plain string of a choice (None stays None)."""
+    return None if choice is None else choice.value

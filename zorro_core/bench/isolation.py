@@ -1,0 +1,180 @@
+"""Run a function in a fresh process that cannot outlive the sweep nor take the machine down.
+
+- Processes come from a fork server that has imported torch and transformers once, so a case
+  pays for building its model, not for the imports. The server never touches CUDA.
+- A result that does not come within the timeout is a status=timeout; a process that dies
+  without one is `crashed` (SIGKILL: likely the kernel's OOM killer).
+- A watchdog polls the process's resident memory: past `max_memory` bytes beyond what it held
+  when it started, or when the machine itself is about to run out (MemAvailable under a
+  reserve), the process is killed and the result is status=oom, before the machine swaps or
+  freezes.
+- Every case process ends as soon as the sweep does (die_with); the fork server then exits
+  (its last client is gone), and the resource tracker with them: a killed sweep leaves no
+  process computing on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import select
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from zorro_core.bench.footprint import GIB, available_memory
+
+PRELOAD = ["zorro_core.bench.runner", "zorro_core.core.actor"]
+"""Modules the fork server imports once (torch, transformers and the dedup path)."""
+POLL_S = 0.1
+"""How often the watchdog reads the process's memory."""
+_PR_SET_PDEATHSIG = 1
+
+_CTX: Optional[mp.context.BaseContext] = None
+
+
+def context() -> mp.context.BaseContext:
+    global _CTX
+    if _CTX is None:
+        if "forkserver" in mp.get_all_start_methods():
+            _CTX = mp.get_context("forkserver")
+            _CTX.set_forkserver_preload(PRELOAD)
+        else:  # pragma: no cover (macOS/Windows)
+            _CTX = mp.get_context("spawn")
+    return _CTX
+
+
+def die_with(sweep_pid: int) -> None:
+    """In a case process: end as soon as the sweep `sweep_pid` ends, however it ends.
+
+    The fork server cannot do it: each process it forks holds the fork server's "alive" pipe, so
+    the server waits for its children while they compute on. So a thread waits on the sweep's
+    pidfd (readable when it exits; polled where pidfds are missing) and ends this process; and
+    the kernel ends it with the fork server (PR_SET_PDEATHSIG), should that go first."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover (not Linux)
+        pass
+    threading.Thread(target=_end_with, args=(sweep_pid,), name="end-with-sweep", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _end_with(pid: int) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        select.select([fd], [], [])
+    else:  # pragma: no cover (kernels before 5.3)
+        while _alive(pid):
+            time.sleep(POLL_S)
+    os._exit(1)
+
+
+def _entry(target: Callable, sweep_pid: int, *args) -> None:
+    """What a case process runs: target(*args), ended with the sweep."""
+    die_with(sweep_pid)
+    target(*args)
+
+
+def rss_of(pid: int) -> Optional[int]:
+    """Resident bytes of a process (Linux /proc), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def machine_reserve() -> int:
+    """Available memory under which the watchdog stops a case: 5% of the machine, at most 1 GiB."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return GIB // 4
+    return min(GIB, total // 20)
+
+
+@dataclass
+class ChildResult:
+    """What came back from a case process."""
+
+    status: str
+    payload: dict = field(default_factory=dict)
+    error: str = ""
+
+
+def _watch(proc, reader, timeout_s: float, max_memory: Optional[int]) -> Optional[ChildResult]:
+    """Wait for a result; a ChildResult when the process had to be stopped (None: one is ready
+    or the process ended)."""
+    deadline = time.monotonic() + timeout_s
+    start_rss = rss_of(proc.pid)
+    reserve = machine_reserve()
+    while not reader.poll(min(POLL_S, max(0.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            return ChildResult("timeout", error=f"no result within {timeout_s:g} s; process killed")
+        rss = rss_of(proc.pid)
+        if rss is None or not proc.is_alive():
+            return None
+        start_rss = rss if start_rss is None else min(start_rss, rss)
+        if max_memory is not None and rss - start_rss > max_memory:
+            return ChildResult(
+                "oom",
+                error=f"case process grew by {(rss - start_rss) / GIB:.2f} GiB, past --max-memory {max_memory / GIB:.2f} GiB; killed",
+            )
+        avail = available_memory()
+        if avail is not None and avail < reserve:
+            return ChildResult(
+                "oom",
+                error=f"the machine ran out of memory ({avail / 2**20:.0f} MiB available) while the case process "
+                f"held {rss / GIB:.2f} GiB; killed before the machine would swap or freeze",
+            )
+    return None
+
+
+def run_isolated(target: Callable, args: tuple, timeout_s: float, max_memory: Optional[int] = None) -> ChildResult:
+    """Run target(*args, conn) in a fresh process; a timeout, crash, kill or memory blow-up
+    becomes the status. `max_memory`: bytes the process may grow by (None: what the machine has)."""
+    ctx = context()
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_entry, args=(target, os.getpid(), *args, writer), daemon=True)
+    proc.start()
+    writer.close()
+    try:
+        stopped = _watch(proc, reader, timeout_s, max_memory)
+        if stopped is not None:
+            proc.kill()
+            proc.join()
+            return stopped
+        try:
+            payload = reader.recv()
+        except EOFError:
+            proc.join()
+            code = proc.exitcode
+            why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            if code == -9:
+                why += " (likely out of memory: the kernel's OOM killer sends SIGKILL)"
+            return ChildResult("crashed", error=f"case process died without a result: {why}")
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        if "error" in payload and "phases" not in payload:
+            return ChildResult(payload.get("status", "error"), payload, payload["error"])
+        return ChildResult("ok", payload)
+    finally:
+        reader.close()

@@ -1,0 +1,236 @@
+"""Report logic over results files: merge them, pivot a value by dedup ratio x prompt length,
+plot speedup and memory, compare two runs case by case (`zorro report` prints these)."""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from pathlib import Path
+
+from zorro_core.bench.measure import format_speedup
+from zorro_core.bench.results import parse_results, read_results_text
+
+# Columns that define a configuration: one pivot table (and one plot) per combination.
+GROUP_COLUMNS = [
+    "model",
+    "attn_implementation",
+    "split_attention",
+    "logits_mode",
+    "dtype",
+    "device",
+    "batch_size",
+    "response_len",
+    "padding",
+    "baseline_kind",
+]
+KEY = ["case_id", "phase"]
+
+
+def load_results(paths: list[Path]):
+    """All rows of the CSVs, the last row of each (case_id, phase) kept. ValueError naming the
+    file when one is missing, a directory, empty, binary, damaged (a cut or ragged line) or not
+    a zorro results CSV."""
+    import pandas as pd
+
+    frames = []
+    for p in paths:
+        text = read_results_text(p)
+        parse_results(p, text=text)  # every line whole, with the header's number of fields
+        try:
+            df = pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=[""])
+        except (pd.errors.ParserError, pd.errors.EmptyDataError) as e:
+            raise ValueError(f"{p}: not a readable CSV ({str(e).strip()})") from None
+        missing = [c for c in KEY + ["status"] if c not in df.columns]
+        if missing:
+            raise ValueError(f"{p} is not a zorro results CSV (missing columns {missing})")
+        frames.append(df)
+    df = pd.concat(frames, ignore_index=True)
+    df = df.drop_duplicates(subset=KEY, keep="last").reset_index(drop=True)
+    for col in GROUP_COLUMNS:
+        if col not in df.columns:
+            df[col] = ""
+    df[GROUP_COLUMNS] = df[GROUP_COLUMNS].fillna("")
+    return df
+
+
+def _fmt(v: float, err: float | None = None) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return ""
+    return format_speedup(float(v), float("nan") if err is None else float(err))
+
+
+def group_title(key: tuple) -> str:
+    d = dict(zip(GROUP_COLUMNS + ["phase"], key))
+    split = "split" if str(d["split_attention"]).lower() == "true" else "mask"
+    pad = ", padded lengths" if str(d["padding"]).lower() == "true" else ""
+    return (
+        f"{d['model']} {d['attn_implementation']}/{split} logits={d['logits_mode']} {d['dtype']} {d['device']} "
+        f"B={d['batch_size']} R={d['response_len']}{pad} vs {d['baseline_kind'] or 'baseline'}: {d['phase']}"
+    )
+
+
+def pivots(df, value: str = "speedup"):
+    """[(title, group key, pivot DataFrame of 'value ± err' strings, numeric pivot)] per configuration and phase."""
+    ok = df[df["status"] == "ok"].copy()
+    if ok.empty:
+        return []
+    ok["ratio"] = ok["prompt_dedup_ratio"].astype(float).round(3)
+    err_col = {"speedup": "speedup_err"}.get(value)
+    out = []
+    for key, g in ok.groupby(GROUP_COLUMNS + ["phase"], sort=True, dropna=False):
+        num = g.pivot_table(index="ratio", columns="prompt_len", values=value, aggfunc="mean").sort_index()
+        if err_col and err_col in g.columns:
+            err = g.pivot_table(index="ratio", columns="prompt_len", values=err_col, aggfunc="mean").reindex_like(num)
+            text = num.copy().astype(object)
+            for c in num.columns:
+                text[c] = [_fmt(x, y) for x, y in zip(num[c], err[c])]
+        else:
+            text = num.map(lambda x: "" if math.isnan(x) else f"{x:.3g}")
+        out.append((group_title(key), key, text, num))
+    return out
+
+
+def pivot_frame(tables, value: str):
+    """The pivots of `pivots(df, value)` as one DataFrame: a row per configuration and dedup
+    ratio, a column `<value>_P<prompt_len>` per prompt length."""
+    import pandas as pd
+
+    frames = []
+    for _, key, _, num in tables:
+        wide = num.copy()
+        wide.columns = [f"{value}_P{c}" for c in wide.columns]
+        wide = wide.reset_index().rename(columns={"ratio": "prompt_dedup_ratio"})
+        for col, v in reversed(list(zip(GROUP_COLUMNS + ["phase"], key))):
+            wide.insert(0, col, v)
+        frames.append(wide)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_")[:120]
+
+
+def plot(df, out_dir: Path) -> list[Path]:
+    """Speedup vs prompt dedup ratio per prompt length (p20-p80 bands, ideal dashed), and peak memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ok = df[df["status"] == "ok"].copy()
+    written: list[Path] = []
+    if ok.empty:
+        return written
+    ok["ratio"] = ok["prompt_dedup_ratio"].astype(float)
+    for key, g in ok.groupby(GROUP_COLUMNS, sort=True, dropna=False):
+        phases = [p for p in ("forward", "forward_backward") if p in set(g["phase"])]
+        title = group_title(tuple(key) + ("",)).rsplit(":", 1)[0]
+        name = _slug(
+            f"{key[0]}_{key[1]}_{'split' if str(key[2]).lower() == 'true' else 'mask'}_{key[3]}_{key[4]}_{key[5]}_b{key[6]}_r{key[7]}"
+        )
+        fig, axes = plt.subplots(1, len(phases), figsize=(5.5 * len(phases), 4.2), squeeze=False)
+        for ax, phase in zip(axes[0], phases):
+            gp = g[g["phase"] == phase]
+            for i, (plen, gl) in enumerate(sorted(gp.groupby("prompt_len"), key=lambda x: x[0])):
+                gl = gl.sort_values("ratio")
+                color = f"C{i}"
+                ax.plot(gl["ratio"], gl["speedup"], "o-", color=color, label=f"P={plen}")
+                if {"speedup_p20", "speedup_p80"} <= set(gl.columns):
+                    ax.fill_between(gl["ratio"], gl["speedup_p20"], gl["speedup_p80"], color=color, alpha=0.2, lw=0)
+                ax.plot(gl["ratio"], gl["ideal_speedup"], "--", color=color, alpha=0.6, lw=1)
+            ax.axhline(1.0, color="gray", lw=0.8)
+            ax.set_xlabel("prompt dedup ratio")
+            ax.set_ylabel("speedup (baseline / dedup)")
+            ax.set_title(phase.replace("forward_backward", "forward+backward"))
+            ax.grid(alpha=0.3)
+            ax.legend(title="dashed: ideal (FLOPs)\nband: p20-p80", fontsize=8, title_fontsize=7)
+        written.append(_save(fig, title, out_dir / f"speedup_{name}.png"))
+
+        mem = (
+            g.dropna(subset=["baseline_peak_mem_mib", "dedup_peak_mem_mib"])
+            if "dedup_peak_mem_mib" in g
+            else g.iloc[0:0]
+        )
+        if mem.empty:
+            continue
+        fig, axes = plt.subplots(1, len(phases), figsize=(5.5 * len(phases), 4.2), squeeze=False)
+        for ax, phase in zip(axes[0], phases):
+            gp = mem[mem["phase"] == phase]
+            for i, (plen, gl) in enumerate(sorted(gp.groupby("prompt_len"), key=lambda x: x[0])):
+                gl = gl.sort_values("ratio")
+                ax.plot(
+                    gl["ratio"],
+                    gl["baseline_peak_mem_mib"],
+                    "s--",
+                    color=f"C{i}",
+                    alpha=0.7,
+                    label=f"baseline P={plen}",
+                )
+                ax.plot(gl["ratio"], gl["dedup_peak_mem_mib"], "o-", color=f"C{i}", label=f"dedup P={plen}")
+            kind = ", ".join(sorted(set(gp["peak_mem_kind"].astype(str))))
+            ax.set_xlabel("prompt dedup ratio")
+            ax.set_ylabel(f"peak memory, MiB\n({kind})", fontsize=8)
+            ax.set_title(phase.replace("forward_backward", "forward+backward"))
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        written.append(_save(fig, title, out_dir / f"memory_{name}.png"))
+    return written
+
+
+def _save(fig, title: str, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# metric -> (value column, p20 column, p80 column, higher is better)
+METRICS = {
+    "speedup": ("speedup", "speedup_p20", "speedup_p80", True),
+    "dedup_ms": ("dedup_ms_p50", "dedup_ms_p20", "dedup_ms_p80", False),
+    "baseline_ms": ("baseline_ms_p50", "baseline_ms_p20", "baseline_ms_p80", False),
+}
+
+
+def compare_frames(old, new, metric: str = "speedup", fail_above: float = 0.05):
+    """Rows of (case_id, phase, old, new, change, verdict). A regression is a change past
+    `fail_above` in the bad direction whose p20-p80 band does not overlap the old one (beyond noise)."""
+    col, lo, hi, higher_better = METRICS[metric]
+    merged = old.merge(new, on=KEY, suffixes=("_old", "_new"), how="outer", indicator=True)
+    out = []
+    for _, r in merged.iterrows():
+        case, phase = r["case_id"], r["phase"]
+        if r["_merge"] == "left_only":
+            out.append((case, phase, r[f"{col}_old"], None, None, "missing in new"))
+            continue
+        if r["_merge"] == "right_only":
+            out.append((case, phase, None, r[f"{col}_new"], None, "new case"))
+            continue
+        so, sn = r["status_old"], r["status_new"]
+        if so == "ok" and sn != "ok":
+            out.append((case, phase, r[f"{col}_old"], None, None, f"REGRESSION: status {sn}"))
+            continue
+        if so != "ok" or sn != "ok":
+            out.append((case, phase, None, None, None, f"not compared (status {so} -> {sn})"))
+            continue
+        vo, vn = float(r[f"{col}_old"]), float(r[f"{col}_new"])
+        change = vn / vo - 1
+        worse = -change if higher_better else change
+        lo_o, hi_o = float(r.get(f"{lo}_old", vo)), float(r.get(f"{hi}_old", vo))
+        lo_n, hi_n = float(r.get(f"{lo}_new", vn)), float(r.get(f"{hi}_new", vn))
+        beyond_noise = hi_n < lo_o if higher_better else lo_n > hi_o
+        if worse > fail_above and beyond_noise:
+            verdict = "REGRESSION"
+        elif worse > fail_above:
+            verdict = "worse, within noise"
+        elif -worse > fail_above and (lo_n > hi_o if higher_better else hi_n < lo_o):
+            verdict = "improved"
+        else:
+            verdict = "same"
+        out.append((case, phase, vo, vn, change, verdict))
+    return out

@@ -1,0 +1,171 @@
+"""A sweep: every case of a suite, one after the other, rows appended to a results file.
+
+The library half of `zorro bench sweep` (the CLI prints what the callbacks report). The
+results file is locked for the whole sweep (results.ResultsLock), a fresh start keeps the old
+file as a numbered backup, and every row is appended whole (results.ResultWriter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from zorro_core.bench.environment import environment
+from zorro_core.bench.results import (
+    ResultsLock,
+    ResultWriter,
+    backup,
+    done_keys,
+    sidecar_path,
+    update_last_run,
+    write_sidecar,
+)
+from zorro_core.bench.runner import case_rows, model_config
+from zorro_core.bench.suite import Case, Measure, Suite
+
+MODES = ("replace", "resume", "append")
+"""replace: start the file afresh (the old one becomes a backup); resume: skip every
+case+phase already done in it; append: add rows whatever it holds."""
+
+FAILED = ("error", "crashed", "timeout")
+"""Statuses that make a sweep fail (exit 1); ok, oom and skipped are results."""
+
+
+def git_state() -> dict[str, Any]:
+    """Commit and dirty flag of the checkout the code runs from (None outside git)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        return {"git_sha": sha or None, "git_dirty": bool(dirty) if sha else None}
+    except (OSError, subprocess.SubprocessError):
+        return {"git_sha": None, "git_dirty": None}
+
+
+def command_line() -> str:
+    """The command that runs this process, as the user typed it (`zorro ...` for the CLI)."""
+    prog = sys.argv[0] if sys.argv else ""
+    first = "zorro" if Path(prog).name in ("zorro", "main.py", "__main__.py") else prog
+    return " ".join([first, *sys.argv[1:]])
+
+
+def loadavg() -> Optional[list[float]]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def now_utc() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_record(suite: Suite) -> dict[str, Any]:
+    """The sidecar's record of this run: environment, code version, command, time, settings."""
+    return {
+        "started_utc": now_utc(),
+        "command": command_line(),
+        "python": sys.executable,
+        **git_state(),
+        "suite": suite.name,
+        "suite_file": suite.source,
+        "suite_text": Path(suite.source).read_text() if suite.source and Path(suite.source).is_file() else None,
+        "seed": suite.seed,
+        "measure": dataclasses.asdict(suite.measure),
+        "cases": len(suite.cases),
+        "cpu_count": os.cpu_count(),
+        "loadavg_start": loadavg(),
+        "environment": environment(),
+    }
+
+
+def unresolved_models(cases: list[Case]) -> dict[str, str]:
+    """{model: why} for each model of `cases` that resolves to no config (checked when a suite
+    loads, so that a typo is not found only when its case runs)."""
+    out = {}
+    for name in dict.fromkeys(c.model for c in cases):
+        try:
+            model_config(name)
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def _nothing(*_: Any) -> None:
+    return None
+
+
+def run_suite(
+    suite: Suite,
+    out: Path,
+    mode: str = "replace",
+    fault: Optional[str] = None,
+    notify: Callable[[str], None] = _nothing,
+    on_case: Callable[[Case, int, int], None] = _nothing,
+    on_row: Callable[[dict], None] = _nothing,
+    max_memory: Optional[int] = None,
+) -> list[dict]:
+    """Run the suite, appending rows to `out` as they finish; the rows written.
+
+    mode: one of MODES. notify(text): a plain-text notice (backup made, cases skipped);
+    on_case(case, i, n): case i of n starts; on_row(row): a row was written.
+    max_memory: bytes a case may take (its estimate is refused past it, its process stopped past
+    it); None: what the machine has available."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    out = Path(out)
+    if out.is_dir():
+        raise ValueError(f"{out} is a directory; --out takes a CSV file")
+    with ResultsLock(out):
+        if out.exists() and mode == "replace":
+            kept = backup(out)
+            notify(f"starting {out} afresh; the old one is now {kept} (--resume continues a file instead)")
+        done = done_keys(out) if mode == "resume" else set()
+        todo = [c for c in suite.cases if any((c.case_id, p) not in done for p in suite.measure.phases)]
+        if len(todo) < len(suite.cases):
+            notify(f"resume: {len(suite.cases) - len(todo)} case(s) already done in {out}, {len(todo)} to run")
+        if any(c.device.startswith("cuda") for c in todo) and not _cuda_available():
+            notify(
+                "this suite runs on CUDA, which is not available here: its cases are written with "
+                "status=skipped (run it on a GPU machine, or pass --device cpu)"
+            )
+        writer = ResultWriter(out)
+        write_sidecar(sidecar_path(out), run_record(suite))
+        rows: list[dict] = []
+
+        def emit(row: dict) -> None:
+            if (row["case_id"], row["phase"]) in done:
+                return
+            row["finished_utc"] = now_utc()
+            writer.append(row)
+            rows.append(row)
+            on_row(row)
+
+        for i, case in enumerate(todo):
+            on_case(case, i, len(todo))
+            measure = suite.measure
+            phases = tuple(p for p in measure.phases if (case.case_id, p) not in done)
+            if phases != measure.phases:
+                measure = Measure(**{**dataclasses.asdict(measure), "phases": phases})
+            case_rows(case, measure, fault=fault, on_phase=emit, max_memory=max_memory)
+        update_last_run(sidecar_path(out), finished_utc=now_utc(), loadavg_end=loadavg(), rows_written=len(rows))
+    return rows
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
