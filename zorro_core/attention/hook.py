@@ -57,6 +57,8 @@ class Route:
             if kind == "flex_attention":
                 from zorro_core.attention.flex import block_mask
 
+                if getattr(self.plan, "is_tree", False):  # sharing="prefix": the trie's mask
+                    from zorro_core.attention.tree import tree_block_mask as block_mask
                 self._masks[key] = block_mask(self.plan, window)
                 return self._masks[key]
             if kind == "eager":
@@ -70,6 +72,10 @@ class Route:
 
 def split_attention(plan: DedupPlan, q, k, v, scale: float, window: Optional[int], backend: str) -> torch.Tensor:
     """Split mode over the packed row: q [T, Hq, D], k, v [T, Hkv, D] -> [T, Hq, D]."""
+    if getattr(plan, "is_tree", False):  # sharing="prefix": one call per level of the trie
+        from zorro_core.attention.tree import tree_split_attention
+
+        return tree_split_attention(plan, q, k, v, scale, window, backend)
     seg = plan.causal
     tc = seg.total_q
     fn = BACKENDS[backend]

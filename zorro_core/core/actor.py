@@ -58,6 +58,8 @@ class _Actor:
         logits_memory_budget_mib: Optional[float] = None,
         router_aux_weighting: str = "multiplicity",
         max_seq_len: Optional[int] = None,
+        sharing: str = "prompt",
+        min_shared_tokens: Optional[int] = None,
     ) -> None:
         if (model is None) == (model_name_or_path is None):
             raise ValueError("pass exactly one of model= or model_name_or_path=")
@@ -89,6 +91,16 @@ class _Actor:
             raise ValueError(f"logits_memory_budget_mib must be > 0, got {logits_memory_budget_mib}")
         self.model = model
         self.parts = model_parts(model)
+        # sharing="prefix": a token trie over whole rows (zorro_core.core.trie); "prompt": identical prompts.
+        from zorro_core.core.trie import DEFAULT_MIN_SHARED_TOKENS, _check_sharing
+
+        self.min_shared_tokens = DEFAULT_MIN_SHARED_TOKENS if min_shared_tokens is None else min_shared_tokens
+        _check_sharing(sharing, self.min_shared_tokens)
+        self.sharing = sharing
+        if self.dedup and sharing == "prefix" and self.parts.num_linear_layers:
+            raise UnsupportedModelError(
+                "sharing='prefix' does not support linear-attention layers yet (a trie node would have to start "
+                "from its parent's recurrent state and conv window at an arbitrary depth); use sharing='prompt'")
         self.device = next(model.parameters()).device
         self.attn_implementation = attn_implementation or model.config._attn_implementation or "sdpa"
         self.attn_choice = auto_choice or AttentionChoice(
@@ -120,7 +132,8 @@ class _Actor:
         return self.parts.lm_head.out_features
 
     def plan(self, batch: RolloutBatch) -> DedupPlan:
-        return build_dedup_plan(batch.to(self.device), dedup=self.dedup, vocab_size=self.vocab_size)
+        return build_dedup_plan(batch.to(self.device), dedup=self.dedup, vocab_size=self.vocab_size,
+                                sharing=self.sharing, min_shared_tokens=self.min_shared_tokens)
 
     def forward(self, batch: RolloutBatch, temperature: float = 1.0, calculate_entropy: bool = False) -> ActorOutput:
         """Log-probs (and optionally entropy) of every response token, differentiable."""

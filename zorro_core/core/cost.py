@@ -126,6 +126,8 @@ def _segment_pairs(seg: Optional[Segments]) -> int:
 def plan_workload(plan: DedupPlan, logits_mode: str = "compute") -> Workload:
     """The workload a plan runs (a baseline plan is `build_dedup_plan(batch, dedup=False)`)."""
     logits = plan.num_tokens if logits_mode == "none" else int(plan.logit_index.numel())
+    if getattr(plan, "is_tree", False):  # sharing="prefix": each node against its ancestors + causal self
+        return Workload(plan.num_tokens, plan.attended_pairs(), logits)
     return Workload(plan.num_tokens, _segment_pairs(plan.causal) + _segment_pairs(plan.cross), logits)
 
 

@@ -192,11 +192,20 @@ def group_rows(batch: RolloutBatch, dedup: bool = True) -> torch.Tensor:
     return rank[inverse]
 
 
-def build_dedup_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int | None = None) -> DedupPlan:
+def build_dedup_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int | None = None,
+                     sharing: str = "prompt", min_shared_tokens: int | None = None) -> DedupPlan:
     """Build the plan of a batch. With `dedup=False` every row is its own group (the baseline).
 
     The batch is validated here (token ids against `vocab_size` when given), once per plan.
+    `sharing="prefix"` (with dedup) builds the token-trie plan instead (zorro_core.core.trie),
+    folding shared runs shorter than `min_shared_tokens` (default DEFAULT_MIN_SHARED_TOKENS).
     """
+    from zorro_core.core.trie import DEFAULT_MIN_SHARED_TOKENS, _check_sharing, build_trie_plan
+
+    min_shared_tokens = DEFAULT_MIN_SHARED_TOKENS if min_shared_tokens is None else min_shared_tokens
+    _check_sharing(sharing, min_shared_tokens)
+    if dedup and sharing == "prefix":
+        return build_trie_plan(batch, vocab_size=vocab_size, min_shared_tokens=min_shared_tokens)
     batch.validate(vocab_size=vocab_size)
     dev = batch.device
     b, pw = batch.prompts.shape
