@@ -104,9 +104,14 @@ def gradients(
     as_json: bool = typer.Option(False, "--json", help="Print JSON (rule, one object per case, summary) instead of tables."),
     inject_bug: Optional[str] = typer.Option(None, "--inject-bug", hidden=True, help=_BUG_HELP),
     lora: Optional[int] = typer.Option(None, "--lora", min=1, help="Wrap each model in a LoRA adapter of this rank (peft) and compare the adapter weights' gradients."),
+    sharing: str = typer.Option("prompt", "--sharing", help="What the dedup actor shares: prompt (identical prompts) or prefix (a token trie over whole rows)."),
+    min_shared_tokens: int = typer.Option(1, "--min-shared-tokens", min=1, help="sharing=prefix: shortest shared run split off as a node (1: every common run)."),
 ) -> None:
     from zorro_core.verify.gradients import expand_cases, verify_cases
 
+    if sharing not in ("prompt", "prefix"):
+        Console(stderr=True).print(f"[red]error:[/] unknown --sharing {sharing!r}; choose prompt or prefix")
+        raise typer.Exit(2)
     dev = _device(device)
     cases = expand_cases(
         _models(models), _attns(attn, dev), _split(dtype, list(DTYPES), list(DTYPES), "--dtype"),
@@ -123,7 +128,8 @@ def gradients(
             done[0] += 1
             status.update(f"[{done[0]}/{len(cases)}] {res.case.name}: {res.status}")
 
-        results = verify_cases(cases, device=dev, seed=seed, factor=factor, bug=bug, on_result=progress, lora_rank=lora)
+        results = verify_cases(cases, device=dev, seed=seed, factor=factor, bug=bug, on_result=progress, lora_rank=lora,
+                               sharing=sharing, min_shared_tokens=min_shared_tokens)
     seconds = time.perf_counter() - t0
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "error", "skip")}
     ok = counts["fail"] == counts["error"] == 0 and counts["pass"] > 0
