@@ -156,3 +156,30 @@ def test_property_every_response_token_placed(rows, min_shared):
     if min_shared == 1:
         assert plan.num_tokens == distinct_prefixes(seqs)
     assert plan.num_tokens <= build_dedup_plan(batch).num_tokens
+
+
+def test_cost_model_counts_the_trie():
+    """The analytic trie of a shared-system-prefix workload equals the plan's own count."""
+    from zorro_core.core.cost import causal_pairs, plan_workload, shared_prefix_workload
+
+    batch = create_dummy_batch(batch_size=8, num_unique_prompts=2, prompt_len=12, response_len=5, vocab_size=4096,
+                               shared_prefix_len=6, seed=1)
+    plan = build_dedup_plan(batch, sharing="prefix", min_shared_tokens=1)
+    assert plan.depth == 3
+    work = plan_workload(plan)
+    assert work == shared_prefix_workload(12, 2, 4, 5, 6)
+    assert work.tokens == 6 + 2 * 6 + 8 * 5
+    assert work.attended_pairs == causal_pairs(6, 6) + 2 * causal_pairs(6, 12) + 8 * causal_pairs(5, 17)
+    # The same batch shared by prompt only: no fewer tokens or pairs than the trie.
+    prompt = plan_workload(build_dedup_plan(batch))
+    assert prompt.tokens == 2 * 12 + 8 * 5 and prompt.attended_pairs > work.attended_pairs
+
+
+def test_dummy_batch_shared_prefix():
+    batch = create_dummy_batch(batch_size=6, num_unique_prompts=3, prompt_len=10, response_len=4, vocab_size=50,
+                               shared_prefix_len=4, vary_lengths=True, seed=5)
+    prompts, _ = batch.to_lists()
+    assert len({tuple(p[:4]) for p in prompts}) == 1
+    assert len({p[4] for p in prompts}) == 3  # distinct prompts differ right after the shared prefix
+    with pytest.raises(ValueError, match="shared_prefix_len"):
+        create_dummy_batch(batch_size=2, num_unique_prompts=2, prompt_len=10, response_len=4, shared_prefix_len=10)

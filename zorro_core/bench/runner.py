@@ -53,7 +53,8 @@ def make_batch(case: Case, vocab_size: int, device: str = "cpu"):
 
     return create_dummy_batch(batch_size=case.batch_size, num_unique_prompts=case.num_unique_prompts,
                               prompt_len=case.prompt_len, response_len=case.response_len, vocab_size=vocab_size,
-                              device=device, seed=case.seed, vary_lengths=case.padding)
+                              device=device, seed=case.seed, vary_lengths=case.padding,
+                              shared_prefix_len=case.shared_prefix_len)
 
 
 @dataclass
@@ -78,11 +79,13 @@ def case_workload(case: Case) -> Workload:
 
     config = model_config(case.model)
     batch = make_batch(case, config.vocab_size)
-    base, dedup = build_dedup_plan(batch, dedup=False), build_dedup_plan(batch, dedup=True)
+    prompt_plan = build_dedup_plan(batch, dedup=True)
+    base = prompt_plan if case.baseline == "prompt" else build_dedup_plan(batch, dedup=False)
+    dedup = build_dedup_plan(batch, dedup=True, sharing=case.sharing, min_shared_tokens=case.min_shared_tokens)
     cmp = compare_plans(ModelShape.from_config(config), base, dedup, case.logits_mode)
     return Workload(
         logical_tokens=dedup.logical_tokens, unique_tokens=dedup.num_tokens,
-        prompt_dedup_ratio=dedup.prompt_dedup_ratio, token_redundancy=dedup.token_redundancy,
+        prompt_dedup_ratio=prompt_plan.prompt_dedup_ratio, token_redundancy=dedup.token_redundancy,
         ideal_speedup={p: cmp.ideal_speedup(p) for p in PHASES},
         baseline_gflops={p: cmp.baseline.phase(p) / 1e9 for p in PHASES},
         dedup_gflops={p: cmp.dedup.phase(p) / 1e9 for p in PHASES},
@@ -132,22 +135,30 @@ class _Bench:
         if "baseline" in arms:
             if case.baseline == "padded":
                 self.actors["baseline"] = BaselineActor(padded=True, **common)
+            elif case.baseline == "prompt":  # the prompt-sharing dedup arm, to measure what prefix sharing adds
+                self.actors["baseline"] = DeduplicatedActor(
+                    use_split_attention=case.split_attention,
+                    varlen_backend=case.varlen_backend if case.split_attention else None, **common)
             else:
                 self.actors["baseline"] = BaselineActor(use_split_attention=True, varlen_backend=case.varlen_backend, **common)
         if "dedup" in arms:
             self.actors["dedup"] = DeduplicatedActor(use_split_attention=case.split_attention,
                                                      varlen_backend=case.varlen_backend if case.split_attention else None,
+                                                     sharing=case.sharing, min_shared_tokens=case.min_shared_tokens,
                                                      **common)
 
     def baseline_kind(self) -> str:
         a = self.actors["baseline"]
+        if a.dedup:
+            return f"dedup_prompt_split_{a.varlen_backend}" if a.use_split_attention else f"dedup_prompt_mask_{a.attn_implementation}"
         if getattr(a, "padded", False):
             return f"padded_hf_{a.attn_implementation}"
         return f"packed_varlen_{a.varlen_backend}"
 
     def dedup_kind(self) -> str:
         a = self.actors["dedup"]
-        return f"split_{a.varlen_backend}" if a.use_split_attention else f"mask_{a.attn_implementation}"
+        kind = f"split_{a.varlen_backend}" if a.use_split_attention else f"mask_{a.attn_implementation}"
+        return kind if a.sharing == "prompt" else f"{a.sharing}_{kind}"
 
     def step(self, arm: str, phase: str) -> Callable[[], None]:
         actor, batch, n = self.actors[arm], self.batch, self.n_response
@@ -391,7 +402,8 @@ def case_base_row(case: Case, measure: Measure) -> dict[str, Any]:
         "prompt_len": case.prompt_len, "response_len": case.response_len, "padding": case.padding,
         "baseline_kind": "", "dedup_kind": "", "warmup": measure.warmup, "repeats": measure.repeats,
         "threads": measure.threads or "", "seed": case.seed, "liger": case.liger, "liger_kernels": "",
-        "peak_mem_kind": "not_measured",
+        "peak_mem_kind": "not_measured", "sharing": case.sharing, "shared_prefix_len": case.shared_prefix_len,
+        "min_shared_tokens": case.min_shared_tokens if case.min_shared_tokens is not None else "",
     }
 
 
