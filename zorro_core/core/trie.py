@@ -42,7 +42,7 @@ from zorro_core.core.batch import RolloutBatch
 from zorro_core.core.plan import Segments, _cu
 
 SHARINGS = ("prompt", "prefix")
-DEFAULT_MIN_SHARED_TOKENS = 32
+DEFAULT_MIN_SHARED_TOKENS = 16
 """Default `min_shared_tokens` (see the README's prefix-sharing measurement)."""
 
 
