@@ -16,6 +16,7 @@ baseline's rule since a row's positions are its path's.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -50,6 +51,11 @@ def level_layout(level: TreeLevel, device: torch.device) -> dict:
     ], 2)
     lay = dict(own, gs=gs, p_max=p_max, prompt_rows=prompt_rows, uniform_p=uniform_p, local=local,
                q_pos=q_pos, k_pos=k_pos, allowed=allowed)
+    if not uniform_p:  # the compact view: keys gathered as [paths | own], paths first and contiguous
+        compact = dataclasses.replace(seg, q_start=gs * p_max, cache=seg.cache)
+        level.cache[("compact", str(device))] = (compact, dict(
+            lay, prompt_rows=torch.arange(gs * p_max, device=device), uniform_p=True))
+        lay["path_rows"] = prompt_rows
     level.cache[key] = lay
     return lay
 
@@ -84,10 +90,18 @@ def tree_split_attention(plan: TriePlan, q, k, v, scale: float, window: Optional
             outs.append(fn(qx, k[idx], v[idx], seg, scale, window))
             continue
         lay = level_layout(level, q.device)
+        kl, vl = k, v
+        if not lay["uniform_p"]:
+            # The parents' paths are scattered over the packed row (root, then inner nodes): gather
+            # them once per call into [paths | the level's own keys], so that the padded machinery
+            # reads a contiguous block instead of gathering the paths again for every chunk.
+            rows = torch.cat([lay["path_rows"], seg.q_start + torch.arange(seg.total_q, device=q.device)])
+            kl, vl = k[rows], v[rows]
+            seg, lay = level.cache[("compact", str(q.device))]
         if backend != "reference" and q.device.type == "cpu":
-            outs.append(_FlashCross.apply(qx, k, v, seg, lay, scale, padded_mask(lay, window, q.dtype)))
+            outs.append(_FlashCross.apply(qx, kl, vl, seg, lay, scale, padded_mask(lay, window, q.dtype)))
         else:
-            qp, kp, vp = _cross_blocks(qx, k, v, seg, lay)
+            qp, kp, vp = _cross_blocks(qx, kl, vl, seg, lay)
             outs.append(from_padded(attend(qp, kp, vp, lay, window, scale, backend == "reference"), lay))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
