@@ -59,6 +59,9 @@ def check_plan(batch, min_shared):
         for i in path:
             count[i] += 1
     assert plan.token_multiplicity().tolist() == count
+    # Unique prompt tokens: packed tokens that are some row's prompt token.
+    prompt_pos = {i for path, p in zip(paths, plens) for i in path[:p]}
+    assert plan.unique_prompt_tokens == len(prompt_pos)
     return plan, rows, paths
 
 
@@ -183,3 +186,24 @@ def test_dummy_batch_shared_prefix():
     assert len({p[4] for p in prompts}) == 3  # distinct prompts differ right after the shared prefix
     with pytest.raises(ValueError, match="shared_prefix_len"):
         create_dummy_batch(batch_size=2, num_unique_prompts=2, prompt_len=10, response_len=4, shared_prefix_len=10)
+
+
+def test_trie_plan_copies_the_batch_to_the_host_a_bounded_number_of_times(monkeypatch):
+    """The trie is built on the host: the batch goes there a fixed number of times, whatever B."""
+    counts = []
+    for rows in (4, 64):
+        batch = create_dummy_batch(batch_size=rows, num_unique_prompts=rows // 2, prompt_len=12, response_len=4,
+                                   vocab_size=256, shared_prefix_len=5, seed=rows)
+        n = 0
+        real_cpu = torch.Tensor.cpu
+
+        def cpu(self, *a, **k):
+            nonlocal n
+            n += 1
+            return real_cpu(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+        build_trie_plan(batch, min_shared_tokens=1)
+        monkeypatch.undo()
+        counts.append(n)
+    assert counts[0] == counts[1], counts

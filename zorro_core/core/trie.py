@@ -111,6 +111,8 @@ class TriePlan:
     """Real tokens of the batch before dedup (sum of prompt + response lengths)."""
     logical_prompt_tokens: int
     """Real prompt tokens of the batch before dedup."""
+    unique_prompt_tokens: int
+    """Packed tokens that are a prompt token of at least one row through them."""
     deduplicated: bool = True
     """Always True: a trie plan shares (the baseline uses `build_dedup_plan(dedup=False)`)."""
     sharing: str = "prefix"
@@ -131,6 +133,11 @@ class TriePlan:
     def depth(self) -> int:
         """Levels of the tree (attention calls per layer in split mode)."""
         return len(self.levels)
+
+    @property
+    def prompt_dedup_ratio(self) -> float:
+        """1 - unique prompt tokens / all prompt tokens."""
+        return 1.0 - self.unique_prompt_tokens / self.logical_prompt_tokens
 
     @property
     def token_redundancy(self) -> float:
@@ -266,7 +273,7 @@ def _merge_short(start, end, parent, row_node, min_shared: int, keep: set[int]):
     return [n for n in range(m) if alive[n]]
 
 
-def _layout(start, end, parent, row_node, live):
+def _layout(start, end, parent, row_node, live, plens):
     """Packed order of the live nodes, their levels, multiplicities, first rows and DFS intervals."""
     children: dict[int, list[int]] = {n: [] for n in live}
     roots = []
@@ -274,8 +281,10 @@ def _layout(start, end, parent, row_node, live):
         (children[parent[n]] if parent[n] >= 0 else roots).append(n)
     first_row = {n: len(row_node) for n in live}
     rows = {n: 0 for n in live}
+    longest_prompt = {n: 0 for n in live}  # over the rows through the node
     for r, n in enumerate(row_node):
         rows[n] += 1
+        longest_prompt[n] = max(longest_prompt[n], int(plens[r]))
         first_row[n] = min(first_row[n], r)
     level = {n: 0 for n in roots}
     frontier = list(roots)
@@ -289,6 +298,7 @@ def _layout(start, end, parent, row_node, live):
             if parent[n] >= 0:
                 rows[parent[n]] += rows[n]
                 first_row[parent[n]] = min(first_row[parent[n]], first_row[n])
+                longest_prompt[parent[n]] = max(longest_prompt[parent[n]], longest_prompt[n])
     order_by_level = [sorted(roots, key=first_row.__getitem__)]
     while True:
         rank = {n: i for i, n in enumerate(order_by_level[-1])}
@@ -310,7 +320,8 @@ def _layout(start, end, parent, row_node, live):
         clock += 1
         stack.append((n, True))
         stack.extend((c, False) for c in reversed(children[n]))
-    return packed, order_by_level, level, rows, first_row, tin, tout
+    prompt_tokens = sum(min(max(longest_prompt[n] - start[n], 0), end[n] - start[n]) for n in live)
+    return packed, order_by_level, level, rows, first_row, tin, tout, prompt_tokens
 
 
 def _by_level(nodes, level):
@@ -333,7 +344,7 @@ def build_trie_plan(batch: RolloutBatch, vocab_size: Optional[int] = None,
     start, end, parent, row_node = _radix_tree(canon, lens)
     keep = _prompt_closers(start, end, parent, row_node, plens)
     live = _merge_short(start, end, parent, row_node, min_shared_tokens, keep)
-    packed, by_level, level, rows, first_row, tin, tout = _layout(start, end, parent, row_node, live)
+    packed, by_level, level, rows, first_row, tin, tout, prompt_tokens = _layout(start, end, parent, row_node, live, plens)
 
     # Renumber nodes 0..M-1 in packed order; everything below is vectorised.
     new = {n: i for i, n in enumerate(packed)}
@@ -405,7 +416,7 @@ def build_trie_plan(batch: RolloutBatch, vocab_size: Optional[int] = None,
         input_ids=to(input_ids), position_ids=to(position_ids), token_node=to(token_node),
         logit_index=to(logit_index), labels=to(labels), response_flat_index=to(response_flat_index),
         response_logit=to(response_logit), levels=levels,
-        logical_tokens=int(lens.sum()), logical_prompt_tokens=int(plens.sum()),
+        logical_tokens=int(lens.sum()), logical_prompt_tokens=int(plens.sum()), unique_prompt_tokens=prompt_tokens,
     )
 
 
