@@ -20,7 +20,7 @@ if not console.is_terminal:
 
 # Columns that define a configuration: one pivot table (and one plot) per combination.
 GROUP_COLUMNS = ["model", "attn_implementation", "split_attention", "logits_mode", "dtype", "device", "batch_size",
-                 "response_len", "padding", "baseline_kind"]
+                 "response_len", "padding", "baseline_kind", "sharing", "shared_prefix_len"]
 KEY = ["case_id", "phase"]
 
 
@@ -71,8 +71,10 @@ def _group_title(key: tuple) -> str:
     d = dict(zip(GROUP_COLUMNS + ["phase"], key))
     split = "split" if str(d["split_attention"]).lower() == "true" else "mask"
     pad = ", padded lengths" if str(d["padding"]).lower() == "true" else ""
-    return (f"{d['model']} {d['attn_implementation']}/{split} logits={d['logits_mode']} {d['dtype']} {d['device']} "
-            f"B={d['batch_size']} R={d['response_len']}{pad} vs {d['baseline_kind'] or 'baseline'}: {d['phase']}")
+    sharing = f" sharing={d['sharing']}" if d["sharing"] not in ("", "prompt") else ""
+    system = f", shared prefix {int(float(d['shared_prefix_len']))}" if str(d["shared_prefix_len"]) not in ("", "0", "0.0") else ""
+    return (f"{d['model']} {d['attn_implementation']}/{split}{sharing} logits={d['logits_mode']} {d['dtype']} {d['device']} "
+            f"B={d['batch_size']} R={d['response_len']}{pad}{system} vs {d['baseline_kind'] or 'baseline'}: {d['phase']}")
 
 
 def pivots(df, value: str = "speedup"):
