@@ -31,7 +31,8 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 
 echo "== 1. GPU paths against the reference"
 timeout "$(left 150)" $PY -m pytest -q -rs -p no:cacheprovider tests/test_varlen.py tests/test_flex.py tests/test_liger.py \
-  tests/test_lora.py tests/test_precision.py tests/test_auto.py tests/test_families_qwen3_next.py 2>&1 | tee "$OUT/pytest.txt"
+  tests/test_lora.py tests/test_precision.py tests/test_auto.py tests/test_families_qwen3_next.py tests/test_trie_gpu_paths.py \
+  2>&1 | tee "$OUT/pytest.txt"
 
 echo "== 2. zorro verify gradients on CUDA"
 timeout "$(left 240)" $PY -m zorro_cli.main verify gradients --device cuda --models tiny-qwen3,tiny-llama,tiny-qwen3-moe \

@@ -112,3 +112,25 @@ def test_bad_values_are_refused_with_the_reason(args, reason):
         res = invoke(command, *args)
         assert res.exit_code == 2 and reason in " ".join(res.output.split()), (command, res.output)
         assert "Traceback" not in res.output
+
+
+def test_gradients_prefix_sharing_passes_and_refuses_linear_attention():
+    res = invoke("gradients", *SMALL, "--mode", "split", "--mode", "mask", "--sharing", "prefix")
+    assert res.exit_code == 0, res.output
+    assert "4 passed, 0 failed" in res.output
+    res = invoke("gradients", "--models", "tiny-qwen3-next", "--dtype", "float64", "--layout", "padded",
+                 "--logits-mode", "compute", "--attn", "sdpa", "--mode", "split", "--sharing", "prefix", "--json")
+    out = json.loads(res.output)
+    assert out["summary"]["skip"] == 1 and "linear-attention" in out["results"][0]["reason"]
+
+
+@pytest.mark.parametrize("bug", ["wrong_prompt", "positions_restart"])
+def test_gradients_prefix_sharing_fail_on_a_broken_plan(bug):
+    res = invoke("gradients", *SMALL, "--mode", "split", "--sharing", "prefix", "--inject-bug", bug)
+    assert res.exit_code == 1, res.output
+    assert "0 passed, 2 failed" in res.output
+
+
+def test_gradients_unknown_sharing_is_an_error():
+    res = invoke("gradients", *SMALL, "--sharing", "suffix")
+    assert res.exit_code == 2 and "--sharing" in res.output and "suffix" in res.output

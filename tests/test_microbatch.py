@@ -32,11 +32,12 @@ def grads_of(model):
 # Budget 12 splits the 17-token group (prompt 7 + responses 4, 5, 1) in two; 1 puts every row
 # alone (each over budget); None is one micro-batch.
 @pytest.mark.parametrize("budget", [None, 12, 20, 1])
-@pytest.mark.parametrize("actor_kind", ["dedup", "dedup-memory", "baseline-padded"])
+@pytest.mark.parametrize("actor_kind", ["dedup", "dedup-memory", "dedup-prefix", "baseline-padded"])
 def test_micro_batches_equal_full_batch(tiny_models, budget, actor_kind):
     model = tiny_models("tiny-qwen3")
     actor = {"dedup": lambda: DeduplicatedActor(model=model),
              "dedup-memory": lambda: DeduplicatedActor(model=model, logits_mode="memory", logits_chunk_size=3),
+             "dedup-prefix": lambda: DeduplicatedActor(model=model, sharing="prefix", min_shared_tokens=1),
              "baseline-padded": lambda: BaselineActor(model=model, padded=True)}[actor_kind]()
     batch = mixed_batch()
     loss_fn = token_mean_loss(batch, token_weights(batch, seed=3))

@@ -1,5 +1,6 @@
 """Suite files: expansion, validation, filters, and the shipped suites."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,28 @@ def test_stack_suites_have_a_case_for_every_row_of_the_table(name, device):
         arm, part, split, liger = STACK_SOURCES[config]
         assert any(c.attn_implementation == getattr(roles, part) and c.liger == liger and split in (None, c.split_attention)
                    for c in suite.cases), config
+
+
+def test_sharing_axes():
+    s = parse_suite({"defaults": {"batch_size": 8, "num_unique_prompts": 2, "prompt_len": 16},
+                     "grid": [{"sharing": ["prompt", "prefix"], "shared_prefix_len": [0, 8]},
+                              {"sharing": "prefix", "baseline": "prompt", "min_shared_tokens": 4}]})
+    ids = [c.case_id for c in s.cases]
+    assert len(ids) == len(set(ids)) == 5
+    assert ids[0] == Case(batch_size=8, num_unique_prompts=2, prompt_len=16).case_id  # defaults keep their old id
+    assert any(i.endswith(":sys8:prefix") for i in ids) and any(i.endswith("base-prompt:prefix4") for i in ids)
+    for bad, msg in (({"sharing": "suffix"}, "sharing"), ({"shared_prefix_len": 16}, "shared_prefix_len"),
+                     ({"min_shared_tokens": 0}, "min_shared_tokens")):
+        with pytest.raises(ValueError, match=msg):
+            Case(prompt_len=16, **bad)
+
+
+def test_sharing_workload():
+    from zorro_core.bench.runner import case_workload
+
+    case = Case(model="tiny-qwen3", batch_size=8, num_unique_prompts=2, prompt_len=16, response_len=4,
+                shared_prefix_len=8, sharing="prefix", min_shared_tokens=1)
+    w = case_workload(case)
+    assert w.unique_tokens == 8 + 2 * 8 + 8 * 4 and w.prompt_dedup_ratio == pytest.approx(0.75)
+    vs_prompt = case_workload(dataclasses.replace(case, baseline="prompt"))
+    assert 1 < vs_prompt.ideal_speedup["forward_backward"] < w.ideal_speedup["forward_backward"]

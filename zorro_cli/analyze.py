@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from zorro_core.bench.runner import model_config
-from zorro_core.core.cost import COMPONENTS, ModelShape, compare, shape_workloads
+from zorro_core.core.cost import COMPONENTS, ModelShape, compare, shape_workloads, shared_prefix_workload
 
 from .choices import LogitsMode
 from .console import console, escape, fail
@@ -34,10 +34,13 @@ def analyze(
         help="none (lm_head at every position) or compute/memory (only where a response token is predicted).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    shared_prefix_len: int = typer.Option(0, "--shared-prefix-len", help="Tokens every prompt starts with (a system prompt) before the prompts differ: adds the prefix tree (sharing=prefix) to the report."),
 ) -> None:
     """Total, unique and redundant tokens of a workload and the ideal speedup of each kind of work."""
     if min(prompt_len, responses, response_len, prompts) < 1:
         fail("--prompt-len, --responses, --response-len and --prompts must be >= 1")
+    if not 0 <= shared_prefix_len < prompt_len:
+        fail(f"--shared-prefix-len must be in [0, --prompt-len={prompt_len})")
     logits_mode = logits_mode.value
     try:
         shape = ModelShape.from_config(model_config(model))
@@ -67,6 +70,18 @@ def analyze(
         "baseline_forward_backward": cmp.baseline.forward_backward / 1e12,
         "dedup_forward_backward": cmp.dedup.forward_backward / 1e12,
     }
+    if shared_prefix_len:  # the prefix tree: [system prefix] -> [rest of each prompt] -> [each response]
+        tree_w = shared_prefix_workload(prompt_len, prompts, responses, response_len, shared_prefix_len, logits_mode)
+        tcmp = compare(shape, base_w, tree_w, logits_mode)
+        pcmp = compare(shape, dedup_w, tree_w, logits_mode)
+        result["prefix"] = {
+            "shared_prefix_len": shared_prefix_len, "unique_tokens": tree_w.tokens,
+            "token_redundancy": 1 - tree_w.tokens / total, "attended_pairs": tree_w.attended_pairs,
+            "ideal_speedup": {**{c: tcmp.component_speedup(c) for c in COMPONENTS},
+                              "total_forward": tcmp.ideal_speedup("forward"),
+                              "total_forward_backward": tcmp.ideal_speedup("forward_backward")},
+            "ideal_speedup_over_prompt_sharing": pcmp.ideal_speedup("forward_backward"),
+        }
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return
@@ -96,6 +111,16 @@ def analyze(
         f"[bold]{result['ideal_speedup']['total_forward']:.2f}x[/]; {result['ideal_speedup']['total_forward_backward']:.2f}x",
     )
     console.print(s)
+    if shared_prefix_len:
+        pr = result["prefix"]
+        p = Table(title=f"prefix tree (sharing=prefix): every prompt starts with the same {shared_prefix_len} tokens")
+        p.add_column("")
+        p.add_column("value", justify="right")
+        p.add_row("unique tokens (each shared run once)", f"{pr['unique_tokens']:,} ({_tokens(pr['unique_tokens'])})")
+        p.add_row("token redundancy", f"{pr['token_redundancy']:.0%}")
+        p.add_row("ideal speedup over the baseline (forward+backward)", f"{pr['ideal_speedup']['total_forward_backward']:.2f}x")
+        p.add_row("ideal speedup over sharing=prompt (forward+backward)", f"{pr['ideal_speedup_over_prompt_sharing']:.2f}x")
+        console.print(p)
     console.print(
         f"baseline {result['tflops']['baseline_forward_backward']:.1f} TFLOP vs dedup "
         f"{result['tflops']['dedup_forward_backward']:.1f} TFLOP per forward+backward. Ideal: measured speedups "

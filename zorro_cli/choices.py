@@ -8,6 +8,7 @@ from typing import Iterable
 
 from zorro_core.bench.report import METRICS
 from zorro_core.bench.suite import ATTN_IMPLEMENTATIONS, BASELINES, DTYPES, LOGITS_MODES, PHASES
+from zorro_core.core.trie import SHARINGS
 from zorro_core.verify.gradients import LAYOUTS
 
 
@@ -22,6 +23,7 @@ Baseline = _choices("Baseline", BASELINES)
 Phase = _choices("Phase", PHASES)
 Metric = _choices("Metric", METRICS)
 Layout = _choices("Layout", LAYOUTS)
+Sharing = _choices("Sharing", SHARINGS)
 
 
 def value(choice: Enum | None) -> str | None:

@@ -27,7 +27,7 @@ from zorro_core.verify.gradients import (
 )
 from zorro_core.verify.training import TRAIN_FACTOR, TRAIN_RULE, TrainConfig, verify_training
 
-from .choices import Layout, LogitsMode
+from .choices import Layout, LogitsMode, Sharing
 from .console import console, err_console, escape, fail
 
 # Column notes printed under the gradients table.
@@ -161,6 +161,14 @@ def gradients(
     reentrant: bool = typer.Option(
         False, "--reentrant", help="With --checkpointing: use_reentrant=True (default False, transformers' default)."
     ),
+    sharing: Sharing = typer.Option(
+        Sharing("prompt"),
+        "--sharing",
+        help="What the dedup actor shares: prompt (identical prompts) or prefix (a token trie over whole rows).",
+    ),
+    min_shared_tokens: int = typer.Option(
+        1, "--min-shared-tokens", min=1, help="sharing=prefix: shortest shared run split off as a node (1: every common run)."
+    ),
 ) -> None:
     if reentrant and not checkpointing:
         fail("--reentrant needs --checkpointing")
@@ -185,7 +193,7 @@ def gradients(
             status.update(escape(f"[{done[0]}/{len(cases)}] {res.case.name}: {res.status}"))
 
         results = verify_cases(cases, device=dev, seed=seed, factor=factor, bug=bug, on_result=progress, lora_rank=lora,
-                               checkpointing=flavour)
+                               checkpointing=flavour, sharing=sharing.value, min_shared_tokens=min_shared_tokens)
     seconds = time.perf_counter() - t0
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "error", "skip")}
     ok = counts["fail"] == counts["error"] == 0 and counts["pass"] > 0

@@ -35,6 +35,10 @@ from zorro_core.core.plan import Segments
 class AttentionBackend:
     """One way to run variable-length attention; `causal` and `cross` are the plan's two calls."""
 
+    padded = False
+    """Runs segments as a padded batch (zorro_core.attention.padded), which takes a shared key block
+    (a prompt, a parent's path) once per group; otherwise cu_seqlens over gathered keys."""
+
     name: str = ""
 
     def varlen(self, q, k, v, seg: Segments, scale: float, window: Optional[int] = None) -> torch.Tensor:
@@ -58,6 +62,7 @@ class ReferenceBackend(AttentionBackend):
     """Exact: explicit scores over a padded batch; the cross call broadcasts each prompt block."""
 
     name = "reference"
+    padded = True
 
     def varlen(self, q, k, v, seg, scale, window=None):
         lay, qp, kp, vp = to_padded(q, k, v, seg)
@@ -71,6 +76,7 @@ class SdpaBackend(AttentionBackend):
     """F.scaled_dot_product_attention over a padded batch; on CPU the cross call saves no K/V copy."""
 
     name = "sdpa"
+    padded = True
 
     def varlen(self, q, k, v, seg, scale, window=None):
         lay, qp, kp, vp = to_padded(q, k, v, seg)

@@ -25,6 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from zorro_core.attention.backends import BACKENDS
+from zorro_core.attention.tree import tree_block_mask, tree_split_attention
 from zorro_core.core.plan import DedupPlan
 from zorro_core.errors import UnsupportedModelError
 
@@ -61,6 +62,8 @@ class Route:
             if kind == "flex_attention":
                 from zorro_core.attention.flex import block_mask
 
+                if getattr(self.plan, "is_tree", False):  # sharing="prefix": the trie's mask
+                    block_mask = tree_block_mask
                 self._masks[key] = block_mask(self.plan, window)
                 return self._masks[key]
             if kind == "eager":
@@ -74,6 +77,8 @@ class Route:
 
 def split_attention(plan: DedupPlan, q, k, v, scale: float, window: Optional[int], backend: str) -> torch.Tensor:
     """Split mode over the packed row: q [T, Hq, D], k, v [T, Hkv, D] -> [T, Hq, D]."""
+    if getattr(plan, "is_tree", False):  # sharing="prefix": one call per level of the trie
+        return tree_split_attention(plan, q, k, v, scale, window, backend)
     be = BACKENDS[backend]
     if plan.cross is None:
         return be.causal(q, k, v, plan.causal, scale, window)

@@ -29,4 +29,5 @@ def make_batch(case: Case, vocab_size: int, device: str = "cpu"):
 
     return create_dummy_batch(batch_size=case.batch_size, num_unique_prompts=case.num_unique_prompts,
                               prompt_len=case.prompt_len, response_len=case.response_len, vocab_size=vocab_size,
-                              device=device, seed=case.seed, vary_lengths=case.padding)
+                              device=device, seed=case.seed, vary_lengths=case.padding,
+                              shared_prefix_len=case.shared_prefix_len)

@@ -23,6 +23,8 @@ GROUP_COLUMNS = [
     "response_len",
     "padding",
     "baseline_kind",
+    "sharing",
+    "shared_prefix_len",
 ]
 KEY = ["case_id", "phase"]
 
@@ -64,9 +66,12 @@ def group_title(key: tuple) -> str:
     d = dict(zip(GROUP_COLUMNS + ["phase"], key))
     split = "split" if str(d["split_attention"]).lower() == "true" else "mask"
     pad = ", padded lengths" if str(d["padding"]).lower() == "true" else ""
+    sharing = f" sharing={d['sharing']}" if d["sharing"] not in ("", "prompt") else ""
+    shared = str(d["shared_prefix_len"])
+    system = f", shared prefix {int(float(shared))}" if shared not in ("", "0", "0.0") else ""
     return (
-        f"{d['model']} {d['attn_implementation']}/{split} logits={d['logits_mode']} {d['dtype']} {d['device']} "
-        f"B={d['batch_size']} R={d['response_len']}{pad} vs {d['baseline_kind'] or 'baseline'}: {d['phase']}"
+        f"{d['model']} {d['attn_implementation']}/{split}{sharing} logits={d['logits_mode']} {d['dtype']} {d['device']} "
+        f"B={d['batch_size']} R={d['response_len']}{pad}{system} vs {d['baseline_kind'] or 'baseline'}: {d['phase']}"
     )
 
 

@@ -37,6 +37,7 @@ REQUIRED_COLUMNS = [
 EXTRA_COLUMNS = [
     "baseline_kind", "dedup_kind", "speedup_p20", "speedup_p80", "n", "warmup", "repeats", "threads", "padding",
     "logical_tokens", "unique_tokens", "baseline_gflops", "dedup_gflops", "seed", "liger", "liger_kernels", "logits_memory_budget_mib", "checkpointing", "finished_utc",
+    "sharing", "shared_prefix_len", "min_shared_tokens",
 ]
 # Cases with nproc > 1 (zorro_core.bench.distributed): per-rank layout and bytes moved by regroup.
 DISTRIBUTED_COLUMNS = [

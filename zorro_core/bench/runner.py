@@ -64,12 +64,14 @@ def case_workload(case: Case) -> Workload:
     """Tokens, redundancy and ideal speedup of a case, from its config and batch (no weights)."""
     config = model_config(case.model)
     batch = make_batch(case, config.vocab_size)
-    base, dedup = build_dedup_plan(batch, dedup=False), build_dedup_plan(batch, dedup=True)
+    prompt_plan = build_dedup_plan(batch, dedup=True)
+    base = prompt_plan if case.baseline == "prompt" else build_dedup_plan(batch, dedup=False)
+    dedup = build_dedup_plan(batch, dedup=True, sharing=case.sharing, min_shared_tokens=case.min_shared_tokens)
     cmp = compare_plans(ModelShape.from_config(config), base, dedup, case.logits_mode)
     return Workload(
         logical_tokens=dedup.logical_tokens,
         unique_tokens=dedup.num_tokens,
-        prompt_dedup_ratio=dedup.prompt_dedup_ratio,
+        prompt_dedup_ratio=prompt_plan.prompt_dedup_ratio,
         token_redundancy=dedup.token_redundancy,
         ideal_speedup={p: cmp.ideal_speedup(p) for p in PHASES},
         baseline_gflops={p: cmp.baseline.phase(p) / 1e9 for p in PHASES},
@@ -123,6 +125,10 @@ class _Bench:
         if "baseline" in arms:
             if case.baseline == "padded":
                 self.actors["baseline"] = BaselineActor(padded=True, **common)
+            elif case.baseline == "prompt":  # the prompt-sharing dedup arm, to measure what prefix sharing adds
+                self.actors["baseline"] = DeduplicatedActor(
+                    use_split_attention=case.split_attention,
+                    varlen_backend=case.varlen_backend if case.split_attention else None, **common)
             else:
                 self.actors["baseline"] = BaselineActor(
                     use_split_attention=True, varlen_backend=case.varlen_backend, **common
@@ -131,6 +137,8 @@ class _Bench:
             self.actors["dedup"] = DeduplicatedActor(
                 use_split_attention=case.split_attention,
                 varlen_backend=case.varlen_backend if case.split_attention else None,
+                sharing=case.sharing,
+                min_shared_tokens=case.min_shared_tokens,
                 **common,
             )
 
@@ -138,6 +146,8 @@ class _Bench:
         a = self.actors.get("baseline")
         if a is None:
             return ""
+        if a.dedup:
+            return f"dedup_prompt_split_{a.varlen_backend}" if a.use_split_attention else f"dedup_prompt_mask_{a.attn_implementation}"
         if getattr(a, "padded", False):
             return f"padded_hf_{a.attn_implementation}"
         return f"packed_varlen_{a.varlen_backend}"
@@ -146,7 +156,8 @@ class _Bench:
         a = self.actors.get("dedup")
         if a is None:
             return ""
-        return f"split_{a.varlen_backend}" if a.use_split_attention else f"mask_{a.attn_implementation}"
+        kind = f"split_{a.varlen_backend}" if a.use_split_attention else f"mask_{a.attn_implementation}"
+        return kind if a.sharing == "prompt" else f"{a.sharing}_{kind}"
 
     def step(self, arm: str, phase: str) -> Callable[[], None]:
         actor, batch, n = self.actors[arm], self.batch, self.n_response
@@ -406,6 +417,9 @@ def case_base_row(case: Case, measure: Measure) -> dict[str, Any]:
         "liger_kernels": "",
         "checkpointing": case.checkpointing,
         "peak_mem_kind": "not_measured",
+        "sharing": case.sharing,
+        "shared_prefix_len": case.shared_prefix_len,
+        "min_shared_tokens": case.min_shared_tokens if case.min_shared_tokens is not None else "",
     }
 
 

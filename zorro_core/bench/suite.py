@@ -32,9 +32,10 @@ else:  # pragma: no cover
 
 from zorro_core.core.dtypes import DTYPES
 from zorro_core.core.logprobs import LOGITS_MODES
+from zorro_core.core.trie import SHARINGS
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "auto")
-BASELINES = ("packed", "padded")
+BASELINES = ("packed", "padded", "prompt")
 PHASES = ("forward", "forward_backward")
 
 
@@ -69,7 +70,14 @@ class Case:
     padding: bool = False
     """Vary lengths (prompts in [P/2, P], responses in [1, R]) so rows carry padding."""
     baseline: str = "packed"
-    """packed: BaselineActor without padding, same backend (fair); padded: the plain HF forward."""
+    """packed: BaselineActor without padding, same backend (fair); padded: the plain HF forward;
+    prompt: the DeduplicatedActor with sharing="prompt" (to measure what sharing="prefix" adds)."""
+    sharing: str = "prompt"
+    """Dedup arm: share identical prompts ("prompt") or every shared run of a token trie ("prefix")."""
+    min_shared_tokens: Optional[int] = None
+    """sharing="prefix": shortest shared run split off as a node (None: the actor's default)."""
+    shared_prefix_len: int = 0
+    """Every prompt starts with the same this many tokens (a system prompt), then differs."""
     varlen_backend: Optional[str] = None
     """Split-mode varlen backend (None: the default for attn_implementation and device)."""
     liger: bool = False
@@ -86,6 +94,12 @@ class Case:
         _check_choice("logits_mode", self.logits_mode, LOGITS_MODES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("baseline", self.baseline, BASELINES)
+        _check_choice("sharing", self.sharing, SHARINGS)
+        if not isinstance(self.shared_prefix_len, int) or isinstance(self.shared_prefix_len, bool) or not (
+                0 <= self.shared_prefix_len < (max(1, self.prompt_len // 2) if self.padding else self.prompt_len)):
+            raise ValueError(f"shared_prefix_len must be an integer in [0, shortest prompt), got {self.shared_prefix_len!r}")
+        if self.min_shared_tokens is not None and not (isinstance(self.min_shared_tokens, int) and self.min_shared_tokens >= 1):
+            raise ValueError(f"min_shared_tokens must be an integer >= 1, got {self.min_shared_tokens!r}")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         for name in ("split_attention", "padding", "liger", "checkpointing"):
@@ -131,6 +145,10 @@ class Case:
             parts.append(f"seed{self.seed}")
         if self.nproc > 1:
             parts.append(f"nproc{self.nproc}")
+        if self.shared_prefix_len:
+            parts.append(f"sys{self.shared_prefix_len}")
+        if self.sharing != "prompt":
+            parts.append(self.sharing if self.min_shared_tokens is None else f"{self.sharing}{self.min_shared_tokens}")
         return ":".join(parts)
 
     @property

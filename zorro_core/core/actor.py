@@ -28,6 +28,7 @@ from zorro_core.core.dtypes import resolve_dtype
 from zorro_core.core.fsdp import as_root_forward, is_fsdp_root
 from zorro_core.core.logprobs import LOGITS_MODES, response_logprobs
 from zorro_core.core.plan import DedupPlan, build_dedup_plan
+from zorro_core.core.trie import DEFAULT_MIN_SHARED_TOKENS, check_sharing
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.families import (
     AUX_WEIGHTINGS,
@@ -73,6 +74,8 @@ class _Actor:
         logits_memory_budget_mib: Optional[float] = None,
         router_aux_weighting: str = "multiplicity",
         max_seq_len: Optional[int] = None,
+        sharing: str = "prompt",
+        min_shared_tokens: Optional[int] = None,
     ) -> None:
         if (model is None) == (model_name_or_path is None):
             raise ValueError("pass exactly one of model= or model_name_or_path=")
@@ -102,6 +105,14 @@ class _Actor:
             raise ValueError(f"logits_memory_budget_mib must be > 0, got {logits_memory_budget_mib}")
         self.model = model
         self.parts = model_parts(model)
+        # sharing="prefix": a token trie over whole rows (zorro_core.core.trie); "prompt": identical prompts.
+        self.min_shared_tokens = DEFAULT_MIN_SHARED_TOKENS if min_shared_tokens is None else min_shared_tokens
+        check_sharing(sharing, self.min_shared_tokens)
+        self.sharing = sharing
+        if self.dedup and sharing == "prefix" and self.parts.num_linear_layers:
+            raise UnsupportedModelError(
+                "sharing='prefix' does not support linear-attention layers yet (a trie node would have to start "
+                "from its parent's recurrent state and conv window at an arbitrary depth); use sharing='prompt'")
         self.device = next(model.parameters()).device
         # Backends, the "auto" choice and the batch's device follow from these: checked every call.
         self._built_for = (self.device, next(model.parameters()).dtype)
@@ -144,7 +155,8 @@ class _Actor:
         return self.parts.lm_head.out_features
 
     def plan(self, batch: RolloutBatch) -> DedupPlan:
-        return build_dedup_plan(batch.to(self.device), dedup=self.dedup, vocab_size=self.vocab_size)
+        return build_dedup_plan(batch.to(self.device), dedup=self.dedup, vocab_size=self.vocab_size,
+                                sharing=self.sharing, min_shared_tokens=self.min_shared_tokens)
 
     def check_call(self, temperature: float) -> None:
         """Refuse a temperature that is not a finite number > 0, and a model moved or cast since

@@ -156,12 +156,15 @@ def create_dummy_batch(
     vary_lengths: bool = False,
     pad_token_id: int = 0,
     shuffle: bool = True,
+    shared_prefix_len: int = 0,
 ) -> RolloutBatch:
     """A random batch of `batch_size` rows sharing `num_unique_prompts` distinct prompts.
 
     Rows are spread over the prompts as evenly as possible and, with `shuffle`, duplicates are
     not adjacent. With `vary_lengths`, prompts take lengths in [prompt_len/2, prompt_len] and
-    responses in [1, response_len], so both carry padding.
+    responses in [1, response_len], so both carry padding. With `shared_prefix_len=S`, every
+    prompt starts with the same S tokens (a system prompt) and then differs: distinct prompts
+    differ in their token S, so S is exactly the run they share (`sharing="prefix"` shares it).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -171,6 +174,11 @@ def create_dummy_batch(
         raise ValueError(f"prompt_len and response_len must be >= 1, got {prompt_len} and {response_len}")
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+    shortest = max(1, prompt_len // 2) if vary_lengths else prompt_len
+    if not 0 <= shared_prefix_len < shortest:
+        raise ValueError(f"shared_prefix_len must be in [0, {shortest}) (shorter than every prompt), got {shared_prefix_len}")
+    if shared_prefix_len and num_unique_prompts > vocab_size - 1:
+        raise ValueError(f"{num_unique_prompts} prompts cannot differ right after a shared prefix with {vocab_size - 1} token ids")
     g = torch.Generator().manual_seed(seed)
     if vary_lengths:
         plens = torch.randint(max(1, prompt_len // 2), prompt_len + 1, (num_unique_prompts,), generator=g)
@@ -180,6 +188,12 @@ def create_dummy_batch(
         rlens = torch.full((batch_size,), response_len)
     # Distinct prompts: resample in the (unlikely) event two random prompts collide.
     uniq: list[list[int]] = []
+    if shared_prefix_len:
+        head = torch.randint(1, vocab_size, (shared_prefix_len,), generator=g).tolist()
+        first = (torch.randperm(vocab_size - 1, generator=g)[:num_unique_prompts] + 1).tolist()  # distinct after the head
+        for i in range(num_unique_prompts):
+            tail = torch.randint(1, vocab_size, (int(plens[i]) - shared_prefix_len - 1,), generator=g).tolist()
+            uniq.append(head + [first[i]] + tail)
     while len(uniq) < num_unique_prompts:
         n = int(plens[len(uniq)])
         cand = torch.randint(1, vocab_size, (n,), generator=g).tolist()

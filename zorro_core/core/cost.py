@@ -9,6 +9,8 @@ Per forward, per layer:
 Backward is 2 x forward; logits_mode "memory" recomputes the lm_head forward once more.
 Norms, RoPE, softmax and the embedding lookup are ignored (a few percent at most).
 Sliding windows are ignored (the count is an upper bound for windowed layers).
+A prefix tree (sharing="prefix") counts tokens by node and attended pairs by each node's
+ancestors plus its causal self (`tree_workload`, `TriePlan.attended_pairs`).
 """
 
 from __future__ import annotations
@@ -126,6 +128,8 @@ def _segment_pairs(seg: Optional[Segments]) -> int:
 def plan_workload(plan: DedupPlan, logits_mode: str = "compute") -> ForwardWork:
     """The workload a plan runs (a baseline plan is `build_dedup_plan(batch, dedup=False)`)."""
     logits = plan.num_tokens if logits_mode == "none" else int(plan.logit_index.numel())
+    if getattr(plan, "is_tree", False):  # sharing="prefix": each node against its ancestors + causal self
+        return ForwardWork(plan.num_tokens, plan.attended_pairs(), logits)
     return ForwardWork(plan.num_tokens, _segment_pairs(plan.causal) + _segment_pairs(plan.cross), logits)
 
 
@@ -153,6 +157,39 @@ def shape_workloads(prompt_lens: Sequence[int], group_sizes: Sequence[int],
     logit_b = b_tok if logits_mode == "none" else n_resp
     logit_d = d_tok if logits_mode == "none" else n_resp
     return ForwardWork(b_tok, b_pairs, logit_b), ForwardWork(d_tok, d_pairs, logit_d)
+
+
+def tree_workload(nodes: Sequence[tuple[int, int]], logit_positions: int) -> ForwardWork:
+    """Workload of a token trie given as (depth, length) per node: each node's tokens are computed
+    once and attend to their ancestors' `depth` tokens and causally to themselves."""
+    tok = pairs = 0
+    for depth, length in nodes:
+        if depth < 0 or length < 1:
+            raise ValueError(f"a node needs depth >= 0 and length >= 1, got ({depth}, {length})")
+        tok += length
+        pairs += causal_pairs(length, depth + length)
+    return ForwardWork(tok, pairs, logit_positions)
+
+
+def shared_prefix_workload(prompt_len: int, prompts: int, responses: int, response_len: int, shared_prefix_len: int,
+                           logits_mode: str = "compute") -> ForwardWork:
+    """The trie's workload of `prompts` prompts of `prompt_len` tokens whose first `shared_prefix_len`
+    tokens are the same (then they differ), each with `responses` responses of `response_len` tokens
+    that share nothing: [system prefix] -> [rest of each prompt] -> [each response]."""
+    if not 0 <= shared_prefix_len < prompt_len:
+        raise ValueError(f"shared_prefix_len must be in [0, prompt_len={prompt_len}), got {shared_prefix_len}")
+    nodes: list[tuple[int, int]] = []
+    head = shared_prefix_len if prompts > 1 else 0
+    if head:
+        nodes.append((0, head))
+    for _ in range(prompts):
+        if responses == 1:
+            nodes.append((head, prompt_len + response_len - head))
+            continue
+        nodes.append((head, prompt_len - head))
+        nodes.extend((prompt_len, response_len) for _ in range(responses))
+    tokens = sum(n for _, n in nodes)
+    return tree_workload(nodes, tokens if logits_mode == "none" else prompts * responses * response_len)
 
 
 @dataclass(frozen=True)

@@ -122,16 +122,28 @@ class CrossLayout(PaddedLayout):
         first[1:] = group[1:] != group[:-1]  # segments come grouped, so each group is a run
         local = torch.cumsum(first.long(), 0) - 1
         g_start, g_len = p_start[first], p_len[first]
-        gs, p_max = int(first.sum()), int(p_len.max())
-        ap = torch.arange(p_max, device=device)
-        prompt_rows = (g_start[:, None] + ap[None, :].clamp(max=g_len[:, None] - 1)).flatten()
+        ap = torch.arange(int(p_len.max()), device=device)
+        block_rows = g_start[:, None] + ap[None, :].clamp(max=g_len[:, None] - 1)
+        return cls.from_blocks(own, block_rows, p_len, local, lens_q, device)
+
+    @classmethod
+    def from_blocks(cls, own: PaddedLayout, block_rows: torch.Tensor, block_len: torch.Tensor, local: torch.Tensor,
+                    lens_q: torch.Tensor, device: torch.device) -> "CrossLayout":
+        """The cross layout from its shared key blocks: block_rows [gs, p_max] packed rows of each block
+        (a short block repeats its last row, masked), block_len [n] real length of each segment's
+        block, local [n] block of each segment. The prompt plan's blocks are prompts; the prefix-tree
+        plan's are the parents' paths (zorro_core.core.trie)."""
+        n = own.n
+        gs, p_max = block_rows.shape
+        prompt_rows = block_rows.flatten()
         uniform_p = bool(torch.equal(prompt_rows, torch.arange(gs * p_max, device=device)))
         lq = lens_q.to(device)
         aq = torch.arange(own.len_q, device=device)
-        q_pos = p_len[:, None] + aq[None, :]
-        k_pos = torch.cat([ap[None, :].expand(n, -1), p_len[:, None] + aq[None, :]], 1)
+        ap = torch.arange(p_max, device=device)
+        q_pos = block_len[:, None] + aq[None, :]
+        k_pos = torch.cat([ap[None, :].expand(n, -1), block_len[:, None] + aq[None, :]], 1)
         allowed = torch.cat([
-            (ap[None, None, :] < p_len[:, None, None]).expand(n, own.len_q, p_max),
+            (ap[None, None, :] < block_len[:, None, None]).expand(n, own.len_q, p_max),
             (aq[None, None, :] <= aq[None, :, None]) & (aq[None, None, :] < lq[:, None, None]),
         ], 2)
         inherited = {f.name: getattr(own, f.name) for f in fields(PaddedLayout) if f.init}

@@ -31,6 +31,8 @@ def is_moe(config) -> bool:
 
 def token_multiplicity(plan: DedupPlan) -> torch.Tensor:
     """[T] float: how many batch rows contain each packed token (all ones when nothing is shared)."""
+    if getattr(plan, "is_tree", False):  # sharing="prefix": the rows through each token's node
+        return plan.token_multiplicity()
     is_prompt = plan.token_segment < plan.num_groups
     size = plan.group_size[plan.token_group].to(torch.float64)
     return torch.where(is_prompt, size, torch.ones_like(size))

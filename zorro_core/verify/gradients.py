@@ -26,6 +26,7 @@ from zorro_core.core.batch import RolloutBatch, create_dummy_batch
 from zorro_core.core.dtypes import DTYPES as TORCH_DTYPES
 from zorro_core.core.logprobs import LOGITS_MODES
 from zorro_core.core.plan import DedupPlan, build_dedup_plan
+from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.parts import unwrap_adapters
 from zorro_core.models.presets import PRESETS, build_model, preset_config
 from zorro_core.models.registry import FAMILIES
@@ -269,6 +270,32 @@ BUGS: dict[str, tuple[str, Callable[[DedupPlan, RolloutBatch], DedupPlan]]] = {
 }
 
 
+def _tree_positions_restart(plan, batch: RolloutBatch):
+    plan.position_ids = plan.position_ids - plan.node_depth[plan.token_node]
+    return plan
+
+
+def _tree_wrong_prompt(plan, batch: RolloutBatch):
+    """A row's response hangs in the trie under row 0's prompt."""
+    from zorro_core.core.trie import build_trie_plan
+
+    batch = batch.to(plan.device)
+    p, m = batch.prompts, batch.prompt_mask.bool()
+    differs = ((p != p[0]) & (m | m[0])).any(1) | (m != m[0]).any(1)
+    rows = differs.nonzero().flatten()
+    if not rows.numel():
+        raise ValueError("wrong_prompt needs a batch with two distinct prompts")
+    r = int(rows[0])
+    prompts, mask = batch.prompts.clone(), batch.prompt_mask.clone()
+    prompts[r], mask[r] = prompts[0], mask[0]
+    return build_trie_plan(RolloutBatch(prompts, mask, batch.responses, batch.response_mask),
+                           min_shared_tokens=plan.min_shared_tokens)
+
+
+# The bugs above for a trie plan (sharing="prefix"), by the same names.
+TREE_BUGS = {"positions_restart": _tree_positions_restart, "wrong_prompt": _tree_wrong_prompt}
+
+
 @contextlib.contextmanager
 def inject_bug(name: Optional[str]) -> Iterator[dict]:
     """Corrupt every plan the DeduplicatedActor builds, for proving that verification can fail.
@@ -288,7 +315,12 @@ def inject_bug(name: Optional[str]) -> Iterator[dict]:
 
     def plan(self, batch):
         counter["applied"] += 1
-        return corrupt(original(self, batch), batch.to(self.device))
+        built = original(self, batch)
+        if getattr(built, "is_tree", False):  # sharing="prefix": the trie's version of the bug
+            if name not in TREE_BUGS:
+                raise ValueError(f"bug {name!r} has no sharing='prefix' version; choose one of {sorted(TREE_BUGS)}")
+            return TREE_BUGS[name](built, batch)
+        return corrupt(built, batch.to(self.device))
 
     DeduplicatedActor.plan = plan
     try:
@@ -308,11 +340,14 @@ class Verifier:
     """Runs cases, building each model's weights and each reference once."""
 
     def __init__(self, device: str = "cpu", seed: int = 0, factor: float = FACTOR, bug: Optional[str] = None,
-                 lora_rank: Optional[int] = None, checkpointing: Optional[str] = None) -> None:
+                 lora_rank: Optional[int] = None, checkpointing: Optional[str] = None, sharing: str = "prompt",
+                 min_shared_tokens: int = 1) -> None:
         self.lora_rank = lora_rank
         # None, or a flavour of zorro_core.stack.checkpointing: the actors then run in training mode
         # with every decoder layer checkpointed (the reference runs without, in eval mode).
         self.checkpointing = checkpointing
+        # The DeduplicatedActor's sharing mode; prefix mode shares every common run by default (1).
+        self.sharing, self.min_shared_tokens = sharing, min_shared_tokens
         self.device = device
         self.seed = seed
         self.factor = factor
@@ -365,10 +400,14 @@ class Verifier:
             model = self.model(case.model, case.dtype)
             batch, w, ref = self.reference(case.model, case.dtype, case.layout)
             kw = dict(model=model, use_split_attention=case.split, attn_implementation=case.attn, logits_mode=case.logits_mode)
+            try:
+                actor = DeduplicatedActor(**kw, sharing=self.sharing, min_shared_tokens=self.min_shared_tokens)
+            except UnsupportedModelError as e:  # refused with its reason (e.g. linear attention in prefix mode)
+                return CaseResult(case, "skip", str(e))
             with checkpointed(model, self.checkpointing):
                 base, base_lp = self.errors(BaselineActor(**kw), batch, w, ref)
                 with inject_bug(self.bug):
-                    dedup, dedup_lp = self.errors(DeduplicatedActor(**kw), batch, w, ref)
+                    dedup, dedup_lp = self.errors(actor, batch, w, ref)
         except Exception as e:  # a crash is a failed proof, reported as a row
             return CaseResult(case, "error", f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
         ratio, check, failing = judge(case.dtype, dedup, base, self.factor)
@@ -385,7 +424,8 @@ def expand_cases(models: Iterable[str], attns: Iterable[str], dtypes: Iterable[s
 
 def verify_cases(cases: Iterable[VerifyCase], device: str = "cpu", seed: int = 0, factor: float = FACTOR,
                  bug: Optional[str] = None, on_result: Optional[Callable[[CaseResult], None]] = None,
-                 lora_rank: Optional[int] = None, checkpointing: Optional[str] = None) -> list[CaseResult]:
+                 lora_rank: Optional[int] = None, checkpointing: Optional[str] = None, sharing: str = "prompt",
+                 min_shared_tokens: int = 1) -> list[CaseResult]:
     """Run cases (sharing models and references) and return their results.
 
     lora_rank: wrap every model in a LoRA adapter of that rank (peft); only the adapter
@@ -393,7 +433,8 @@ def verify_cases(cases: Iterable[VerifyCase], device: str = "cpu", seed: int = 0
     checkpointing: run the actors with gradient checkpointing of that flavour ("non-reentrant" or
     "reentrant", zorro_core.stack.checkpointing), in training mode.
     """
-    verifier = Verifier(device=device, seed=seed, factor=factor, bug=bug, lora_rank=lora_rank, checkpointing=checkpointing)
+    verifier = Verifier(device=device, seed=seed, factor=factor, bug=bug, lora_rank=lora_rank, checkpointing=checkpointing,
+                        sharing=sharing, min_shared_tokens=min_shared_tokens)
     results = []
     for case in cases:
         res = verifier.run(case)

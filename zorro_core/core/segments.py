@@ -1,0 +1,95 @@
+"""Segments of one varlen attention call over the packed row, and the index helpers both plans use.
+
+Shared by the prompt plan (zorro_core.core.plan) and the prefix-tree plan (zorro_core.core.trie);
+each Segments owns its padded/cross layouts (zorro_core.core.layouts), built once per plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from zorro_core.core.layouts import CrossLayout, PaddedLayout
+
+
+def _same_device(built: torch.device, wanted: torch.device | str) -> bool:
+    wanted = torch.device(wanted)
+    return built.type == wanted.type and (wanted.index is None or wanted.index == built.index)
+
+
+@dataclass
+class Segments:
+    """The segments of one varlen attention call over the packed row."""
+
+    q_start: int
+    """The queries are packed positions [q_start, q_start + Tq), segment after segment."""
+    k_index: torch.Tensor
+    """[Tk] packed positions of the keys/values, segment after segment."""
+    cu_q: torch.Tensor
+    """[n+1] int32 cumulative query lengths."""
+    cu_k: torch.Tensor
+    """[n+1] int32 cumulative key lengths."""
+    max_q: int
+    """Longest query segment."""
+    max_k: int
+    """Longest key segment."""
+    q_is_k: bool
+    """Queries and keys are the same tokens (self-causal segments)."""
+    total_q: int
+    """Tq, all queries."""
+    total_k: int
+    """Tk, all keys."""
+    kv_prompt_start: Optional[torch.Tensor] = None
+    """Cross call only: [n] packed position of each segment's prompt (its keys start there)."""
+    kv_prompt_len: Optional[torch.Tensor] = None
+    """Cross call only: [n] length of each segment's prompt."""
+    kv_group: Optional[torch.Tensor] = None
+    """Cross call only: [n] group of each segment (segments of a group are adjacent)."""
+    _padded: Optional[PaddedLayout] = field(default=None, init=False, repr=False)
+    _cross: Optional[CrossLayout] = field(default=None, init=False, repr=False)
+
+    def padded_layout(self, device: torch.device) -> PaddedLayout:
+        """The segments as a padded batch (built once, reused by every layer)."""
+        if self._padded is None or not _same_device(self._padded.device, device):
+            self._padded = PaddedLayout.build(self.cu_q, self.cu_k, self.max_q, self.max_k, self.total_q, self.total_k, device)
+        return self._padded
+
+    def cross_layout(self, device: torch.device) -> CrossLayout:
+        """Cross segments only: [prompt block | own block] keys per segment (built once, reused by every layer)."""
+        if self.kv_group is None:
+            raise ValueError("cross_layout needs cross segments (kv_prompt_start, kv_prompt_len, kv_group)")
+        if self._cross is None or not _same_device(self._cross.device, device):
+            self._cross = CrossLayout.build_cross(self.padded_layout(device), self.kv_prompt_start, self.kv_prompt_len,
+                                                  self.kv_group, self.lens_q, device)
+        return self._cross
+
+    @property
+    def q_index(self) -> torch.Tensor:
+        return torch.arange(self.q_start, self.q_start + self.total_q, device=self.cu_q.device)
+
+    @property
+    def num_segments(self) -> int:
+        return self.cu_q.numel() - 1
+
+    @property
+    def lens_q(self) -> torch.Tensor:
+        return (self.cu_q[1:] - self.cu_q[:-1]).long()
+
+    @property
+    def lens_k(self) -> torch.Tensor:
+        return (self.cu_k[1:] - self.cu_k[:-1]).long()
+
+
+def _ranges(starts: torch.Tensor, lens: torch.Tensor, total: int) -> torch.Tensor:
+    """Concatenation of arange(s, s + n) for each (s, n), without a Python loop."""
+    if total == 0:
+        return starts.new_zeros(0)
+    seg_begin = torch.cumsum(lens, 0) - lens
+    within = torch.arange(total, device=starts.device) - torch.repeat_interleave(seg_begin, lens, output_size=total)
+    return torch.repeat_interleave(starts, lens, output_size=total) + within
+
+
+def _cu(lens: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32)

@@ -1,0 +1,487 @@
+"""The prefix-tree plan (`sharing="prefix"`): a token trie over whole rows, each shared run once.
+
+Every row of the batch is its prompt's real tokens followed by its response's (padding removed).
+The rows form a radix tree: a *node* is a maximal run of tokens that the same set of rows share,
+so a node is computed once however many rows pass through it. A node's tokens attend to every
+token of its ancestors and causally to themselves; their positions continue along the path (a
+node's first token sits at its *depth*, the number of tokens of its ancestors). A row that is a
+prefix of another ends at an inner node; identical rows end at the same node.
+
+Packed layout: the nodes level by level (level = number of ancestors): roots by first appearance
+in the batch, then each level's nodes grouped by parent (in the parent's packed order), then by
+first appearance. For a batch whose rows share only identical prompts this is the two-level tree
+[prompt] -> [response] and the layout is exactly `sharing="prompt"`'s.
+
+Log-probs: response token j of row b is predicted at the packed position of its row's token j - 1
+(the prompt's last token for j = 0). Rows that share that position and the label share one
+log-prob: `logit_index`/`labels` hold each (position, label) once and `scatter_responses` gathers
+them back into [B, R], so a shared log-prob's gradient sums over its rows, as per-row computation.
+
+`min_shared_tokens=N`: an inner node shorter than N tokens is not split off; its tokens are
+copied into each child (and kept as a leaf for the rows that end there). A node that holds a
+row's last prompt token is always kept, so rows with identical prompts always share them: the
+plan never computes more tokens or attention pairs than `sharing="prompt"`. Tiny fragments cost an
+attention call level and padding for a few tokens; N = 1 shares every common run, and then the
+packed row holds exactly the trie's tokens.
+
+Cost: the trie is built on the host (the rows are copied to the host once, sorted as bytes, one
+vectorised longest-common-prefix pass, then a Python stack walk over the B sorted rows and the
+O(B) nodes); every per-token map is vectorised torch code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from zorro_core.core.batch import RolloutBatch
+from zorro_core.core.layouts import CrossLayout
+from zorro_core.core.segments import Segments, _cu, _same_device
+
+SHARINGS = ("prompt", "prefix")
+DEFAULT_MIN_SHARED_TOKENS = 16
+"""Default `min_shared_tokens` (see the README's prefix-sharing measurement)."""
+
+
+@dataclass
+class TreeLevel:
+    """One attention call of split mode: the nodes of one level (contiguous in the packed row)."""
+
+    seg: Segments
+    """Queries = the level's nodes; keys = each node's ancestors then itself (level 0: itself)."""
+    prefix_rows: Optional[torch.Tensor] = None
+    """Levels >= 1: [gs, p_max] packed positions of the path of each distinct parent (the keys all
+    its children share), clamped at the path's last token; None at level 0."""
+    prefix_len: Optional[torch.Tensor] = None
+    """Levels >= 1: [n] tokens of each node's ancestors (its depth)."""
+    local: Optional[torch.Tensor] = None
+    """Levels >= 1: [n] row of prefix_rows each node hangs from (nodes of one parent are adjacent)."""
+    _cross: Optional[CrossLayout] = field(default=None, init=False, repr=False)
+    _compact: Optional[tuple] = field(default=None, init=False, repr=False)
+    _k_index: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
+
+    def cross_layout(self, device: torch.device) -> CrossLayout:
+        """Levels >= 1: the padded layout of [parent path block | own block] keys per node, the
+        prompt plan's cross layout with "prompt" generalised to "the parent's path" (built once)."""
+        if self._cross is None or not _same_device(self._cross.device, device):
+            own = self.seg.padded_layout(device)
+            self._cross = CrossLayout.from_blocks(own, self.prefix_rows.to(device), self.prefix_len.to(device),
+                                                  self.local.to(device), self.seg.lens_q, device)
+            self._compact = None
+        return self._cross
+
+    def compact(self, device: torch.device) -> tuple[torch.Tensor, Segments, CrossLayout]:
+        """(rows, seg, layout) of the level over a compact key row: the parents' paths gathered once
+        into [paths | the level's own tokens], so that the padded machinery reads contiguous blocks
+        instead of gathering the scattered paths again in every chunk."""
+        lay = self.cross_layout(device)
+        if self._compact is None:
+            seg, blocks = self.seg, lay.gs * lay.p_max
+            rows = torch.cat([lay.prompt_rows, seg.q_start + torch.arange(seg.total_q, device=device)])
+            self._compact = (rows, dataclasses.replace(seg, q_start=blocks),
+                             dataclasses.replace(lay, prompt_rows=torch.arange(blocks, device=device), uniform_p=True))
+        return self._compact
+
+    def k_index(self, device: torch.device) -> torch.Tensor:
+        """[Tk] packed positions of each node's keys ([parent path | own], node after node): the one
+        gather the cu_seqlens backends (flash-attn, torch varlen) take."""
+        if self._k_index is None or self._k_index.device != torch.device(device):
+            seg = self.seg
+            p_len, local, rows = self.prefix_len.to(device), self.local.to(device), self.prefix_rows.to(device)
+            aq = torch.arange(seg.max_q, device=device)
+            ap = torch.arange(rows.shape[1], device=device)
+            own = seg.q_start + seg.cu_q[:-1].to(device).long()[:, None] + aq[None, :]
+            idx = torch.cat([rows[local], own], 1)
+            valid = torch.cat([ap[None, :] < p_len[:, None], aq[None, :] < seg.lens_q.to(device)[:, None]], 1)
+            self._k_index = idx[valid]
+        return self._k_index
+
+
+@dataclass
+class TriePlan:
+    """How one RolloutBatch maps onto the packed token trie and back. See the module docstring."""
+
+    batch_size: int
+    """B, rows of the batch."""
+    response_width: int
+    """R, padded width of the responses."""
+    min_shared_tokens: int
+    """Inner nodes shorter than this were merged into their children."""
+    node_depth: torch.Tensor
+    """[M] path position of each node's first token (tokens of its ancestors)."""
+    node_len: torch.Tensor
+    """[M] tokens of each node."""
+    node_start: torch.Tensor
+    """[M] packed position of each node's first token (nodes in packed order)."""
+    node_parent: torch.Tensor
+    """[M] parent node (-1 for a root)."""
+    node_level: torch.Tensor
+    """[M] number of ancestors."""
+    node_rows: torch.Tensor
+    """[M] rows whose path contains the node (its multiplicity)."""
+    node_tin: torch.Tensor
+    """[M] pre-order index of a depth-first walk: a is an ancestor-or-self of n iff tin[a] <= tin[n] < tout[a]."""
+    node_tout: torch.Tensor
+    """[M] tin + size of the node's subtree."""
+    row_node: torch.Tensor
+    """[B] the node each row ends in."""
+    input_ids: torch.Tensor
+    """[T] packed token ids."""
+    position_ids: torch.Tensor
+    """[T] position of each token along its path."""
+    token_node: torch.Tensor
+    """[T] node of each packed token."""
+    logit_index: torch.Tensor
+    """[U] packed positions whose output predicts a response token, each (position, label) once."""
+    labels: torch.Tensor
+    """[U] the token predicted there."""
+    response_flat_index: torch.Tensor
+    """[N] index of each real response token in the flattened [B*R] layout."""
+    response_logit: torch.Tensor
+    """[N] which of the U log-probs each real response token receives."""
+    levels: list[TreeLevel]
+    """Split-mode attention calls, one per level of the tree."""
+    logical_tokens: int
+    """Real tokens of the batch before dedup (sum of prompt + response lengths)."""
+    logical_prompt_tokens: int
+    """Real prompt tokens of the batch before dedup."""
+    unique_prompt_tokens: int
+    """Packed tokens that are a prompt token of at least one row through them."""
+    deduplicated: bool = True
+    """Always True: a trie plan shares (the baseline uses `build_dedup_plan(dedup=False)`)."""
+    sharing: str = "prefix"
+    """The sharing mode that built this plan."""
+    is_tree: bool = True
+    """Marks a trie plan for the attention hook, the MoE aux loss and the cost model."""
+
+    @property
+    def num_tokens(self) -> int:
+        """T, tokens in the packed row."""
+        return self.input_ids.numel()
+
+    @property
+    def num_nodes(self) -> int:
+        return self.node_len.numel()
+
+    @property
+    def depth(self) -> int:
+        """Levels of the tree (attention calls per layer in split mode)."""
+        return len(self.levels)
+
+    @property
+    def prompt_dedup_ratio(self) -> float:
+        """1 - unique prompt tokens / all prompt tokens."""
+        return 1.0 - self.unique_prompt_tokens / self.logical_prompt_tokens
+
+    @property
+    def token_redundancy(self) -> float:
+        """1 - unique tokens / all tokens."""
+        return 1.0 - self.num_tokens / self.logical_tokens
+
+    @property
+    def causal(self) -> Segments:
+        """Level 0: the roots as self-causal segments."""
+        return self.levels[0].seg
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def scatter_responses(self, values: torch.Tensor) -> torch.Tensor:
+        """Put [U] per-(position, label) values into the batch's [B, R] layout (0 at padding).
+
+        A gather from the shared values: autograd sums a shared log-prob's gradient over its rows."""
+        out = values.new_zeros(self.batch_size * self.response_width)
+        out = out.index_put((self.response_flat_index,), values[self.response_logit])
+        return out.view(self.batch_size, self.response_width)
+
+    def ancestor_or_self(self, key_node: torch.Tensor, query_node: torch.Tensor) -> torch.Tensor:
+        """Whether each key node is an ancestor of (or is) the query node (broadcasting)."""
+        tin_q = self.node_tin[query_node]
+        return (self.node_tin[key_node] <= tin_q) & (tin_q < self.node_tout[key_node])
+
+    def attention_mask(self) -> torch.Tensor:
+        """[T, T] bool: query i sees key j iff j's node is an ancestor-or-self of i's and j <= i
+        (ancestors precede their descendants in the packed row). Quadratic: small inputs only."""
+        i = torch.arange(self.num_tokens, device=self.device)
+        anc = self.ancestor_or_self(self.token_node[None, :], self.token_node[:, None])
+        return anc & (i[None, :] <= i[:, None])
+
+    def token_multiplicity(self) -> torch.Tensor:
+        """[T] float64: rows that contain each packed token (the MoE aux loss's weights)."""
+        return self.node_rows[self.token_node].to(torch.float64)
+
+    def attended_pairs(self) -> int:
+        """Query-key pairs of one attention layer: each node against its ancestors + causal self."""
+        n, a = self.node_len.double(), self.node_depth.double()
+        return int((n * a + n * (n + 1) / 2).sum().item())
+
+
+def check_sharing(sharing: str, min_shared_tokens: int) -> None:
+    if sharing not in SHARINGS:
+        raise ValueError(f"unknown sharing {sharing!r}; choose one of {SHARINGS}")
+    if isinstance(min_shared_tokens, bool) or not isinstance(min_shared_tokens, int) or min_shared_tokens < 1:
+        raise ValueError(f"min_shared_tokens must be an int >= 1, got {min_shared_tokens!r}")
+
+
+def _rows_on_host(batch: RolloutBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """([B, L] int64 real tokens, prompt first, -1 after the row's end; [B] lengths; [B] prompt lengths)."""
+    pm, rm = batch.prompt_mask.bool(), batch.response_mask.bool()
+    pw = pm.shape[1]
+    ids = torch.cat([batch.prompts, batch.responses], 1).long()
+    plen = pm.sum(1)
+    lens = plen + rm.sum(1)
+    # Left padding: shift each row left by its prompt padding so real tokens start at column 0.
+    cols = torch.arange(ids.shape[1], device=ids.device)[None, :] + (pw - plen)[:, None]
+    canon = torch.where(cols < ids.shape[1], ids.gather(1, cols.clamp(max=ids.shape[1] - 1)), -1)
+    canon = torch.where(torch.arange(ids.shape[1], device=ids.device)[None, :] < lens[:, None], canon, -1)
+    width = int(lens.max())
+    return canon[:, :width].cpu().numpy(), lens.cpu().numpy(), plen.cpu().numpy()
+
+
+def _radix_tree(canon: np.ndarray, lens: np.ndarray):
+    """Nodes (depth start, depth end, parent) of the rows' radix tree and each row's end node."""
+    b = canon.shape[0]
+    keys = [(canon[i, : lens[i]] + 1).astype(">u4").tobytes() for i in range(b)]
+    order = sorted(range(b), key=keys.__getitem__)  # bytes order = token order; a prefix first
+    srt = canon[order]
+    if b > 1:
+        neq = srt[1:] != srt[:-1]
+        lcp = np.where(neq.any(1), neq.argmax(1), srt.shape[1])
+        lcp = np.minimum(lcp, np.minimum(lens[order][1:], lens[order][:-1])).tolist()
+    start: list[int] = []
+    end: list[int] = []
+    parent: list[int] = []
+    row_node = [0] * b
+    stack: list[int] = []  # the previous row's path
+    for i, r in enumerate(order):
+        length, shared = int(lens[r]), (lcp[i - 1] if i else 0)
+        while stack and start[stack[-1]] >= shared:
+            stack.pop()
+        if stack and end[stack[-1]] > shared:  # split: new upper node y = [start, shared) above x
+            x, y = stack[-1], len(start)
+            start.append(start[x]), end.append(shared), parent.append(parent[x])
+            parent[x], start[x] = y, shared
+            stack[-1] = y
+        if length > shared:
+            stack.append(len(start))
+            start.append(shared), end.append(length), parent.append(stack[-2] if len(stack) > 1 else -1)
+        row_node[r] = stack[-1]  # length == shared: identical to the previous row
+    return start, end, parent, row_node
+
+
+def _prompt_closers(start, end, parent, row_node, plens) -> set[int]:
+    """Nodes that hold some row's last prompt token. Never folded: then every group of rows with
+    identical prompts keeps its prompt in shared nodes, as `sharing="prompt"` does."""
+    out = set()
+    for r, n in enumerate(row_node):
+        last = int(plens[r]) - 1
+        while start[n] > last:
+            n = parent[n]
+        out.add(n)
+    return out
+
+
+def _merge_short(start, end, parent, row_node, min_shared: int, keep: set[int]):
+    """Fold every inner node shorter than min_shared (and not in `keep`) into its children.
+    Returns the live nodes."""
+    m = len(start)
+    children: list[list[int]] = [[] for _ in range(m)]
+    ends_here = [0] * m
+    for r in row_node:
+        ends_here[r] += 1
+    roots = []
+    for n in range(m):
+        (children[parent[n]] if parent[n] >= 0 else roots).append(n)
+    alive = [True] * m
+    queue = deque(roots)
+    while queue:
+        n = queue.popleft()
+        kids = children[n]
+        if kids and end[n] - start[n] < min_shared and n not in keep:
+            for c in kids:
+                start[c], parent[c] = start[n], parent[n]
+            children[n] = []
+            alive[n] = ends_here[n] > 0  # kept as a leaf for the rows that end here
+        queue.extend(kids)
+    return [n for n in range(m) if alive[n]]
+
+
+def _layout(start, end, parent, row_node, live, plens):
+    """Packed order of the live nodes, their levels, multiplicities, first rows and DFS intervals."""
+    children: dict[int, list[int]] = {n: [] for n in live}
+    roots = []
+    for n in live:
+        (children[parent[n]] if parent[n] >= 0 else roots).append(n)
+    first_row = {n: len(row_node) for n in live}
+    rows = {n: 0 for n in live}
+    longest_prompt = {n: 0 for n in live}  # over the rows through the node
+    for r, n in enumerate(row_node):
+        rows[n] += 1
+        longest_prompt[n] = max(longest_prompt[n], int(plens[r]))
+        first_row[n] = min(first_row[n], r)
+    level = {n: 0 for n in roots}
+    frontier = list(roots)
+    while frontier:
+        nxt = [c for n in frontier for c in children[n]]
+        for c in nxt:
+            level[c] = level[parent[c]] + 1
+        frontier = nxt
+    for lvl_nodes in reversed(_by_level(live, level)):  # bottom-up: multiplicity and first row
+        for n in lvl_nodes:
+            if parent[n] >= 0:
+                rows[parent[n]] += rows[n]
+                first_row[parent[n]] = min(first_row[parent[n]], first_row[n])
+                longest_prompt[parent[n]] = max(longest_prompt[parent[n]], longest_prompt[n])
+    order_by_level = [sorted(roots, key=first_row.__getitem__)]
+    while True:
+        rank = {n: i for i, n in enumerate(order_by_level[-1])}
+        nxt = [c for n in order_by_level[-1] for c in children[n]]
+        if not nxt:
+            break
+        order_by_level.append(sorted(nxt, key=lambda c: (rank[parent[c]], first_row[c])))
+    packed = [n for lvl in order_by_level for n in lvl]
+    # Depth-first intervals for the ancestor test.
+    tin, tout = {}, {}
+    clock = 0
+    stack = [(n, False) for n in reversed(order_by_level[0])]
+    while stack:
+        n, done = stack.pop()
+        if done:
+            tout[n] = clock
+            continue
+        tin[n] = clock
+        clock += 1
+        stack.append((n, True))
+        stack.extend((c, False) for c in reversed(children[n]))
+    prompt_tokens = sum(min(max(longest_prompt[n] - start[n], 0), end[n] - start[n]) for n in live)
+    return packed, order_by_level, level, rows, first_row, tin, tout, prompt_tokens
+
+
+def _by_level(nodes, level):
+    out: list[list[int]] = []
+    for n in nodes:
+        while len(out) <= level[n]:
+            out.append([])
+        out[level[n]].append(n)
+    return out
+
+
+def build_trie_plan(batch: RolloutBatch, vocab_size: Optional[int] = None,
+                    min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS) -> TriePlan:
+    """The prefix-tree plan of a batch (see the module docstring); checks token ids against the vocabulary."""
+    check_sharing("prefix", min_shared_tokens)
+    if vocab_size is not None:  # the batch itself was validated when it was built
+        batch.check_vocab(vocab_size)
+    dev = batch.device
+    b, rw = batch.responses.shape
+    canon, lens, plens = _rows_on_host(batch)
+    start, end, parent, row_node = _radix_tree(canon, lens)
+    keep = _prompt_closers(start, end, parent, row_node, plens)
+    live = _merge_short(start, end, parent, row_node, min_shared_tokens, keep)
+    packed, by_level, level, rows, first_row, tin, tout, prompt_tokens = _layout(start, end, parent, row_node, live, plens)
+
+    # Renumber nodes 0..M-1 in packed order; everything below is vectorised.
+    new = {n: i for i, n in enumerate(packed)}
+    t64 = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    depth = t64([start[n] for n in packed])
+    nlen = t64([end[n] - start[n] for n in packed])
+    par = t64([new[parent[n]] if parent[n] >= 0 else -1 for n in packed])
+    lvl = t64([level[n] for n in packed])
+    nrows = t64([rows[n] for n in packed])
+    rep = t64([first_row[n] for n in packed])
+    ntin, ntout = t64([tin[n] for n in packed]), t64([tout[n] for n in packed])
+    rnode = t64([new[n] for n in row_node])
+    nstart = torch.cumsum(nlen, 0) - nlen
+    t = int(nlen.sum())
+    m = len(packed)
+
+    token_node = torch.repeat_interleave(torch.arange(m), nlen, output_size=t)
+    offset = torch.arange(t) - nstart[token_node]
+    position_ids = depth[token_node] + offset
+    canon_t = torch.from_numpy(canon)
+    input_ids = canon_t[rep[token_node], position_ids]
+
+    # Each row's path (root first) as [B, K] depth starts and packed starts, for depth -> position.
+    par_l, paths = par.tolist(), []
+    for n in rnode.tolist():
+        path = []
+        while n >= 0:
+            path.append(n)
+            n = par_l[n]
+        paths.append(path[::-1])
+    k = max(len(p) for p in paths)
+    path_nodes = torch.full((b, k), -1, dtype=torch.long)
+    for r, p in enumerate(paths):
+        path_nodes[r, : len(p)] = t64(p)
+    big = int(lens.max()) + 1
+    path_depth = torch.where(path_nodes >= 0, depth[path_nodes.clamp(min=0)], big)
+    path_start = torch.where(path_nodes >= 0, nstart[path_nodes.clamp(min=0)], 0)
+
+    def packed_at(row: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """Packed position of path depth d of row `row` (row [n], d [n, w])."""
+        pd = path_depth[row]
+        j = torch.searchsorted(pd, d.contiguous(), right=True) - 1
+        return path_start[row].gather(1, j) + d - pd.gather(1, j)
+
+    # Log-probs: response token (b, j) at depth P_b + j is predicted at depth P_b + j - 1.
+    plen_t = torch.from_numpy(plens).long()
+    rm = batch.response_mask.bool().cpu()
+    jj = torch.arange(rw)[None, :]
+    pred_depth = torch.where(rm, plen_t[:, None] + jj - 1, 0)
+    pred = packed_at(torch.arange(b), pred_depth)
+    response_flat_index = rm.flatten().nonzero().flatten()
+    pos = pred.flatten()[response_flat_index]
+    lab = batch.responses.long().cpu().flatten()[response_flat_index]
+    width = int(lab.max()) + 1
+    keys, response_logit = torch.unique(pos * width + lab, return_inverse=True)
+    logit_index, labels = keys // width, keys % width
+
+    levels = _levels(by_level, new, depth, nlen, nstart, par, rep, packed_at)
+    to = lambda x: x.to(dev)  # noqa: E731
+    for lv in levels:
+        lv.seg = Segments(lv.seg.q_start, to(lv.seg.k_index), to(lv.seg.cu_q), to(lv.seg.cu_k), lv.seg.max_q,
+                          lv.seg.max_k, lv.seg.q_is_k, lv.seg.total_q, lv.seg.total_k)
+        if lv.prefix_rows is not None:
+            lv.prefix_rows, lv.prefix_len, lv.local = to(lv.prefix_rows), to(lv.prefix_len), to(lv.local)
+    return TriePlan(
+        batch_size=b, response_width=rw, min_shared_tokens=min_shared_tokens,
+        node_depth=to(depth), node_len=to(nlen), node_start=to(nstart), node_parent=to(par), node_level=to(lvl),
+        node_rows=to(nrows), node_tin=to(ntin), node_tout=to(ntout), row_node=to(rnode),
+        input_ids=to(input_ids), position_ids=to(position_ids), token_node=to(token_node),
+        logit_index=to(logit_index), labels=to(labels), response_flat_index=to(response_flat_index),
+        response_logit=to(response_logit), levels=levels,
+        logical_tokens=int(lens.sum()), logical_prompt_tokens=int(plens.sum()), unique_prompt_tokens=prompt_tokens,
+    )
+
+
+def _levels(by_level, new, depth, nlen, nstart, par, rep, packed_at) -> list[TreeLevel]:
+    """One TreeLevel per level of the tree (host tensors)."""
+    levels = []
+    for i, nodes in enumerate(by_level):
+        ids = torch.tensor([new[n] for n in nodes], dtype=torch.long)
+        lq = nlen[ids]
+        q0, tq, mq = int(nstart[ids[0]]), int(lq.sum()), int(lq.max())
+        if i == 0:
+            seg = Segments(q0, torch.arange(q0, q0 + tq), _cu(lq), _cu(lq), mq, mq, True, tq, tq)
+            levels.append(TreeLevel(seg))
+            continue
+        plen = depth[ids]
+        lk = plen + lq
+        p = par[ids]
+        first = torch.ones(len(nodes), dtype=torch.bool)
+        first[1:] = p[1:] != p[:-1]  # nodes of one parent are adjacent
+        local = torch.cumsum(first.long(), 0) - 1
+        g_len = plen[first]
+        p_max = int(g_len.max())
+        d = torch.arange(p_max)[None, :].clamp(max=g_len[:, None] - 1)
+        prefix_rows = packed_at(rep[ids[first]], d)
+        # k_index (the gather that flash/torch varlen take) is built on demand by zorro_core.attention.tree.
+        seg = Segments(q0, torch.zeros(0, dtype=torch.long), _cu(lq), _cu(lk), mq, int(lk.max()), False, tq, int(lk.sum()))
+        levels.append(TreeLevel(seg, prefix_rows, plen, local))
+    return levels
