@@ -68,12 +68,16 @@ def main() -> None:
     args = ap.parse_args()
     figs = figures(args.n, args.seed)
     print(f"{args.n} random workloads, seed {args.seed}")
-    print(f"{'scenario / balancer':34s} {'imbalance mean':>14s} {'p90':>7s} {'worst':>7s} {'recomputed %':>13s} {'max/ideal':>10s} {'parts':>6s}")
+    print(
+        f"{'scenario / balancer':34s} {'imbalance mean':>14s} {'p90':>7s} {'worst':>7s} {'recomputed %':>13s} {'max/ideal':>10s} {'parts':>6s}"
+    )
     for name, f in figs.items():
         imb = sorted(f["imbalance"])
         parts = f"{statistics.mean(f['micro-batches']):6.2f}" if "micro-batches" in f else "     -"
-        print(f"{name:34s} {statistics.mean(imb):14.4f} {imb[int(0.9 * len(imb))]:7.4f} {imb[-1]:7.4f} "
-              f"{statistics.mean(f['recomputed %']):13.2f} {statistics.mean(f['max/ideal']):10.4f} {parts}")
+        print(
+            f"{name:34s} {statistics.mean(imb):14.4f} {imb[int(0.9 * len(imb))]:7.4f} {imb[-1]:7.4f} "
+            f"{statistics.mean(f['recomputed %']):13.2f} {statistics.mean(f['max/ideal']):10.4f} {parts}"
+        )
 
 
 if __name__ == "__main__":

@@ -56,7 +56,9 @@ def child(args: argparse.Namespace) -> None:
         return lp.detach()
 
     # Warm up kernels and thread pools on a small slice, so the step measures tensors only.
-    response_logprobs(hidden[:8], head, torch.arange(4), labels[:4], 1.0, args.entropy, args.mode, 2)[0].sum().backward()
+    response_logprobs(hidden[:8], head, torch.arange(4), labels[:4], 1.0, args.entropy, args.mode, 2)[
+        0
+    ].sum().backward()
     head.zero_grad(set_to_none=True)
     hidden.grad = None
     before = proc_status_kib("VmRSS")
@@ -66,8 +68,11 @@ def child(args: argparse.Namespace) -> None:
     lp = step()
     seconds = time.perf_counter() - t0
     peak = proc_status_kib("VmHWM") - before
-    stats = dict(lp_sum=float(lp.double().sum()), grad_w_norm=float(head.weight.grad.norm()),
-                 grad_h_norm=float(hidden.grad.norm()))
+    stats = dict(
+        lp_sum=float(lp.double().sum()),
+        grad_w_norm=float(head.weight.grad.norm()),
+        grad_h_norm=float(hidden.grad.norm()),
+    )
 
     head.zero_grad(set_to_none=True)
     hidden.grad = None
@@ -80,8 +85,18 @@ def child(args: argparse.Namespace) -> None:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()
-    print(json.dumps(dict(mode=args.mode, peak_mib=peak / 1024, saved_mib=sum(seen.values()) / 2**20,
-                          seconds=seconds, chunk=chunk, **stats)))
+    print(
+        json.dumps(
+            dict(
+                mode=args.mode,
+                peak_mib=peak / 1024,
+                saved_mib=sum(seen.values()) / 2**20,
+                seconds=seconds,
+                chunk=chunk,
+                **stats,
+            )
+        )
+    )
 
 
 def main() -> None:
@@ -92,7 +107,9 @@ def main() -> None:
     ap.add_argument("--targets", type=int, default=2048)
     ap.add_argument("--budget-mib", type=float, default=256.0)
     ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: step times are stable on a shared machine)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: step times are stable on a shared machine)"
+    )
     ap.add_argument("--no-entropy", dest="entropy", action="store_false")
     ap.add_argument("--child", dest="mode", choices=MODES, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -100,9 +117,11 @@ def main() -> None:
         return child(args)
     weight_mib = args.vocab * args.hidden * 4 / 2**20
     logits_mib = args.positions * args.vocab * 4 / 2**20
-    print(f"vocab {args.vocab}, hidden {args.hidden}, positions {args.positions}, targets {args.targets}, "
-          f"entropy {args.entropy}, float32; weight (and its grad) {weight_mib:.0f} MiB, "
-          f"[positions, vocab] logits {logits_mib:.0f} MiB; memory budget {args.budget_mib:g} MiB")
+    print(
+        f"vocab {args.vocab}, hidden {args.hidden}, positions {args.positions}, targets {args.targets}, "
+        f"entropy {args.entropy}, float32; weight (and its grad) {weight_mib:.0f} MiB, "
+        f"[positions, vocab] logits {logits_mib:.0f} MiB; memory budget {args.budget_mib:g} MiB"
+    )
     rows = {}
     for mode in MODES:
         cmd = [sys.executable, __file__, "--child", mode] + [a for a in sys.argv[1:]]
@@ -111,13 +130,17 @@ def main() -> None:
             print(f"{mode}: failed (exit {res.returncode}): {res.stderr.strip().splitlines()[-1:]}")
             continue
         rows[mode] = json.loads(res.stdout.strip().splitlines()[-1])
-    print(f"{'mode':8s} {'peak RSS MiB':>12s} {'vs none':>8s} {'saved MiB':>10s} {'chunk':>6s} {'step s':>7s} "
-          f"{'lp sum':>14s} {'|grad W|':>10s} {'|grad h|':>10s}")
+    print(
+        f"{'mode':8s} {'peak RSS MiB':>12s} {'vs none':>8s} {'saved MiB':>10s} {'chunk':>6s} {'step s':>7s} "
+        f"{'lp sum':>14s} {'|grad W|':>10s} {'|grad h|':>10s}"
+    )
     base = rows.get("none", {}).get("peak_mib")
     for mode, r in rows.items():
         ratio = f"{r['peak_mib'] / base:8.3f}" if base else "       -"
-        print(f"{mode:8s} {r['peak_mib']:12.0f} {ratio} {r['saved_mib']:10.0f} {str(r['chunk'] or '-'):>6s} "
-              f"{r['seconds']:7.2f} {r['lp_sum']:14.4f} {r['grad_w_norm']:10.6f} {r['grad_h_norm']:10.6f}")
+        print(
+            f"{mode:8s} {r['peak_mib']:12.0f} {ratio} {r['saved_mib']:10.0f} {str(r['chunk'] or '-'):>6s} "
+            f"{r['seconds']:7.2f} {r['lp_sum']:14.4f} {r['grad_w_norm']:10.6f} {r['grad_h_norm']:10.6f}"
+        )
 
 
 if __name__ == "__main__":

@@ -85,14 +85,32 @@ def main() -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # transformers' gradient_checkpointing rename
                 grpo = GRPOConfig(
-                    output_dir=f"{path}/out", per_device_train_batch_size=args.generations,
-                    num_generations=args.generations, steps_per_generation=2, max_completion_length=args.completion_len,
-                    max_steps=args.steps, beta=0.04, learning_rate=1e-4,
+                    output_dir=f"{path}/out",
+                    per_device_train_batch_size=args.generations,
+                    num_generations=args.generations,
+                    steps_per_generation=2,
+                    max_completion_length=args.completion_len,
+                    max_steps=args.steps,
+                    beta=0.04,
+                    learning_rate=1e-4,
                     gradient_checkpointing=False,  # both arms without: the example times the log-prob method, not the recompute
-                    bf16=False, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
+                    bf16=False,
+                    use_cpu=True,
+                    report_to=[],
+                    logging_steps=1,
+                    save_strategy="no",
+                    disable_tqdm=True,
+                    seed=0,
                 )
-                trainer = timed(cls(model=path, reward_funcs=reward_short, args=grpo,
-                                    train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok))
+                trainer = timed(
+                    cls(
+                        model=path,
+                        reward_funcs=reward_short,
+                        args=grpo,
+                        train_dataset=Dataset.from_dict({"prompt": prompts}),
+                        processing_class=tok,
+                    )
+                )
                 trainer.remove_callback(PrinterCallback)
                 start = time.perf_counter()
                 trainer.train()
@@ -101,12 +119,16 @@ def main() -> None:
             results[name].append(sum(seconds))
             losses = [round(h["loss"], 5) for h in trainer.state.log_history if "loss" in h]
             served = f", served by zorro/TRL: {trainer.zorro_calls}" if hasattr(trainer, "zorro_calls") else ""
-            print(f"run {repeat + 1} {name:11s} log-probs {sum(seconds):6.2f} s over {len(seconds)} calls (median "
-                  f"{statistics.median(seconds) * 1e3:.0f} ms), train() {total:6.2f} s, loss per step {losses}{served}")
+            print(
+                f"run {repeat + 1} {name:11s} log-probs {sum(seconds):6.2f} s over {len(seconds)} calls (median "
+                f"{statistics.median(seconds) * 1e3:.0f} ms), train() {total:6.2f} s, loss per step {losses}{served}"
+            )
     base, dedup = (statistics.median(results[n][1:] or results[n]) for n in arms)
-    print(f"log-prob time (median over runs after the first): TRL {base:.2f} s, TRL + zorro {dedup:.2f} s: "
-          f"{base / dedup:.2f}x less; prompt {args.prompt_len} tokens x {args.generations} completions "
-          f"of <= {args.completion_len} tokens")
+    print(
+        f"log-prob time (median over runs after the first): TRL {base:.2f} s, TRL + zorro {dedup:.2f} s: "
+        f"{base / dedup:.2f}x less; prompt {args.prompt_len} tokens x {args.generations} completions "
+        f"of <= {args.completion_len} tokens"
+    )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,10 @@ def main() -> int:
     import transformers
     import trl
 
-    print(f"torch {torch.__version__} transformers {transformers.__version__} trl {trl.__version__} "
-          f"cuda {torch.cuda.get_device_name() if torch.cuda.is_available() else None}")
+    print(
+        f"torch {torch.__version__} transformers {transformers.__version__} trl {trl.__version__} "
+        f"cuda {torch.cuda.get_device_name() if torch.cuda.is_available() else None}"
+    )
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 0
@@ -63,10 +65,19 @@ def main() -> int:
     ids, mask, keep = (t.cuda() if torch.is_tensor(t) else t for t in _joined_inputs())
     weights = torch.rand(ids.shape[0], keep, device="cuda", generator=torch.Generator("cuda").manual_seed(1)) + 0.5
     # The float64 copy is loaded from the checkpoint (TRL's patched forward would not survive a deepcopy).
-    ref_model = AutoModelForCausalLM.from_pretrained(root / "ckpt", dtype=torch.float64, attn_implementation="sdpa").cuda()
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        root / "ckpt", dtype=torch.float64, attn_implementation="sdpa"
+    ).cuda()
     ref = _run(_plain_float64, ref_model, ids, mask, keep, None, weights.double())
-    own = _run(lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k),
-               policy, ids, mask, keep, None, weights)
+    own = _run(
+        lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k),
+        policy,
+        ids,
+        mask,
+        keep,
+        None,
+        weights,
+    )
     ours = _run(trainer._get_per_token_logps_and_entropies, policy, ids, mask, keep, None, weights)
     real = mask[:, -keep:].bool()
     for what, i in (("log-probs", 0), ("entropy", 1)):
@@ -79,8 +90,10 @@ def main() -> int:
     g_z = rel_grad_errors({n: g.double() for n, g in ours[3].items()}, ref[3])
     bad = [n for n in g_z if g_z[n] > FACTOR * g_trl[n] + GRAD_FLOOR]
     ok &= not bad
-    print(f"A gradients rel err vs float64: TRL max {max(g_trl.values()):.3e}  zorro max {max(g_z.values()):.3e}  "
-          f"{'pass' if not bad else 'FAIL ' + ', '.join(bad[:5])}")
+    print(
+        f"A gradients rel err vs float64: TRL max {max(g_trl.values()):.3e}  zorro max {max(g_z.values()):.3e}  "
+        f"{'pass' if not bad else 'FAIL ' + ', '.join(bad[:5])}"
+    )
     print(f"A calls: {trainer.zorro_calls}")
     ok &= trainer.zorro_calls == {"dedup": 1, "fallback": 0}
 
@@ -94,8 +107,10 @@ def main() -> int:
         runs[name] = (seen, losses, {k: v.detach().float() for k, v in tr.model.state_dict().items()})
         print(f"B {name:5s} losses {losses} calls {getattr(tr, 'zorro_calls', '-')}")
     (s_t, l_t, w_t), (s_z, l_z, w_z) = runs["trl"], runs["zorro"]
-    print(f"B same completions: {s_t == s_z}; max |loss diff| {max(abs(a - b) for a, b in zip(l_t, l_z)):.3e}; "
-          f"weights max |diff| {max(float((w_t[k] - w_z[k]).abs().max()) for k in w_t):.3e}")
+    print(
+        f"B same completions: {s_t == s_z}; max |loss diff| {max(abs(a - b) for a, b in zip(l_t, l_z)):.3e}; "
+        f"weights max |diff| {max(float((w_t[k] - w_z[k]).abs().max()) for k in w_t):.3e}"
+    )
     print("gpu_check_trl:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -39,7 +39,9 @@ def main() -> None:
 
     def run(cls, attn, seed):
         seen: list[str] = []
-        trainer = _trainer(cls, str(root / "ckpt"), root / f"{cls.__name__}_{attn}_{seed}", attn=attn, seed=seed, seen=seen)
+        trainer = _trainer(
+            cls, str(root / "ckpt"), root / f"{cls.__name__}_{attn}_{seed}", attn=attn, seed=seed, seen=seen
+        )
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         return seen, losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
@@ -54,12 +56,16 @@ def main() -> None:
     worst = {"floor (eager vs sdpa)": [0.0, 0.0, 0.0], "dedup vs sdpa": [0.0, 0.0, 0.0]}
     for seed in range(args.seeds):
         base = run(GRPOTrainer, "sdpa", seed)
-        for name, other in (("floor (eager vs sdpa)", run(GRPOTrainer, "eager", seed)),
-                            ("dedup vs sdpa", run(DedupGRPOTrainer, "sdpa", seed))):
+        for name, other in (
+            ("floor (eager vs sdpa)", run(GRPOTrainer, "eager", seed)),
+            ("dedup vs sdpa", run(DedupGRPOTrainer, "sdpa", seed)),
+        ):
             m, r, lo, same = compare(other, base)
             worst[name] = [max(w, x) for w, x in zip(worst[name], (m, r, lo))]
-            print(f"seed {seed:2d} {name:22s} weights max|diff| {m:.2e}  ||diff||/||update|| {r:.2e}  "
-                  f"loss |diff| {lo:.2e}  same completions {same}")
+            print(
+                f"seed {seed:2d} {name:22s} weights max|diff| {m:.2e}  ||diff||/||update|| {r:.2e}  "
+                f"loss |diff| {lo:.2e}  same completions {same}"
+            )
     for name, (m, r, lo) in worst.items():
         print(f"worst {name:22s} weights max|diff| {m:.2e}  ||diff||/||update|| {r:.2e}  loss |diff| {lo:.2e}")
 

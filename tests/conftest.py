@@ -20,7 +20,9 @@ def tiny_models():
     def get(name: str, **overrides):
         key = (name, tuple(sorted(overrides.items())))
         if key not in cache:
-            cache[key] = build_model(preset_config(name, **overrides), dtype=torch.float64, attn_implementation="eager", seed=0)
+            cache[key] = build_model(
+                preset_config(name, **overrides), dtype=torch.float64, attn_implementation="eager", seed=0
+            )
         return cache[key]
 
     return get

@@ -21,7 +21,7 @@ def mixed_batch() -> RolloutBatch:
     a response of length 1, and a prompt that is a strict prefix of another (23 response tokens)."""
     a = [5, 17, 33, 2, 9, 41, 7]
     b = [11, 3, 8]
-    c = [5, 17, 33, 2]          # strict prefix of a: must not merge with it
+    c = [5, 17, 33, 2]  # strict prefix of a: must not merge with it
     prompts = [a, c, b, a, c, a]
     responses = [[1, 4, 9, 16], [20, 21], [7], [3, 3, 3, 3, 3], [30, 31, 32, 33, 34, 35], [8]]
     return RolloutBatch.from_lists(prompts, responses)

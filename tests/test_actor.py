@@ -10,22 +10,30 @@ from zorro_core.verify.gradients import BUGS, inject_bug
 
 FAMILIES = ["tiny-qwen3", "tiny-llama", "tiny-qwen2"]
 MODES = [  # (use_split_attention, attn_implementation)
-    (True, "eager"), (True, "sdpa"), (False, "eager"), (False, "sdpa"),
+    (True, "eager"),
+    (True, "sdpa"),
+    (False, "eager"),
+    (False, "sdpa"),
 ]
 
 
 BATCHES = {
     "mixed": mixed_batch,
-    "dummy_padded": lambda: create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=12, response_len=6, vocab_size=256, vary_lengths=True, seed=3),
-    "dummy_unpadded": lambda: create_dummy_batch(batch_size=4, num_unique_prompts=1, prompt_len=9, response_len=5, vocab_size=256, seed=4),
+    "dummy_padded": lambda: create_dummy_batch(
+        batch_size=6, num_unique_prompts=2, prompt_len=12, response_len=6, vocab_size=256, vary_lengths=True, seed=3
+    ),
+    "dummy_unpadded": lambda: create_dummy_batch(
+        batch_size=4, num_unique_prompts=1, prompt_len=9, response_len=5, vocab_size=256, seed=4
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def references(tiny_models, per_sequence_reference):
     def get(family, batch_name, temperature):
-        return per_sequence_reference((family, batch_name, temperature), lambda: tiny_models(family),
-                                      BATCHES[batch_name], temperature, seed=1)
+        return per_sequence_reference(
+            (family, batch_name, temperature), lambda: tiny_models(family), BATCHES[batch_name], temperature, seed=1
+        )
 
     return get
 
@@ -88,7 +96,9 @@ def test_low_precision_close_to_baseline(dtype, atol):
     from zorro_core.models.presets import build_model, preset_config
 
     model = build_model(preset_config("tiny-qwen3"), dtype=dtype, attn_implementation="sdpa")
-    batch = create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=16, response_len=8, vocab_size=256, vary_lengths=True, seed=8)
+    batch = create_dummy_batch(
+        batch_size=6, num_unique_prompts=2, prompt_len=16, response_len=8, vocab_size=256, vary_lengths=True, seed=8
+    )
     d = DeduplicatedActor(model=model).forward(batch).log_probs
     b = BaselineActor(model=model).forward(batch).log_probs
     assert d.dtype == torch.float32

@@ -37,7 +37,9 @@ def test_a_model_cast_after_the_actor_was_built_is_refused(batch, make):
     actor = make(m)
     assert actor.forward(batch, temperature=0.7).log_probs.dtype == torch.float32  # works as built
     m.to(torch.float64)
-    with pytest.raises(ValueError, match=r"moved or cast after the actor was built \(cpu, torch.float32 -> cpu, torch.float64\)"):
+    with pytest.raises(
+        ValueError, match=r"moved or cast after the actor was built \(cpu, torch.float32 -> cpu, torch.float64\)"
+    ):
         actor.forward(batch)
     m.to(torch.float32)
     actor.forward(batch)  # back as built: fine again

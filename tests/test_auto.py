@@ -35,17 +35,20 @@ def test_flash_when_everything_holds(packages, caps, dtype, seq):
         assert "assumed" in c.reason
 
 
-@pytest.mark.parametrize("change,args,expect", [
-    ("", dict(caps=CPU), "cpu: flash-attn needs a CUDA GPU"),
-    ("", dict(caps=T4), "older than sm80"),
-    ("", dict(dtype=torch.float32), "model dtype float32"),
-    ("", dict(max_seq_len=512), "at most 512 tokens"),
-    ("", dict(max_seq_len=100), "at most 100 tokens"),
-    ("", dict(use_split_attention=False), "mask mode"),
-    ("flash=None", {}, "flash-attn not installed"),
-    ("flash=2.5.9", {}, "flash-attn 2.5.9 < 2.6"),
-    ("transformers=4.40.0", {}, "transformers 4.40.0 < 4.44"),
-])
+@pytest.mark.parametrize(
+    "change,args,expect",
+    [
+        ("", dict(caps=CPU), "cpu: flash-attn needs a CUDA GPU"),
+        ("", dict(caps=T4), "older than sm80"),
+        ("", dict(dtype=torch.float32), "model dtype float32"),
+        ("", dict(max_seq_len=512), "at most 512 tokens"),
+        ("", dict(max_seq_len=100), "at most 100 tokens"),
+        ("", dict(use_split_attention=False), "mask mode"),
+        ("flash=None", {}, "flash-attn not installed"),
+        ("flash=2.5.9", {}, "flash-attn 2.5.9 < 2.6"),
+        ("transformers=4.40.0", {}, "transformers 4.40.0 < 4.44"),
+    ],
+)
 def test_sdpa_and_why(packages, change, args, expect):
     if change:
         key, value = change.split("=")

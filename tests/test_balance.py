@@ -38,8 +38,12 @@ def assert_each_row_once(work, part):
 
 
 @settings(max_examples=150, deadline=None)
-@given(work=workloads(), budget=st.integers(1, 700), attention_weight=st.sampled_from([0.0, 0.01]),
-       balance=st.sampled_from(["kk", "greedy"]))
+@given(
+    work=workloads(),
+    budget=st.integers(1, 700),
+    attention_weight=st.sampled_from([0.0, 0.01]),
+    balance=st.sampled_from(["kk", "greedy"]),
+)
 def test_micro_batches_properties(work, budget, attention_weight, balance):
     part = partition_micro_batches(work, budget, attention_weight, balance=balance)
     assert_each_row_once(work, part)
@@ -165,8 +169,9 @@ def test_workload_of_batch_groups_by_content():
 
 
 def test_select_rows_trims_prompt_padding():
-    batch = create_dummy_batch(batch_size=6, num_unique_prompts=3, prompt_len=10, response_len=4, vocab_size=64,
-                               vary_lengths=True, seed=2)
+    batch = create_dummy_batch(
+        batch_size=6, num_unique_prompts=3, prompt_len=10, response_len=4, vocab_size=64, vary_lengths=True, seed=2
+    )
     rows = torch.tensor([4, 1])
     sub = select_rows(batch, rows)
     assert sub.responses.shape == (2, batch.responses.shape[1])
@@ -176,15 +181,18 @@ def test_select_rows_trims_prompt_padding():
     assert ps == [full_ps[4], full_ps[1]] and rs == [full_rs[4], full_rs[1]]
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda: GroupedLengths([], [], []), "empty"),
-    (lambda: GroupedLengths([0, 2], [1, 1], [1, 1]), "group id"),
-    (lambda: GroupedLengths([0], [0], [1]), "lengths"),
-    (lambda: partition_micro_batches(GroupedLengths([0], [1], [1]), 0), "max_tokens"),
-    (lambda: partition_micro_batches(GroupedLengths([0], [1], [1]), 5, balance="lpt"), "balance"),
-    (lambda: karmarkar_karp([1, 2, 3], 2, equal_size=True), "impossible"),
-    (lambda: select_rows(create_dummy_batch(2, 1, 4, 2, 16), [5]), "out of range"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda: GroupedLengths([], [], []), "empty"),
+        (lambda: GroupedLengths([0, 2], [1, 1], [1, 1]), "group id"),
+        (lambda: GroupedLengths([0], [0], [1]), "lengths"),
+        (lambda: partition_micro_batches(GroupedLengths([0], [1], [1]), 0), "max_tokens"),
+        (lambda: partition_micro_batches(GroupedLengths([0], [1], [1]), 5, balance="lpt"), "balance"),
+        (lambda: karmarkar_karp([1, 2, 3], 2, equal_size=True), "impossible"),
+        (lambda: select_rows(create_dummy_batch(2, 1, 4, 2, 16), [5]), "out of range"),
+    ],
+)
 def test_bad_input_raises(bad, match):
     with pytest.raises(ValueError, match=match):
         bad()

@@ -19,23 +19,39 @@ def test_from_lists_pads_prompts_left_and_responses_right():
     assert b.to_lists() == ([[1, 2, 3], [4, 5]], [[6, 7], [8]])
 
 
-@pytest.mark.parametrize("mutate,message", [
-    (lambda t: t.update(prompts=t["prompts"][:0], prompt_mask=t["prompt_mask"][:0], responses=t["responses"][:0], response_mask=t["response_mask"][:0]), "empty batch"),
-    (lambda t: t["response_mask"].__setitem__((1, slice(None)), 0), "response of row 1 is all padding"),
-    (lambda t: t["prompt_mask"].__setitem__((0, slice(None)), 0), "prompt of row 0 is all padding"),
-    (lambda t: t.update(prompt_mask=torch.tensor([[1, 1, 1], [1, 1, 0]])), "not left-padded"),
-    (lambda t: t.update(response_mask=torch.tensor([[1, 1], [0, 1]])), "not right-padded"),
-    (lambda t: t.update(prompt_mask=t["prompt_mask"][:, 1:]), "prompt_mask shape"),
-    (lambda t: t.update(response_mask=t["response_mask"][:1]), "response_mask shape"),
-    (lambda t: t.update(responses=t["responses"][:1], response_mask=t["response_mask"][:1]), "rows"),
-    (lambda t: t.update(prompts=t["prompts"].float()), "integer token ids"),
-    (lambda t: t.update(prompt_mask=t["prompt_mask"] * 2), "only 0 and 1"),
-    (lambda t: t.update(prompts=t["prompts"][0]), "2-D"),
-    (lambda t: t["prompts"].__setitem__((0, 0), -3), "negative token id"),
-])
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (
+            lambda t: t.update(
+                prompts=t["prompts"][:0],
+                prompt_mask=t["prompt_mask"][:0],
+                responses=t["responses"][:0],
+                response_mask=t["response_mask"][:0],
+            ),
+            "empty batch",
+        ),
+        (lambda t: t["response_mask"].__setitem__((1, slice(None)), 0), "response of row 1 is all padding"),
+        (lambda t: t["prompt_mask"].__setitem__((0, slice(None)), 0), "prompt of row 0 is all padding"),
+        (lambda t: t.update(prompt_mask=torch.tensor([[1, 1, 1], [1, 1, 0]])), "not left-padded"),
+        (lambda t: t.update(response_mask=torch.tensor([[1, 1], [0, 1]])), "not right-padded"),
+        (lambda t: t.update(prompt_mask=t["prompt_mask"][:, 1:]), "prompt_mask shape"),
+        (lambda t: t.update(response_mask=t["response_mask"][:1]), "response_mask shape"),
+        (lambda t: t.update(responses=t["responses"][:1], response_mask=t["response_mask"][:1]), "rows"),
+        (lambda t: t.update(prompts=t["prompts"].float()), "integer token ids"),
+        (lambda t: t.update(prompt_mask=t["prompt_mask"] * 2), "only 0 and 1"),
+        (lambda t: t.update(prompts=t["prompts"][0]), "2-D"),
+        (lambda t: t["prompts"].__setitem__((0, 0), -3), "negative token id"),
+    ],
+)
 def test_bad_batches_are_refused_with_the_problem_named(mutate, message):
     b = good()
-    fields = dict(prompts=b.prompts.clone(), prompt_mask=b.prompt_mask.clone(), responses=b.responses.clone(), response_mask=b.response_mask.clone())
+    fields = dict(
+        prompts=b.prompts.clone(),
+        prompt_mask=b.prompt_mask.clone(),
+        responses=b.responses.clone(),
+        response_mask=b.response_mask.clone(),
+    )
     mutate(fields)
     with pytest.raises(ValueError, match=message):
         RolloutBatch(**fields)
@@ -56,14 +72,18 @@ def test_from_lists_refuses_empty_rows():
 
 @pytest.mark.parametrize("vary", [False, True])
 def test_dummy_batch_shape_groups_and_seed(vary):
-    b = create_dummy_batch(batch_size=8, num_unique_prompts=3, prompt_len=20, response_len=7, vocab_size=100, seed=5, vary_lengths=vary)
+    b = create_dummy_batch(
+        batch_size=8, num_unique_prompts=3, prompt_len=20, response_len=7, vocab_size=100, seed=5, vary_lengths=vary
+    )
     assert b.prompts.shape[0] == 8 and b.responses.shape[0] == 8
     prompts, responses = b.to_lists()
     assert len({tuple(p) for p in prompts}) == 3
     assert all(1 <= len(r) <= 7 for r in responses)
     if not vary:
         assert all(len(p) == 20 for p in prompts) and all(len(r) == 7 for r in responses)
-    again = create_dummy_batch(batch_size=8, num_unique_prompts=3, prompt_len=20, response_len=7, vocab_size=100, seed=5, vary_lengths=vary)
+    again = create_dummy_batch(
+        batch_size=8, num_unique_prompts=3, prompt_len=20, response_len=7, vocab_size=100, seed=5, vary_lengths=vary
+    )
     assert torch.equal(b.prompts, again.prompts) and torch.equal(b.responses, again.responses)
 
 

@@ -22,7 +22,15 @@ from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.models.parts import model_parts
 from zorro_core.models.presets import build_model, preset_config
 
-FAMILIES = ["tiny-qwen3", "tiny-llama", "tiny-qwen2", "tiny-qwen3-moe", "tiny-qwen3-next", "tiny-mistral", "tiny-qwen2-sliding"]
+FAMILIES = [
+    "tiny-qwen3",
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3-moe",
+    "tiny-qwen3-next",
+    "tiny-mistral",
+    "tiny-qwen2-sliding",
+]
 LAYOUTS = ["dummy_padded", "dummy_unpadded"]
 TEMPERATURE = 0.8
 
@@ -75,8 +83,10 @@ def _reference(model, layout):
 def test_checkpointed_actors_match_per_sequence(models, exact_kernel, family, layout, reentrant):
     model = models(family)
     batch, w, ref = _reference(model, layout)
-    actors = [lambda s=s, a=a: DeduplicatedActor(model=model, use_split_attention=s, attn_implementation=a)
-              for s, a in ((True, "eager"), (True, "sdpa"), (False, "eager"))]
+    actors = [
+        lambda s=s, a=a: DeduplicatedActor(model=model, use_split_attention=s, attn_implementation=a)
+        for s, a in ((True, "eager"), (True, "sdpa"), (False, "eager"))
+    ]
     actors.append(lambda: BaselineActor(model=model, attn_implementation="sdpa"))
     if family != "tiny-qwen3-next":  # the padded baseline refuses linear-attention layers
         actors.append(lambda: BaselineActor(model=model, attn_implementation="eager", padded=True))
@@ -123,7 +133,9 @@ def test_checkpointed_lora_matches_per_sequence(reentrant):
     ref = per_sequence(model, batch, 0.7, w)
     with checkpointing(model, reentrant):
         for split in (True, False):
-            lora_check(DeduplicatedActor(model=model, use_split_attention=split, attn_implementation="sdpa"), batch, w, ref)
+            lora_check(
+                DeduplicatedActor(model=model, use_split_attention=split, attn_implementation="sdpa"), batch, w, ref
+            )
         lora_check(BaselineActor(model=model, attn_implementation="sdpa"), batch, w, ref)
         lora_check(BaselineActor(model=model, attn_implementation="sdpa", padded=True), batch, w, ref)
 
@@ -147,8 +159,9 @@ def test_router_aux_loss_under_checkpointing():
     """Non-reentrant: the MoE router aux loss and its gradient are those without checkpointing. Reentrant:
     transformers records router logits under no_grad, so the aux loss has no gradient (the baseline's neither);
     the README says so."""
-    model = build_model(preset_config("tiny-qwen3-moe", output_router_logits=True), dtype=torch.float64,
-                        attn_implementation="eager")
+    model = build_model(
+        preset_config("tiny-qwen3-moe", output_router_logits=True), dtype=torch.float64, attn_implementation="eager"
+    )
     batch = BATCHES["mixed"]()
     model.train()
 

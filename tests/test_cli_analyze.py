@@ -46,14 +46,28 @@ def test_bad_input_exits_2(args):
 
 
 def test_shared_prefix_reports_the_tree():
-    args = ["analyze", "--prompt-len", "1152", "--responses", "4", "--response-len", "128", "--prompts", "4",
-            "--shared-prefix-len", "1024", "--model", "small-qwen3"]
+    args = [
+        "analyze",
+        "--prompt-len",
+        "1152",
+        "--responses",
+        "4",
+        "--response-len",
+        "128",
+        "--prompts",
+        "4",
+        "--shared-prefix-len",
+        "1024",
+        "--model",
+        "small-qwen3",
+    ]
     d = json.loads(runner.invoke(app, args + ["--json"]).output)
     pr = d["prefix"]
     assert pr["unique_tokens"] == 1024 + 4 * 128 + 16 * 128 and d["unique_tokens"] == 4 * 1152 + 16 * 128
     assert pr["ideal_speedup"]["total_forward_backward"] > d["ideal_speedup"]["total_forward_backward"]
     assert pr["ideal_speedup_over_prompt_sharing"] == pytest.approx(
-        pr["ideal_speedup"]["total_forward_backward"] / d["ideal_speedup"]["total_forward_backward"])
+        pr["ideal_speedup"]["total_forward_backward"] / d["ideal_speedup"]["total_forward_backward"]
+    )
     res = runner.invoke(app, args)
     assert res.exit_code == 0 and "prefix tree" in res.output
     assert runner.invoke(app, args[:-2] + ["--shared-prefix-len", "1152"]).exit_code == 2

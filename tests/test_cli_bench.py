@@ -38,7 +38,11 @@ def test_tiny_suite_end_to_end(tiny_run):
     assert header[: len(REQUIRED_COLUMNS)] == REQUIRED_COLUMNS and header == COLUMNS
     rows = read_rows(out)
     assert [(r["num_unique_prompts"], r["phase"]) for r in rows] == [
-        ("1", "forward"), ("1", "forward_backward"), ("4", "forward"), ("4", "forward_backward")]
+        ("1", "forward"),
+        ("1", "forward_backward"),
+        ("4", "forward"),
+        ("4", "forward_backward"),
+    ]
     for r in rows:
         assert r["status"] == "ok", r
         assert r["baseline_kind"] == "packed_varlen_sdpa" and r["dedup_kind"] == "split_sdpa"
@@ -82,8 +86,11 @@ def test_interrupted_sweep_resumes_without_repeating_or_losing_rows(tiny_run, tm
 
 def test_a_case_that_raises_is_an_error_row_and_the_sweep_goes_on(tmp_path):
     suite = tmp_path / "bad.toml"
-    suite.write_text(TINY.read_text().replace("[[grid]]\nnum_unique_prompts = [1, 4]",
-                                              '[[grid]]\nattn_implementation = ["flash_attention_2", "sdpa"]'))
+    suite.write_text(
+        TINY.read_text().replace(
+            "[[grid]]\nnum_unique_prompts = [1, 4]", '[[grid]]\nattn_implementation = ["flash_attention_2", "sdpa"]'
+        )
+    )
     out = tmp_path / "bad.csv"
     res = sweep(suite, "--out", out, "--no-memory", "--repeats", "1", "--warmup", "0")
     assert res.exit_code == 1, res.output
@@ -94,12 +101,16 @@ def test_a_case_that_raises_is_an_error_row_and_the_sweep_goes_on(tmp_path):
 
 
 def test_unknown_model_is_an_error_row(tmp_path):
-    rows = case_rows(Case(model="no-such-model", batch_size=2, prompt_len=4, response_len=2, num_unique_prompts=1),
-                     Measure(repeats=1, memory=False))
+    rows = case_rows(
+        Case(model="no-such-model", batch_size=2, prompt_len=4, response_len=2, num_unique_prompts=1),
+        Measure(repeats=1, memory=False),
+    )
     assert [r["status"] for r in rows] == ["error", "error"] and "cannot resolve model" in rows[0]["error"]
 
 
-@pytest.mark.parametrize("fault,status,text", [("exit", "crashed", "exit code 3"), ("sleep", "timeout", "no result within")])
+@pytest.mark.parametrize(
+    "fault,status,text", [("exit", "crashed", "exit code 3"), ("sleep", "timeout", "no result within")]
+)
 def test_crash_and_timeout_become_rows(fault, status, text):
     case = Case(model="tiny-qwen3", batch_size=2, prompt_len=4, response_len=2, num_unique_prompts=1)
     rows = case_rows(case, Measure(repeats=1, memory=False, timeout_s=5), fault=fault)
@@ -120,7 +131,18 @@ def test_gpu_suite_on_cpu_is_skipped_with_a_reason(tmp_path):
 def test_quick_suite_subset_end_to_end(tmp_path):
     """The shipped quick suite, one case, fewer repeats (the full suite is the README's main job)."""
     out = tmp_path / "quick.csv"
-    res = sweep(ROOT / "suites" / "quick.toml", "--out", out, "--filter", "b8u1p128r32", "--repeats", "1", "--warmup", "0", "--no-memory")
+    res = sweep(
+        ROOT / "suites" / "quick.toml",
+        "--out",
+        out,
+        "--filter",
+        "b8u1p128r32",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--no-memory",
+    )
     assert res.exit_code == 0, res.output
     rows = read_rows(out)
     assert [r["status"] for r in rows] == ["ok", "ok"] and rows[0]["model"] == "small-qwen3"
@@ -137,8 +159,25 @@ def test_full_quick_suite(tmp_path):
 
 def test_bench_run_one_case_from_flags(tmp_path):
     out = tmp_path / "run.csv"
-    args = ["bench", "run", "--model", "tiny-qwen3", "--attn", "eager", "--batch-size", "4",
-            "--prompt-len", "12", "--response-len", "3", "--repeats", "2", "--phase", "forward", "--no-memory"]
+    args = [
+        "bench",
+        "run",
+        "--model",
+        "tiny-qwen3",
+        "--attn",
+        "eager",
+        "--batch-size",
+        "4",
+        "--prompt-len",
+        "12",
+        "--response-len",
+        "3",
+        "--repeats",
+        "2",
+        "--phase",
+        "forward",
+        "--no-memory",
+    ]
     res = runner.invoke(app, args + ["--unique-prompts", "2", "--out", str(out)])
     assert res.exit_code == 0, res.output
     rows = read_rows(out)
@@ -168,7 +207,11 @@ def test_liger_case_is_skipped_with_the_reason_here(tmp_path):
     case = Case(model="tiny-qwen3", batch_size=2, prompt_len=4, response_len=2, num_unique_prompts=1, liger=True)
     assert case.case_id.endswith(":liger")
     rows = case_rows(case, Measure(repeats=1, memory=False))  # known up front: no process started
-    assert [r["status"] for r in rows] == ["skipped", "skipped"] and "CUDA" in rows[0]["error"] and rows[0]["liger"] is True
+    assert (
+        [r["status"] for r in rows] == ["skipped", "skipped"]
+        and "CUDA" in rows[0]["error"]
+        and rows[0]["liger"] is True
+    )
     # In the case process (where a GPU case is checked, with the model on its device) it is a skip too.
     reader, writer = mp.Pipe(duplex=False)
     timing_process(case, Measure(repeats=1, memory=False), None, ("baseline", "dedup"), writer)
@@ -176,28 +219,58 @@ def test_liger_case_is_skipped_with_the_reason_here(tmp_path):
     assert payload["status"] == "skipped" and payload["error"].startswith("Liger kernels")
     # A sweep writes the column and does not fail on the skipped case.
     suite = tmp_path / "liger.toml"
-    suite.write_text(TINY.read_text().replace("num_unique_prompts = [1, 4]", "num_unique_prompts = 1\nliger = [false, true]"))
+    suite.write_text(
+        TINY.read_text().replace("num_unique_prompts = [1, 4]", "num_unique_prompts = 1\nliger = [false, true]")
+    )
     out = tmp_path / "liger.csv"
     res = sweep(suite, "--list")
-    assert res.output.split() == ["tiny-qwen3:sdpa:split:compute:float32:cpu:b4u1p16r4",
-                                  "tiny-qwen3:sdpa:split:compute:float32:cpu:b4u1p16r4:liger"]
+    assert res.output.split() == [
+        "tiny-qwen3:sdpa:split:compute:float32:cpu:b4u1p16r4",
+        "tiny-qwen3:sdpa:split:compute:float32:cpu:b4u1p16r4:liger",
+    ]
     res = sweep(suite, "--out", out, "--no-memory", "--repeats", "1", "--warmup", "0", "--filter", "liger=true")
     assert res.exit_code == 0, res.output
     got = read_rows(out)
-    assert [(r["liger"], r["status"]) for r in got] == [("True", "skipped")] * 2 and "need a CUDA GPU" in got[0]["error"]
+    assert [(r["liger"], r["status"]) for r in got] == [("True", "skipped")] * 2 and "need a CUDA GPU" in got[0][
+        "error"
+    ]
 
 
 def test_checkpointing_axis(tmp_path):
     """--checkpointing: both arms run with transformers' checkpointing in training mode; the row records it."""
     from zorro_core.bench.runner import _Bench
 
-    case = Case(model="tiny-qwen3", batch_size=4, prompt_len=16, response_len=4, num_unique_prompts=1, checkpointing=True)
+    case = Case(
+        model="tiny-qwen3", batch_size=4, prompt_len=16, response_len=4, num_unique_prompts=1, checkpointing=True
+    )
     assert case.case_id.endswith(":ckpt")
     bench = _Bench(case, threads=1)
     assert bench.model.training and all(layer.gradient_checkpointing for layer in bench.model.model.layers)
     out = tmp_path / "ckpt.csv"
-    res = runner.invoke(app, ["bench", "run", "--model", "tiny-qwen3", "-b", "4", "-u", "1", "-p", "16", "-r", "4",
-                              "--checkpointing", "--repeats", "1", "--phase", "forward_backward", "--out", str(out)])
+    res = runner.invoke(
+        app,
+        [
+            "bench",
+            "run",
+            "--model",
+            "tiny-qwen3",
+            "-b",
+            "4",
+            "-u",
+            "1",
+            "-p",
+            "16",
+            "-r",
+            "4",
+            "--checkpointing",
+            "--repeats",
+            "1",
+            "--phase",
+            "forward_backward",
+            "--out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     (row,) = read_rows(out)
     assert row["status"] == "ok" and row["checkpointing"] == "True" and row["case_id"].endswith(":ckpt")
@@ -209,7 +282,9 @@ def test_suite_errors_keep_their_brackets(tmp_path):
     suite = tmp_path / "bad.toml"
     suite.write_text(TINY.read_text().replace("repeats = 3", "repeats = 3\nrepeat = 2"))
     res = sweep(suite, "--list")
-    assert res.exit_code == 2 and "unknown key 'repeat' in [measure]; did you mean 'repeats'?" in " ".join(res.output.split())
+    assert res.exit_code == 2 and "unknown key 'repeat' in [measure]; did you mean 'repeats'?" in " ".join(
+        res.output.split()
+    )
     suite.write_text(TINY.read_text().replace("num_unique_prompts = [1, 4]", "num_unique_prompt = [1, 4]"))
     res = sweep(suite, "--list")
     assert res.exit_code == 2 and "in [[grid]] #1" in res.output

@@ -27,8 +27,17 @@ COMMANDS = list(_commands(typer.main.get_command(app)))
 
 def test_every_command_is_found():
     names = {" ".join(p) for p, _ in COMMANDS}
-    assert {"bench sweep", "bench run", "verify gradients", "verify training", "report show", "report compare",
-            "report stack", "analyze", "env"} <= names
+    assert {
+        "bench sweep",
+        "bench run",
+        "verify gradients",
+        "verify training",
+        "report show",
+        "report compare",
+        "report stack",
+        "analyze",
+        "env",
+    } <= names
 
 
 @pytest.mark.parametrize("path,cmd", COMMANDS, ids=[" ".join(p) or "zorro" for p, _ in COMMANDS])

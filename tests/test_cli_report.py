@@ -17,14 +17,39 @@ runner = CliRunner()
 def row(u, p, phase, sp, err=0.02, spread=0.03, status="ok", **kw):
     b = 8
     r = {c: "" for c in COLUMNS}
-    r.update(case_id=f"m:sdpa:split:compute:float32:cpu:b{b}u{u}p{p}r32", model="m", attn_implementation="sdpa",
-             split_attention="True", logits_mode="compute", dtype="float32", device="cpu", batch_size=b,
-             num_unique_prompts=u, prompt_len=p, response_len=32, prompt_dedup_ratio=1 - u / b, phase=phase,
-             baseline_ms_p50=10 * sp, dedup_ms_p50=10.0, baseline_ms_p20=9.9 * sp, baseline_ms_p80=10.1 * sp,
-             dedup_ms_p20=9.9, dedup_ms_p80=10.1, speedup=sp, speedup_err=err, speedup_p20=sp - spread,
-             speedup_p80=sp + spread, ideal_speedup=sp * 1.5, efficiency=1 / 1.5, status=status,
-             baseline_peak_mem_mib=100.0, dedup_peak_mem_mib=100.0 / max(sp, 0.1), peak_mem_kind="cpu_peak_rss_growth_fresh_process",
-             baseline_kind="packed_varlen_sdpa", padding="False")
+    r.update(
+        case_id=f"m:sdpa:split:compute:float32:cpu:b{b}u{u}p{p}r32",
+        model="m",
+        attn_implementation="sdpa",
+        split_attention="True",
+        logits_mode="compute",
+        dtype="float32",
+        device="cpu",
+        batch_size=b,
+        num_unique_prompts=u,
+        prompt_len=p,
+        response_len=32,
+        prompt_dedup_ratio=1 - u / b,
+        phase=phase,
+        baseline_ms_p50=10 * sp,
+        dedup_ms_p50=10.0,
+        baseline_ms_p20=9.9 * sp,
+        baseline_ms_p80=10.1 * sp,
+        dedup_ms_p20=9.9,
+        dedup_ms_p80=10.1,
+        speedup=sp,
+        speedup_err=err,
+        speedup_p20=sp - spread,
+        speedup_p80=sp + spread,
+        ideal_speedup=sp * 1.5,
+        efficiency=1 / 1.5,
+        status=status,
+        baseline_peak_mem_mib=100.0,
+        dedup_peak_mem_mib=100.0 / max(sp, 0.1),
+        peak_mem_kind="cpu_peak_rss_growth_fresh_process",
+        baseline_kind="packed_varlen_sdpa",
+        padding="False",
+    )
     r.update(kw)
     return r
 
@@ -56,7 +81,9 @@ def test_pivot_rich_markdown_csv(old, tmp_path):
     assert "3.41 ± 0.02x" in res.output and "P=512" in res.output and "0.875" in res.output
     md = runner.invoke(app, ["report", str(old), "--markdown", "--phase", "forward"])
     assert md.exit_code == 0
-    assert "| prompt dedup ratio | P=128 | P=512 |" in md.output and "| 0.875 | 3.41 ± 0.02x | 4.20 ± 0.02x |" in md.output
+    assert (
+        "| prompt dedup ratio | P=128 | P=512 |" in md.output and "| 0.875 | 3.41 ± 0.02x | 4.20 ± 0.02x |" in md.output
+    )
     assert "forward_backward" not in md.output
     out = tmp_path / "pivot.csv"
     assert runner.invoke(app, ["report", "show", str(old), "--csv", str(out)]).exit_code == 0
@@ -66,10 +93,15 @@ def test_pivot_rich_markdown_csv(old, tmp_path):
 
 
 def test_later_files_win_and_failures_are_listed(old, tmp_path):
-    newer = write(tmp_path / "newer.csv", [row(1, 128, "forward", 5.0), row(2, 128, "forward", 0, status="error", error="boom")])
+    newer = write(
+        tmp_path / "newer.csv", [row(1, 128, "forward", 5.0), row(2, 128, "forward", 0, status="error", error="boom")]
+    )
     df = load_results([old, newer])
     assert len(df) == 12
-    assert float(df[(df.num_unique_prompts == 1) & (df.prompt_len == 128) & (df.phase == "forward")].speedup.iloc[0]) == 5.0
+    assert (
+        float(df[(df.num_unique_prompts == 1) & (df.prompt_len == 128) & (df.phase == "forward")].speedup.iloc[0])
+        == 5.0
+    )
     res = runner.invoke(app, ["report", str(old), str(newer)])
     assert res.exit_code == 0 and "5.00 ± 0.02x" in res.output and "boom" in res.output
 
@@ -127,17 +159,40 @@ def stack_rows():
     """Bench rows of suites/stack_cpu.toml's cases on a machine without a GPU (two arms each)."""
     no_gpu = "Liger kernels are Triton kernels and need a CUDA GPU (got cpu)"
     out = []
-    for attn, split, liger, base, dedup in [("eager", "True", False, 2500, 8000), ("sdpa", "True", False, 3200, 8800),
-                                            ("sdpa", "True", True, None, None), ("sdpa", "False", False, 3300, 6000),
-                                            ("sdpa", "False", True, None, None)]:
+    for attn, split, liger, base, dedup in [
+        ("eager", "True", False, 2500, 8000),
+        ("sdpa", "True", False, 3200, 8800),
+        ("sdpa", "True", True, None, None),
+        ("sdpa", "False", False, 3300, 6000),
+        ("sdpa", "False", True, None, None),
+    ]:
         mode = "split" if split == "True" else "mask"
-        r = row(2, 512, "forward_backward", 1.0, case_id=f"m:{attn}:{mode}:compute:float32:cpu:b8u2p512r32" + (":liger" if liger else ""),
-                attn_implementation=attn, split_attention=split, liger=liger)
+        r = row(
+            2,
+            512,
+            "forward_backward",
+            1.0,
+            case_id=f"m:{attn}:{mode}:compute:float32:cpu:b8u2p512r32" + (":liger" if liger else ""),
+            attn_implementation=attn,
+            split_attention=split,
+            liger=liger,
+        )
         if base is None:
-            r.update(status="skipped", error=no_gpu, baseline_tokens_per_s="", dedup_tokens_per_s="",
-                     baseline_peak_mem_mib="", dedup_peak_mem_mib="")
+            r.update(
+                status="skipped",
+                error=no_gpu,
+                baseline_tokens_per_s="",
+                dedup_tokens_per_s="",
+                baseline_peak_mem_mib="",
+                dedup_peak_mem_mib="",
+            )
         else:
-            r.update(baseline_tokens_per_s=base, dedup_tokens_per_s=dedup, baseline_peak_mem_mib=800.0, dedup_peak_mem_mib=300.0)
+            r.update(
+                baseline_tokens_per_s=base,
+                dedup_tokens_per_s=dedup,
+                baseline_peak_mem_mib=800.0,
+                dedup_peak_mem_mib=300.0,
+            )
         out.append(r)
     return out
 
@@ -146,7 +201,15 @@ def test_stack_view_rich_markdown_csv(tmp_path):
     res_csv = write(tmp_path / "stack.csv", stack_rows())
     res = runner.invoke(app, ["report", "stack", str(res_csv)])
     assert res.exit_code == 0, res.output
-    for text in ("+flash_attention", "3,250", "1.30x", "skipped", "dedup: sdpa mask", "need a CUDA GPU", "without liger"):
+    for text in (
+        "+flash_attention",
+        "3,250",
+        "1.30x",
+        "skipped",
+        "dedup: sdpa mask",
+        "need a CUDA GPU",
+        "without liger",
+    ):
         assert text in res.output, text
     md = runner.invoke(app, ["report", "stack", str(res_csv), "--markdown"])
     assert md.exit_code == 0, md.output

@@ -8,8 +8,18 @@ from typer.testing import CliRunner
 from zorro_cli.main import app
 
 runner = CliRunner()
-SMALL = ["--models", "tiny-qwen3", "--dtype", "float64,bfloat16", "--layout", "padded", "--logits-mode", "compute",
-         "--attn", "sdpa"]
+SMALL = [
+    "--models",
+    "tiny-qwen3",
+    "--dtype",
+    "float64,bfloat16",
+    "--layout",
+    "padded",
+    "--logits-mode",
+    "compute",
+    "--attn",
+    "sdpa",
+]
 
 
 def invoke(*args):
@@ -38,8 +48,22 @@ def test_gradients_fail_on_a_broken_plan(bug):
 
 
 def test_gradients_json():
-    res = invoke("gradients", "--models", "tiny-llama", "--dtype", "float32", "--layout", "unpadded",
-                 "--mode", "split", "--logits-mode", "none", "--attn", "eager,flash_attention_2", "--json")
+    res = invoke(
+        "gradients",
+        "--models",
+        "tiny-llama",
+        "--dtype",
+        "float32",
+        "--layout",
+        "unpadded",
+        "--mode",
+        "split",
+        "--logits-mode",
+        "none",
+        "--attn",
+        "eager,flash_attention_2",
+        "--json",
+    )
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out["passed"] and out["summary"] == {"pass": 1, "fail": 0, "error": 0, "skip": 1}
@@ -48,14 +72,32 @@ def test_gradients_json():
 
 
 def test_nothing_verified_is_not_a_pass():
-    res = invoke("gradients", "--models", "tiny-qwen3", "--attn", "flash_attention_2", "--mode", "split",
-                 "--dtype", "bfloat16", "--layout", "padded", "--logits-mode", "compute")
+    res = invoke(
+        "gradients",
+        "--models",
+        "tiny-qwen3",
+        "--attn",
+        "flash_attention_2",
+        "--mode",
+        "split",
+        "--dtype",
+        "bfloat16",
+        "--layout",
+        "padded",
+        "--logits-mode",
+        "compute",
+    )
     assert res.exit_code == 1 and "0 passed" in res.output
 
 
-@pytest.mark.parametrize("args,hint", [
-    (["--models", "tiny-nope"], "--models"), (["--dtype", "float8"], "--dtype"), (["--inject-bug", "typo"], "--inject-bug"),
-])
+@pytest.mark.parametrize(
+    "args,hint",
+    [
+        (["--models", "tiny-nope"], "--models"),
+        (["--dtype", "float8"], "--dtype"),
+        (["--inject-bug", "typo"], "--inject-bug"),
+    ],
+)
 def test_bad_options_exit_2(args, hint):
     res = invoke("gradients", *args)
     assert res.exit_code == 2 and hint in res.output
@@ -74,8 +116,23 @@ def test_training_passes_and_fails_on_a_broken_plan():
 
 def test_lora_compares_adapter_gradients_and_can_fail():
     pytest.importorskip("peft")
-    args = ["--models", "tiny-qwen3", "--dtype", "float64", "--layout", "padded", "--logits-mode", "compute",
-            "--attn", "sdpa", "--mode", "split", "--lora", "4", "--json"]
+    args = [
+        "--models",
+        "tiny-qwen3",
+        "--dtype",
+        "float64",
+        "--layout",
+        "padded",
+        "--logits-mode",
+        "compute",
+        "--attn",
+        "sdpa",
+        "--mode",
+        "split",
+        "--lora",
+        "4",
+        "--json",
+    ]
     res = invoke("gradients", *args)
     assert res.exit_code == 0, res.output
     case = json.loads(res.output)["results"][0]
@@ -85,8 +142,23 @@ def test_lora_compares_adapter_gradients_and_can_fail():
 
 @pytest.mark.parametrize("reentrant", [[], ["--reentrant"]])
 def test_checkpointing_passes_and_can_fail(reentrant):
-    args = ["--models", "tiny-qwen3-next,tiny-mistral", "--dtype", "float64", "--layout", "padded", "--logits-mode",
-            "compute", "--attn", "sdpa", "--mode", "split", "--checkpointing", *reentrant, "--json"]
+    args = [
+        "--models",
+        "tiny-qwen3-next,tiny-mistral",
+        "--dtype",
+        "float64",
+        "--layout",
+        "padded",
+        "--logits-mode",
+        "compute",
+        "--attn",
+        "sdpa",
+        "--mode",
+        "split",
+        "--checkpointing",
+        *reentrant,
+        "--json",
+    ]
     res = invoke("gradients", *args)
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
@@ -118,8 +190,24 @@ def test_gradients_prefix_sharing_passes_and_refuses_linear_attention():
     res = invoke("gradients", *SMALL, "--mode", "split", "--mode", "mask", "--sharing", "prefix")
     assert res.exit_code == 0, res.output
     assert "4 passed, 0 failed" in res.output
-    res = invoke("gradients", "--models", "tiny-qwen3-next", "--dtype", "float64", "--layout", "padded",
-                 "--logits-mode", "compute", "--attn", "sdpa", "--mode", "split", "--sharing", "prefix", "--json")
+    res = invoke(
+        "gradients",
+        "--models",
+        "tiny-qwen3-next",
+        "--dtype",
+        "float64",
+        "--layout",
+        "padded",
+        "--logits-mode",
+        "compute",
+        "--attn",
+        "sdpa",
+        "--mode",
+        "split",
+        "--sharing",
+        "prefix",
+        "--json",
+    )
     out = json.loads(res.output)
     assert out["summary"]["skip"] == 1 and "linear-attention" in out["results"][0]["reason"]
 

@@ -27,11 +27,18 @@ def test_causal_pairs():
 
 
 @pytest.mark.parametrize("dedup", [True, False])
-@pytest.mark.parametrize("make", [
-    mixed_batch,
-    lambda: create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=12, response_len=6, vocab_size=256, vary_lengths=True, seed=3),
-    lambda: create_dummy_batch(batch_size=5, num_unique_prompts=1, prompt_len=9, response_len=5, vocab_size=256, seed=4),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        mixed_batch,
+        lambda: create_dummy_batch(
+            batch_size=6, num_unique_prompts=2, prompt_len=12, response_len=6, vocab_size=256, vary_lengths=True, seed=3
+        ),
+        lambda: create_dummy_batch(
+            batch_size=5, num_unique_prompts=1, prompt_len=9, response_len=5, vocab_size=256, seed=4
+        ),
+    ],
+)
 def test_attended_pairs_equal_the_plans_mask(make, dedup):
     """Pairs counted from segment lengths == allowed entries of the plan's [T, T] block mask."""
     plan = build_dedup_plan(make(), dedup=dedup)
@@ -74,7 +81,9 @@ def test_design_example():
 
 
 def test_flops_formulas_and_phases():
-    shape = ModelShape(hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, vocab_size=32)
+    shape = ModelShape(
+        hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, vocab_size=32
+    )
     f = flops(shape, ForwardWork(tokens=10, attended_pairs=30, logit_positions=5))
     assert f.linear == 2 * shape.linear_params_per_layer * 2 * 10
     assert f.attention == 4 * 2 * 4 * 2 * 30

@@ -11,8 +11,11 @@ from zorro_core.distributed.routing import plan_routing
 
 def _split_evenly(keys, plens, rlens, world):
     """Deal the rows round-robin over `world` ranks (groups cut, as a trainer's shuffle does)."""
-    return ([keys[r::world] for r in range(world)], [plens[r::world] for r in range(world)],
-            [rlens[r::world] for r in range(world)])
+    return (
+        [keys[r::world] for r in range(world)],
+        [plens[r::world] for r in range(world)],
+        [rlens[r::world] for r in range(world)],
+    )
 
 
 def test_cpu_target_layout_moves_half_the_rows_and_dedups_like_one_process():
@@ -29,7 +32,7 @@ def test_cpu_target_layout_moves_half_the_rows_and_dedups_like_one_process():
     # each rank keeps its 4 rows of the prompt it ends with and sends the other 4
     for rank in (0, 1):
         start = routing.offset(rank)
-        assert sum(d != rank for d in routing.dest[start:start + 8]) == 4
+        assert sum(d != rank for d in routing.dest[start : start + 8]) == 4
 
 
 def test_rows_already_grouped_stay_where_they_are():
@@ -42,18 +45,25 @@ def test_fewer_groups_than_ranks_still_feeds_every_rank():
     assert all(n > 0 for n in routing.rows_after)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (([[1], []], [[2], []], [[2], []]), "rank 1 holds no rows"),
-    (([[1]], [[2, 3]], [[2]]), "prompt lengths"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (([[1], []], [[2], []], [[2], []]), "rank 1 holds no rows"),
+        (([[1]], [[2, 3]], [[2]]), "prompt lengths"),
+    ],
+)
 def test_bad_metadata_is_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         plan_routing(*bad)
 
 
 @settings(max_examples=60, deadline=None)
-@given(world=st.integers(1, 4), sizes=st.lists(st.integers(1, 6), min_size=1, max_size=6), equal=st.booleans(),
-       data=st.data())
+@given(
+    world=st.integers(1, 4),
+    sizes=st.lists(st.integers(1, 6), min_size=1, max_size=6),
+    equal=st.booleans(),
+    data=st.data(),
+)
 def test_routing_invariants(world, sizes, equal, data):
     keys = [g for g, n in enumerate(sizes) for _ in range(n)]
     if len(keys) < world or (equal and len(keys) % world):
@@ -117,7 +127,9 @@ def test_bench_plan_of_the_cpu_target_matches_the_cost_model():
     assert plan["rows_before"] == [8, 8] and plan["rows_after"] == [8, 8]
     assert plan["prompt_dedup_before"] == [0.75, 0.75]
     assert plan["prompt_dedup_after"] == [plan["single_process_prompt_dedup"]] * 2 == [0.875, 0.875]
-    assert round(plan["gflops_before"]["forward_backward"]) == 91 and round(plan["gflops_after"]["forward_backward"]) == 65
+    assert (
+        round(plan["gflops_before"]["forward_backward"]) == 91 and round(plan["gflops_after"]["forward_backward"]) == 65
+    )
     assert abs(plan["ideal_speedup"]["forward_backward"] - 1.395) < 1e-3
 
 
@@ -140,11 +152,38 @@ def test_bench_run_with_two_ranks_gives_a_row_with_per_rank_figures(tmp_path):
     from zorro_core.bench.results import read_rows
 
     out = tmp_path / "d.csv"
-    res = CliRunner().invoke(app, ["bench", "run", "--nproc", "2", "--model", "tiny-qwen3", "-b", "8", "-u", "2", "-p", "32",
-                                   "-r", "8", "--repeats", "2", "--threads", "1", "--phase", "forward_backward",
-                                   "--no-memory", "--out", str(out)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "run",
+            "--nproc",
+            "2",
+            "--model",
+            "tiny-qwen3",
+            "-b",
+            "8",
+            "-u",
+            "2",
+            "-p",
+            "32",
+            "-r",
+            "8",
+            "--repeats",
+            "2",
+            "--threads",
+            "1",
+            "--phase",
+            "forward_backward",
+            "--no-memory",
+            "--out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     (row,) = read_rows(out)
     assert row["status"] == "ok" and row["nproc"] == "2" and float(row["speedup"]) > 0
-    assert row["prompt_dedup_per_rank_before"] == "0.5000 0.5000" and row["prompt_dedup_per_rank_after"] == "0.7500 0.7500"
+    assert (
+        row["prompt_dedup_per_rank_before"] == "0.5000 0.5000" and row["prompt_dedup_per_rank_after"] == "0.7500 0.7500"
+    )
     assert int(row["regroup_bytes_sent"]) == 2 * 2 * 40 * 4  # per rank: 2 rows of 32 + 8 tokens, int32

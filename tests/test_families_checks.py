@@ -21,7 +21,9 @@ def fresh(name="tiny-qwen3", **overrides):
 def test_unsupported_model_type():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    )
     with pytest.raises(UnsupportedModelError, match="model type 'gpt2'"):
         DeduplicatedActor(model=model)
 
@@ -33,7 +35,9 @@ def test_unhandled_layer_type():
         model_parts(model)
 
 
-@pytest.mark.parametrize("feature,value", [("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0), ("attention_chunk_size", 8)])
+@pytest.mark.parametrize(
+    "feature,value", [("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0), ("attention_chunk_size", 8)]
+)
 def test_attention_feature_in_config(feature, value):
     model = fresh()
     setattr(model.config, feature, value)
@@ -49,8 +53,11 @@ def test_attention_feature_at_call_time(monkeypatch, kwarg):
     model = fresh()
     layer = model.model.layers[0].self_attn
     real = registration.zorro_attention
-    monkeypatch.setattr(registration, "zorro_attention",
-                        lambda m, *a, **kw: real(m, *a, **({kwarg: torch.ones(1)} if m is layer else {}), **kw))
+    monkeypatch.setattr(
+        registration,
+        "zorro_attention",
+        lambda m, *a, **kw: real(m, *a, **({kwarg: torch.ones(1)} if m is layer else {}), **kw),
+    )
     with pytest.raises(UnsupportedModelError, match=kwarg):
         DeduplicatedActor(model=model).forward(mixed_batch())
 
@@ -78,11 +85,19 @@ def test_kv_cache(family):
     plan = build_dedup_plan(batch)
     cache = DynamicCache(config=model.config)
     model.model(input_ids=torch.tensor([[1, 2, 3]]), cache=cache, use_cache=True)
-    route = Route(plan=plan, mode="split", backend=DeduplicatedActor(model=model).varlen_backend)  # the actor installs the hooks
+    route = Route(
+        plan=plan, mode="split", backend=DeduplicatedActor(model=model).varlen_backend
+    )  # the actor installs the hooks
 
     with pytest.raises(UnsupportedModelError, match="cache"):
-        model.model(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None] + 3, cache=cache,
-                    attention_mask=route_mask("cpu"), use_cache=True, zorro_route=route)
+        model.model(
+            input_ids=plan.input_ids[None],
+            position_ids=plan.position_ids[None] + 3,
+            cache=cache,
+            attention_mask=route_mask("cpu"),
+            use_cache=True,
+            zorro_route=route,
+        )
 
 
 @pytest.mark.parametrize("family,layer_attr", [("tiny-qwen3", "self_attn"), ("tiny-qwen3-next", "linear_attn")])
@@ -103,7 +118,9 @@ def test_every_preset_is_a_supported_family():
         cfg = preset_config(name)
         assert cfg.model_type in {"qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "qwen3_next"}
     assert preset_config("Qwen/Qwen3-30B-A3B").num_experts == 128
-    assert preset_config("Qwen/Qwen3-Next-80B-A3B-Instruct").layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"]
+    assert preset_config("Qwen/Qwen3-Next-80B-A3B-Instruct").layer_types[:4] == ["linear_attention"] * 3 + [
+        "full_attention"
+    ]
 
 
 def test_padded_baseline_still_runs_for_attention_models():
@@ -127,4 +144,3 @@ def test_family_support_lists_every_supported_type(monkeypatch):
     assert "flash-linear-attention varlen kernel" in registry.family_support("cuda")["qwen3_next"]
     monkeypatch.setattr(registry, "fla_available", lambda: "not importable")
     assert "fla not installed" in registry.family_support("cuda")["qwen3_next"]
-

@@ -15,8 +15,12 @@ from zorro_core.models.moe import load_balancing_loss, token_multiplicity
 MODES = [(True, "eager"), (True, "sdpa"), (False, "eager"), (False, "sdpa")]
 BATCHES = {
     "mixed": mixed_batch,
-    "dummy_padded": lambda: create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=12, response_len=6, vocab_size=256, vary_lengths=True, seed=3),
-    "dummy_unpadded": lambda: create_dummy_batch(batch_size=4, num_unique_prompts=1, prompt_len=9, response_len=5, vocab_size=256, seed=4),
+    "dummy_padded": lambda: create_dummy_batch(
+        batch_size=6, num_unique_prompts=2, prompt_len=12, response_len=6, vocab_size=256, vary_lengths=True, seed=3
+    ),
+    "dummy_unpadded": lambda: create_dummy_batch(
+        batch_size=4, num_unique_prompts=1, prompt_len=9, response_len=5, vocab_size=256, seed=4
+    ),
 }
 AUX_RTOL = 1e-7  # measured 1.7e-10 relative in float64 (router softmax runs in float32 upstream)
 
@@ -37,7 +41,13 @@ def references(tiny_models, per_sequence_reference):
 @pytest.mark.parametrize("batch_name", list(BATCHES))
 def test_moe_dedup_matches_per_sequence(tiny_models, references, split, attn, batch_name):
     batch, w, ref = references(batch_name)
-    out = check(DeduplicatedActor(model=moe(tiny_models), use_split_attention=split, attn_implementation=attn), batch, w, ref, 0.8)
+    out = check(
+        DeduplicatedActor(model=moe(tiny_models), use_split_attention=split, attn_implementation=attn),
+        batch,
+        w,
+        ref,
+        0.8,
+    )
     assert out.aux_loss is not None and out.plan.num_groups < batch.batch_size
 
 
@@ -99,10 +109,14 @@ def test_aux_loss_unique_counts_shared_prompt_tokens_once(tiny_models):
     cfg = model.config
     batch = mixed_batch()
     baseline = load_balancing_loss(per_sequence_router_logits(model, batch), cfg.num_experts, cfg.num_experts_per_tok)
-    unique = load_balancing_loss(per_sequence_router_logits(model, batch, drop_repeated_prompts=True), cfg.num_experts, cfg.num_experts_per_tok)
+    unique = load_balancing_loss(
+        per_sequence_router_logits(model, batch, drop_repeated_prompts=True), cfg.num_experts, cfg.num_experts_per_tok
+    )
     aux = DeduplicatedActor(model=model, router_aux_weighting="unique").forward(batch).aux_loss
     assert abs(aux.item() - unique.item()) < AUX_RTOL * unique.item()
-    assert abs(aux.item() - baseline.item()) > 1e3 * AUX_RTOL * baseline.item()  # the documented difference is real here
+    assert (
+        abs(aux.item() - baseline.item()) > 1e3 * AUX_RTOL * baseline.item()
+    )  # the documented difference is real here
 
 
 def test_token_multiplicity():

@@ -46,8 +46,12 @@ def boundary_batch() -> RolloutBatch:
 BATCHES = {
     "chunks_padded": chunk_batch,
     "boundaries": boundary_batch,
-    "all_short_shared": lambda: create_dummy_batch(batch_size=4, num_unique_prompts=2, prompt_len=20, response_len=8, vocab_size=256, vary_lengths=True, seed=6),
-    "unpadded": lambda: create_dummy_batch(batch_size=3, num_unique_prompts=1, prompt_len=70, response_len=10, vocab_size=256, seed=5),
+    "all_short_shared": lambda: create_dummy_batch(
+        batch_size=4, num_unique_prompts=2, prompt_len=20, response_len=8, vocab_size=256, vary_lengths=True, seed=6
+    ),
+    "unpadded": lambda: create_dummy_batch(
+        batch_size=3, num_unique_prompts=1, prompt_len=70, response_len=10, vocab_size=256, seed=5
+    ),
 }
 MODES = [(True, "eager"), (True, "sdpa"), (False, "eager")]
 
@@ -74,7 +78,10 @@ def test_exact_kernel_agrees_with_transformers_kernel():
     gen = torch.Generator().manual_seed(1)
     q, k = (torch.randn(2, 100, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
     v = torch.randn(2, 100, 4, 8, generator=gen, dtype=torch.float64)
-    g, beta = -torch.rand(2, 100, 4, generator=gen, dtype=torch.float64), torch.rand(2, 100, 4, generator=gen, dtype=torch.float64)
+    g, beta = (
+        -torch.rand(2, 100, 4, generator=gen, dtype=torch.float64),
+        torch.rand(2, 100, 4, generator=gen, dtype=torch.float64),
+    )
     s0 = torch.randn(2, 4, 8, 8, generator=gen, dtype=torch.float64)
     kw = dict(g=g, beta=beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o_ref, s_ref = qwen3_next.torch_chunk_gated_delta_rule(q, k, v, **kw)
@@ -86,7 +93,9 @@ def test_exact_kernel_agrees_with_transformers_kernel():
 @pytest.mark.parametrize("batch_name", list(BATCHES))
 @pytest.mark.parametrize("split,attn", MODES)
 @pytest.mark.parametrize("actor_cls", [DeduplicatedActor, BaselineActor])
-def test_qwen3_next_matches_per_sequence(tiny_models, exact_references, exact_kernel, batch_name, split, attn, actor_cls):
+def test_qwen3_next_matches_per_sequence(
+    tiny_models, exact_references, exact_kernel, batch_name, split, attn, actor_cls
+):
     batch, w, ref = exact_references(batch_name)
     actor = actor_cls(model=tiny_models(FAMILY), use_split_attention=split, attn_implementation=attn)
     out = check(actor, batch, w, ref, 1.0)
@@ -119,18 +128,22 @@ def test_carried_state_matters(tiny_models, exact_references, exact_kernel, monk
 
     real_layout, real_conv = la.build_linear_layout, la.conv_sources
     if what == "zero_state":
+
         def layout(plan, chunk=64):
             lay = real_layout(plan, chunk)
             lay.branch_state = torch.zeros_like(lay.branch_state)
             return lay
+
         monkeypatch.setattr(la, "build_linear_layout", layout)
     elif what == "no_conv_carry":
+
         def conv(plan, k):
             src = real_conv(plan, k).clone()
             is_resp = plan.token_segment >= plan.num_groups
             offset = plan.position_ids - plan.prompt_lens[plan.token_group]
             cut = is_resp[:, None] & (offset[:, None] < torch.arange(k - 1, -1, -1)[None, :])
             return torch.where(cut, plan.num_tokens, src)
+
         monkeypatch.setattr(la, "conv_sources", conv)
     else:
         monkeypatch.setattr(la, "build_linear_layout", lambda plan, chunk=64: real_layout(plan, 1))
@@ -149,11 +162,11 @@ def test_layout_forks_at_the_last_chunk_boundary():
     plan = build_dedup_plan(batch)
     lay = build_linear_layout(plan, chunk=4)
     # Packed: prompt A (10) @0, [B + resp1] (3+1) @10, [C + resp3] (8+1) @14, then resp0 (2) @23, resp2 (3) @25.
-    assert lay.head.cu.tolist() == [0, 8, 12, 21]           # A up to 8; lone B+r1 and C+r3 whole
+    assert lay.head.cu.tolist() == [0, 8, 12, 21]  # A up to 8; lone B+r1 and C+r3 whole
     assert lay.head.index[:8].tolist() == list(range(8))
-    assert lay.branch.cu.tolist() == [0, 4, 9]              # tail [8,10) + response, per row of A
+    assert lay.branch.cu.tolist() == [0, 4, 9]  # tail [8,10) + response, per row of A
     assert lay.branch.index.tolist() == [8, 9, 23, 24, 8, 9, 25, 26, 27]
-    assert lay.branch_state.tolist() == [1, 1]              # both start from head segment 0's state
+    assert lay.branch_state.tolist() == [1, 1]  # both start from head segment 0's state
     # Every packed token takes its output from exactly one place; A's tail from its first row's branch.
     n_head = lay.head.index.numel()
     assert sorted(lay.out_index.tolist()) == sorted(set(lay.out_index.tolist()))
@@ -168,8 +181,8 @@ def test_conv_sources_reach_into_the_prompt():
     t = plan.num_tokens  # packed: prompt @0..2, resp0 @3..4, resp1 @5..7; t = zero
     assert src[0].tolist() == [t, t, t, 0]
     assert src[2].tolist() == [t, 0, 1, 2]
-    assert src[3].tolist() == [0, 1, 2, 3]       # first token of response 0: prompt's last 3
-    assert src[5].tolist() == [0, 1, 2, 5]       # first token of response 1: the same prompt inputs
+    assert src[3].tolist() == [0, 1, 2, 3]  # first token of response 0: prompt's last 3
+    assert src[5].tolist() == [0, 1, 2, 5]  # first token of response 1: the same prompt inputs
     assert src[7].tolist() == [2, 5, 6, 7]
 
 
@@ -193,8 +206,10 @@ def test_low_precision_close_to_baseline(dtype, atol):
     assert (d - b).abs().max().item() < atol
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or fla_available() is not None,
-                    reason="flash-linear-attention kernels need CUDA and the fla package")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or fla_available() is not None,
+    reason="flash-linear-attention kernels need CUDA and the fla package",
+)
 def test_fla_varlen_matches_per_sequence_on_gpu():
     """GPU: the varlen fla path (one initial state per response) against each sequence alone through
     the unmodified model (which uses fla too). bf16: some fla versions refuse float32."""

@@ -20,11 +20,17 @@ OVERRIDES = {"tiny-qwen3-sliding": ("tiny-qwen3", dict(use_sliding_window=True, 
 def model_of(tiny_models, family):
     name, overrides = OVERRIDES.get(family, (family, {}))
     return tiny_models(name, **overrides)
+
+
 MODES = [(True, "eager"), (True, "sdpa"), (False, "eager"), (False, "sdpa")]
 BATCHES = {
     "mixed": mixed_batch,
-    "long_padded": lambda: create_dummy_batch(batch_size=5, num_unique_prompts=2, prompt_len=13, response_len=9, vocab_size=256, vary_lengths=True, seed=11),
-    "unpadded": lambda: create_dummy_batch(batch_size=3, num_unique_prompts=1, prompt_len=11, response_len=7, vocab_size=256, seed=12),
+    "long_padded": lambda: create_dummy_batch(
+        batch_size=5, num_unique_prompts=2, prompt_len=13, response_len=9, vocab_size=256, vary_lengths=True, seed=11
+    ),
+    "unpadded": lambda: create_dummy_batch(
+        batch_size=3, num_unique_prompts=1, prompt_len=11, response_len=7, vocab_size=256, seed=12
+    ),
 }
 
 
@@ -39,8 +45,9 @@ def test_tiny_presets_have_a_window_shorter_than_the_prompts():
 @pytest.fixture(scope="module")
 def references(tiny_models, per_sequence_reference):
     def get(family, batch_name):
-        return per_sequence_reference((family, batch_name), lambda: model_of(tiny_models, family),
-                                      BATCHES[batch_name], 0.9, seed=3)
+        return per_sequence_reference(
+            (family, batch_name), lambda: model_of(tiny_models, family), BATCHES[batch_name], 0.9, seed=3
+        )
 
     return get
 
@@ -60,7 +67,9 @@ def test_sliding_window_dedup_matches_per_sequence(tiny_models, references, fami
 def test_sliding_window_baselines(tiny_models, references, family, padded, attn):
     """Packed and padded baselines; the padded one builds its own 4D mask, which must carry the window."""
     batch, w, ref = references(family, "mixed")
-    check(BaselineActor(model=model_of(tiny_models, family), padded=padded, attn_implementation=attn), batch, w, ref, 0.9)
+    check(
+        BaselineActor(model=model_of(tiny_models, family), padded=padded, attn_implementation=attn), batch, w, ref, 0.9
+    )
 
 
 @pytest.mark.parametrize("window", [1, 4, 6, 7, 8])
@@ -69,12 +78,16 @@ def test_window_edges_and_off_by_one(window):
     would differ from the reference at the first key that falls out."""
     from zorro_core.models.presets import build_model
 
-    model = build_model(preset_config("tiny-mistral", sliding_window=window), dtype=torch.float64, attn_implementation="eager")
+    model = build_model(
+        preset_config("tiny-mistral", sliding_window=window), dtype=torch.float64, attn_implementation="eager"
+    )
     batch = mixed_batch()
     w = token_weights(batch, seed=4)
     ref = per_sequence(model, batch, 1.0, w)
     for split in (True, False):
-        check(DeduplicatedActor(model=model, use_split_attention=split, attn_implementation="eager"), batch, w, ref, 1.0)
+        check(
+            DeduplicatedActor(model=model, use_split_attention=split, attn_implementation="eager"), batch, w, ref, 1.0
+        )
 
 
 def test_wrong_window_fails(tiny_models, references, monkeypatch):

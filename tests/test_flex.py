@@ -11,7 +11,9 @@ def test_flex_on_cpu_is_refused_with_the_reason(tiny_models):
     if flex_unavailable("cpu") is None:
         pytest.skip("flex trains on this device")
     with pytest.raises(ValueError, match="no backward on CPU"):
-        DeduplicatedActor(model=tiny_models("tiny-qwen3"), use_split_attention=False, attn_implementation="flex_attention")
+        DeduplicatedActor(
+            model=tiny_models("tiny-qwen3"), use_split_attention=False, attn_implementation="flex_attention"
+        )
 
 
 def test_block_mask_matches_plan_mask(monkeypatch):
@@ -48,7 +50,19 @@ def test_flex_matches_baseline_on_cuda(dtype, atol):
     from zorro_core.models.presets import build_model, preset_config
 
     model = build_model(preset_config("tiny-qwen3"), dtype=dtype, device="cuda", attn_implementation="sdpa")
-    batch = create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=40, response_len=9, vocab_size=256, vary_lengths=True, device="cuda")
-    d = DeduplicatedActor(model=model, use_split_attention=False, attn_implementation="flex_attention").forward(batch).log_probs
+    batch = create_dummy_batch(
+        batch_size=6,
+        num_unique_prompts=2,
+        prompt_len=40,
+        response_len=9,
+        vocab_size=256,
+        vary_lengths=True,
+        device="cuda",
+    )
+    d = (
+        DeduplicatedActor(model=model, use_split_attention=False, attn_implementation="flex_attention")
+        .forward(batch)
+        .log_probs
+    )
     b = BaselineActor(model=model, attn_implementation="sdpa").forward(batch).log_probs
     assert (d - b).abs().max().item() < atol

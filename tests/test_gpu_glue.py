@@ -27,9 +27,12 @@ from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.models.presets import build_model, preset_config
 from zorro_core.verify.gradients import Errors, judge
 
-INSTALL = {"flash_attn": install_flash_attn, "torch_varlen": install_torch_varlen,
-           # torch 2.11's varlen_attn (no enable_gqa: zorro expands the K/V heads itself)
-           "torch_varlen_2.11": lambda mp, calls: install_torch_varlen(mp, calls, enable_gqa_kwarg=False)}
+INSTALL = {
+    "flash_attn": install_flash_attn,
+    "torch_varlen": install_torch_varlen,
+    # torch 2.11's varlen_attn (no enable_gqa: zorro expands the K/V heads itself)
+    "torch_varlen_2.11": lambda mp, calls: install_torch_varlen(mp, calls, enable_gqa_kwarg=False),
+}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -54,8 +57,15 @@ def setups():
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("family,layout", [("tiny-qwen3", "mixed"), ("tiny-qwen3", "dummy_unpadded"),
-                                           ("tiny-mistral", "dummy_padded"), ("tiny-qwen3-moe", "mixed")])
+@pytest.mark.parametrize(
+    "family,layout",
+    [
+        ("tiny-qwen3", "mixed"),
+        ("tiny-qwen3", "dummy_unpadded"),
+        ("tiny-mistral", "dummy_padded"),
+        ("tiny-qwen3-moe", "mixed"),
+    ],
+)
 @pytest.mark.parametrize("backend", list(INSTALL))
 def test_half_precision_backend_end_to_end(setups, monkeypatch, backend, family, layout, dtype):
     m64, batch, w, ref = setups(family, layout)
@@ -67,7 +77,10 @@ def test_half_precision_backend_end_to_end(setups, monkeypatch, backend, family,
     n_base = calls.n
     dedup = _errors(DeduplicatedActor(**kw), batch, w, ref)
     layers = model.config.num_hidden_layers
-    assert n_base == layers and calls.n - n_base in (layers, 2 * layers)  # the stand-in ran every layer (self + cross call)
+    assert n_base == layers and calls.n - n_base in (
+        layers,
+        2 * layers,
+    )  # the stand-in ran every layer (self + cross call)
     if family == "tiny-mistral":
         assert (model.config.sliding_window - 1, 0) in calls.windows
     ratio, check, failing = judge(dtype, dedup, base)
@@ -87,14 +100,32 @@ def test_a_broken_glue_is_caught(setups, monkeypatch):
     model = copy.deepcopy(m64).to(torch.bfloat16)
     base = _errors(BaselineActor(model=model, varlen_backend="flash_attn"), batch, w, ref)
     # int64 offsets: the real kernel refuses them, and so does the stand-in
-    monkeypatch.setattr(be, "varlen", lambda q, k, v, seg, scale, window=None: real(
-        q, k, v, type(seg)(**{**seg.__dict__, "cu_q": seg.cu_q.long()}), scale, window))
+    monkeypatch.setattr(
+        be,
+        "varlen",
+        lambda q, k, v, seg, scale, window=None: real(
+            q, k, v, type(seg)(**{**seg.__dict__, "cu_q": seg.cu_q.long()}), scale, window
+        ),
+    )
     with pytest.raises(ContractError, match="int32"):
         DeduplicatedActor(model=model, varlen_backend="flash_attn").forward(batch)
     # the cross call without causality (responses see their own future): caught by the reference comparison
-    monkeypatch.setattr(be, "varlen", lambda q, k, v, seg, scale, window=None: flash_attn_varlen_func(
-        q, k, v, seg.cu_q.to(q.device), seg.cu_k.to(q.device), seg.max_q, seg.max_k, softmax_scale=scale,
-        causal=seg.q_is_k, window_size=(-1, -1)))
+    monkeypatch.setattr(
+        be,
+        "varlen",
+        lambda q, k, v, seg, scale, window=None: flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            seg.cu_q.to(q.device),
+            seg.cu_k.to(q.device),
+            seg.max_q,
+            seg.max_k,
+            softmax_scale=scale,
+            causal=seg.q_is_k,
+            window_size=(-1, -1),
+        ),
+    )
     dedup = _errors(DeduplicatedActor(model=model, varlen_backend="flash_attn"), batch, w, ref)
     assert judge("bfloat16", dedup, base)[2]
 
@@ -159,7 +190,9 @@ def next_reference():
     from delta_rule import chunk_gated_delta_rule_exact
 
     saved = qwen3_next.torch_chunk_gated_delta_rule
-    qwen3_next.torch_chunk_gated_delta_rule = chunk_gated_delta_rule_exact  # the float64 kernel, as in test_families_qwen3_next
+    qwen3_next.torch_chunk_gated_delta_rule = (
+        chunk_gated_delta_rule_exact  # the float64 kernel, as in test_families_qwen3_next
+    )
     try:
         m64 = build_model(preset_config("tiny-qwen3-next"), dtype=torch.float64, attn_implementation="eager", seed=0)
         batch = next_batch()
@@ -191,8 +224,9 @@ def test_fla_stand_in_refuses_what_fla_refuses():
     gg, beta = -torch.rand(1, 12, 4, generator=g), torch.rand(1, 12, 4, generator=g)
     cu = torch.tensor([0, 5, 12])
     s0 = torch.zeros(2, 4, 8, 8)
-    o, s = chunk_gated_delta_rule(q, k, v, gg, beta, initial_state=s0, output_final_state=True, cu_seqlens=cu,
-                                  use_qk_l2norm_in_kernel=True)
+    o, s = chunk_gated_delta_rule(
+        q, k, v, gg, beta, initial_state=s0, output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True
+    )
     assert o.shape == (1, 12, 4, 8) and s.shape == (2, 4, 8, 8) and s.dtype == torch.float32
     with pytest.raises(ContractError, match="one per sequence"):
         chunk_gated_delta_rule(q, k, v, gg, beta, initial_state=s0[:1], cu_seqlens=cu)
@@ -203,6 +237,7 @@ def test_fla_stand_in_refuses_what_fla_refuses():
     with pytest.raises(ContractError, match="from 0 to 12"):
         chunk_gated_delta_rule(q, k, v, gg, beta, cu_seqlens=torch.tensor([0, 5, 11]))
     # per sequence = each segment alone from its own initial state
-    o2, _ = chunk_gated_delta_rule(q[:, 5:], k[:, 5:], v[:, 5:], gg[:, 5:], beta[:, 5:], initial_state=s0[1:],
-                                   use_qk_l2norm_in_kernel=True)
+    o2, _ = chunk_gated_delta_rule(
+        q[:, 5:], k[:, 5:], v[:, 5:], gg[:, 5:], beta[:, 5:], initial_state=s0[1:], use_qk_l2norm_in_kernel=True
+    )
     assert torch.allclose(o[:, 5:], o2, atol=1e-6)

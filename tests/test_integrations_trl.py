@@ -70,15 +70,33 @@ def _trainer(cls, path, tmp_path, dtype=torch.float32, attn="sdpa", seed=0, seen
         return [float(len(c.split())) for c in completions]
 
     settings = dict(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
         steps_per_generation=2,  # generation batch of 2 prompts x 4, shuffled and split: groups arrive cut
-        max_completion_length=8, gradient_checkpointing=False, bf16=False, beta=0.1, temperature=0.7,
-        max_steps=3, learning_rate=1e-3, report_to=[], logging_steps=1, disable_tqdm=True, use_cpu=True,
-        save_strategy="no", seed=seed, model_init_kwargs={"dtype": dtype, "attn_implementation": attn},
+        max_completion_length=8,
+        gradient_checkpointing=False,
+        bf16=False,
+        beta=0.1,
+        temperature=0.7,
+        max_steps=3,
+        learning_rate=1e-3,
+        report_to=[],
+        logging_steps=1,
+        disable_tqdm=True,
+        use_cpu=True,
+        save_strategy="no",
+        seed=seed,
+        model_init_kwargs={"dtype": dtype, "attn_implementation": attn},
     )
     settings.update(overrides)
-    return cls(model=path, reward_funcs=reward, args=GRPOConfig(**settings),
-               train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=_tokenizer())
+    return cls(
+        model=path,
+        reward_funcs=reward,
+        args=GRPOConfig(**settings),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=_tokenizer(),
+    )
 
 
 def _joined_inputs():
@@ -89,9 +107,9 @@ def _joined_inputs():
     ids = torch.zeros(len(prompts), p + c, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, (pr, co) in enumerate(zip(prompts, completions)):
-        ids[i, p - len(pr):p] = torch.tensor(pr)
-        ids[i, p:p + len(co)] = torch.tensor(co)
-        mask[i, p - len(pr):p + len(co)] = 1
+        ids[i, p - len(pr) : p] = torch.tensor(pr)
+        ids[i, p : p + len(co)] = torch.tensor(co)
+        mask[i, p - len(pr) : p + len(co)] = 1
     mask[6, p:] = 0  # mask_truncated_completions: a completion fully masked, its tokens still in input_ids
     return ids, mask, c
 
@@ -129,8 +147,16 @@ def test_logps_equal_trl_float64(checkpoint, tmp_path, batch_size):
     # only: TRL gives the reference's fused head no entropy output); one cached actor each.
     for model, entropy in ((trainer.model, True), (trainer.ref_model, False)):
         model.train(model is trainer.model)
-        trl_out = _run(lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k),
-                       model, ids, mask, keep, batch_size, weights, entropy)
+        trl_out = _run(
+            lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k),
+            model,
+            ids,
+            mask,
+            keep,
+            batch_size,
+            weights,
+            entropy,
+        )
         ours = _run(trainer._get_per_token_logps_and_entropies, model, ids, mask, keep, batch_size, weights, entropy)
         plain = _run(_plain_float64, model, ids, mask, keep, batch_size, weights, entropy)
         assert ours[0].shape == trl_out[0].shape == (ids.shape[0], keep) and ours[2] is None is trl_out[2]
@@ -167,8 +193,13 @@ def test_train_steps_match_trl_float32(checkpoint, tmp_path):
     max_abs = max(float((w_z[k] - w_t[k]).abs().max()) for k in w_t)
     diff = sum(float(((w_z[k] - w_t[k]).double() ** 2).sum()) for k in w_t) ** 0.5
     update = sum(float(((w_t[k] - init[k]).double() ** 2).sum()) for k in w_t) ** 0.5
-    assert update > 0.05 and max(float((w_t[k] - init[k]).abs().max()) for k in w_t) > 1e-3  # training moved the weights
-    assert max_abs <= TRAIN_TOLERANCES["weight_max_abs"] and diff / update <= TRAIN_TOLERANCES["weight_rel_update"], (max_abs, diff / update)
+    assert (
+        update > 0.05 and max(float((w_t[k] - init[k]).abs().max()) for k in w_t) > 1e-3
+    )  # training moved the weights
+    assert max_abs <= TRAIN_TOLERANCES["weight_max_abs"] and diff / update <= TRAIN_TOLERANCES["weight_rel_update"], (
+        max_abs,
+        diff / update,
+    )
 
 
 def test_checkpointing_is_served_by_the_dedup_path(checkpoint, tmp_path):
@@ -181,8 +212,15 @@ def test_checkpointing_is_served_by_the_dedup_path(checkpoint, tmp_path):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs)
     model.train()
     weights = torch.ones(ids.shape[0], keep, dtype=torch.float64)
-    trl_out = _run(lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k),
-                   model, ids, mask, keep, None, weights)
+    trl_out = _run(
+        lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k),
+        model,
+        ids,
+        mask,
+        keep,
+        None,
+        weights,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ours = _run(trainer._get_per_token_logps_and_entropies, model, ids, mask, keep, None, weights)
@@ -226,12 +264,20 @@ def test_moe_aux_loss_falls_back(tmp_path):
     model = build_model(preset_config("tiny-qwen3-moe", eos_token_id=1, pad_token_id=0), dtype=torch.float64, seed=0)
     model.save_pretrained(path)
     _tokenizer().save_pretrained(path)
-    trainer = _trainer(DedupGRPOTrainer, str(path), tmp_path, dtype=torch.float64, beta=0.0,
-                       model_init_kwargs={"dtype": torch.float64, "experts_implementation": "eager"})
+    trainer = _trainer(
+        DedupGRPOTrainer,
+        str(path),
+        tmp_path,
+        dtype=torch.float64,
+        beta=0.0,
+        model_init_kwargs={"dtype": torch.float64, "experts_implementation": "eager"},
+    )
     assert trainer.aux_loss_enabled  # TRL requests the aux loss for every MoE config
     ids, mask, keep = _joined_inputs()
     with torch.no_grad():
-        own = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask, keep, compute_aux_loss=True)
+        own = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, mask, keep, compute_aux_loss=True
+        )
         ours = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep)
         assert ours[2] is None and (ours[0] - own[0]).abs().max() <= LP_FLOOR
         with pytest.warns(ZorroFallbackWarning, match="router aux loss"):
@@ -259,5 +305,7 @@ def test_import_zorro_core_does_not_import_trl():
     import subprocess
     import sys
 
-    code = "import sys, zorro_core; assert 'trl' not in sys.modules and 'zorro_core.integrations.trl' not in sys.modules"
+    code = (
+        "import sys, zorro_core; assert 'trl' not in sys.modules and 'zorro_core.integrations.trl' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

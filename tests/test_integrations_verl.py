@@ -40,9 +40,13 @@ class StandInActor:
 
     def _forward_micro_batch(self, micro_batch, temperature, calculate_entropy=False):
         r = micro_batch["responses"].shape[-1]
-        logits = self.actor_module(input_ids=micro_batch["input_ids"], attention_mask=micro_batch["attention_mask"],
-                                   position_ids=micro_batch["position_ids"], use_cache=False).logits
-        logits = logits.div(temperature)[:, -r - 1:-1]
+        logits = self.actor_module(
+            input_ids=micro_batch["input_ids"],
+            attention_mask=micro_batch["attention_mask"],
+            position_ids=micro_batch["position_ids"],
+            use_cache=False,
+        ).logits
+        logits = logits.div(temperature)[:, -r - 1 : -1]
         logp = torch.log_softmax(logits.double(), -1)
         out = {"log_probs": logp.gather(-1, micro_batch["responses"][..., None]).squeeze(-1)}
         if calculate_entropy:
@@ -59,23 +63,30 @@ def verl_batch(seed: int = 0):
     """3 prompts x 4 responses, rows shuffled, in verl's layout (uid kept as verl's non-tensor field)."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(2, 256, (n,), generator=g).tolist() for n in (7, 4, 9)]
-    rows = [(u, torch.randint(2, 256, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist())
-            for u in range(3) for _ in range(4)]
+    rows = [
+        (u, torch.randint(2, 256, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist())
+        for u in range(3)
+        for _ in range(4)
+    ]
     rows = [rows[i] for i in torch.randperm(len(rows), generator=g)]
     p, r = max(map(len, prompts)), max(len(x) for _, x in rows)
     ids = torch.zeros(len(rows), p + r, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, (u, resp) in enumerate(rows):
-        ids[i, p - len(prompts[u]):p] = torch.tensor(prompts[u])
-        ids[i, p:p + len(resp)] = torch.tensor(resp)
-        mask[i, p - len(prompts[u]):p + len(resp)] = 1
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": verl_position_ids(mask),
-            "responses": ids[:, p:]}, [u for u, _ in rows]
+        ids[i, p - len(prompts[u]) : p] = torch.tensor(prompts[u])
+        ids[i, p : p + len(resp)] = torch.tensor(resp)
+        mask[i, p - len(prompts[u]) : p + len(resp)] = 1
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": verl_position_ids(mask),
+        "responses": ids[:, p:],
+    }, [u for u, _ in rows]
 
 
 def micro_batches(batch: dict, size: int):
     n = batch["input_ids"].shape[0]
-    return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, n, size)]
+    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, n, size)]
 
 
 def run(forward, model, batch, size, weights):
@@ -84,8 +95,8 @@ def run(forward, model, batch, size, weights):
     lps, ents = [], []
     for i, mb in enumerate(micro_batches(batch, size)):
         out = forward(mb)
-        w = weights[i * size:(i + 1) * size]
-        mask = mb["attention_mask"][:, -mb["responses"].shape[1]:]
+        w = weights[i * size : (i + 1) * size]
+        mask = mb["attention_mask"][:, -mb["responses"].shape[1] :]
         ((out["log_probs"] * w * mask).sum() + (out["entropys"] * w.flip(1) * mask).sum()).backward()
         lps.append(out["log_probs"].detach())
         ents.append(out["entropys"].detach())
@@ -97,14 +108,16 @@ def run(forward, model, batch, size, weights):
 @pytest.mark.parametrize("size", [5, 12])
 def test_equals_plain_forward_on_verl_layout(model, size):
     batch, uids = verl_batch()
-    parts = [set(uids[i:i + size]) for i in range(0, len(uids), size)]
+    parts = [set(uids[i : i + size]) for i in range(0, len(uids), size)]
     assert sum(map(len, parts)) > 3 or size == len(uids)  # at 5 rows a micro-batch, groups arrive cut
     actor = DeduplicatedActor(model=model)
     plain = StandInActor(model)
-    weights = torch.rand(batch["responses"].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) + 0.5
+    weights = (
+        torch.rand(batch["responses"].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) + 0.5
+    )
     ref = run(lambda mb: plain._forward_micro_batch(mb, TEMPERATURE, True), model, batch, size, weights)
     ours = run(lambda mb: forward_micro_batch(actor, mb, TEMPERATURE, True), model, batch, size, weights)
-    mask = batch["attention_mask"][:, -batch["responses"].shape[1]:].bool()
+    mask = batch["attention_mask"][:, -batch["responses"].shape[1] :].bool()
     assert (ours[0] - ref[0])[mask].abs().max() <= LP_FLOOR
     assert (ours[1] - ref[1])[mask].abs().max() <= LP_FLOOR
     # Where the response is padding, verl returns the pad token's log-prob (masked by its loss); zorro returns 0.
@@ -124,7 +137,7 @@ def test_patch_serves_and_falls_back(model):
         patched = DataParallelPPOActor(model)
         out = patched._forward_micro_batch(batch, TEMPERATURE, calculate_entropy=False)
         assert set(out) == {"log_probs"} and isinstance(patched._zorro_actor, DeduplicatedActor)
-        mask = batch["attention_mask"][:, -batch["responses"].shape[1]:].bool()
+        mask = batch["attention_mask"][:, -batch["responses"].shape[1] :].bool()
         assert (out["log_probs"] - ref["log_probs"])[mask].abs().max() <= LP_FLOOR
         patched.use_ulysses_sp = True
         with warnings.catch_warnings(record=True) as caught:

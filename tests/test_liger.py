@@ -46,10 +46,19 @@ def fake_liger(monkeypatch):
     patches a module-wide name, as the real one does with apply_rotary_pos_emb."""
     calls = []
 
-    def apply_liger_kernel_to_qwen3(rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True,
-                                    swiglu=True, model=None):
-        calls.append(dict(rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-                          rms_norm=rms_norm, swiglu=swiglu, model=model))
+    def apply_liger_kernel_to_qwen3(
+        rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, model=None
+    ):
+        calls.append(
+            dict(
+                rope=rope,
+                cross_entropy=cross_entropy,
+                fused_linear_cross_entropy=fused_linear_cross_entropy,
+                rms_norm=rms_norm,
+                swiglu=swiglu,
+                model=model,
+            )
+        )
         module = sys.modules[type(model).__module__]
         module.apply_rotary_pos_emb = lambda *a, **k: "liger rope"
         module.LigerOnlyName = 1
@@ -111,7 +120,9 @@ def test_dedup_with_liger_matches_per_sequence_gpu(family, split):
     with liger_applied(model) as result:
         assert {"rope", "rms_norm", "swiglu"} <= set(result.applied)
         norm = model.model.norm
-        assert "liger" in type(norm).__module__ or "liger" in getattr(norm.forward, "__module__", ""), "RMSNorm not patched"
+        assert "liger" in type(norm).__module__ or "liger" in getattr(norm.forward, "__module__", ""), (
+            "RMSNorm not patched"
+        )
         ref = per_sequence(model, batch, 0.7, w)
         actor = DeduplicatedActor(model=model, use_split_attention=split, attn_implementation="sdpa")
         lp, ent, grads, _ = actor_run(actor, batch, 0.7, w)

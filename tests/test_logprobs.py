@@ -17,8 +17,11 @@ TEMPERATURE = 0.7
 
 
 # memory mode: chunks of 4 (ragged last chunk), of 1, and from a budget (one chunk here).
-MEMORY_SETTINGS = {"chunk4": dict(logits_chunk_size=4), "chunk1": dict(logits_chunk_size=1),
-                   "budget": dict(logits_memory_budget_mib=1.0)}
+MEMORY_SETTINGS = {
+    "chunk4": dict(logits_chunk_size=4),
+    "chunk1": dict(logits_chunk_size=1),
+    "budget": dict(logits_memory_budget_mib=1.0),
+}
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +58,9 @@ def float32_runs():
     from zorro_core.models.presets import build_model, preset_config
 
     model = build_model(preset_config("tiny-qwen3", vocab_size=512), dtype=torch.float32, attn_implementation="sdpa")
-    batch = create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=20, response_len=12, vocab_size=512,
-                               vary_lengths=True, seed=21)
+    batch = create_dummy_batch(
+        batch_size=6, num_unique_prompts=2, prompt_len=20, response_len=12, vocab_size=512, vary_lengths=True, seed=21
+    )
     w = token_weights(batch, seed=12)
     runs = {}
     for mode in MODES:
@@ -179,8 +183,23 @@ def test_bad_settings_raise(tiny_models):
         DeduplicatedActor(model=model, logits_mode="tiled")
     head = _head(False)
     with pytest.raises(ValueError, match="chunk size"):
-        response_logprobs(torch.randn(3, 6, dtype=torch.float64), head, torch.arange(3), torch.zeros(3, dtype=torch.long),
-                          1.0, False, "memory", chunk_size=0)
+        response_logprobs(
+            torch.randn(3, 6, dtype=torch.float64),
+            head,
+            torch.arange(3),
+            torch.zeros(3, dtype=torch.long),
+            1.0,
+            False,
+            "memory",
+            chunk_size=0,
+        )
     with pytest.raises(ValueError, match="temperature"):
-        response_logprobs(torch.randn(3, 6, dtype=torch.float64), head, torch.arange(3), torch.zeros(3, dtype=torch.long),
-                          0.0, False, "memory")
+        response_logprobs(
+            torch.randn(3, 6, dtype=torch.float64),
+            head,
+            torch.arange(3),
+            torch.zeros(3, dtype=torch.long),
+            0.0,
+            False,
+            "memory",
+        )

@@ -57,7 +57,11 @@ def check(actor, batch, w, ref):
     assert err < GRAD_RTOL, f"gradient of {name} off by {err:.2e} relative"
 
 
-@pytest.mark.parametrize("family,split,attn", [(f, s, a) for f in FAMILIES for s, a in MODES] + [("tiny-qwen3-moe", True, "sdpa"), ("tiny-qwen3-moe", False, "sdpa")])
+@pytest.mark.parametrize(
+    "family,split,attn",
+    [(f, s, a) for f in FAMILIES for s, a in MODES]
+    + [("tiny-qwen3-moe", True, "sdpa"), ("tiny-qwen3-moe", False, "sdpa")],
+)
 def test_dedup_lora_matches_per_sequence(setup, family, split, attn):
     model, batch, w, ref = setup(family)
     check(DeduplicatedActor(model=model, use_split_attention=split, attn_implementation=attn), batch, w, ref)
@@ -118,8 +122,10 @@ def test_qlora_skips_with_reason_on_cpu():
         apply_lora(model, LoraSettings(quantize_base="nf4"))
 
 
-@pytest.mark.skipif(lora_unavailable(LoraSettings(quantize_base="nf4"), "cuda" if torch.cuda.is_available() else "cpu") is not None,
-                    reason=str(lora_unavailable(LoraSettings(quantize_base="nf4"), "cuda" if torch.cuda.is_available() else "cpu")))
+@pytest.mark.skipif(
+    lora_unavailable(LoraSettings(quantize_base="nf4"), "cuda" if torch.cuda.is_available() else "cpu") is not None,
+    reason=str(lora_unavailable(LoraSettings(quantize_base="nf4"), "cuda" if torch.cuda.is_available() else "cpu")),
+)
 def test_qlora_dedup_matches_baseline_gpu():
     """QLoRA on a GPU: 4-bit base, bf16 compute; dedup and the packed baseline agree to bf16 noise."""
     from zorro_core import create_dummy_batch
@@ -127,8 +133,9 @@ def test_qlora_dedup_matches_baseline_gpu():
     model = build_model(preset_config("tiny-qwen3"), dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
     model = apply_lora(model, LoraSettings(r=4, init_lora_weights=False, quantize_base="nf4"))
     assert any("Linear4bit" in type(m).__name__ for m in model.modules())
-    batch = create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=32, response_len=16, vocab_size=256,
-                               vary_lengths=True, seed=1)
+    batch = create_dummy_batch(
+        batch_size=6, num_unique_prompts=2, prompt_len=32, response_len=16, vocab_size=256, vary_lengths=True, seed=1
+    )
     results = []
     for actor_cls in (DeduplicatedActor, BaselineActor):
         model.zero_grad(set_to_none=True)

@@ -18,7 +18,9 @@ def token_mean_loss(batch, weights):
     n = batch.response_mask.sum()
 
     def loss_fn(out, rows):
-        return ((w_lp[rows].to(out.log_probs) * out.log_probs).sum() + (w_ent[rows].to(out.entropy) * out.entropy).sum()) / n
+        return (
+            (w_lp[rows].to(out.log_probs) * out.log_probs).sum() + (w_ent[rows].to(out.entropy) * out.entropy).sum()
+        ) / n
 
     return loss_fn
 
@@ -35,10 +37,12 @@ def grads_of(model):
 @pytest.mark.parametrize("actor_kind", ["dedup", "dedup-memory", "dedup-prefix", "baseline-padded"])
 def test_micro_batches_equal_full_batch(tiny_models, budget, actor_kind):
     model = tiny_models("tiny-qwen3")
-    actor = {"dedup": lambda: DeduplicatedActor(model=model),
-             "dedup-memory": lambda: DeduplicatedActor(model=model, logits_mode="memory", logits_chunk_size=3),
-             "dedup-prefix": lambda: DeduplicatedActor(model=model, sharing="prefix", min_shared_tokens=1),
-             "baseline-padded": lambda: BaselineActor(model=model, padded=True)}[actor_kind]()
+    actor = {
+        "dedup": lambda: DeduplicatedActor(model=model),
+        "dedup-memory": lambda: DeduplicatedActor(model=model, logits_mode="memory", logits_chunk_size=3),
+        "dedup-prefix": lambda: DeduplicatedActor(model=model, sharing="prefix", min_shared_tokens=1),
+        "baseline-padded": lambda: BaselineActor(model=model, padded=True),
+    }[actor_kind]()
     batch = mixed_batch()
     loss_fn = token_mean_loss(batch, token_weights(batch, seed=3))
     model.zero_grad(set_to_none=True)
@@ -47,7 +51,9 @@ def test_micro_batches_equal_full_batch(tiny_models, budget, actor_kind):
     full_loss.backward()
     ref = grads_of(model)
 
-    res = actor.forward_backward(batch, loss_fn, max_tokens_per_micro_batch=budget, temperature=0.7, calculate_entropy=True)
+    res = actor.forward_backward(
+        batch, loss_fn, max_tokens_per_micro_batch=budget, temperature=0.7, calculate_entropy=True
+    )
     got = grads_of(model)
     assert (res.log_probs - full.log_probs.detach()).abs().max().item() < LP_ATOL
     assert (res.entropy - full.entropy.detach()).abs().max().item() < LP_ATOL

@@ -35,8 +35,8 @@ def test_plan_round_trips_and_places_every_response_token_once(batch, dedup):
     for i, (p, r) in enumerate(zip(prompts, responses)):
         ps = int(plan.prompt_start[g[i]])
         rs = int(plan.response_start[i])
-        assert ids[ps:ps + len(p)] == p and pos[ps:ps + len(p)] == list(range(len(p)))
-        assert ids[rs:rs + len(r)] == r and pos[rs:rs + len(r)] == list(range(len(p), len(p) + len(r)))
+        assert ids[ps : ps + len(p)] == p and pos[ps : ps + len(p)] == list(range(len(p)))
+        assert ids[rs : rs + len(r)] == r and pos[rs : rs + len(r)] == list(range(len(p), len(p) + len(r)))
 
     # Every real response token is placed exactly once, with its own label, predicted from the
     # position just before it (the prompt's last token for the first one).
@@ -44,7 +44,11 @@ def test_plan_round_trips_and_places_every_response_token_once(batch, dedup):
     assert plan.labels.tolist() == [t for r in responses for t in r]
     for k, flat in enumerate(plan.response_flat_index.tolist()):
         row, col = divmod(flat, batch.responses.shape[1])
-        expect = int(plan.prompt_start[g[row]]) + len(prompts[row]) - 1 if col == 0 else int(plan.response_start[row]) + col - 1
+        expect = (
+            int(plan.prompt_start[g[row]]) + len(prompts[row]) - 1
+            if col == 0
+            else int(plan.response_start[row]) + col - 1
+        )
         assert int(plan.logit_index[k]) == expect
 
     # Packed row holds each unique prompt once and each response once.
@@ -73,8 +77,8 @@ def test_split_segments_describe_the_block_mask(batch):
     for seg in [plan.causal] + ([plan.cross] if plan.cross is not None else []):
         cq, ck = seg.cu_q.tolist(), seg.cu_k.tolist()
         for s in range(seg.num_segments):
-            qi = seg.q_index[cq[s]:cq[s + 1]].tolist()
-            ki = seg.k_index[ck[s]:ck[s + 1]].tolist()
+            qi = seg.q_index[cq[s] : cq[s + 1]].tolist()
+            ki = seg.k_index[ck[s] : ck[s + 1]].tolist()
             off = len(ki) - len(qi)
             for a, qpos in enumerate(qi):
                 for kpos in ki[: a + off + 1]:
@@ -104,6 +108,7 @@ def test_plan_needs_bounded_host_syncs(monkeypatch):
                 nonlocal n
                 n += 1
                 return f(self, *a)
+
             return g
 
         monkeypatch.setattr(torch.Tensor, "item", count(real_item))

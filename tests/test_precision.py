@@ -16,11 +16,16 @@ T4 = DeviceCaps("cuda", "Tesla T4", (7, 5))
 CPU = DeviceCaps("cpu", "cpu")
 
 
-@pytest.mark.parametrize("caps,dtype,scaling", [
-    (H100, torch.bfloat16, False), (A100, torch.bfloat16, False),
-    (V100, torch.float16, True), (T4, torch.float16, True),
-    (CPU, torch.float32, False),
-])
+@pytest.mark.parametrize(
+    "caps,dtype,scaling",
+    [
+        (H100, torch.bfloat16, False),
+        (A100, torch.bfloat16, False),
+        (V100, torch.float16, True),
+        (T4, torch.float16, True),
+        (CPU, torch.float32, False),
+    ],
+)
 def test_policy_by_device(caps, dtype, scaling):
     p = precision_policy(caps)
     assert p.compute_dtype == dtype and p.loss_scaling is scaling
@@ -102,8 +107,9 @@ def test_autocast_dedup_close_to_baseline(split, backend):
     from zorro_core import BaselineActor
 
     model = build_model(preset_config("tiny-qwen3"), dtype=torch.float32, attn_implementation="sdpa")
-    batch = create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=16, response_len=8, vocab_size=256,
-                               vary_lengths=True, seed=8)
+    batch = create_dummy_batch(
+        batch_size=6, num_unique_prompts=2, prompt_len=16, response_len=8, vocab_size=256, vary_lengths=True, seed=8
+    )
     kw = dict(use_split_attention=split, varlen_backend=backend) if split else dict(use_split_attention=False)
     full = BaselineActor(model=model).forward(batch).log_probs
     with torch.autocast("cpu", dtype=torch.bfloat16):

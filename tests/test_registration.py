@@ -87,8 +87,9 @@ def test_padded_baseline_runs_an_implementation_other_than_the_models(family):
     from zorro_core import create_dummy_batch
 
     model = build_model(preset_config(family), dtype=torch.float32, attn_implementation="sdpa")
-    batch = create_dummy_batch(batch_size=4, num_unique_prompts=2, prompt_len=8, response_len=4, vocab_size=256,
-                               vary_lengths=True)
+    batch = create_dummy_batch(
+        batch_size=4, num_unique_prompts=2, prompt_len=8, response_len=4, vocab_size=256, vary_lengths=True
+    )
     with torch.no_grad():  # flex_attention has no backward on CPU
         eager = BaselineActor(model=model, padded=True, attn_implementation="eager").forward(batch).log_probs
         flex = BaselineActor(model=model, padded=True, attn_implementation="flex_attention").forward(batch).log_probs

@@ -11,8 +11,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_grids_expand_over_defaults():
-    s = parse_suite({"defaults": {"model": "tiny-qwen3", "batch_size": 4},
-                     "grid": [{"num_unique_prompts": [1, 2, 4], "prompt_len": [8, 16]}, {"num_unique_prompts": 1, "prompt_len": 8}]})
+    s = parse_suite(
+        {
+            "defaults": {"model": "tiny-qwen3", "batch_size": 4},
+            "grid": [
+                {"num_unique_prompts": [1, 2, 4], "prompt_len": [8, 16]},
+                {"num_unique_prompts": 1, "prompt_len": 8},
+            ],
+        }
+    )
     assert len(s.cases) == 6  # the second grid's case duplicates one of the first
     assert {c.model for c in s.cases} == {"tiny-qwen3"} and {c.batch_size for c in s.cases} == {4}
     assert len({c.case_id for c in s.cases}) == 6
@@ -25,19 +32,22 @@ def test_dedup_ratio_axis_becomes_unique_prompts():
     assert Case(batch_size=8, prompt_dedup_ratio=0.75).case_id == Case(batch_size=8, num_unique_prompts=2).case_id
 
 
-@pytest.mark.parametrize("data,expect", [
-    ({"defaults": {"prompt_length": 8}}, "did you mean 'prompt_len'"),
-    ({"grid": [{"num_unique_prompt": [1]}]}, "did you mean 'num_unique_prompts'"),
-    ({"measure": {"repeat": 3}}, "did you mean 'repeats'"),
-    ({"mesure": {}}, "did you mean 'measure'"),
-    ({"defaults": {"logits_mode": "fast"}}, "logits_mode 'fast' is not one of"),
-    ({"defaults": {"batch_size": 0}}, "batch_size must be an integer >= 1"),
-    ({"defaults": {"batch_size": 4, "num_unique_prompts": 5}}, "num_unique_prompts must be in"),
-    ({"measure": {"phases": ["backward"]}}, "phases 'backward' is not one of"),
-    ({"defaults": {"split_attention": "yes"}}, "split_attention must be true or false"),
-    ({"defaults": {"liger": 1}}, "liger must be true or false"),
-    ({"grid": [{"prompt_len": []}]}, "empty list"),
-])
+@pytest.mark.parametrize(
+    "data,expect",
+    [
+        ({"defaults": {"prompt_length": 8}}, "did you mean 'prompt_len'"),
+        ({"grid": [{"num_unique_prompt": [1]}]}, "did you mean 'num_unique_prompts'"),
+        ({"measure": {"repeat": 3}}, "did you mean 'repeats'"),
+        ({"mesure": {}}, "did you mean 'measure'"),
+        ({"defaults": {"logits_mode": "fast"}}, "logits_mode 'fast' is not one of"),
+        ({"defaults": {"batch_size": 0}}, "batch_size must be an integer >= 1"),
+        ({"defaults": {"batch_size": 4, "num_unique_prompts": 5}}, "num_unique_prompts must be in"),
+        ({"measure": {"phases": ["backward"]}}, "phases 'backward' is not one of"),
+        ({"defaults": {"split_attention": "yes"}}, "split_attention must be true or false"),
+        ({"defaults": {"liger": 1}}, "liger must be true or false"),
+        ({"grid": [{"prompt_len": []}]}, "empty list"),
+    ],
+)
 def test_bad_suites_say_why(data, expect):
     with pytest.raises(ValueError, match=expect):
         parse_suite(data)
@@ -90,24 +100,38 @@ def test_stack_suites_have_a_case_for_every_row_of_the_table(name, device):
     from zorro_core.bench.stack_table import STACK, STACK_ATTENTION, STACK_SOURCES
 
     suite = load_suite(ROOT / "suites" / f"{name}.toml")
-    assert suite.device == device and len({(c.batch_size, c.num_unique_prompts, c.prompt_len, c.response_len) for c in suite.cases}) == 1
+    assert (
+        suite.device == device
+        and len({(c.batch_size, c.num_unique_prompts, c.prompt_len, c.response_len) for c in suite.cases}) == 1
+    )
     roles = STACK_ATTENTION[device]
     for config in STACK:
         arm, part, split, liger = STACK_SOURCES[config]
-        assert any(c.attn_implementation == getattr(roles, part) and c.liger == liger and split in (None, c.split_attention)
-                   for c in suite.cases), config
+        assert any(
+            c.attn_implementation == getattr(roles, part) and c.liger == liger and split in (None, c.split_attention)
+            for c in suite.cases
+        ), config
 
 
 def test_sharing_axes():
-    s = parse_suite({"defaults": {"batch_size": 8, "num_unique_prompts": 2, "prompt_len": 16},
-                     "grid": [{"sharing": ["prompt", "prefix"], "shared_prefix_len": [0, 8]},
-                              {"sharing": "prefix", "baseline": "prompt", "min_shared_tokens": 4}]})
+    s = parse_suite(
+        {
+            "defaults": {"batch_size": 8, "num_unique_prompts": 2, "prompt_len": 16},
+            "grid": [
+                {"sharing": ["prompt", "prefix"], "shared_prefix_len": [0, 8]},
+                {"sharing": "prefix", "baseline": "prompt", "min_shared_tokens": 4},
+            ],
+        }
+    )
     ids = [c.case_id for c in s.cases]
     assert len(ids) == len(set(ids)) == 5
     assert ids[0] == Case(batch_size=8, num_unique_prompts=2, prompt_len=16).case_id  # defaults keep their old id
     assert any(i.endswith(":sys8:prefix") for i in ids) and any(i.endswith("base-prompt:prefix4") for i in ids)
-    for bad, msg in (({"sharing": "suffix"}, "sharing"), ({"shared_prefix_len": 16}, "shared_prefix_len"),
-                     ({"min_shared_tokens": 0}, "min_shared_tokens")):
+    for bad, msg in (
+        ({"sharing": "suffix"}, "sharing"),
+        ({"shared_prefix_len": 16}, "shared_prefix_len"),
+        ({"min_shared_tokens": 0}, "min_shared_tokens"),
+    ):
         with pytest.raises(ValueError, match=msg):
             Case(prompt_len=16, **bad)
 
@@ -115,8 +139,16 @@ def test_sharing_axes():
 def test_sharing_workload():
     from zorro_core.bench.runner import case_workload
 
-    case = Case(model="tiny-qwen3", batch_size=8, num_unique_prompts=2, prompt_len=16, response_len=4,
-                shared_prefix_len=8, sharing="prefix", min_shared_tokens=1)
+    case = Case(
+        model="tiny-qwen3",
+        batch_size=8,
+        num_unique_prompts=2,
+        prompt_len=16,
+        response_len=4,
+        shared_prefix_len=8,
+        sharing="prefix",
+        min_shared_tokens=1,
+    )
     w = case_workload(case)
     assert w.unique_tokens == 8 + 2 * 8 + 8 * 4 and w.prompt_dedup_ratio == pytest.approx(0.75)
     vs_prompt = case_workload(dataclasses.replace(case, baseline="prompt"))

@@ -47,8 +47,15 @@ def test_training_matches_reference_every_step(dtype, split):
         assert max(s.drift_dedup for s in res.steps) < TRAIN_FLOOR
 
 
-@pytest.mark.parametrize("bug,dtype", [("wrong_prompt", "float32"), ("positions_restart", "float32"),
-                                       ("first_label_shared", "float32"), ("first_label_dropped", "bfloat16")])
+@pytest.mark.parametrize(
+    "bug,dtype",
+    [
+        ("wrong_prompt", "float32"),
+        ("positions_restart", "float32"),
+        ("first_label_shared", "float32"),
+        ("first_label_dropped", "bfloat16"),
+    ],
+)
 def test_training_with_a_broken_plan_diverges(bug, dtype):
     res = verify_training(TrainConfig(dtype=dtype, steps=1), bug=bug)
     assert res.status == "fail" and res.steps[0].drift_dedup > 0.25 and "step 1" in res.reason

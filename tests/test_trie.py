@@ -16,7 +16,9 @@ def rows_of(batch):
 
 def row_paths(plan):
     """Packed positions of each row's tokens, by walking the plan's nodes (root first)."""
-    parent, depth, start, length = (x.tolist() for x in (plan.node_parent, plan.node_depth, plan.node_start, plan.node_len))
+    parent, depth, start, length = (
+        x.tolist() for x in (plan.node_parent, plan.node_depth, plan.node_start, plan.node_len)
+    )
     out = []
     for n in plan.row_node.tolist():
         nodes = []
@@ -81,13 +83,13 @@ def distinct_prefixes(rows):
 
 TREE = [  # depth-4 tree at min_shared_tokens=1
     ([1, 2, 3, 4, 10, 11], [20, 21, 22]),
-    ([1, 2, 3, 4, 10, 11], [20, 21, 23, 24]),   # shares a run ending inside the response
+    ([1, 2, 3, 4, 10, 11], [20, 21, 23, 24]),  # shares a run ending inside the response
     ([1, 2, 3, 4, 12], [30]),
-    ([1, 2, 3, 4, 10, 11], [20, 21]),           # a prefix of the rows above
-    ([1, 2, 3, 4, 10, 11], [20, 21, 22]),       # identical to row 0
-    ([5, 6], [7, 8, 9]),                        # shares nothing
+    ([1, 2, 3, 4, 10, 11], [20, 21]),  # a prefix of the rows above
+    ([1, 2, 3, 4, 10, 11], [20, 21, 22]),  # identical to row 0
+    ([5, 6], [7, 8, 9]),  # shares nothing
     ([1, 2, 3, 4, 12], [31, 32]),
-    ([1, 2, 3, 4, 10, 11], [40]),               # splits the shared prompt tail from the responses
+    ([1, 2, 3, 4, 10, 11], [40]),  # splits the shared prompt tail from the responses
 ]
 
 
@@ -119,8 +121,9 @@ def test_min_shared_tokens_folds_short_runs_but_keeps_prompts():
 
 def test_identical_prompts_give_the_prompt_layout():
     """Exact-prompt groups are a two-level tree with the packed row of sharing="prompt"."""
-    batch = create_dummy_batch(batch_size=8, num_unique_prompts=3, prompt_len=9, response_len=5, vocab_size=1000,
-                               vary_lengths=True, seed=2)
+    batch = create_dummy_batch(
+        batch_size=8, num_unique_prompts=3, prompt_len=9, response_len=5, vocab_size=1000, vary_lengths=True, seed=2
+    )
     a, b = build_dedup_plan(batch), build_dedup_plan(batch, sharing="prefix", min_shared_tokens=2)
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.position_ids, b.position_ids)
     assert b.depth == 2
@@ -144,7 +147,8 @@ def test_baseline_plan_ignores_sharing():
 
 rows_st = st.lists(
     st.tuples(st.lists(st.integers(1, 3), min_size=1, max_size=6), st.lists(st.integers(1, 3), min_size=1, max_size=5)),
-    min_size=1, max_size=7,
+    min_size=1,
+    max_size=7,
 )
 
 
@@ -165,8 +169,9 @@ def test_cost_model_counts_the_trie():
     """The analytic trie of a shared-system-prefix workload equals the plan's own count."""
     from zorro_core.core.cost import causal_pairs, plan_workload, shared_prefix_workload
 
-    batch = create_dummy_batch(batch_size=8, num_unique_prompts=2, prompt_len=12, response_len=5, vocab_size=4096,
-                               shared_prefix_len=6, seed=1)
+    batch = create_dummy_batch(
+        batch_size=8, num_unique_prompts=2, prompt_len=12, response_len=5, vocab_size=4096, shared_prefix_len=6, seed=1
+    )
     plan = build_dedup_plan(batch, sharing="prefix", min_shared_tokens=1)
     assert plan.depth == 3
     work = plan_workload(plan)
@@ -179,8 +184,16 @@ def test_cost_model_counts_the_trie():
 
 
 def test_dummy_batch_shared_prefix():
-    batch = create_dummy_batch(batch_size=6, num_unique_prompts=3, prompt_len=10, response_len=4, vocab_size=50,
-                               shared_prefix_len=4, vary_lengths=True, seed=5)
+    batch = create_dummy_batch(
+        batch_size=6,
+        num_unique_prompts=3,
+        prompt_len=10,
+        response_len=4,
+        vocab_size=50,
+        shared_prefix_len=4,
+        vary_lengths=True,
+        seed=5,
+    )
     prompts, _ = batch.to_lists()
     assert len({tuple(p[:4]) for p in prompts}) == 1
     assert len({p[4] for p in prompts}) == 3  # distinct prompts differ right after the shared prefix
@@ -192,8 +205,15 @@ def test_trie_plan_copies_the_batch_to_the_host_a_bounded_number_of_times(monkey
     """The trie is built on the host: the batch goes there a fixed number of times, whatever B."""
     counts = []
     for rows in (4, 64):
-        batch = create_dummy_batch(batch_size=rows, num_unique_prompts=rows // 2, prompt_len=12, response_len=4,
-                                   vocab_size=256, shared_prefix_len=5, seed=rows)
+        batch = create_dummy_batch(
+            batch_size=rows,
+            num_unique_prompts=rows // 2,
+            prompt_len=12,
+            response_len=4,
+            vocab_size=256,
+            shared_prefix_len=5,
+            seed=rows,
+        )
         n = 0
         real_cpu = torch.Tensor.cpu
 

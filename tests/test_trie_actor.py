@@ -11,12 +11,21 @@ from zorro_core.errors import UnsupportedModelError
 
 MODES = [(True, "eager"), (True, "sdpa"), (False, "eager"), (False, "sdpa")]
 BATCHES = {
-    "tree": tree_batch,      # depth 4 at min_shared_tokens=1: a prefix row, identical rows, runs ending in responses
-    "mixed": mixed_batch,    # prompts that share only their beginning
-    "system_padded": lambda: create_dummy_batch(batch_size=6, num_unique_prompts=3, prompt_len=12, response_len=6,
-                                                vocab_size=256, vary_lengths=True, shared_prefix_len=4, seed=3),
-    "system_unpadded": lambda: create_dummy_batch(batch_size=4, num_unique_prompts=2, prompt_len=9, response_len=5,
-                                                  vocab_size=256, shared_prefix_len=5, seed=4),
+    "tree": tree_batch,  # depth 4 at min_shared_tokens=1: a prefix row, identical rows, runs ending in responses
+    "mixed": mixed_batch,  # prompts that share only their beginning
+    "system_padded": lambda: create_dummy_batch(
+        batch_size=6,
+        num_unique_prompts=3,
+        prompt_len=12,
+        response_len=6,
+        vocab_size=256,
+        vary_lengths=True,
+        shared_prefix_len=4,
+        seed=3,
+    ),
+    "system_unpadded": lambda: create_dummy_batch(
+        batch_size=4, num_unique_prompts=2, prompt_len=9, response_len=5, vocab_size=256, shared_prefix_len=5, seed=4
+    ),
 }
 TEMPERATURE = 0.7
 
@@ -37,8 +46,14 @@ def references(tiny_models):
 
 
 def prefix_actor(model, split=True, attn="sdpa", min_shared=1, **kw):
-    return DeduplicatedActor(model=model, use_split_attention=split, attn_implementation=attn, sharing="prefix",
-                             min_shared_tokens=min_shared, **kw)
+    return DeduplicatedActor(
+        model=model,
+        use_split_attention=split,
+        attn_implementation=attn,
+        sharing="prefix",
+        min_shared_tokens=min_shared,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("family", ["tiny-qwen3", "tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen2-sliding"])
@@ -62,8 +77,13 @@ def test_batches_match_per_sequence(tiny_models, references, batch_name, split, 
 @pytest.mark.parametrize("split", [True, False])
 def test_logits_modes(tiny_models, references, logits_mode, split):
     batch, w, ref = references("tiny-qwen3", "tree")
-    check(prefix_actor(tiny_models("tiny-qwen3"), split, logits_mode=logits_mode, logits_chunk_size=3), batch, w, ref,
-          TEMPERATURE)
+    check(
+        prefix_actor(tiny_models("tiny-qwen3"), split, logits_mode=logits_mode, logits_chunk_size=3),
+        batch,
+        w,
+        ref,
+        TEMPERATURE,
+    )
 
 
 @pytest.mark.parametrize("split,attn", MODES)

@@ -46,14 +46,22 @@ def test_level_k_index_lists_each_nodes_path_then_itself():
         idx = level.k_index(torch.device("cpu"))
         assert idx.numel() == seg.total_k
         for i in range(seg.num_segments):
-            keys = idx[int(seg.cu_k[i]): int(seg.cu_k[i + 1])]
+            keys = idx[int(seg.cu_k[i]) : int(seg.cu_k[i + 1])]
             last_query = seg.q_start + int(seg.cu_q[i + 1]) - 1
             assert torch.equal(keys, mask[last_query].nonzero().flatten())  # all it may see, in order
 
 
 def _cuda_batch():
-    return create_dummy_batch(batch_size=8, num_unique_prompts=4, prompt_len=40, response_len=9, vocab_size=256,
-                              vary_lengths=True, shared_prefix_len=12, device="cuda")
+    return create_dummy_batch(
+        batch_size=8,
+        num_unique_prompts=4,
+        prompt_len=40,
+        response_len=9,
+        vocab_size=256,
+        vary_lengths=True,
+        shared_prefix_len=12,
+        device="cuda",
+    )
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
@@ -65,8 +73,13 @@ def test_prefix_flex_matches_baseline_on_cuda(dtype, atol):
 
     model = build_model(preset_config("tiny-qwen3"), dtype=dtype, device="cuda", attn_implementation="sdpa")
     batch = _cuda_batch()
-    d = DeduplicatedActor(model=model, use_split_attention=False, attn_implementation="flex_attention",
-                          sharing="prefix", min_shared_tokens=1).forward(batch)
+    d = DeduplicatedActor(
+        model=model,
+        use_split_attention=False,
+        attn_implementation="flex_attention",
+        sharing="prefix",
+        min_shared_tokens=1,
+    ).forward(batch)
     b = BaselineActor(model=model, attn_implementation="sdpa").forward(batch).log_probs
     assert d.plan.depth >= 3 and (d.log_probs - b).abs().max().item() < atol
 

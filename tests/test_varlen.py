@@ -14,7 +14,7 @@ def naive(q, k, v, lens_q, lens_k, scale, window=None):
     outs, oq, ok = [], 0, 0
     rep = q.shape[1] // k.shape[1]
     for lq, lk in zip(lens_q, lens_k):
-        qs, ks, vs = q[oq:oq + lq].double(), k[ok:ok + lk].double(), v[ok:ok + lk].double()
+        qs, ks, vs = q[oq : oq + lq].double(), k[ok : ok + lk].double(), v[ok : ok + lk].double()
         ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)
         out = torch.zeros(lq, q.shape[1], q.shape[2], dtype=torch.float64)
         for i in range(lq):
@@ -30,12 +30,14 @@ def naive(q, k, v, lens_q, lens_k, scale, window=None):
 def segments(lens_q, lens_k, device="cpu"):
     lq, lk = torch.tensor(lens_q), torch.tensor(lens_k)
     tq, tk = int(lq.sum()), int(lk.sum())
-    return Segments(0, torch.arange(tk), _cu(lq).to(device), _cu(lk).to(device), max(lens_q), max(lens_k), lens_q == lens_k, tq, tk)
+    return Segments(
+        0, torch.arange(tk), _cu(lq).to(device), _cu(lk).to(device), max(lens_q), max(lens_k), lens_q == lens_k, tq, tk
+    )
 
 
 CASES = {
     "self_causal": ([5, 1, 9], [5, 1, 9]),
-    "cross": ([3, 1, 4], [10, 6, 4]),      # queries are the tail of their keys
+    "cross": ([3, 1, 4], [10, 6, 4]),  # queries are the tail of their keys
     "single": ([7], [12]),
 }
 
@@ -50,8 +52,8 @@ def test_cpu_backends_match_naive(backend, case, window, dtype):
     q = torch.randn(sum(lens_q), 4, 8, generator=g, dtype=dtype)
     k = torch.randn(sum(lens_k), 2, 8, generator=g, dtype=dtype)  # GQA: 2 query heads per kv head
     v = torch.randn(sum(lens_k), 2, 8, generator=g, dtype=dtype)
-    out = BACKENDS[backend].varlen(q, k, v, segments(lens_q, lens_k), 8 ** -0.5, window)
-    ref = naive(q, k, v, lens_q, lens_k, 8 ** -0.5, window)
+    out = BACKENDS[backend].varlen(q, k, v, segments(lens_q, lens_k), 8**-0.5, window)
+    ref = naive(q, k, v, lens_q, lens_k, 8**-0.5, window)
     assert out.shape == q.shape and out.dtype == dtype
     assert (out.double() - ref).abs().max().item() < TOL[dtype]
 
@@ -60,11 +62,16 @@ def test_cpu_backends_match_naive(backend, case, window, dtype):
 def test_backend_gradients_match_naive(name):
     lens_q, lens_k = CASES["cross"]
     g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(n, h, 8, generator=g, dtype=torch.float64, requires_grad=True)
-               for n, h in ((sum(lens_q), 4), (sum(lens_k), 2), (sum(lens_k), 2)))
+    q, k, v = (
+        torch.randn(n, h, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        for n, h in ((sum(lens_q), 4), (sum(lens_k), 2), (sum(lens_k), 2))
+    )
     w = torch.randn(sum(lens_q), 4, 8, generator=g, dtype=torch.float64)
     grads = []
-    for fn in (lambda: BACKENDS[name].varlen(q, k, v, segments(lens_q, lens_k), 0.3), lambda: naive(q, k, v, lens_q, lens_k, 0.3)):
+    for fn in (
+        lambda: BACKENDS[name].varlen(q, k, v, segments(lens_q, lens_k), 0.3),
+        lambda: naive(q, k, v, lens_q, lens_k, 0.3),
+    ):
         grads.append(torch.autograd.grad((fn() * w).sum(), (q, k, v)))
     for a, b in zip(*grads):
         assert (a - b).abs().max().item() < 1e-12
@@ -94,14 +101,15 @@ def test_cross_call_equals_varlen_over_each_segments_keys(backend, window):
     plain varlen call over each response's [prompt | itself] keys gathered by k_index."""
     from zorro_core import build_dedup_plan, create_dummy_batch
 
-    batch = create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=9, response_len=5, vocab_size=50,
-                               vary_lengths=True, seed=3)
+    batch = create_dummy_batch(
+        batch_size=6, num_unique_prompts=2, prompt_len=9, response_len=5, vocab_size=50, vary_lengths=True, seed=3
+    )
     plan = build_dedup_plan(batch)
     seg = plan.cross
     g = torch.Generator().manual_seed(4)
     t = plan.num_tokens
     q, k, v = (torch.randn(t, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
-    q_x = q[seg.q_start:]
+    q_x = q[seg.q_start :]
     out = BACKENDS[backend].cross(q_x, k, v, seg, 0.3, window)
     ref = naive(q_x, k[seg.k_index], v[seg.k_index], seg.lens_q.tolist(), seg.lens_k.tolist(), 0.3, window)
     assert out.shape == q_x.shape

@@ -87,7 +87,9 @@ def test_sequence_forward_equals_per_sequence(tiny_models):
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 @pytest.mark.parametrize("layout", ["padded", "unpadded"])
-@pytest.mark.parametrize("split,attn,logits_mode", [(True, "eager", "compute"), (True, "sdpa", "memory"), (False, "sdpa", "none")])
+@pytest.mark.parametrize(
+    "split,attn,logits_mode", [(True, "eager", "compute"), (True, "sdpa", "memory"), (False, "sdpa", "none")]
+)
 def test_cases_pass(verifier, dtype, layout, split, attn, logits_mode):
     res = verifier.run(VerifyCase("tiny-qwen3", attn, dtype, layout, split, logits_mode))
     assert res.status == "pass", res.reason
@@ -126,8 +128,12 @@ def test_injection_is_undone_and_must_take_effect(tiny_models):
 
 
 def test_unavailable_cases_skip_with_a_reason(verifier):
-    assert "CUDA" in case_unavailable(VerifyCase("tiny-qwen3", "flash_attention_2", "bfloat16", "padded", True, "compute"), "cpu")
-    assert "mask mode" in case_unavailable(VerifyCase("tiny-qwen3", "flash_attention_2", "bfloat16", "padded", False, "compute"), "cpu")
+    assert "CUDA" in case_unavailable(
+        VerifyCase("tiny-qwen3", "flash_attention_2", "bfloat16", "padded", True, "compute"), "cpu"
+    )
+    assert "mask mode" in case_unavailable(
+        VerifyCase("tiny-qwen3", "flash_attention_2", "bfloat16", "padded", False, "compute"), "cpu"
+    )
     res = verifier.run(VerifyCase("tiny-qwen3", "flash_attention_2", "bfloat16", "padded", True, "compute"))
     assert res.status == "skip" and res.reason
 

@@ -55,15 +55,22 @@ class Calls:
 
 
 def _check_cu(cu, name: str, total: int, max_len, device, dtype) -> torch.Tensor:
-    _require(isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() >= 2, f"{name} must be a 1-D tensor of n+1 offsets")
+    _require(
+        isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() >= 2,
+        f"{name} must be a 1-D tensor of n+1 offsets",
+    )
     _require(cu.dtype == dtype, f"{name} must be {dtype}, got {cu.dtype}")
     _require(cu.device == device, f"{name} must be on the queries' device {device}, got {cu.device}")
-    _require(int(cu[0]) == 0 and int(cu[-1]) == total, f"{name} must run from 0 to {total}, got {int(cu[0])}..{int(cu[-1])}")
+    _require(
+        int(cu[0]) == 0 and int(cu[-1]) == total, f"{name} must run from 0 to {total}, got {int(cu[0])}..{int(cu[-1])}"
+    )
     lens = cu[1:] - cu[:-1]
     _require(bool((lens >= 0).all()), f"{name} must be non-decreasing")
     if max_len is not None:
         _require(type(max_len) is int, f"the max length for {name} must be a Python int, got {type(max_len).__name__}")
-        _require(max_len >= int(lens.max()), f"max length {max_len} is below the longest segment {int(lens.max())} of {name}")
+        _require(
+            max_len >= int(lens.max()), f"max length {max_len} is below the longest segment {int(lens.max())} of {name}"
+        )
     return cu.long()
 
 
@@ -75,13 +82,20 @@ def _check_qkv(q, k, v) -> None:
         _require(x.device == q.device, f"{name} is on {x.device}, q on {q.device}")
     _require(q.dtype == k.dtype == v.dtype, f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     _require(k.shape == v.shape, f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    _require(q.shape[2] == k.shape[2] and q.shape[2] <= 256, f"head dims must match and be <= 256, got {q.shape[2]}, {k.shape[2]}")
-    _require(q.shape[1] % k.shape[1] == 0, f"query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}")
+    _require(
+        q.shape[2] == k.shape[2] and q.shape[2] <= 256,
+        f"head dims must match and be <= 256, got {q.shape[2]}, {k.shape[2]}",
+    )
+    _require(
+        q.shape[1] % k.shape[1] == 0, f"query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}"
+    )
 
 
 def _check_window(window_size) -> tuple[int, int]:
-    _require(isinstance(window_size, tuple) and len(window_size) == 2 and all(type(w) is int for w in window_size),
-             f"window_size must be a (left, right) tuple of ints, got {window_size!r}")
+    _require(
+        isinstance(window_size, tuple) and len(window_size) == 2 and all(type(w) is int for w in window_size),
+        f"window_size must be a (left, right) tuple of ints, got {window_size!r}",
+    )
     _require(all(w >= -1 for w in window_size), f"window_size entries are >= 0 or -1 (unbounded), got {window_size}")
     return window_size
 
@@ -113,16 +127,35 @@ def exact_varlen(q, k, v, cu_q, cu_k, scale: float, causal: bool, window: tuple[
     return torch.cat(outs).to(q.dtype)
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None, *, calls: Optional[Calls] = None):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+    *,
+    calls: Optional[Calls] = None,
+):
     _check_qkv(q, k, v)
     cu_q = _check_cu(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, q.device, torch.int32)
     cu_k = _check_cu(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, q.device, torch.int32)
     _require(cu_q.numel() == cu_k.numel(), "cu_seqlens_q and cu_seqlens_k must hold the same number of segments")
     window = _check_window(window_size)
-    _require(dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None and block_table is None and not return_attn_probs,
-             "the stand-in covers dropout 0, no softcap, no alibi, no paged KV, no returned probabilities")
+    _require(
+        dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None and block_table is None and not return_attn_probs,
+        "the stand-in covers dropout 0, no softcap, no alibi, no paged KV, no returned probabilities",
+    )
     if calls is not None:
         calls.n += 1
         calls.windows.append(window)
@@ -130,12 +163,28 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return exact_varlen(q, k, v, cu_q, cu_k, scale, bool(causal), window)
 
 
-def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None,
-                calls: Optional[Calls] = None):
+def varlen_attn(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    seqused_k=None,
+    block_table=None,
+    num_splits=None,
+    calls: Optional[Calls] = None,
+):
     _check_qkv(query, key, value)
-    _require(enable_gqa or query.shape[1] == key.shape[1],
-             f"Hq={query.shape[1]} != Hkv={key.shape[1]} needs enable_gqa=True")
+    _require(
+        enable_gqa or query.shape[1] == key.shape[1], f"Hq={query.shape[1]} != Hkv={key.shape[1]} needs enable_gqa=True"
+    )
     cu_q = _check_cu(cu_seq_q, "cu_seq_q", query.shape[0], max_q, query.device, torch.int32)
     cu_k = _check_cu(cu_seq_k, "cu_seq_k", key.shape[0], max_k, query.device, torch.int32)
     _require(cu_q.numel() == cu_k.numel(), "cu_seq_q and cu_seq_k must hold the same number of segments")
@@ -149,14 +198,31 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     return exact_varlen(query, key, value, cu_q, cu_k, s, is_causal, window)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                           head_first=False, use_qk_l2norm_in_kernel=False, *, calls: Optional[Calls] = None):
+def chunk_gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    head_first=False,
+    use_qk_l2norm_in_kernel=False,
+    *,
+    calls: Optional[Calls] = None,
+):
     _require(not head_first, "head_first=True is not the layout transformers passes")
-    _require(q.dim() == k.dim() == v.dim() == 4 and g.dim() == beta.dim() == 3, "q, k, v [B, T, H, D]; g, beta [B, T, HV]")
+    _require(
+        q.dim() == k.dim() == v.dim() == 4 and g.dim() == beta.dim() == 3, "q, k, v [B, T, H, D]; g, beta [B, T, HV]"
+    )
     b, t, h, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
-    _require(k.shape == q.shape and v.shape[:2] == (b, t) and g.shape == beta.shape == (b, t, hv),
-             f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}")
+    _require(
+        k.shape == q.shape and v.shape[:2] == (b, t) and g.shape == beta.shape == (b, t, hv),
+        f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}",
+    )
     _require(hv % h == 0, f"value heads {hv} must be a multiple of key heads {h}")
     _require(q.dtype == k.dtype == v.dtype, f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
@@ -168,21 +234,30 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         cu = _check_cu(cu_seqlens, "cu_seqlens", t, None, q.device, torch.int64)
         n, bounds = cu.numel() - 1, cu.tolist()
     if initial_state is not None:
-        _require(tuple(initial_state.shape) == (n, hv, dk, dv),
-                 f"initial_state must be [{n}, {hv}, {dk}, {dv}] (one per sequence), got {tuple(initial_state.shape)}")
+        _require(
+            tuple(initial_state.shape) == (n, hv, dk, dv),
+            f"initial_state must be [{n}, {hv}, {dk}, {dv}] (one per sequence), got {tuple(initial_state.shape)}",
+        )
         _require(initial_state.device == q.device, "initial_state must be on q's device")
     if calls is not None:
         calls.n += 1
     if scale is not None:
-        _require(abs(scale - dk ** -0.5) < 1e-12, "the stand-in (delta_rule.py) uses scale = K ** -0.5 only")
+        _require(abs(scale - dk**-0.5) < 1e-12, "the stand-in (delta_rule.py) uses scale = K ** -0.5 only")
     outs, states = [], []
     for i in range(n):
         s, e = (bounds[i], bounds[i + 1]) if bounds is not None else (0, t)
         row = slice(0, 1) if bounds is not None else slice(i, i + 1)
         init = initial_state[i : i + 1] if initial_state is not None else None
-        o, st = chunk_gated_delta_rule_exact(q[row, s:e], k[row, s:e], v[row, s:e], g[row, s:e], beta[row, s:e],
-                                             initial_state=init, output_final_state=True,
-                                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        o, st = chunk_gated_delta_rule_exact(
+            q[row, s:e],
+            k[row, s:e],
+            v[row, s:e],
+            g[row, s:e],
+            beta[row, s:e],
+            initial_state=init,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        )
         outs.append(o)
         states.append(st)
     out = torch.cat(outs, dim=1 if bounds is not None else 0)
@@ -193,6 +268,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
 
 # ---------------------------------------------------------------- installing them
+
 
 def install_flash_attn(monkeypatch, calls: Calls) -> None:
     """A `flash_attn` module with the stand-in, and the backend allowed on CPU."""
@@ -211,16 +287,60 @@ def install_torch_varlen(monkeypatch, calls: Calls, enable_gqa_kwarg: bool = Tru
     from zorro_core.attention import backends
 
     if enable_gqa_kwarg:
-        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                 window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
-            return varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=return_aux, scale=scale,
-                               window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
-                               block_table=block_table, num_splits=num_splits, calls=calls)
+
+        def fake(
+            query,
+            key,
+            value,
+            cu_seq_q,
+            cu_seq_k,
+            max_q,
+            max_k,
+            *,
+            return_aux=None,
+            scale=None,
+            window_size=(-1, -1),
+            enable_gqa=False,
+            seqused_k=None,
+            block_table=None,
+            num_splits=None,
+        ):
+            return varlen_attn(
+                query,
+                key,
+                value,
+                cu_seq_q,
+                cu_seq_k,
+                max_q,
+                max_k,
+                return_aux=return_aux,
+                scale=scale,
+                window_size=window_size,
+                enable_gqa=enable_gqa,
+                seqused_k=seqused_k,
+                block_table=block_table,
+                num_splits=num_splits,
+                calls=calls,
+            )
     else:
-        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                 window_size=(-1, -1)):
-            return varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=return_aux, scale=scale,
-                               window_size=window_size, enable_gqa=False, calls=calls)
+
+        def fake(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+        ):
+            return varlen_attn(
+                query,
+                key,
+                value,
+                cu_seq_q,
+                cu_seq_k,
+                max_q,
+                max_k,
+                return_aux=return_aux,
+                scale=scale,
+                window_size=window_size,
+                enable_gqa=False,
+                calls=calls,
+            )
 
     monkeypatch.setattr(varlen, "varlen_attn", fake)
     # zorro reads the signature to pick the GQA path (cached per process): read the stand-in's
@@ -239,12 +359,24 @@ def install_fla(monkeypatch, calls: Calls) -> None:
     from zorro_core.models import linear_attention
 
     qwen3_next = sys.modules["transformers.models.qwen3_next.modeling_qwen3_next"]
-    monkeypatch.setattr(qwen3_next, "torch_chunk_gated_delta_rule",
-                        lambda *a, **kw: chunk_gated_delta_rule(*a, calls=calls, **_fla_kwargs(kw)))
+    monkeypatch.setattr(
+        qwen3_next,
+        "torch_chunk_gated_delta_rule",
+        lambda *a, **kw: chunk_gated_delta_rule(*a, calls=calls, **_fla_kwargs(kw)),
+    )
     monkeypatch.setattr(linear_attention, "fla_serves", lambda x: True)
 
 
-_FLA_PARAMS = {"scale", "initial_state", "output_final_state", "cu_seqlens", "head_first", "use_qk_l2norm_in_kernel", "g", "beta"}
+_FLA_PARAMS = {
+    "scale",
+    "initial_state",
+    "output_final_state",
+    "cu_seqlens",
+    "head_first",
+    "use_qk_l2norm_in_kernel",
+    "g",
+    "beta",
+}
 
 
 def _fla_kwargs(kwargs: dict) -> dict:

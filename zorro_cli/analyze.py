@@ -34,7 +34,11 @@ def analyze(
         help="none (lm_head at every position) or compute/memory (only where a response token is predicted).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
-    shared_prefix_len: int = typer.Option(0, "--shared-prefix-len", help="Tokens every prompt starts with (a system prompt) before the prompts differ: adds the prefix tree (sharing=prefix) to the report."),
+    shared_prefix_len: int = typer.Option(
+        0,
+        "--shared-prefix-len",
+        help="Tokens every prompt starts with (a system prompt) before the prompts differ: adds the prefix tree (sharing=prefix) to the report.",
+    ),
 ) -> None:
     """Total, unique and redundant tokens of a workload and the ideal speedup of each kind of work."""
     if min(prompt_len, responses, response_len, prompts) < 1:
@@ -75,11 +79,15 @@ def analyze(
         tcmp = compare(shape, base_w, tree_w, logits_mode)
         pcmp = compare(shape, dedup_w, tree_w, logits_mode)
         result["prefix"] = {
-            "shared_prefix_len": shared_prefix_len, "unique_tokens": tree_w.tokens,
-            "token_redundancy": 1 - tree_w.tokens / total, "attended_pairs": tree_w.attended_pairs,
-            "ideal_speedup": {**{c: tcmp.component_speedup(c) for c in COMPONENTS},
-                              "total_forward": tcmp.ideal_speedup("forward"),
-                              "total_forward_backward": tcmp.ideal_speedup("forward_backward")},
+            "shared_prefix_len": shared_prefix_len,
+            "unique_tokens": tree_w.tokens,
+            "token_redundancy": 1 - tree_w.tokens / total,
+            "attended_pairs": tree_w.attended_pairs,
+            "ideal_speedup": {
+                **{c: tcmp.component_speedup(c) for c in COMPONENTS},
+                "total_forward": tcmp.ideal_speedup("forward"),
+                "total_forward_backward": tcmp.ideal_speedup("forward_backward"),
+            },
             "ideal_speedup_over_prompt_sharing": pcmp.ideal_speedup("forward_backward"),
         }
     if as_json:
@@ -118,8 +126,13 @@ def analyze(
         p.add_column("value", justify="right")
         p.add_row("unique tokens (each shared run once)", f"{pr['unique_tokens']:,} ({_tokens(pr['unique_tokens'])})")
         p.add_row("token redundancy", f"{pr['token_redundancy']:.0%}")
-        p.add_row("ideal speedup over the baseline (forward+backward)", f"{pr['ideal_speedup']['total_forward_backward']:.2f}x")
-        p.add_row("ideal speedup over sharing=prompt (forward+backward)", f"{pr['ideal_speedup_over_prompt_sharing']:.2f}x")
+        p.add_row(
+            "ideal speedup over the baseline (forward+backward)",
+            f"{pr['ideal_speedup']['total_forward_backward']:.2f}x",
+        )
+        p.add_row(
+            "ideal speedup over sharing=prompt (forward+backward)", f"{pr['ideal_speedup_over_prompt_sharing']:.2f}x"
+        )
         console.print(p)
     console.print(
         f"baseline {result['tflops']['baseline_forward_backward']:.1f} TFLOP vs dedup "

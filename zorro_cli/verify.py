@@ -167,7 +167,10 @@ def gradients(
         help="What the dedup actor shares: prompt (identical prompts) or prefix (a token trie over whole rows).",
     ),
     min_shared_tokens: int = typer.Option(
-        1, "--min-shared-tokens", min=1, help="sharing=prefix: shortest shared run split off as a node (1: every common run)."
+        1,
+        "--min-shared-tokens",
+        min=1,
+        help="sharing=prefix: shortest shared run split off as a node (1: every common run).",
     ),
 ) -> None:
     if reentrant and not checkpointing:
@@ -192,8 +195,18 @@ def gradients(
             done[0] += 1
             status.update(escape(f"[{done[0]}/{len(cases)}] {res.case.name}: {res.status}"))
 
-        results = verify_cases(cases, device=dev, seed=seed, factor=factor, bug=bug, on_result=progress, lora_rank=lora,
-                               checkpointing=flavour, sharing=sharing.value, min_shared_tokens=min_shared_tokens)
+        results = verify_cases(
+            cases,
+            device=dev,
+            seed=seed,
+            factor=factor,
+            bug=bug,
+            on_result=progress,
+            lora_rank=lora,
+            checkpointing=flavour,
+            sharing=sharing.value,
+            min_shared_tokens=min_shared_tokens,
+        )
     seconds = time.perf_counter() - t0
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "error", "skip")}
     ok = counts["fail"] == counts["error"] == 0 and counts["pass"] > 0

@@ -5,7 +5,13 @@ from zorro_core.core.batch import RolloutBatch, create_dummy_batch
 from zorro_core.core.plan import DedupPlan, Segments, build_dedup_plan
 
 __all__ = [
-    "ActorOutput", "BaselineActor", "DeduplicatedActor", "DedupPlan", "RolloutBatch", "Segments",
-    "build_dedup_plan", "create_dummy_batch",
+    "ActorOutput",
+    "BaselineActor",
+    "DeduplicatedActor",
+    "DedupPlan",
+    "RolloutBatch",
+    "Segments",
+    "build_dedup_plan",
+    "create_dummy_batch",
 ]
 __version__ = "0.1.0"

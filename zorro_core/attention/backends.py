@@ -120,8 +120,16 @@ class TorchVarlenBackend(AttentionBackend):
                 rep = q.shape[1] // k.shape[1]
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         return varlen_attn(
-            q, k, v, seg.cu_q.to(q.device), seg.cu_k.to(q.device), seg.max_q, seg.max_k,
-            scale=scale, window_size=_window_size(window), **gqa,
+            q,
+            k,
+            v,
+            seg.cu_q.to(q.device),
+            seg.cu_k.to(q.device),
+            seg.max_q,
+            seg.max_k,
+            scale=scale,
+            window_size=_window_size(window),
+            **gqa,
         )
 
     def unavailable(self, device):
@@ -141,8 +149,16 @@ class FlashAttnBackend(AttentionBackend):
         from flash_attn import flash_attn_varlen_func
 
         return flash_attn_varlen_func(
-            q, k, v, seg.cu_q.to(q.device), seg.cu_k.to(q.device), seg.max_q, seg.max_k,
-            softmax_scale=scale, causal=True, window_size=_window_size(window),
+            q,
+            k,
+            v,
+            seg.cu_q.to(q.device),
+            seg.cu_k.to(q.device),
+            seg.max_q,
+            seg.max_k,
+            softmax_scale=scale,
+            causal=True,
+            window_size=_window_size(window),
         )
 
     def unavailable(self, device):

@@ -142,8 +142,17 @@ def zorro_attention(
         slot = ("plain", sliding_window)  # built once per window, shared by the layers with that window
         if slot not in route._masks:
             route._masks[slot] = route.mask_of(sliding_window)
-        return fn(module, query, key, value, route._masks[slot], scaling=scaling, dropout=dropout,
-                  sliding_window=sliding_window, **rest)
+        return fn(
+            module,
+            query,
+            key,
+            value,
+            route._masks[slot],
+            scaling=scaling,
+            dropout=dropout,
+            sliding_window=sliding_window,
+            **rest,
+        )
     if dropout:
         raise ValueError(f"attention dropout {dropout} is not supported by the dedup path (it would differ per copy)")
     if query.shape[0] != 1:

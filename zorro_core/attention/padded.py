@@ -80,11 +80,11 @@ def _cross_blocks(q, k, v, seg: Segments, lay: CrossLayout, i0: int = 0, i1: Opt
         rows = x[: lay.gs * lay.p_max] if lay.uniform_p else x[lay.prompt_rows]
         prompt = rows.view(lay.gs, lay.p_max, *x.shape[1:])
         prompt = prompt.expand(i1 - i0, *prompt.shape[1:]) if lay.gs == 1 else prompt[lay.local[i0:i1]]
-        own = x[seg.q_start: seg.q_start + tq]
-        own = own[i0 * lq: i1 * lq] if lay.uniform_q else own[idx]
+        own = x[seg.q_start : seg.q_start + tq]
+        own = own[i0 * lq : i1 * lq] if lay.uniform_q else own[idx]
         own = own.view(i1 - i0, lq, *x.shape[1:])
         blocks.append(torch.cat([prompt, own], 1).transpose(1, 2))
-    qp = (q[i0 * lq: i1 * lq] if lay.uniform_q else q[idx]).view(i1 - i0, lq, *q.shape[1:]).transpose(1, 2)
+    qp = (q[i0 * lq : i1 * lq] if lay.uniform_q else q[idx]).view(i1 - i0, lq, *q.shape[1:]).transpose(1, 2)
     return qp, blocks[0], blocks[1]
 
 
@@ -120,7 +120,8 @@ class _FlashCross(torch.autograd.Function):
             qp, kp, vp = _cross_blocks(q, k, v, seg, lay, i0, i1)
             rep = qp.shape[1] // kp.shape[1]
             out_p, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qp, _repeat_heads(kp, rep), _repeat_heads(vp, rep), 0.0, False, attn_mask=mask[i0:i1], scale=scale)
+                qp, _repeat_heads(kp, rep), _repeat_heads(vp, rep), 0.0, False, attn_mask=mask[i0:i1], scale=scale
+            )
             outs.append(out_p)
             lses.append(lse)
         out_p, lse = torch.cat(outs), torch.cat(lses)
@@ -142,8 +143,17 @@ class _FlashCross(torch.autograd.Function):
         for i0, i1 in _chunks(seg, lay):
             qp, kp, vp = _cross_blocks(q, k, v, seg, lay, i0, i1)
             dq_p, dk_p, dv_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                gp[i0:i1].transpose(1, 2), qp, _repeat_heads(kp, rep), _repeat_heads(vp, rep), out_p[i0:i1],
-                lse[i0:i1], 0.0, False, attn_mask=ctx.mask[i0:i1], scale=ctx.scale)
+                gp[i0:i1].transpose(1, 2),
+                qp,
+                _repeat_heads(kp, rep),
+                _repeat_heads(vp, rep),
+                out_p[i0:i1],
+                lse[i0:i1],
+                0.0,
+                False,
+                attn_mask=ctx.mask[i0:i1],
+                scale=ctx.scale,
+            )
             dqs.append(dq_p)
             dk.add(dk_p, i0, i1)
             dv.add(dv_p, i0, i1)
@@ -163,7 +173,7 @@ class _Fold:
         c, hq, _, d = dx_p.shape
         hk = hq // self.rep
         dx_p = dx_p.view(c, hk, self.rep, -1, d).sum(2).transpose(1, 2)  # [c, Lk, Hkv, D]
-        prompt, own = dx_p[:, : lay.p_max], dx_p[:, lay.p_max:]
+        prompt, own = dx_p[:, : lay.p_max], dx_p[:, lay.p_max :]
         if lay.gs == 1:
             self.prompt[0] += prompt.sum(0)
         else:
@@ -171,7 +181,7 @@ class _Fold:
         own = own.reshape(-1, hk, d)
         lq = seg.max_q
         if lay.uniform_q:
-            self.out[seg.q_start + i0 * lq: seg.q_start + i1 * lq] += own
+            self.out[seg.q_start + i0 * lq : seg.q_start + i1 * lq] += own
         else:  # padding slots point at row 0 and carry exactly zero gradient (masked keys)
             rows = lay.idx_q.view(lay.n, lq)[i0:i1].flatten()
             self.out.index_put_((seg.q_start + rows,), own, accumulate=True)

@@ -51,7 +51,7 @@ def original_attention(model: nn.Module) -> str:
     current = _causal_lm(model).config._attn_implementation or "sdpa"
     if current.startswith(_PREFIX) and current not in _ORIGINALS:
         # Taken in another process (a pickled or deep-copied model): the name says which original; register it here.
-        original = current[len(_PREFIX):].replace("fa_attention", "flash_attention")
+        original = current[len(_PREFIX) :].replace("fa_attention", "flash_attention")
         if attention_name(original) != current:
             raise ValueError(f"attention implementation {current!r} looks like zorro's but names no implementation")
         return original
@@ -70,7 +70,8 @@ def install_attention(model: nn.Module) -> str:
         if not is_installed(model):  # transformers only warns for a model that does not use the interface
             raise UnsupportedModelError(
                 f"{type(_causal_lm(model)).__name__} refused set_attn_implementation: its attention does not go "
-                "through transformers' AttentionInterface, so the dedup hook cannot be registered")
+                "through transformers' AttentionInterface, so the dedup hook cannot be registered"
+            )
     return original
 
 
@@ -85,7 +86,9 @@ def original_function(module: nn.Module, original: str):
 
 
 def _dispatch(original: str):
-    def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
+    def attention(
+        module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs
+    ):
         if kwargs.get("zorro_route") is None:
             return original_function(module, original)(module, query, key, value, attention_mask, **kwargs)
         return zorro_attention(module, query, key, value, attention_mask, **kwargs)

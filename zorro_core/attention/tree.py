@@ -34,7 +34,7 @@ def tree_split_attention(plan: TriePlan, q, k, v, scale: float, window: Optional
     outs = [be.causal(q[:t0], k[:t0], v[:t0], roots, scale, window)]
     for level in plan.levels[1:]:
         seg = level.seg
-        qx = q[seg.q_start: seg.q_start + seg.total_q]
+        qx = q[seg.q_start : seg.q_start + seg.total_q]
         if not be.padded:
             idx = level.k_index(q.device)
             outs.append(be.varlen(qx, k[idx], v[idx], seg, scale, window))

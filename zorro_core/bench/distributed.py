@@ -54,18 +54,25 @@ def case_plan(case: Case) -> dict[str, Any]:
     shape = ModelShape.from_config(config)
     batch, rows = rank_batches(case, config.vocab_size)
     parts = [select_rows(batch, r) for r in rows]
-    routing = plan_routing([_row_keys(p) for p in parts], [p.prompt_mask.bool().sum(1).tolist() for p in parts],
-                           [p.response_mask.bool().sum(1).tolist() for p in parts], equal_rows=False)
+    routing = plan_routing(
+        [_row_keys(p) for p in parts],
+        [p.prompt_mask.bool().sum(1).tolist() for p in parts],
+        [p.response_mask.bool().sum(1).tolist() for p in parts],
+        equal_rows=False,
+    )
     flat = [i for r in rows for i in r]  # routing's global row k is batch row flat[k]
 
     def cost(rank_rows: list[int]) -> dict[str, float]:
-        f = flops(shape, plan_workload(build_dedup_plan(select_rows(batch, rank_rows)), case.logits_mode), case.logits_mode)
+        f = flops(
+            shape, plan_workload(build_dedup_plan(select_rows(batch, rank_rows)), case.logits_mode), case.logits_mode
+        )
         return {p: f.phase(p) for p in PHASES}
 
     before = [cost(r) for r in rows]
     after = [cost([flat[k] for k in routing.rows_on(r)]) for r in range(case.nproc)]
     return {
-        "rows_before": routing.rows_before, "rows_after": routing.rows_after,
+        "rows_before": routing.rows_before,
+        "rows_after": routing.rows_after,
         "prompt_dedup_before": routing.prompt_dedup_ratio(after=False),
         "prompt_dedup_after": routing.prompt_dedup_ratio(after=True),
         "single_process_prompt_dedup": build_dedup_plan(batch).prompt_dedup_ratio,
@@ -95,17 +102,27 @@ def rank_process(case: Case, measure: Measure) -> dict[str, Any]:
 
     rank = dist.get_rank()
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if case.device.startswith("cuda") else "cpu")
-    model = load_model(case.model, device=device, dtype=DTYPES[case.dtype], attn_implementation=case.attn_implementation,
-                       seed=case.seed)
+    model = load_model(
+        case.model,
+        device=device,
+        dtype=DTYPES[case.dtype],
+        attn_implementation=case.attn_implementation,
+        seed=case.seed,
+    )
     model.eval()
     _shard(model)
     for m in model.modules():  # the loss below is normalised over the global batch: FSDP sums
         if hasattr(m, "set_gradient_divide_factor"):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-    actor = DeduplicatedActor(model=model, attn_implementation=case.attn_implementation, logits_mode=case.logits_mode,
-                              use_split_attention=case.split_attention, varlen_backend=case.varlen_backend,
-                              logits_memory_budget_mib=case.logits_memory_budget_mib)
+    actor = DeduplicatedActor(
+        model=model,
+        attn_implementation=case.attn_implementation,
+        logits_mode=case.logits_mode,
+        use_split_attention=case.split_attention,
+        varlen_backend=case.varlen_backend,
+        logits_memory_budget_mib=case.logits_memory_budget_mib,
+    )
     batch, rows = rank_batches(case, model.config.vocab_size)
     mine = select_rows(batch, rows[rank]).to(device)
     n_global = int(batch.response_mask.sum())
@@ -134,28 +151,40 @@ def rank_process(case: Case, measure: Measure) -> dict[str, Any]:
     for phase in measure.phases:
         backward = phase == "forward_backward"
         arms = {"no_regroup": step(False, backward), "regroup": step(True, backward)}
-        out["phases"][phase] = time_interleaved(arms, device, warmup=max(1, measure.warmup), repeats=measure.repeats,
-                                                between=between)
+        out["phases"][phase] = time_interleaved(
+            arms, device, warmup=max(1, measure.warmup), repeats=measure.repeats, between=between
+        )
     info = infos[0]
-    out["bytes"] = {"rows": info.bytes_sent, "metadata": info.metadata_bytes,
-                    "restore_per_step": info.restore_bytes_sent}
+    out["bytes"] = {
+        "rows": info.bytes_sent,
+        "metadata": info.metadata_bytes,
+        "restore_per_step": info.restore_bytes_sent,
+    }
     return out
 
 
-def distributed_case_rows(case: Case, measure: Measure, base: dict[str, Any],
-                          on_phase: Callable[[dict], None] | None = None) -> list[dict[str, Any]]:
+def distributed_case_rows(
+    case: Case, measure: Measure, base: dict[str, Any], on_phase: Callable[[dict], None] | None = None
+) -> list[dict[str, Any]]:
     """The rows of an nproc > 1 case (one per phase); a failure becomes the rows' status."""
     from zorro_core.distributed.launch import default_backend, launch
 
-    base = dict(base, nproc=case.nproc, baseline_kind="dedup_no_regroup", dedup_kind="dedup_regroup",
-                threads=measure.threads or 1)
+    base = dict(
+        base,
+        nproc=case.nproc,
+        baseline_kind="dedup_no_regroup",
+        dedup_kind="dedup_regroup",
+        threads=measure.threads or 1,
+    )
     try:
         plan = case_plan(case)
     except Exception as e:  # noqa: BLE001 -- a bad case is a row, the sweep goes on
-        return _emit_all([dict(base, phase=p, status="error", error=f"{type(e).__name__}: {e}")
-                          for p in measure.phases], on_phase)
+        return _emit_all(
+            [dict(base, phase=p, status="error", error=f"{type(e).__name__}: {e}") for p in measure.phases], on_phase
+        )
     base.update(
-        rows_per_rank_before=" ".join(map(str, plan["rows_before"])), rows_per_rank_after=" ".join(map(str, plan["rows_after"])),
+        rows_per_rank_before=" ".join(map(str, plan["rows_before"])),
+        rows_per_rank_after=" ".join(map(str, plan["rows_after"])),
         prompt_dedup_per_rank_before=" ".join(f"{x:.4f}" for x in plan["prompt_dedup_before"]),
         prompt_dedup_per_rank_after=" ".join(f"{x:.4f}" for x in plan["prompt_dedup_after"]),
         prompt_dedup_ratio=round(plan["single_process_prompt_dedup"], 6),
@@ -165,16 +194,30 @@ def distributed_case_rows(case: Case, measure: Measure, base: dict[str, Any],
         status, error = "skipped", f"{case.nproc} ranks need {case.nproc} GPUs, {torch.cuda.device_count()} here"
     else:
         try:
-            results = launch(rank_process, case.nproc, case, measure, backend=default_backend(case.device),
-                             threads=measure.threads or 1, timeout_s=measure.timeout_s)
+            results = launch(
+                rank_process,
+                case.nproc,
+                case,
+                measure,
+                backend=default_backend(case.device),
+                threads=measure.threads or 1,
+                timeout_s=measure.timeout_s,
+            )
         except TimeoutError as e:
             status, error = "timeout", str(e)
         except Exception as e:  # noqa: BLE001 -- a failed case is a row, the sweep goes on
             status, error = "error", str(e).strip().splitlines()[-1][:500] if str(e).strip() else type(e).__name__
     rows = []
     for phase in measure.phases:
-        row = dict(base, phase=phase, status=status, error=error, ideal_speedup=round(plan["ideal_speedup"][phase], 4),
-                   baseline_gflops=round(plan["gflops_before"][phase], 3), dedup_gflops=round(plan["gflops_after"][phase], 3))
+        row = dict(
+            base,
+            phase=phase,
+            status=status,
+            error=error,
+            ideal_speedup=round(plan["ideal_speedup"][phase], 4),
+            baseline_gflops=round(plan["gflops_before"][phase], 3),
+            dedup_gflops=round(plan["gflops_after"][phase], 3),
+        )
         if results:
             _fill(row, results, phase, plan["ideal_speedup"][phase])
         rows.append(row)
@@ -186,16 +229,23 @@ def _fill(row: dict, results: list[dict], phase: str, ideal: float) -> None:
     stats: dict[str, Stats] = {arm: summarize(times[arm]) for arm in ARMS}
     for key, arm in (("baseline", "no_regroup"), ("dedup", "regroup")):
         s = stats[arm]
-        row.update({f"{key}_ms_p50": round(s.p50, 3), f"{key}_ms_p20": round(s.p20, 3), f"{key}_ms_p80": round(s.p80, 3)})
+        row.update(
+            {f"{key}_ms_p50": round(s.p50, 3), f"{key}_ms_p20": round(s.p20, 3), f"{key}_ms_p80": round(s.p80, 3)}
+        )
         row["n"] = s.n
     sp = speedup(times["no_regroup"], times["regroup"])
-    row.update(speedup=round(sp.value, 4), speedup_err=round(sp.err, 4) if math.isfinite(sp.err) else "",
-               speedup_p20=round(sp.p20, 4), speedup_p80=round(sp.p80, 4), efficiency=round(sp.value / ideal, 4),
-               threads=results[0]["threads"],
-               regroup_bytes_sent=sum(r["bytes"]["rows"] for r in results),
-               regroup_metadata_bytes=sum(r["bytes"]["metadata"] for r in results),
-               restore_bytes_per_step=sum(r["bytes"]["restore_per_step"] for r in results)
-               * (2 if phase == "forward_backward" else 1))
+    row.update(
+        speedup=round(sp.value, 4),
+        speedup_err=round(sp.err, 4) if math.isfinite(sp.err) else "",
+        speedup_p20=round(sp.p20, 4),
+        speedup_p80=round(sp.p80, 4),
+        efficiency=round(sp.value / ideal, 4),
+        threads=results[0]["threads"],
+        regroup_bytes_sent=sum(r["bytes"]["rows"] for r in results),
+        regroup_metadata_bytes=sum(r["bytes"]["metadata"] for r in results),
+        restore_bytes_per_step=sum(r["bytes"]["restore_per_step"] for r in results)
+        * (2 if phase == "forward_backward" else 1),
+    )
 
 
 def _emit_all(rows: list[dict], on_phase) -> list[dict]:

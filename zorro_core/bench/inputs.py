@@ -20,14 +20,23 @@ def model_config(name: str):
     try:
         return AutoConfig.from_pretrained(name, local_files_only=True)
     except Exception as e:
-        raise ValueError(f"cannot resolve model {name!r} (not a preset, a local checkpoint or in the local HF cache; "
-                         f"nothing is downloaded). Presets: {', '.join(PRESETS)}") from e
+        raise ValueError(
+            f"cannot resolve model {name!r} (not a preset, a local checkpoint or in the local HF cache; "
+            f"nothing is downloaded). Presets: {', '.join(PRESETS)}"
+        ) from e
 
 
 def make_batch(case: Case, vocab_size: int, device: str = "cpu"):
     from zorro_core.core.batch import create_dummy_batch
 
-    return create_dummy_batch(batch_size=case.batch_size, num_unique_prompts=case.num_unique_prompts,
-                              prompt_len=case.prompt_len, response_len=case.response_len, vocab_size=vocab_size,
-                              device=device, seed=case.seed, vary_lengths=case.padding,
-                              shared_prefix_len=case.shared_prefix_len)
+    return create_dummy_batch(
+        batch_size=case.batch_size,
+        num_unique_prompts=case.num_unique_prompts,
+        prompt_len=case.prompt_len,
+        response_len=case.response_len,
+        vocab_size=vocab_size,
+        device=device,
+        seed=case.seed,
+        vary_lengths=case.padding,
+        shared_prefix_len=case.shared_prefix_len,
+    )

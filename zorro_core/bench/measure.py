@@ -51,7 +51,9 @@ def summarize(samples: Sequence[float]) -> Stats:
     if len(samples) == 0:
         raise ValueError("no samples to summarize")
     a = np.asarray(samples, dtype=float)
-    return Stats(float(np.median(a)), float(np.percentile(a, 20)), float(np.percentile(a, 80)), len(a), [float(x) for x in a])
+    return Stats(
+        float(np.median(a)), float(np.percentile(a, 20)), float(np.percentile(a, 80)), len(a), [float(x) for x in a]
+    )
 
 
 @dataclass
@@ -88,7 +90,9 @@ _MEDIAN_SE = 1.2533
 def speedup(baseline_ms: Sequence[float], dedup_ms: Sequence[float]) -> Speedup:
     """Speedup of paired (interleaved) repeats."""
     if len(baseline_ms) != len(dedup_ms) or not baseline_ms:
-        raise ValueError(f"need the same non-zero number of baseline and dedup repeats, got {len(baseline_ms)} and {len(dedup_ms)}")
+        raise ValueError(
+            f"need the same non-zero number of baseline and dedup repeats, got {len(baseline_ms)} and {len(dedup_ms)}"
+        )
     b, d = np.asarray(baseline_ms, float), np.asarray(dedup_ms, float)
     ratios = b / d
     p20, p80 = float(np.percentile(ratios, 20)), float(np.percentile(ratios, 80))
@@ -116,8 +120,13 @@ def time_once(fn: Callable[[], object], device: torch.device | str) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def time_interleaved(arms: dict[str, Callable[[], object]], device: torch.device | str, warmup: int = 1,
-                     repeats: int = 5, between: Optional[Callable[[], None]] = None) -> dict[str, list[float]]:
+def time_interleaved(
+    arms: dict[str, Callable[[], object]],
+    device: torch.device | str,
+    warmup: int = 1,
+    repeats: int = 5,
+    between: Optional[Callable[[], None]] = None,
+) -> dict[str, list[float]]:
     """Times of each arm over `repeats` rounds, arms alternating (order reversed every round).
 
     `between` runs before every call, outside the clock (e.g. zeroing gradients)."""

@@ -28,21 +28,72 @@ from typing import Any, Optional
 
 # The required columns, in this order, then the extra ones.
 REQUIRED_COLUMNS = [
-    "case_id", "model", "attn_implementation", "split_attention", "logits_mode", "dtype", "device", "batch_size",
-    "num_unique_prompts", "prompt_len", "response_len", "prompt_dedup_ratio", "token_redundancy", "phase",
-    "baseline_ms_p50", "dedup_ms_p50", "baseline_ms_p20", "baseline_ms_p80", "dedup_ms_p20", "dedup_ms_p80",
-    "speedup", "speedup_err", "baseline_tokens_per_s", "dedup_tokens_per_s", "baseline_peak_mem_mib",
-    "dedup_peak_mem_mib", "peak_mem_kind", "ideal_speedup", "efficiency", "status", "error",
+    "case_id",
+    "model",
+    "attn_implementation",
+    "split_attention",
+    "logits_mode",
+    "dtype",
+    "device",
+    "batch_size",
+    "num_unique_prompts",
+    "prompt_len",
+    "response_len",
+    "prompt_dedup_ratio",
+    "token_redundancy",
+    "phase",
+    "baseline_ms_p50",
+    "dedup_ms_p50",
+    "baseline_ms_p20",
+    "baseline_ms_p80",
+    "dedup_ms_p20",
+    "dedup_ms_p80",
+    "speedup",
+    "speedup_err",
+    "baseline_tokens_per_s",
+    "dedup_tokens_per_s",
+    "baseline_peak_mem_mib",
+    "dedup_peak_mem_mib",
+    "peak_mem_kind",
+    "ideal_speedup",
+    "efficiency",
+    "status",
+    "error",
 ]
 EXTRA_COLUMNS = [
-    "baseline_kind", "dedup_kind", "speedup_p20", "speedup_p80", "n", "warmup", "repeats", "threads", "padding",
-    "logical_tokens", "unique_tokens", "baseline_gflops", "dedup_gflops", "seed", "liger", "liger_kernels", "logits_memory_budget_mib", "checkpointing", "finished_utc",
-    "sharing", "shared_prefix_len", "min_shared_tokens",
+    "baseline_kind",
+    "dedup_kind",
+    "speedup_p20",
+    "speedup_p80",
+    "n",
+    "warmup",
+    "repeats",
+    "threads",
+    "padding",
+    "logical_tokens",
+    "unique_tokens",
+    "baseline_gflops",
+    "dedup_gflops",
+    "seed",
+    "liger",
+    "liger_kernels",
+    "logits_memory_budget_mib",
+    "checkpointing",
+    "finished_utc",
+    "sharing",
+    "shared_prefix_len",
+    "min_shared_tokens",
 ]
 # Cases with nproc > 1 (zorro_core.bench.distributed): per-rank layout and bytes moved by regroup.
 DISTRIBUTED_COLUMNS = [
-    "nproc", "rows_per_rank_before", "rows_per_rank_after", "prompt_dedup_per_rank_before",
-    "prompt_dedup_per_rank_after", "regroup_bytes_sent", "regroup_metadata_bytes", "restore_bytes_per_step",
+    "nproc",
+    "rows_per_rank_before",
+    "rows_per_rank_after",
+    "prompt_dedup_per_rank_before",
+    "prompt_dedup_per_rank_after",
+    "regroup_bytes_sent",
+    "regroup_metadata_bytes",
+    "restore_bytes_per_step",
 ]
 COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS + DISTRIBUTED_COLUMNS
 
@@ -79,7 +130,9 @@ class ResultsLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that has not said who it is yet"
+            holder = (
+                os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that has not said who it is yet"
+            )
             os.close(fd)
             raise ResultsBusy(
                 f"{self.csv_path} is being written by another sweep ({holder}); wait for it to finish, "
@@ -263,4 +316,3 @@ def update_last_run(path: str | Path, **fields: Any) -> None:
     if data.get("runs"):
         data["runs"][-1].update(fields)
         _write_json(path, data)
-

@@ -128,7 +128,9 @@ class _Bench:
             elif case.baseline == "prompt":  # the prompt-sharing dedup arm, to measure what prefix sharing adds
                 self.actors["baseline"] = DeduplicatedActor(
                     use_split_attention=case.split_attention,
-                    varlen_backend=case.varlen_backend if case.split_attention else None, **common)
+                    varlen_backend=case.varlen_backend if case.split_attention else None,
+                    **common,
+                )
             else:
                 self.actors["baseline"] = BaselineActor(
                     use_split_attention=True, varlen_backend=case.varlen_backend, **common
@@ -147,7 +149,11 @@ class _Bench:
         if a is None:
             return ""
         if a.dedup:
-            return f"dedup_prompt_split_{a.varlen_backend}" if a.use_split_attention else f"dedup_prompt_mask_{a.attn_implementation}"
+            return (
+                f"dedup_prompt_split_{a.varlen_backend}"
+                if a.use_split_attention
+                else f"dedup_prompt_mask_{a.attn_implementation}"
+            )
         if getattr(a, "padded", False):
             return f"padded_hf_{a.attn_implementation}"
         return f"packed_varlen_{a.varlen_backend}"

@@ -17,8 +17,17 @@ import pandas as pd
 
 STACK = ("baseline", "+flash_attention", "+liger", "+dedup", "+split_attention")
 REQUIRED = ("config", "tokens_per_s", "peak_mem_mib")
-OUTPUT = ("config", "runs", "tokens_per_s", "peak_mem_mib", "step_speedup", "step_mem_delta_mib",
-          "total_speedup", "total_mem_delta_mib", "status")
+OUTPUT = (
+    "config",
+    "runs",
+    "tokens_per_s",
+    "peak_mem_mib",
+    "step_speedup",
+    "step_mem_delta_mib",
+    "total_speedup",
+    "total_mem_delta_mib",
+    "status",
+)
 
 
 def stack_table(df: pd.DataFrame, by: Optional[Sequence[str]] = None, ok_status: str = "ok") -> pd.DataFrame:
@@ -64,8 +73,11 @@ def stack_table(df: pd.DataFrame, by: Optional[Sequence[str]] = None, ok_status:
                 statuses = rows["status"].astype(str).unique() if "status" in rows.columns else ["no figures"]
                 row.update(tokens_per_s=math.nan, peak_mem_mib=math.nan, status=",".join(sorted(statuses)))
             else:
-                row.update(tokens_per_s=float(good["tokens_per_s"].median()), peak_mem_mib=float(good["peak_mem_mib"].median()),
-                           status=ok_status)
+                row.update(
+                    tokens_per_s=float(good["tokens_per_s"].median()),
+                    peak_mem_mib=float(good["peak_mem_mib"].median()),
+                    status=ok_status,
+                )
             figures = not good.empty
             if figures and first is None:
                 first = row  # the baseline's total is 1.0x / +0 MiB; its step has no row above
@@ -82,6 +94,7 @@ def stack_table(df: pd.DataFrame, by: Optional[Sequence[str]] = None, ok_status:
 
 
 # ---------------------------------------------------------------- from benchmark rows
+
 
 @dataclass(frozen=True)
 class StackAttention:
@@ -111,8 +124,18 @@ STACK_SOURCES = {
     "+split_attention": ("dedup", "flash", True, True),
 }
 # The workload: one stack per distinct combination (the attention, mode and liger vary within it).
-WORKLOAD = ("model", "dtype", "device", "batch_size", "num_unique_prompts", "prompt_len", "response_len", "padding",
-            "logits_mode", "phase")
+WORKLOAD = (
+    "model",
+    "dtype",
+    "device",
+    "batch_size",
+    "num_unique_prompts",
+    "prompt_len",
+    "response_len",
+    "padding",
+    "logits_mode",
+    "phase",
+)
 SOURCE_COLUMNS = ("source", "label", "note")
 
 
@@ -157,7 +180,7 @@ def stack_rows_from_bench(df: pd.DataFrame, attention: Optional[dict[str, StackA
     by = [c for c in WORKLOAD if c in df.columns]
     df[by] = df[by].fillna("")
     out = []
-    for key, g in (df.groupby(by, sort=False, dropna=False) if by else [((), df)]):
+    for key, g in df.groupby(by, sort=False, dropna=False) if by else [((), df)]:
         key = key if isinstance(key, tuple) else (key,)
         device = str(dict(zip(by, key)).get("device", "cpu")).split(":")[0] or "cpu"
         roles = attention.get(device)
@@ -169,11 +192,22 @@ def stack_rows_from_bench(df: pd.DataFrame, attention: Optional[dict[str, StackA
                 continue
             rows, note = pick
             for _, r in rows.iterrows():
-                out.append(dict(zip(by, key), config=config, tokens_per_s=r.get(f"{arm}_tokens_per_s"),
-                                peak_mem_mib=r.get(f"{arm}_peak_mem_mib"), status=_arm_status(r, arm),
-                                error="" if pd.isna(r.get("error")) else str(r.get("error", "")),
-                                source=f"{arm} arm of {r['case_id']}", label=_label(arm, r), note=note))
-    return pd.DataFrame(out, columns=[*by, "config", "tokens_per_s", "peak_mem_mib", "status", "error", *SOURCE_COLUMNS])
+                out.append(
+                    dict(
+                        zip(by, key),
+                        config=config,
+                        tokens_per_s=r.get(f"{arm}_tokens_per_s"),
+                        peak_mem_mib=r.get(f"{arm}_peak_mem_mib"),
+                        status=_arm_status(r, arm),
+                        error="" if pd.isna(r.get("error")) else str(r.get("error", "")),
+                        source=f"{arm} arm of {r['case_id']}",
+                        label=_label(arm, r),
+                        note=note,
+                    )
+                )
+    return pd.DataFrame(
+        out, columns=[*by, "config", "tokens_per_s", "peak_mem_mib", "status", "error", *SOURCE_COLUMNS]
+    )
 
 
 def _label(arm: str, r: pd.Series) -> str:
@@ -209,12 +243,16 @@ def stack_report(df: pd.DataFrame, attention: Optional[dict[str, StackAttention]
     rows = stack_rows_from_bench(df, attention)
     by = [c for c in WORKLOAD if c in rows.columns]
     table = stack_table(rows, by=by)
-    extra = (rows.groupby([*by, "config"], sort=False, dropna=False)
-             .agg(source=("source", lambda s: "; ".join(dict.fromkeys(s))),
-                  label=("label", lambda s: "; ".join(dict.fromkeys(s))),
-                  note=("note", lambda s: "; ".join(dict.fromkeys(x for x in s if x))),
-                  reason=("error", lambda s: "; ".join(dict.fromkeys(x for x in s if x))))
-             .reset_index())
+    extra = (
+        rows.groupby([*by, "config"], sort=False, dropna=False)
+        .agg(
+            source=("source", lambda s: "; ".join(dict.fromkeys(s))),
+            label=("label", lambda s: "; ".join(dict.fromkeys(s))),
+            note=("note", lambda s: "; ".join(dict.fromkeys(x for x in s if x))),
+            reason=("error", lambda s: "; ".join(dict.fromkeys(x for x in s if x))),
+        )
+        .reset_index()
+    )
     table = table.merge(extra, on=[*by, "config"], how="left")
     table.loc[table["status"] == "ok", "reason"] = ""
     return table

@@ -95,10 +95,17 @@ class Case:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("baseline", self.baseline, BASELINES)
         _check_choice("sharing", self.sharing, SHARINGS)
-        if not isinstance(self.shared_prefix_len, int) or isinstance(self.shared_prefix_len, bool) or not (
-                0 <= self.shared_prefix_len < (max(1, self.prompt_len // 2) if self.padding else self.prompt_len)):
-            raise ValueError(f"shared_prefix_len must be an integer in [0, shortest prompt), got {self.shared_prefix_len!r}")
-        if self.min_shared_tokens is not None and not (isinstance(self.min_shared_tokens, int) and self.min_shared_tokens >= 1):
+        if (
+            not isinstance(self.shared_prefix_len, int)
+            or isinstance(self.shared_prefix_len, bool)
+            or not (0 <= self.shared_prefix_len < (max(1, self.prompt_len // 2) if self.padding else self.prompt_len))
+        ):
+            raise ValueError(
+                f"shared_prefix_len must be an integer in [0, shortest prompt), got {self.shared_prefix_len!r}"
+            )
+        if self.min_shared_tokens is not None and not (
+            isinstance(self.min_shared_tokens, int) and self.min_shared_tokens >= 1
+        ):
             raise ValueError(f"min_shared_tokens must be an integer >= 1, got {self.min_shared_tokens!r}")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
@@ -112,10 +119,13 @@ class Case:
         if (self.num_unique_prompts is None) == (self.prompt_dedup_ratio is None):
             raise ValueError("give exactly one of num_unique_prompts and prompt_dedup_ratio")
         if self.logits_memory_budget_mib is not None and not (
-                isinstance(self.logits_memory_budget_mib, (int, float)) and self.logits_memory_budget_mib > 0):
+            isinstance(self.logits_memory_budget_mib, (int, float)) and self.logits_memory_budget_mib > 0
+        ):
             raise ValueError(f"logits_memory_budget_mib must be > 0, got {self.logits_memory_budget_mib!r}")
         if self.num_unique_prompts is not None and not 1 <= self.num_unique_prompts <= self.batch_size:
-            raise ValueError(f"num_unique_prompts must be in [1, batch_size={self.batch_size}], got {self.num_unique_prompts}")
+            raise ValueError(
+                f"num_unique_prompts must be in [1, batch_size={self.batch_size}], got {self.num_unique_prompts}"
+            )
         if self.prompt_dedup_ratio is not None:
             if not 0 <= self.prompt_dedup_ratio < 1:
                 raise ValueError(f"prompt_dedup_ratio must be in [0, 1), got {self.prompt_dedup_ratio}")
@@ -127,8 +137,15 @@ class Case:
     @property
     def case_id(self) -> str:
         """Stable id of the case (the resume key, with the phase)."""
-        parts = [self.model, self.attn_implementation, "split" if self.split_attention else "mask", self.logits_mode,
-                 self.dtype, self.device, f"b{self.batch_size}u{self.num_unique_prompts}p{self.prompt_len}r{self.response_len}"]
+        parts = [
+            self.model,
+            self.attn_implementation,
+            "split" if self.split_attention else "mask",
+            self.logits_mode,
+            self.dtype,
+            self.device,
+            f"b{self.batch_size}u{self.num_unique_prompts}p{self.prompt_len}r{self.response_len}",
+        ]
         if self.padding:
             parts.append("pad")
         if self.baseline != "packed":
@@ -290,8 +307,13 @@ def parse_suite(data: dict[str, Any], source: Optional[str] = None, name: Option
     if "prompt_dedup_ratio" not in defaults:
         defaults.setdefault("num_unique_prompts", 1)
     return Suite(
-        name=data.get("name") or name or "suite", cases=expand(defaults, grids), measure=Measure(**measure_t),
-        description=data.get("description", ""), device=device, seed=seed, source=source,
+        name=data.get("name") or name or "suite",
+        cases=expand(defaults, grids),
+        measure=Measure(**measure_t),
+        description=data.get("description", ""),
+        device=device,
+        seed=seed,
+        source=source,
     )
 
 

@@ -87,13 +87,20 @@ class _Actor:
         auto_choice = None
         if attn_implementation == AUTO:
             ref = next((p for p in model.parameters() if p.is_floating_point()), None) if model is not None else None
-            auto_choice = choose_attention(device if device is not None else (ref.device if ref is not None else "cpu"),
-                                           dtype or (ref.dtype if ref is not None else torch.float32),
-                                           max_seq_len, use_split_attention)
+            auto_choice = choose_attention(
+                device if device is not None else (ref.device if ref is not None else "cpu"),
+                dtype or (ref.dtype if ref is not None else torch.float32),
+                max_seq_len,
+                use_split_attention,
+            )
             attn_implementation = auto_choice.implementation
         if model is None:
-            model = load_model(model_name_or_path, device=device or "cpu", dtype=dtype or torch.float32,
-                               attn_implementation=attn_implementation or "sdpa")
+            model = load_model(
+                model_name_or_path,
+                device=device or "cpu",
+                dtype=dtype or torch.float32,
+                attn_implementation=attn_implementation or "sdpa",
+            )
         elif device is not None or dtype is not None:
             model = model.to(device=device, dtype=dtype)
         if router_aux_weighting not in AUX_WEIGHTINGS:
@@ -112,7 +119,8 @@ class _Actor:
         if self.dedup and sharing == "prefix" and self.parts.num_linear_layers:
             raise UnsupportedModelError(
                 "sharing='prefix' does not support linear-attention layers yet (a trie node would have to start "
-                "from its parent's recurrent state and conv window at an arbitrary depth); use sharing='prompt'")
+                "from its parent's recurrent state and conv window at an arbitrary depth); use sharing='prompt'"
+            )
         self.device = next(model.parameters()).device
         # Backends, the "auto" choice and the batch's device follow from these: checked every call.
         self._built_for = (self.device, next(model.parameters()).dtype)
@@ -121,7 +129,9 @@ class _Actor:
         original = self._take_model()
         self.attn_implementation = attn_implementation or original
         self.attn_choice = auto_choice or AttentionChoice(
-            self.attn_implementation, "requested explicitly" if attn_implementation else "the model's own attention implementation")
+            self.attn_implementation,
+            "requested explicitly" if attn_implementation else "the model's own attention implementation",
+        )
         self.use_split_attention = use_split_attention
         self.logits_mode = logits_mode
         self.logits_chunk_size = logits_chunk_size
@@ -155,8 +165,13 @@ class _Actor:
         return self.parts.lm_head.out_features
 
     def plan(self, batch: RolloutBatch) -> DedupPlan:
-        return build_dedup_plan(batch.to(self.device), dedup=self.dedup, vocab_size=self.vocab_size,
-                                sharing=self.sharing, min_shared_tokens=self.min_shared_tokens)
+        return build_dedup_plan(
+            batch.to(self.device),
+            dedup=self.dedup,
+            vocab_size=self.vocab_size,
+            sharing=self.sharing,
+            min_shared_tokens=self.min_shared_tokens,
+        )
 
     def check_call(self, temperature: float) -> None:
         """Refuse a temperature that is not a finite number > 0, and a model moved or cast since
@@ -170,8 +185,10 @@ class _Actor:
         p = next(self.model.parameters())
         if (p.device, p.dtype) != self._built_for:
             was, now = self._built_for, (p.device, p.dtype)
-            raise ValueError(f"the model was moved or cast after the actor was built ({was[0]}, {was[1]} -> {now[0]}, "
-                             f"{now[1]}); build a new actor for it")
+            raise ValueError(
+                f"the model was moved or cast after the actor was built ({was[0]}, {was[1]} -> {now[0]}, "
+                f"{now[1]}); build a new actor for it"
+            )
 
     def forward(self, batch: RolloutBatch, temperature: float = 1.0, calculate_entropy: bool = False) -> ActorOutput:
         """Log-probs (and optionally entropy) of every response token, differentiable."""
@@ -183,33 +200,57 @@ class _Actor:
         route = Route(plan=plan, mode=mode, backend=self.varlen_backend or "reference", inner=self.attn_implementation)
         # Through the FSDP2 root's hooks when the model is sharded with fully_shard (zorro_core.core.fsdp).
         lp, ent, aux = as_root_forward(self.model, lambda: self._compute(plan, route, temperature, calculate_entropy))
-        return ActorOutput(plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan, aux)
+        return ActorOutput(
+            plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan, aux
+        )
 
     def _compute(self, plan: DedupPlan, route: Route, temperature: float, calculate_entropy: bool):
         outputs = self.parts.base(
-            input_ids=plan.input_ids[None], position_ids=plan.position_ids[None], attention_mask=route_mask(self.device),
-            use_cache=False, zorro_route=route, **forward_kwargs(self.parts, self.model.config),
+            input_ids=plan.input_ids[None],
+            position_ids=plan.position_ids[None],
+            attention_mask=route_mask(self.device),
+            use_cache=False,
+            zorro_route=route,
+            **forward_kwargs(self.parts, self.model.config),
         )
         hidden = outputs.last_hidden_state[0]
         # Checked right after the forward: gradient checkpointing's recompute (in backward) calls the
         # hooks again with the same route, and those calls are not part of this count.
         check_layers_served(self.parts, route)
         aux = aux_loss_of(self.parts, self.model.config, outputs, plan, self.router_aux_weighting)
-        lp, ent = response_logprobs(hidden, self.parts.lm_head, plan.logit_index, plan.labels, temperature,
-                                    calculate_entropy, self.logits_mode, self.logits_chunk_size,
-                                    self.logits_memory_budget_mib)
+        lp, ent = response_logprobs(
+            hidden,
+            self.parts.lm_head,
+            plan.logit_index,
+            plan.labels,
+            temperature,
+            calculate_entropy,
+            self.logits_mode,
+            self.logits_chunk_size,
+            self.logits_memory_budget_mib,
+        )
         return lp, ent, aux
 
     __call__ = forward
 
-    def forward_backward(self, batch: RolloutBatch, loss_fn, max_tokens_per_micro_batch: Optional[int] = None,
-                         temperature: float = 1.0, calculate_entropy: bool = False, attention_weight: float = 0.0):
+    def forward_backward(
+        self,
+        batch: RolloutBatch,
+        loss_fn,
+        max_tokens_per_micro_batch: Optional[int] = None,
+        temperature: float = 1.0,
+        calculate_entropy: bool = False,
+        attention_weight: float = 0.0,
+    ):
         """Accumulate gradients over balanced micro-batches; see zorro_core.core.microbatch.forward_backward."""
-        return microbatch.forward_backward(self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy,
-                                attention_weight)
+        return microbatch.forward_backward(
+            self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy, attention_weight
+        )
 
 
-def _padded_mask(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype, window: Optional[int] = None) -> torch.Tensor | None:
+def _padded_mask(
+    mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype, window: Optional[int] = None
+) -> torch.Tensor | None:
     """[B, 1, L, L] causal + key-padding mask in which a padding query sees itself.
 
     transformers' own eager mask leaves padding queries with no key at all; in float64 that
@@ -226,7 +267,9 @@ def _padded_mask(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtyp
     allowed = allowed | (torch.eye(length, dtype=torch.bool, device=mask.device)[None] & ~real[:, :, None])
     if attn_implementation == "sdpa":
         return allowed[:, None]
-    return torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill(~allowed, torch.finfo(dtype).min)[
+        :, None
+    ]
 
 
 def padded_mask_builder(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype):
@@ -241,9 +284,16 @@ def padded_mask_builder(mask: torch.Tensor, attn_implementation: str, dtype: tor
     if build is None:
         return lambda w: None
     b, length = mask.shape
-    return lambda w: build(batch_size=b, q_length=length, kv_length=length,
-                           mask_function=causal_mask_function if w is None else sliding_window_causal_mask_function(w),
-                           attention_mask=mask.bool(), allow_is_causal_skip=False, dtype=dtype, device=mask.device)
+    return lambda w: build(
+        batch_size=b,
+        q_length=length,
+        kv_length=length,
+        mask_function=causal_mask_function if w is None else sliding_window_causal_mask_function(w),
+        attention_mask=mask.bool(),
+        allow_is_causal_skip=False,
+        dtype=dtype,
+        device=mask.device,
+    )
 
 
 class DeduplicatedActor(_Actor):
@@ -265,11 +315,14 @@ class BaselineActor(_Actor):
         if not self.padded:
             return super().forward(batch, temperature, calculate_entropy)
         if self.parts.num_linear_layers:
-            raise UnsupportedModelError("the padded baseline does not support linear-attention layers (padding would "
-                                        "enter their recurrent state); use BaselineActor(padded=False)")
+            raise UnsupportedModelError(
+                "the padded baseline does not support linear-attention layers (padding would "
+                "enter their recurrent state); use BaselineActor(padded=False)"
+            )
         if is_fsdp_root(self.model):
-            raise UnsupportedModelError("the padded baseline does not run an FSDP2-sharded model (fully_shard); "
-                                        "use BaselineActor(padded=False)")
+            raise UnsupportedModelError(
+                "the padded baseline does not run an FSDP2-sharded model (fully_shard); use BaselineActor(padded=False)"
+            )
         self.check_call(temperature)
         batch = batch.to(self.device)
         batch.check_vocab(self.vocab_size)
@@ -278,13 +331,25 @@ class BaselineActor(_Actor):
         ids = torch.cat([batch.prompts, batch.responses], 1).long()
         mask = torch.cat([batch.prompt_mask, batch.response_mask], 1).long()
         pos = (mask.cumsum(1) - 1).clamp(min=0)
-        route = Route(plan=None, mode="plain", inner=self.attn_implementation,
-                      mask_of=padded_mask_builder(mask, self.attn_implementation, self.model.dtype))
-        outputs = self.parts.base(input_ids=ids, attention_mask=route_mask(self.device), position_ids=pos,
-                                  use_cache=False, zorro_route=route, **forward_kwargs(self.parts, self.model.config))
+        route = Route(
+            plan=None,
+            mode="plain",
+            inner=self.attn_implementation,
+            mask_of=padded_mask_builder(mask, self.attn_implementation, self.model.dtype),
+        )
+        outputs = self.parts.base(
+            input_ids=ids,
+            attention_mask=route_mask(self.device),
+            position_ids=pos,
+            use_cache=False,
+            zorro_route=route,
+            **forward_kwargs(self.parts, self.model.config),
+        )
         if route.calls != self.parts.num_attention_layers:
-            raise RuntimeError(f"the attention hook served {route.calls} layers, expected {self.parts.num_attention_layers}: "
-                               "some layer mixes tokens outside it; this model is not supported")
+            raise RuntimeError(
+                f"the attention hook served {route.calls} layers, expected {self.parts.num_attention_layers}: "
+                "some layer mixes tokens outside it; this model is not supported"
+            )
         hidden = outputs.last_hidden_state
         aux = None
         if forward_kwargs(self.parts, self.model.config):
@@ -298,9 +363,17 @@ class BaselineActor(_Actor):
         rows, cols = flat // r, flat % r
         index = rows * width + p - 1 + cols
         labels = batch.responses.long().flatten()[flat]
-        lp, ent = response_logprobs(hidden.reshape(b * width, -1), self.parts.lm_head, index, labels, temperature,
-                                    calculate_entropy, self.logits_mode, self.logits_chunk_size,
-                                    self.logits_memory_budget_mib)
+        lp, ent = response_logprobs(
+            hidden.reshape(b * width, -1),
+            self.parts.lm_head,
+            index,
+            labels,
+            temperature,
+            calculate_entropy,
+            self.logits_mode,
+            self.logits_chunk_size,
+            self.logits_memory_budget_mib,
+        )
 
         def scatter(v):
             return v.new_zeros(b * r).index_put((flat,), v).view(b, r)

@@ -131,9 +131,13 @@ def _finish(work: GroupedLengths, parts: list[list[int]], attention_weight: floa
     tokens = [work.tokens(p) for p in parts]
     over = [i for i, t in enumerate(tokens) if budget is not None and t > budget]
     return Partition(
-        parts=parts, costs=[work.cost(p, attention_weight) for p in parts], tokens=tokens, split_groups=split,
+        parts=parts,
+        costs=[work.cost(p, attention_weight) for p in parts],
+        tokens=tokens,
+        split_groups=split,
         recomputed_prompt_tokens=sum((holders[g] - 1) * work.prompt_lens[g] for g in split),
-        budget=budget, over_budget=over,
+        budget=budget,
+        over_budget=over,
     )
 
 
@@ -153,7 +157,7 @@ def karmarkar_karp(costs: Sequence[float], k: int, equal_size: bool = False) -> 
         raise ValueError(f"equal-size partition of {n} items into {k} parts is impossible")
     order = sorted(range(n), key=lambda i: -costs[i])
     if equal_size:
-        seeds = [[(costs[i], [i]) for i in order[s:s + k]] for s in range(0, n, k)]
+        seeds = [[(costs[i], [i]) for i in order[s : s + k]] for s in range(0, n, k)]
     else:
         seeds = [[(costs[i], [i])] + [(0.0, [])] * (k - 1) for i in order]
     heap = []
@@ -237,7 +241,6 @@ def partition_micro_batches(
     return _finish(work, _assemble(pieces, fit), attention_weight, max_tokens)
 
 
-
 def _assemble(pieces: list[list[int]], assign: list[list[int]]) -> list[list[int]]:
     return [[r for i in items for r in pieces[i]] for items in assign]
 
@@ -257,7 +260,9 @@ def _first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]
     return bins
 
 
-def partition_ranks(work: GroupedLengths, world_size: int, attention_weight: float = 0.0, balance: str = "kk") -> Partition:
+def partition_ranks(
+    work: GroupedLengths, world_size: int, attention_weight: float = 0.0, balance: str = "kk"
+) -> Partition:
     """Rows for each of `world_size` ranks, the same number each, balanced by cost.
 
     Two candidates, the one with the lower maximum cost wins:
@@ -278,7 +283,7 @@ def partition_ranks(work: GroupedLengths, world_size: int, attention_weight: flo
     groups = work.rows_of_group
     gcd = reduce(math.gcd, (len(rows) for rows in groups))
     u = max(d for d in range(1, gcd + 1) if gcd % d == 0 and (b // d) % world_size == 0)
-    units = [rows[s:s + u] for rows in groups for s in range(0, len(rows), u)]
+    units = [rows[s : s + u] for rows in groups for s in range(0, len(rows), u)]
     assign = _BALANCERS[balance]([work.cost(x, attention_weight) for x in units], world_size, equal_size=True)
     chunks = _finish(work, [[r for i in items for r in units[i]] for items in assign], attention_weight, None)
     if not chunks.split_groups:
@@ -305,7 +310,7 @@ def _whole_groups_first(work: GroupedLengths, world_size: int, attention_weight:
         rows = sorted(rows, key=lambda r: -work.response_lens[r])
         while rows:
             j = max(range(world_size), key=lambda j: (room[j], -load[j]))
-            take, rows = rows[:room[j]], rows[room[j]:]
+            take, rows = rows[: room[j]], rows[room[j] :]
             parts[j] += take
             room[j] -= len(take)
             load[j] = work.cost(parts[j], attention_weight)
@@ -326,4 +331,6 @@ def select_rows(batch: RolloutBatch, rows: torch.Tensor | Sequence[int]) -> Roll
     width = int(pm.bool().sum(1).max())
     cut = pm.shape[1] - width
     # Rows of a validated batch, leading all-padding prompt columns cut: still valid, not checked again.
-    return RolloutBatch.of_validated(batch.prompts[idx, cut:], pm[:, cut:], batch.responses[idx], batch.response_mask[idx])
+    return RolloutBatch.of_validated(
+        batch.prompts[idx, cut:], pm[:, cut:], batch.responses[idx], batch.response_mask[idx]
+    )

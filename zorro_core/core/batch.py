@@ -25,11 +25,17 @@ class RolloutBatch:
         self.validate()  # the one structural check; a moved copy or a sub-batch is not checked again
 
     @classmethod
-    def of_validated(cls, prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
-                     response_mask: torch.Tensor) -> "RolloutBatch":
+    def of_validated(
+        cls, prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor
+    ) -> "RolloutBatch":
         """A batch of tensors taken from a validated batch (moved, or some of its rows): not checked again."""
         batch = cls.__new__(cls)
-        batch.prompts, batch.prompt_mask, batch.responses, batch.response_mask = prompts, prompt_mask, responses, response_mask
+        batch.prompts, batch.prompt_mask, batch.responses, batch.response_mask = (
+            prompts,
+            prompt_mask,
+            responses,
+            response_mask,
+        )
         return batch
 
     @property
@@ -41,7 +47,9 @@ class RolloutBatch:
         return self.prompts.device
 
     def to(self, device: str | torch.device) -> "RolloutBatch":
-        return RolloutBatch.of_validated(*(t.to(device) for t in (self.prompts, self.prompt_mask, self.responses, self.response_mask)))
+        return RolloutBatch.of_validated(
+            *(t.to(device) for t in (self.prompts, self.prompt_mask, self.responses, self.response_mask))
+        )
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first problem found in the batch (token ids against `vocab_size` if given)."""
@@ -60,7 +68,9 @@ class RolloutBatch:
         if r.shape[0] != p.shape[0]:
             raise ValueError(f"prompts has {p.shape[0]} rows but responses has {r.shape[0]}")
         if p.shape[1] == 0 or r.shape[1] == 0:
-            raise ValueError(f"prompts and responses need at least one column, got {tuple(p.shape)} and {tuple(r.shape)}")
+            raise ValueError(
+                f"prompts and responses need at least one column, got {tuple(p.shape)} and {tuple(r.shape)}"
+            )
         devices = {t.device for t in (p, pm, r, rm)}
         if len(devices) != 1:
             raise ValueError(f"batch tensors are on different devices: {sorted(map(str, devices))}")
@@ -99,12 +109,13 @@ class RolloutBatch:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ValueError if a real token id is >= `vocab_size` (the rest is checked at construction)."""
-        for name, ids, m in (("prompts", self.prompts, self.prompt_mask), ("responses", self.responses, self.response_mask)):
+        for name, ids, m in (
+            ("prompts", self.prompts, self.prompt_mask),
+            ("responses", self.responses, self.response_mask),
+        ):
             real = ids[m.bool()]
             if real.numel() and int(real.max()) >= vocab_size:
-                raise ValueError(
-                    f"{name} holds token id {int(real.max())} >= the model's vocab size {vocab_size}"
-                )
+                raise ValueError(f"{name} holds token id {int(real.max())} >= the model's vocab size {vocab_size}")
 
     @classmethod
     def from_lists(
@@ -132,8 +143,8 @@ class RolloutBatch:
         r = torch.full((b, rmax), pad_token_id, dtype=torch.long)
         rm = torch.zeros((b, rmax), dtype=torch.long)
         for i, (pl, rl) in enumerate(zip(prompts, responses)):
-            p[i, pmax - len(pl):] = torch.as_tensor(list(pl), dtype=torch.long)
-            pm[i, pmax - len(pl):] = 1
+            p[i, pmax - len(pl) :] = torch.as_tensor(list(pl), dtype=torch.long)
+            pm[i, pmax - len(pl) :] = 1
             r[i, : len(rl)] = torch.as_tensor(list(rl), dtype=torch.long)
             rm[i, : len(rl)] = 1
         return cls(p.to(device), pm.to(device), r.to(device), rm.to(device))
@@ -176,9 +187,13 @@ def create_dummy_batch(
         raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
     shortest = max(1, prompt_len // 2) if vary_lengths else prompt_len
     if not 0 <= shared_prefix_len < shortest:
-        raise ValueError(f"shared_prefix_len must be in [0, {shortest}) (shorter than every prompt), got {shared_prefix_len}")
+        raise ValueError(
+            f"shared_prefix_len must be in [0, {shortest}) (shorter than every prompt), got {shared_prefix_len}"
+        )
     if shared_prefix_len and num_unique_prompts > vocab_size - 1:
-        raise ValueError(f"{num_unique_prompts} prompts cannot differ right after a shared prefix with {vocab_size - 1} token ids")
+        raise ValueError(
+            f"{num_unique_prompts} prompts cannot differ right after a shared prefix with {vocab_size - 1} token ids"
+        )
     g = torch.Generator().manual_seed(seed)
     if vary_lengths:
         plens = torch.randint(max(1, prompt_len // 2), prompt_len + 1, (num_unique_prompts,), generator=g)
@@ -190,7 +205,9 @@ def create_dummy_batch(
     uniq: list[list[int]] = []
     if shared_prefix_len:
         head = torch.randint(1, vocab_size, (shared_prefix_len,), generator=g).tolist()
-        first = (torch.randperm(vocab_size - 1, generator=g)[:num_unique_prompts] + 1).tolist()  # distinct after the head
+        first = (
+            torch.randperm(vocab_size - 1, generator=g)[:num_unique_prompts] + 1
+        ).tolist()  # distinct after the head
         for i in range(num_unique_prompts):
             tail = torch.randint(1, vocab_size, (int(plens[i]) - shared_prefix_len - 1,), generator=g).tolist()
             uniq.append(head + [first[i]] + tail)

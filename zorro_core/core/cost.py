@@ -48,10 +48,13 @@ class ModelShape:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(
-            hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers, num_heads=heads,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=head_dim, vocab_size=config.vocab_size,
+            head_dim=head_dim,
+            vocab_size=config.vocab_size,
         )
 
     @property
@@ -133,8 +136,12 @@ def plan_workload(plan: DedupPlan, logits_mode: str = "compute") -> ForwardWork:
     return ForwardWork(plan.num_tokens, _segment_pairs(plan.causal) + _segment_pairs(plan.cross), logits)
 
 
-def shape_workloads(prompt_lens: Sequence[int], group_sizes: Sequence[int],
-                    response_lens: Sequence[Sequence[int]], logits_mode: str = "compute") -> tuple[ForwardWork, ForwardWork]:
+def shape_workloads(
+    prompt_lens: Sequence[int],
+    group_sizes: Sequence[int],
+    response_lens: Sequence[Sequence[int]],
+    logits_mode: str = "compute",
+) -> tuple[ForwardWork, ForwardWork]:
     """(baseline, dedup) workloads from lengths alone: group g has a prompt of prompt_lens[g]
     tokens shared by group_sizes[g] responses of response_lens[g][i] tokens."""
     if not (len(prompt_lens) == len(group_sizes) == len(response_lens)):
@@ -171,8 +178,14 @@ def tree_workload(nodes: Sequence[tuple[int, int]], logit_positions: int) -> For
     return ForwardWork(tok, pairs, logit_positions)
 
 
-def shared_prefix_workload(prompt_len: int, prompts: int, responses: int, response_len: int, shared_prefix_len: int,
-                           logits_mode: str = "compute") -> ForwardWork:
+def shared_prefix_workload(
+    prompt_len: int,
+    prompts: int,
+    responses: int,
+    response_len: int,
+    shared_prefix_len: int,
+    logits_mode: str = "compute",
+) -> ForwardWork:
     """The trie's workload of `prompts` prompts of `prompt_len` tokens whose first `shared_prefix_len`
     tokens are the same (then they differ), each with `responses` responses of `response_len` tokens
     that share nothing: [system prefix] -> [rest of each prompt] -> [each response]."""
@@ -215,6 +228,10 @@ def compare(shape: ModelShape, baseline: ForwardWork, dedup: ForwardWork, logits
     return Comparison(flops(shape, baseline, logits_mode), flops(shape, dedup, logits_mode))
 
 
-def compare_plans(shape: ModelShape, baseline_plan: DedupPlan, dedup_plan: DedupPlan, logits_mode: str = "compute") -> Comparison:
+def compare_plans(
+    shape: ModelShape, baseline_plan: DedupPlan, dedup_plan: DedupPlan, logits_mode: str = "compute"
+) -> Comparison:
     """Cost of the two plans of one batch (baseline: `dedup=False`)."""
-    return compare(shape, plan_workload(baseline_plan, logits_mode), plan_workload(dedup_plan, logits_mode), logits_mode)
+    return compare(
+        shape, plan_workload(baseline_plan, logits_mode), plan_workload(dedup_plan, logits_mode), logits_mode
+    )

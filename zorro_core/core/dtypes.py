@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 
 DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
 }
 
 

@@ -54,8 +54,16 @@ class PaddedLayout:
         return self.idx_q.device
 
     @classmethod
-    def build(cls, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, total_q: int, total_k: int,
-              device: torch.device) -> "PaddedLayout":
+    def build(
+        cls,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        total_q: int,
+        total_k: int,
+        device: torch.device,
+    ) -> "PaddedLayout":
         """The layout of segments with cumulative lengths cu_q (queries) and cu_k (keys)."""
         cq, ck = cu_q.to(device).long(), cu_k.to(device).long()
         lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
@@ -70,11 +78,18 @@ class PaddedLayout:
         # outputs are dropped.
         allowed = allowed | (~valid_q[:, :, None] & (ak[None, None, :] == 0))
         return cls(
-            n=n, len_q=max_q, len_k=max_k, uniform_q=total_q == n * max_q, uniform_k=total_k == n * max_k,
+            n=n,
+            len_q=max_q,
+            len_k=max_k,
+            uniform_q=total_q == n * max_q,
+            uniform_k=total_k == n * max_k,
             idx_q=torch.where(valid_q, cq[:-1, None] + aq[None, :], 0).flatten(),
             idx_k=torch.where(valid_k, ck[:-1, None] + ak[None, :], 0).flatten(),
-            valid_q=valid_q, valid_q_flat=valid_q.flatten().nonzero().flatten(),
-            q_pos=q_abs, k_pos=ak[None, :].expand(n, -1), allowed=allowed,
+            valid_q=valid_q,
+            valid_q_flat=valid_q.flatten().nonzero().flatten(),
+            q_pos=q_abs,
+            k_pos=ak[None, :].expand(n, -1),
+            allowed=allowed,
         )
 
     def mask(self, window: Optional[int], dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -112,8 +127,15 @@ class CrossLayout(PaddedLayout):
     """[n] prompt block (0..gs-1) of each segment."""
 
     @classmethod
-    def build_cross(cls, own: PaddedLayout, kv_prompt_start: torch.Tensor, kv_prompt_len: torch.Tensor,
-                    kv_group: torch.Tensor, lens_q: torch.Tensor, device: torch.device) -> "CrossLayout":
+    def build_cross(
+        cls,
+        own: PaddedLayout,
+        kv_prompt_start: torch.Tensor,
+        kv_prompt_len: torch.Tensor,
+        kv_group: torch.Tensor,
+        lens_q: torch.Tensor,
+        device: torch.device,
+    ) -> "CrossLayout":
         """The cross layout over `own` (the query segments' PaddedLayout); the kv_* tensors of Segments."""
         n = own.n
         p_start, p_len = kv_prompt_start.to(device), kv_prompt_len.to(device)
@@ -127,8 +149,15 @@ class CrossLayout(PaddedLayout):
         return cls.from_blocks(own, block_rows, p_len, local, lens_q, device)
 
     @classmethod
-    def from_blocks(cls, own: PaddedLayout, block_rows: torch.Tensor, block_len: torch.Tensor, local: torch.Tensor,
-                    lens_q: torch.Tensor, device: torch.device) -> "CrossLayout":
+    def from_blocks(
+        cls,
+        own: PaddedLayout,
+        block_rows: torch.Tensor,
+        block_len: torch.Tensor,
+        local: torch.Tensor,
+        lens_q: torch.Tensor,
+        device: torch.device,
+    ) -> "CrossLayout":
         """The cross layout from its shared key blocks: block_rows [gs, p_max] packed rows of each block
         (a short block repeats its last row, masked), block_len [n] real length of each segment's
         block, local [n] block of each segment. The prompt plan's blocks are prompts; the prefix-tree
@@ -142,10 +171,13 @@ class CrossLayout(PaddedLayout):
         ap = torch.arange(p_max, device=device)
         q_pos = block_len[:, None] + aq[None, :]
         k_pos = torch.cat([ap[None, :].expand(n, -1), block_len[:, None] + aq[None, :]], 1)
-        allowed = torch.cat([
-            (ap[None, None, :] < block_len[:, None, None]).expand(n, own.len_q, p_max),
-            (aq[None, None, :] <= aq[None, :, None]) & (aq[None, None, :] < lq[:, None, None]),
-        ], 2)
+        allowed = torch.cat(
+            [
+                (ap[None, None, :] < block_len[:, None, None]).expand(n, own.len_q, p_max),
+                (aq[None, None, :] <= aq[None, :, None]) & (aq[None, None, :] < lq[:, None, None]),
+            ],
+            2,
+        )
         inherited = {f.name: getattr(own, f.name) for f in fields(PaddedLayout) if f.init}
         inherited.update(q_pos=q_pos, k_pos=k_pos, allowed=allowed)
         return cls(**inherited, gs=gs, p_max=p_max, prompt_rows=prompt_rows, uniform_p=uniform_p, local=local)

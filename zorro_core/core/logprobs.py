@@ -145,8 +145,9 @@ def chunked_logprobs(
     """`memory` mode on already gathered hidden states [N, H]: ([N], [N] or None)."""
     if chunk_size < 1:
         raise ValueError(f"logits chunk size must be >= 1, got {chunk_size}")
-    lp, ent = ChunkedLogProbs.apply(hidden, lm_head.weight, lm_head.bias, labels, float(temperature),
-                                    int(chunk_size), bool(calculate_entropy))
+    lp, ent = ChunkedLogProbs.apply(
+        hidden, lm_head.weight, lm_head.bias, labels, float(temperature), int(chunk_size), bool(calculate_entropy)
+    )
     return lp, (ent if calculate_entropy else None)
 
 

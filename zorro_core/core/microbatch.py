@@ -64,7 +64,9 @@ def forward_backward(
     """
     batch.check_vocab(actor.vocab_size)  # before any backward: a bad id must not leave partial gradients
     batch = batch.to(actor.device)
-    part = partition_micro_batches(GroupedLengths.of(batch, dedup=actor.dedup), max_tokens_per_micro_batch, attention_weight)
+    part = partition_micro_batches(
+        GroupedLengths.of(batch, dedup=actor.dedup), max_tokens_per_micro_batch, attention_weight
+    )
     b, r = batch.responses.shape
     log_probs = entropy = None
     total = 0.0

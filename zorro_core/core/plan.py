@@ -131,7 +131,9 @@ def group_rows(batch: RolloutBatch, dedup: bool = True) -> torch.Tensor:
     dev = batch.device
     if not dedup:
         return torch.arange(b, device=dev)
-    canon = torch.where(batch.prompt_mask.bool(), batch.prompts.long(), torch.full_like(batch.prompts, -1, dtype=torch.long))
+    canon = torch.where(
+        batch.prompt_mask.bool(), batch.prompts.long(), torch.full_like(batch.prompts, -1, dtype=torch.long)
+    )
     _, inverse = torch.unique(canon, dim=0, return_inverse=True)
     n = int(inverse.max()) + 1
     rows = torch.arange(b, device=dev)
@@ -141,8 +143,13 @@ def group_rows(batch: RolloutBatch, dedup: bool = True) -> torch.Tensor:
     return rank[inverse]
 
 
-def build_dedup_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int | None = None,
-                     sharing: str = "prompt", min_shared_tokens: int | None = None) -> DedupPlan | TriePlan:
+def build_dedup_plan(
+    batch: RolloutBatch,
+    dedup: bool = True,
+    vocab_size: int | None = None,
+    sharing: str = "prompt",
+    min_shared_tokens: int | None = None,
+) -> DedupPlan | TriePlan:
     """Build the plan of a batch. With `dedup=False` every row is its own group (the baseline).
 
     The batch was validated when it was built; its token ids are checked here against
@@ -166,14 +173,18 @@ def build_dedup_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int | 
     plen_row = pm.sum(1)
     rlen = rm.sum(1)
     g_count = int(group_of_row.max()) + 1
-    rep_row = torch.full((g_count,), b, device=dev, dtype=torch.long).scatter_reduce(0, group_of_row, rows, reduce="amin")
+    rep_row = torch.full((g_count,), b, device=dev, dtype=torch.long).scatter_reduce(
+        0, group_of_row, rows, reduce="amin"
+    )
     group_size = torch.bincount(group_of_row, minlength=g_count)
     plen = plen_row[rep_row]
 
     single = group_size == 1
     single_row = single[group_of_row]
     # Self-causal segments, one per group: the prompt, or prompt + response for a lone row.
-    lone_rlen = torch.zeros(g_count, device=dev, dtype=torch.long).index_add(0, group_of_row, torch.where(single_row, rlen, 0))
+    lone_rlen = torch.zeros(g_count, device=dev, dtype=torch.long).index_add(
+        0, group_of_row, torch.where(single_row, rlen, 0)
+    )
     causal_len = plen + lone_rlen
 
     # Pieces in packed order: prompt g, the response of a lone row right after its prompt,
@@ -193,14 +204,20 @@ def build_dedup_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int | 
     cross_klen = plen[group_of_row[cross_rows]] + cross_qlen
 
     # One host sync for every size the rest needs.
-    sizes = torch.stack([
-        seg_len.sum(), causal_len.sum(), causal_len.max(),
-        cross_qlen.sum() if cross_rows.numel() else seg_len.new_zeros(()),
-        cross_klen.sum() if cross_rows.numel() else seg_len.new_zeros(()),
-        cross_qlen.max() if cross_rows.numel() else seg_len.new_zeros(()),
-        cross_klen.max() if cross_rows.numel() else seg_len.new_zeros(()),
-        plen_row.sum(), plen.sum(), rlen.sum(),
-    ]).tolist()
+    sizes = torch.stack(
+        [
+            seg_len.sum(),
+            causal_len.sum(),
+            causal_len.max(),
+            cross_qlen.sum() if cross_rows.numel() else seg_len.new_zeros(()),
+            cross_klen.sum() if cross_rows.numel() else seg_len.new_zeros(()),
+            cross_qlen.max() if cross_rows.numel() else seg_len.new_zeros(()),
+            cross_klen.max() if cross_rows.numel() else seg_len.new_zeros(()),
+            plen_row.sum(),
+            plen.sum(),
+            rlen.sum(),
+        ]
+    ).tolist()
     t, c_tot, c_max, x_qtot, x_ktot, x_qmax, x_kmax, logical_p, unique_p, n_resp = sizes
 
     # Per packed token: its segment and offset inside it.
@@ -226,22 +243,52 @@ def build_dedup_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int | 
     logit_index = pred.flatten()[response_flat_index]
     labels = batch.responses.long().flatten()[response_flat_index]
 
-    causal = Segments(0, torch.arange(c_tot, device=dev), _cu(causal_len), _cu(causal_len), c_max, c_max, True, c_tot, c_tot)
+    causal = Segments(
+        0, torch.arange(c_tot, device=dev), _cu(causal_len), _cu(causal_len), c_max, c_max, True, c_tot, c_tot
+    )
     cross = None
     if cross_rows.numel():
         kg = group_of_row[cross_rows]
         starts = torch.stack([prompt_start[kg], response_start[cross_rows]], 1).flatten()
         lens = torch.stack([plen[kg], cross_qlen], 1).flatten()
         xk = _ranges(starts, lens, x_ktot)
-        cross = Segments(c_tot, xk, _cu(cross_qlen), _cu(cross_klen), x_qmax, x_kmax, False, x_qtot, x_ktot,
-                         kv_prompt_start=prompt_start[kg], kv_prompt_len=plen[kg], kv_group=kg)
+        cross = Segments(
+            c_tot,
+            xk,
+            _cu(cross_qlen),
+            _cu(cross_klen),
+            x_qmax,
+            x_kmax,
+            False,
+            x_qtot,
+            x_ktot,
+            kv_prompt_start=prompt_start[kg],
+            kv_prompt_len=plen[kg],
+            kv_group=kg,
+        )
 
     return DedupPlan(
-        batch_size=b, response_width=rw, num_groups=g_count, deduplicated=dedup,
-        group_of_row=group_of_row, group_rep_row=rep_row, group_size=group_size,
-        prompt_lens=plen, response_lens=rlen, prompt_start=prompt_start, response_start=response_start,
-        input_ids=input_ids, position_ids=position_ids, token_group=token_group, token_segment=token_segment,
-        logit_index=logit_index, labels=labels, response_flat_index=response_flat_index,
-        causal=causal, cross=cross,
-        logical_tokens=logical_p + n_resp, logical_prompt_tokens=logical_p, unique_prompt_tokens=unique_p,
+        batch_size=b,
+        response_width=rw,
+        num_groups=g_count,
+        deduplicated=dedup,
+        group_of_row=group_of_row,
+        group_rep_row=rep_row,
+        group_size=group_size,
+        prompt_lens=plen,
+        response_lens=rlen,
+        prompt_start=prompt_start,
+        response_start=response_start,
+        input_ids=input_ids,
+        position_ids=position_ids,
+        token_group=token_group,
+        token_segment=token_segment,
+        logit_index=logit_index,
+        labels=labels,
+        response_flat_index=response_flat_index,
+        causal=causal,
+        cross=cross,
+        logical_tokens=logical_p + n_resp,
+        logical_prompt_tokens=logical_p,
+        unique_prompt_tokens=unique_p,
     )

@@ -53,7 +53,9 @@ class Segments:
     def padded_layout(self, device: torch.device) -> PaddedLayout:
         """The segments as a padded batch (built once, reused by every layer)."""
         if self._padded is None or not _same_device(self._padded.device, device):
-            self._padded = PaddedLayout.build(self.cu_q, self.cu_k, self.max_q, self.max_k, self.total_q, self.total_k, device)
+            self._padded = PaddedLayout.build(
+                self.cu_q, self.cu_k, self.max_q, self.max_k, self.total_q, self.total_k, device
+            )
         return self._padded
 
     def cross_layout(self, device: torch.device) -> CrossLayout:
@@ -61,8 +63,9 @@ class Segments:
         if self.kv_group is None:
             raise ValueError("cross_layout needs cross segments (kv_prompt_start, kv_prompt_len, kv_group)")
         if self._cross is None or not _same_device(self._cross.device, device):
-            self._cross = CrossLayout.build_cross(self.padded_layout(device), self.kv_prompt_start, self.kv_prompt_len,
-                                                  self.kv_group, self.lens_q, device)
+            self._cross = CrossLayout.build_cross(
+                self.padded_layout(device), self.kv_prompt_start, self.kv_prompt_len, self.kv_group, self.lens_q, device
+            )
         return self._cross
 
     @property

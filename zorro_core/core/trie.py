@@ -70,8 +70,14 @@ class TreeLevel:
         prompt plan's cross layout with "prompt" generalised to "the parent's path" (built once)."""
         if self._cross is None or not _same_device(self._cross.device, device):
             own = self.seg.padded_layout(device)
-            self._cross = CrossLayout.from_blocks(own, self.prefix_rows.to(device), self.prefix_len.to(device),
-                                                  self.local.to(device), self.seg.lens_q, device)
+            self._cross = CrossLayout.from_blocks(
+                own,
+                self.prefix_rows.to(device),
+                self.prefix_len.to(device),
+                self.local.to(device),
+                self.seg.lens_q,
+                device,
+            )
             self._compact = None
         return self._cross
 
@@ -83,8 +89,11 @@ class TreeLevel:
         if self._compact is None:
             seg, blocks = self.seg, lay.gs * lay.p_max
             rows = torch.cat([lay.prompt_rows, seg.q_start + torch.arange(seg.total_q, device=device)])
-            self._compact = (rows, dataclasses.replace(seg, q_start=blocks),
-                             dataclasses.replace(lay, prompt_rows=torch.arange(blocks, device=device), uniform_p=True))
+            self._compact = (
+                rows,
+                dataclasses.replace(seg, q_start=blocks),
+                dataclasses.replace(lay, prompt_rows=torch.arange(blocks, device=device), uniform_p=True),
+            )
         return self._compact
 
     def k_index(self, device: torch.device) -> torch.Tensor:
@@ -372,8 +381,9 @@ def _by_level(nodes, level):
     return out
 
 
-def build_trie_plan(batch: RolloutBatch, vocab_size: Optional[int] = None,
-                    min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS) -> TriePlan:
+def build_trie_plan(
+    batch: RolloutBatch, vocab_size: Optional[int] = None, min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS
+) -> TriePlan:
     """The prefix-tree plan of a batch (see the module docstring); checks token ids against the vocabulary."""
     check_sharing("prefix", min_shared_tokens)
     if vocab_size is not None:  # the batch itself was validated when it was built
@@ -384,7 +394,9 @@ def build_trie_plan(batch: RolloutBatch, vocab_size: Optional[int] = None,
     start, end, parent, row_node = _radix_tree(canon, lens)
     keep = _prompt_closers(start, end, parent, row_node, plens)
     live = _merge_short(start, end, parent, row_node, min_shared_tokens, keep)
-    packed, by_level, level, rows, first_row, tin, tout, prompt_tokens = _layout(start, end, parent, row_node, live, plens)
+    packed, by_level, level, rows, first_row, tin, tout, prompt_tokens = _layout(
+        start, end, parent, row_node, live, plens
+    )
 
     # Renumber nodes 0..M-1 in packed order; everything below is vectorised.
     new = {n: i for i, n in enumerate(packed)}
@@ -445,18 +457,43 @@ def build_trie_plan(batch: RolloutBatch, vocab_size: Optional[int] = None,
     levels = _levels(by_level, new, depth, nlen, nstart, par, rep, packed_at)
     to = lambda x: x.to(dev)  # noqa: E731
     for lv in levels:
-        lv.seg = Segments(lv.seg.q_start, to(lv.seg.k_index), to(lv.seg.cu_q), to(lv.seg.cu_k), lv.seg.max_q,
-                          lv.seg.max_k, lv.seg.q_is_k, lv.seg.total_q, lv.seg.total_k)
+        lv.seg = Segments(
+            lv.seg.q_start,
+            to(lv.seg.k_index),
+            to(lv.seg.cu_q),
+            to(lv.seg.cu_k),
+            lv.seg.max_q,
+            lv.seg.max_k,
+            lv.seg.q_is_k,
+            lv.seg.total_q,
+            lv.seg.total_k,
+        )
         if lv.prefix_rows is not None:
             lv.prefix_rows, lv.prefix_len, lv.local = to(lv.prefix_rows), to(lv.prefix_len), to(lv.local)
     return TriePlan(
-        batch_size=b, response_width=rw, min_shared_tokens=min_shared_tokens,
-        node_depth=to(depth), node_len=to(nlen), node_start=to(nstart), node_parent=to(par), node_level=to(lvl),
-        node_rows=to(nrows), node_tin=to(ntin), node_tout=to(ntout), row_node=to(rnode),
-        input_ids=to(input_ids), position_ids=to(position_ids), token_node=to(token_node),
-        logit_index=to(logit_index), labels=to(labels), response_flat_index=to(response_flat_index),
-        response_logit=to(response_logit), levels=levels,
-        logical_tokens=int(lens.sum()), logical_prompt_tokens=int(plens.sum()), unique_prompt_tokens=prompt_tokens,
+        batch_size=b,
+        response_width=rw,
+        min_shared_tokens=min_shared_tokens,
+        node_depth=to(depth),
+        node_len=to(nlen),
+        node_start=to(nstart),
+        node_parent=to(par),
+        node_level=to(lvl),
+        node_rows=to(nrows),
+        node_tin=to(ntin),
+        node_tout=to(ntout),
+        row_node=to(rnode),
+        input_ids=to(input_ids),
+        position_ids=to(position_ids),
+        token_node=to(token_node),
+        logit_index=to(logit_index),
+        labels=to(labels),
+        response_flat_index=to(response_flat_index),
+        response_logit=to(response_logit),
+        levels=levels,
+        logical_tokens=int(lens.sum()),
+        logical_prompt_tokens=int(plens.sum()),
+        unique_prompt_tokens=prompt_tokens,
     )
 
 
@@ -482,6 +519,8 @@ def _levels(by_level, new, depth, nlen, nstart, par, rep, packed_at) -> list[Tre
         d = torch.arange(p_max)[None, :].clamp(max=g_len[:, None] - 1)
         prefix_rows = packed_at(rep[ids[first]], d)
         # k_index (the gather that flash/torch varlen take) is built on demand by zorro_core.attention.tree.
-        seg = Segments(q0, torch.zeros(0, dtype=torch.long), _cu(lq), _cu(lk), mq, int(lk.max()), False, tq, int(lk.sum()))
+        seg = Segments(
+            q0, torch.zeros(0, dtype=torch.long), _cu(lq), _cu(lk), mq, int(lk.max()), False, tq, int(lk.sum())
+        )
         levels.append(TreeLevel(seg, prefix_rows, plen, local))
     return levels

@@ -36,8 +36,10 @@ def check_fsdp_backend(backend: str) -> None:
     """Refuse FSDP2 on gloo with a torch older than GLOO_FSDP2_TORCH (it would fail mid-backward)."""
     version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     if backend == "gloo" and version < GLOO_FSDP2_TORCH:
-        raise RuntimeError(f"FSDP2 on gloo (CPU) needs torch >= 2.7 (reduce_scatter and ReduceOp.AVG on gloo); "
-                           f"this is torch {torch.__version__}")
+        raise RuntimeError(
+            f"FSDP2 on gloo (CPU) needs torch >= 2.7 (reduce_scatter and ReduceOp.AVG on gloo); "
+            f"this is torch {torch.__version__}"
+        )
 
 
 def under_torchrun() -> bool:
@@ -64,8 +66,9 @@ def _rank_main(rank: int, world: int, port: int, backend: str, threads: int, fn,
         torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=300))
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+        )
         try:
             out = fn(*args)
         finally:
@@ -75,8 +78,9 @@ def _rank_main(rank: int, world: int, port: int, backend: str, threads: int, fn,
         results.put((rank, False, traceback.format_exc()))
 
 
-def launch(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo", threads: int = 1,
-           timeout_s: float = 600.0) -> list[Any]:
+def launch(
+    fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo", threads: int = 1, timeout_s: float = 600.0
+) -> list[Any]:
     """`fn(*args)` on `nproc` new ranks (module doc); `fn` must be importable (spawn pickles it by name)."""
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -86,8 +90,10 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, backend, threads, fn, args, results), daemon=False)
-             for r in range(nproc)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, nproc, port, backend, threads, fn, args, results), daemon=False)
+        for r in range(nproc)
+    ]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}

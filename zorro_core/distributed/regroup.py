@@ -110,8 +110,16 @@ class Restore:
     """`restore(t)`: a [local_B, R', ...] tensor of the regrouped batch -> [B, R, ...] in this
     rank's original rows, order and response width; 0 at response padding; differentiable."""
 
-    def __init__(self, info: RegroupInfo, local_lens: torch.Tensor, home_index: torch.Tensor,
-                 back: list[int], forth: list[int], shape: tuple[int, int], group) -> None:
+    def __init__(
+        self,
+        info: RegroupInfo,
+        local_lens: torch.Tensor,
+        home_index: torch.Tensor,
+        back: list[int],
+        forth: list[int],
+        shape: tuple[int, int],
+        group,
+    ) -> None:
         self.info = info
         self._local_lens = local_lens  # [local_B] response length of each local row
         self._home_index = home_index  # flat [B*R] position of each value arriving home, in arrival order
@@ -122,23 +130,29 @@ class Restore:
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         n = self._local_lens.numel()
         if t.dim() < 2 or t.shape[0] != n:
-            raise ValueError(f"restore takes a [local_B={n}, R', ...] tensor of the regrouped batch, got {tuple(t.shape)}")
+            raise ValueError(
+                f"restore takes a [local_B={n}, R', ...] tensor of the regrouped batch, got {tuple(t.shape)}"
+            )
         width = int(self._local_lens.max())
         if t.shape[1] < width:
             raise ValueError(f"restore: tensor has {t.shape[1]} columns, the regrouped rows need {width}")
         cols = torch.arange(t.shape[1], device=t.device)
         real = cols[None, :] < self._local_lens.to(t.device)[:, None]
         values = t[real]  # row-major: each local row's real positions, rows in local (source-rank) order
-        self.info.restore_bytes_sent += sum(self._back[r] for r in range(len(self._back)) if r != self.info.rank) \
-            * math.prod(t.shape[2:]) * values.element_size()
+        self.info.restore_bytes_sent += (
+            sum(self._back[r] for r in range(len(self._back)) if r != self.info.rank)
+            * math.prod(t.shape[2:])
+            * values.element_size()
+        )
         home = _Exchange.apply(values, self._back, self._forth, self._group)
         b, r = self._shape
         out = home.new_zeros((b * r,) + tuple(t.shape[2:]))
         return out.index_put((self._home_index.to(t.device),), home).view((b, r) + tuple(t.shape[2:]))
 
 
-def regroup(batch: RolloutBatch, group=None, equal_rows: bool = False,
-            attention_weight: float = 0.0) -> tuple[RolloutBatch, Restore]:
+def regroup(
+    batch: RolloutBatch, group=None, equal_rows: bool = False, attention_weight: float = 0.0
+) -> tuple[RolloutBatch, Restore]:
     """Move rows so that every row of a prompt sits on one rank, ranks balanced by dedup-aware cost.
 
     A collective over `group` (default: the world). Returns this rank's regrouped batch and
@@ -160,12 +174,17 @@ def regroup(batch: RolloutBatch, group=None, equal_rows: bool = False,
     gathered = [torch.zeros(most, 3, dtype=torch.int64, device=dev) for _ in range(world)]
     dist.all_gather(gathered, torch.cat([meta, meta.new_zeros(most - meta.shape[0], 3)]), group=group)
     metas = [g[:c].tolist() for g, c in zip(gathered, counts_)]
-    routing = plan_routing([[m[0] for m in ms] for ms in metas], [[m[1] for m in ms] for ms in metas],
-                           [[m[2] for m in ms] for ms in metas], equal_rows, attention_weight)
+    routing = plan_routing(
+        [[m[0] for m in ms] for ms in metas],
+        [[m[1] for m in ms] for ms in metas],
+        [[m[2] for m in ms] for ms in metas],
+        equal_rows,
+        attention_weight,
+    )
 
     # Send: my rows ordered by destination (stable, so ascending within a destination).
     start = routing.offset(rank)
-    my_dest = routing.dest[start:start + batch.batch_size]
+    my_dest = routing.dest[start : start + batch.batch_size]
     order = sorted(range(batch.batch_size), key=lambda i: my_dest[i])
     ids = torch.cat([batch.prompts, batch.responses], 1)
     if ids.numel() and int(ids.max()) > torch.iinfo(torch.int32).max:
@@ -183,7 +202,9 @@ def regroup(batch: RolloutBatch, group=None, equal_rows: bool = False,
     for row in mine:
         recv[source[row]] += flat_meta[row][1] + flat_meta[row][2]
     tokens = _all_to_all(payload, send, recv, group)
-    local = _unpack(tokens, [flat_meta[row][1] for row in mine], [flat_meta[row][2] for row in mine], batch.prompts.dtype, dev)
+    local = _unpack(
+        tokens, [flat_meta[row][1] for row in mine], [flat_meta[row][2] for row in mine], batch.prompts.dtype, dev
+    )
 
     # restore: values go back from each local row to its source; they land at home in the order
     # each destination sends them (by destination, then my ascending row index).
@@ -197,13 +218,21 @@ def regroup(batch: RolloutBatch, group=None, equal_rows: bool = False,
     # a row's real positions come first, in column order)
     home_index = torch.arange(batch.batch_size * r_width, device=dev).view(-1, r_width)[order_t][rm[order_t]]
     info = RegroupInfo(
-        rank=rank, world_size=world, rows_before=routing.rows_before, rows_after=routing.rows_after,
-        tokens_before=routing.tokens(after=False), tokens_after=routing.tokens(after=True),
-        prompt_dedup_before=routing.prompt_dedup_ratio(after=False), prompt_dedup_after=routing.prompt_dedup_ratio(after=True),
-        split_groups_before=routing.split_groups(after=False), split_groups_after=routing.split_groups(after=True),
-        rows_sent=sum(d != rank for d in my_dest), metadata_bytes=(world * 1 + world * most * 3) * 8,
+        rank=rank,
+        world_size=world,
+        rows_before=routing.rows_before,
+        rows_after=routing.rows_after,
+        tokens_before=routing.tokens(after=False),
+        tokens_after=routing.tokens(after=True),
+        prompt_dedup_before=routing.prompt_dedup_ratio(after=False),
+        prompt_dedup_after=routing.prompt_dedup_ratio(after=True),
+        split_groups_before=routing.split_groups(after=False),
+        split_groups_after=routing.split_groups(after=True),
+        rows_sent=sum(d != rank for d in my_dest),
+        metadata_bytes=(world * 1 + world * most * 3) * 8,
         bytes_sent=sum(send[d] for d in range(world) if d != rank) * 4,
-        bytes_received=sum(recv[s] for s in range(world) if s != rank) * 4, routing=routing,
+        bytes_received=sum(recv[s] for s in range(world) if s != rank) * 4,
+        routing=routing,
     )
     return local, Restore(info, local_lens, home_index, back, forth, (batch.batch_size, r_width), group)
 
@@ -218,4 +247,6 @@ def _unpack(tokens: torch.Tensor, plens: list[int], rlens: list[int], dtype: tor
     ids = torch.zeros(n, pw + rw, dtype=dtype, device=dev)
     ids[mask] = tokens.to(dtype)
     m = mask.long()
-    return RolloutBatch(ids[:, :pw].contiguous(), m[:, :pw].contiguous(), ids[:, pw:].contiguous(), m[:, pw:].contiguous())
+    return RolloutBatch(
+        ids[:, :pw].contiguous(), m[:, :pw].contiguous(), ids[:, pw:].contiguous(), m[:, pw:].contiguous()
+    )

@@ -93,8 +93,10 @@ def plan_routing(
         if rows_before[r] < 1:
             raise ValueError(f"rank {r} holds no rows: every rank must pass a non-empty batch")
         if not (len(prompt_lens[r]) == len(response_lens[r]) == rows_before[r]):
-            raise ValueError(f"rank {r}: {rows_before[r]} keys but {len(prompt_lens[r])} prompt lengths "
-                             f"and {len(response_lens[r])} response lengths")
+            raise ValueError(
+                f"rank {r}: {rows_before[r]} keys but {len(prompt_lens[r])} prompt lengths "
+                f"and {len(response_lens[r])} response lengths"
+            )
     n = sum(rows_before)
     if n < world:
         raise ValueError(f"{n} rows cannot give each of {world} ranks a row")
@@ -123,13 +125,14 @@ def _whole_groups(work: GroupedLengths, world: int, attention_weight: float) -> 
     units = [rows for rows in work.rows_of_group]
     while len(units) < world:  # fewer groups than ranks: halve the costliest divisible unit
         i = max((i for i, u in enumerate(units) if len(u) > 1), key=lambda i: work.cost(units[i], attention_weight))
-        units[i:i + 1] = [units[i][: len(units[i]) // 2], units[i][len(units[i]) // 2:]]
+        units[i : i + 1] = [units[i][: len(units[i]) // 2], units[i][len(units[i]) // 2 :]]
     assign = karmarkar_karp([work.cost(u, attention_weight) for u in units], world)
     return [sorted(r for i in items for r in units[i]) for items in assign]
 
 
 def _assign_parts(work: GroupedLengths, parts: list[list[int]], source: list[int], world: int) -> list[int]:
     """The rank of each part: greedy on the tokens a rank already holds of a part (kept, not sent)."""
+
     def row_tokens(row: int) -> int:
         return work.prompt_lens[work.group_of_row[row]] + work.response_lens[row]
 
@@ -137,7 +140,9 @@ def _assign_parts(work: GroupedLengths, parts: list[list[int]], source: list[int
     for p, part in enumerate(parts):
         for row in part:
             kept[p][source[row]] += row_tokens(row)
-    pairs = sorted(((kept[p][r], p, r) for p in range(len(parts)) for r in range(world)), key=lambda x: (-x[0], x[1], x[2]))
+    pairs = sorted(
+        ((kept[p][r], p, r) for p in range(len(parts)) for r in range(world)), key=lambda x: (-x[0], x[1], x[2])
+    )
     rank_of: dict[int, int] = {}
     taken: set[int] = set()
     for _, p, r in pairs:

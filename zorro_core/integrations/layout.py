@@ -29,7 +29,7 @@ def layout_problem(attention_mask: torch.Tensor, response_width: int) -> Optiona
     if not 0 < response_width < width:
         return f"response width {response_width} leaves no prompt column in a row of {width} columns"
     mask = attention_mask.bool()
-    prompt, response = mask[:, : width - response_width], mask[:, width - response_width:]
+    prompt, response = mask[:, : width - response_width], mask[:, width - response_width :]
     if not bool(prompt.any(1).all()):
         return "a row has an empty prompt (attention_mask is 0 on every prompt column)"
     if bool((prompt[:, :-1] & ~prompt[:, 1:]).any()):

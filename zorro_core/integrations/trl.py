@@ -45,8 +45,16 @@ from zorro_core.integrations.layout import ZorroFallbackWarning, joined_logprobs
 
 TESTED_TRL = ("1.15", "1.16")
 """TRL minor versions whose `_get_per_token_logps_and_entropies` this module reproduces."""
-_SIGNATURE = ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
-              "compute_aux_loss")
+_SIGNATURE = (
+    "self",
+    "model",
+    "input_ids",
+    "attention_mask",
+    "logits_to_keep",
+    "batch_size",
+    "compute_entropy",
+    "compute_aux_loss",
+)
 """The leading parameters of the method in the tested versions (vision kwargs follow)."""
 
 
@@ -126,8 +134,17 @@ class DedupGRPOTrainer(GRPOTrainer):
             return "every completion of the call is masked"
         return None
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **extra):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **extra,
+    ):
         reason = self._refusal(model, attention_mask, logits_to_keep, compute_aux_loss, extra)
         actor = None if reason else self._actor_for(model)
         if isinstance(actor, str):
@@ -135,13 +152,15 @@ class DedupGRPOTrainer(GRPOTrainer):
         if reason is None:
             try:
                 with self.accelerator.autocast():
-                    logps, entropies = joined_logprobs(actor, input_ids, attention_mask, logits_to_keep,
-                                                       self.temperature, compute_entropy, batch_size)
+                    logps, entropies = joined_logprobs(
+                        actor, input_ids, attention_mask, logits_to_keep, self.temperature, compute_entropy, batch_size
+                    )
                 self.zorro_calls["dedup"] += 1
                 return logps, entropies, None
             except UnsupportedModelError as e:  # state-dependent refusals (e.g. dropout in training mode)
                 reason = f"the dedup path refuses this call: {e}"
         self._fallback_note(reason)
         self.zorro_calls["fallback"] += 1
-        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
-                                                          compute_entropy, compute_aux_loss, **extra)
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **extra
+        )

@@ -61,8 +61,10 @@ def check_micro_batch(micro_batch: dict) -> int:
     if pos.dim() != 2:
         raise ValueError(f"position_ids has shape {tuple(pos.shape)}: 3-D (mrope, vision) position ids are not served")
     if ids.dim() != 2 or resp.dim() != 2 or mask.shape != ids.shape or pos.shape != ids.shape:
-        raise ValueError(f"shapes do not match verl's layout: input_ids {tuple(ids.shape)}, attention_mask "
-                         f"{tuple(mask.shape)}, position_ids {tuple(pos.shape)}, responses {tuple(resp.shape)}")
+        raise ValueError(
+            f"shapes do not match verl's layout: input_ids {tuple(ids.shape)}, attention_mask "
+            f"{tuple(mask.shape)}, position_ids {tuple(pos.shape)}, responses {tuple(resp.shape)}"
+        )
     r = resp.shape[1]
     if resp.shape[0] != ids.shape[0] or not 0 < r < ids.shape[1]:
         raise ValueError(f"responses {tuple(resp.shape)} is not the tail of input_ids {tuple(ids.shape)}")
@@ -71,8 +73,10 @@ def check_micro_batch(micro_batch: dict) -> int:
     real = mask.bool()
     # zorro numbers each sequence's tokens 0.. itself; other position ids would be another computation.
     if not torch.equal(pos[real], verl_position_ids(mask.long())[real]):
-        raise ValueError("position_ids are not clip(cumsum(attention_mask) - 1, 0) on real tokens, as verl builds them; "
-                         "the dedup path numbers each sequence from 0 and cannot reproduce other positions")
+        raise ValueError(
+            "position_ids are not clip(cumsum(attention_mask) - 1, 0) on real tokens, as verl builds them; "
+            "the dedup path numbers each sequence from 0 and cannot reproduce other positions"
+        )
     return r
 
 
@@ -84,8 +88,9 @@ def forward_micro_batch(actor, micro_batch: dict, temperature: float, calculate_
     Raises ValueError on a micro-batch that is not verl's layout (see `check_micro_batch`).
     """
     r = check_micro_batch(micro_batch)
-    log_probs, entropy = joined_logprobs(actor, micro_batch["input_ids"], micro_batch["attention_mask"], r,
-                                         temperature, calculate_entropy)
+    log_probs, entropy = joined_logprobs(
+        actor, micro_batch["input_ids"], micro_batch["attention_mask"], r, temperature, calculate_entropy
+    )
     out = {"log_probs": log_probs}
     if calculate_entropy:
         out["entropys"] = entropy
@@ -138,14 +143,17 @@ def patch_dp_actor(actor_cls: type, **actor_kwargs: Any) -> type:
                 dtype = getattr(self, "param_dtype", None)
                 device = getattr(self, "device_name", "cuda")
                 # verl runs its forward under autocast to param_dtype; so does the patched one.
-                with torch.autocast(device_type=device, dtype=dtype or torch.bfloat16,
-                                    enabled=dtype in (torch.bfloat16, torch.float16)):
+                with torch.autocast(
+                    device_type=device, dtype=dtype or torch.bfloat16, enabled=dtype in (torch.bfloat16, torch.float16)
+                ):
                     return forward_micro_batch(actor, micro_batch, temperature, calculate_entropy)
             except UnsupportedModelError as e:
                 reason = f"the dedup path refuses it: {e}"
         if reason not in warned:
             warned.add(reason)
-            warnings.warn(f"zorro: verl's own forward serves this micro-batch: {reason}", ZorroFallbackWarning, stacklevel=2)
+            warnings.warn(
+                f"zorro: verl's own forward serves this micro-batch: {reason}", ZorroFallbackWarning, stacklevel=2
+            )
         return original(self, micro_batch, temperature, calculate_entropy)
 
     _forward_micro_batch._zorro_patched = True

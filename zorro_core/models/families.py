@@ -20,8 +20,15 @@ from torch import nn
 
 from zorro_core.models.moe import AUX_WEIGHTINGS, load_balancing_loss, router_aux_loss, token_multiplicity
 
-__all__ = ["AUX_WEIGHTINGS", "install_family_adapters", "forward_kwargs", "load_balancing_loss", "router_aux_loss",
-           "token_multiplicity", "wants_router_logits"]
+__all__ = [
+    "AUX_WEIGHTINGS",
+    "install_family_adapters",
+    "forward_kwargs",
+    "load_balancing_loss",
+    "router_aux_loss",
+    "token_multiplicity",
+    "wants_router_logits",
+]
 
 
 def install_family_adapters(model: nn.Module, parts) -> None:

@@ -103,7 +103,9 @@ def conv_sources(plan: DedupPlan, kernel_size: int) -> torch.Tensor:
     offset = pos - plan.prompt_lens[grp]
     tok = torch.arange(t, device=dev)
     d = torch.arange(kernel_size - 1, -1, -1, device=dev)[None, :]  # oldest first
-    src = torch.where(is_resp[:, None] & (offset[:, None] >= d), tok[:, None] - d, plan.prompt_start[grp][:, None] + pos[:, None] - d)
+    src = torch.where(
+        is_resp[:, None] & (offset[:, None] >= d), tok[:, None] - d, plan.prompt_start[grp][:, None] + pos[:, None] - d
+    )
     return torch.where(pos[:, None] >= d, src, t)
 
 
@@ -118,7 +120,8 @@ def build_linear_layout(plan: DedupPlan, chunk: int = DEFAULT_CHUNK) -> LinearLa
     # Head: shared prompts up to the fork (maybe empty: then the branches start from zeros), and
     # the whole [prompt][response] of one-member groups (contiguous in the packed row).
     lone_len = torch.zeros(g_count, dtype=torch.long, device=dev).index_add(
-        0, plan.group_of_row, torch.where(shared[plan.group_of_row], 0, plan.response_lens))
+        0, plan.group_of_row, torch.where(shared[plan.group_of_row], 0, plan.response_lens)
+    )
     fork = torch.where(shared, plen // chunk * chunk, plen)
     head_len = fork + lone_len
     keep = (head_len > 0).nonzero().flatten()
@@ -142,8 +145,9 @@ def build_linear_layout(plan: DedupPlan, chunk: int = DEFAULT_CHUNK) -> LinearLa
         # Every response token from its own branch; a prompt's tail from its first row's branch.
         n_b = branch.index.numel()
         seg_len = tail_len + plan.response_lens[rows]
-        in_tail = torch.arange(n_b, device=dev) - torch.repeat_interleave(branch.cu[:-1].long(), seg_len, output_size=n_b) \
-            < torch.repeat_interleave(tail_len, seg_len, output_size=n_b)
+        in_tail = torch.arange(n_b, device=dev) - torch.repeat_interleave(
+            branch.cu[:-1].long(), seg_len, output_size=n_b
+        ) < torch.repeat_interleave(tail_len, seg_len, output_size=n_b)
         first_row = torch.repeat_interleave(plan.group_rep_row[g] == rows, seg_len, output_size=n_b)
         use = ~in_tail | first_row
         merge[branch.index[use]] = head.index.numel() + torch.arange(n_b, device=dev)[use]
@@ -165,31 +169,73 @@ def fla_serves(x: torch.Tensor) -> bool:
     return x.is_cuda and fla_available() is None
 
 
-def _delta_varlen(kernel, calls: _Calls, x: tuple, init: Optional[torch.Tensor], chunk: int, final: bool, use_fla: bool):
+def _delta_varlen(
+    kernel, calls: _Calls, x: tuple, init: Optional[torch.Tensor], chunk: int, final: bool, use_fla: bool
+):
     """Run the delta rule over the segments of `calls`; returns ([N, Hv, Dv] outputs in segment order, final states)."""
     if use_fla:
         args = [a[calls.index][None] for a in x]
-        out, state = kernel(*args[:3], g=args[3], beta=args[4], initial_state=init, output_final_state=final,
-                            use_qk_l2norm_in_kernel=True, cu_seqlens=calls.cu.long())
+        out, state = kernel(
+            *args[:3],
+            g=args[3],
+            beta=args[4],
+            initial_state=init,
+            output_final_state=final,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=calls.cu.long(),
+        )
         return out[0], state
     # PyTorch fallback: right-padded batch (it ignores cu_seqlens; its wrapper refuses them).
     args = [torch.cat([a, a.new_zeros(1, *a.shape[1:])])[calls.padded] for a in x]
-    out, state = kernel(*args[:3], g=args[3], beta=args[4], chunk_size=chunk, initial_state=init,
-                        output_final_state=final, use_qk_l2norm_in_kernel=True)
+    out, state = kernel(
+        *args[:3],
+        g=args[3],
+        beta=args[4],
+        chunk_size=chunk,
+        initial_state=init,
+        output_final_state=final,
+        use_qk_l2norm_in_kernel=True,
+    )
     return out[calls.valid], state
 
 
-def _dedup_delta_rule(original, query, key, value, g, beta, chunk_size: int = DEFAULT_CHUNK, initial_state=None,
-                      output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False, cu_seqlens=None, **kwargs):
+def _dedup_delta_rule(
+    original,
+    query,
+    key,
+    value,
+    g,
+    beta,
+    chunk_size: int = DEFAULT_CHUNK,
+    initial_state=None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens=None,
+    **kwargs,
+):
     route = kwargs.get("zorro_route")
     if route is None:
-        return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
-                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                        cu_seqlens=cu_seqlens, **kwargs)
+        return original(
+            query,
+            key,
+            value,
+            g=g,
+            beta=beta,
+            chunk_size=chunk_size,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            cu_seqlens=cu_seqlens,
+            **kwargs,
+        )
     if initial_state is not None or output_final_state or cu_seqlens is not None:
-        raise UnsupportedModelError("a recurrent cache (initial_state / output_final_state) is not supported by the dedup path")
+        raise UnsupportedModelError(
+            "a recurrent cache (initial_state / output_final_state) is not supported by the dedup path"
+        )
     if not use_qk_l2norm_in_kernel:
-        raise UnsupportedModelError("the dedup gated DeltaNet adapter expects use_qk_l2norm_in_kernel=True (Qwen3-Next)")
+        raise UnsupportedModelError(
+            "the dedup gated DeltaNet adapter expects use_qk_l2norm_in_kernel=True (Qwen3-Next)"
+        )
     if query.shape[0] != 1:
         raise ValueError(f"the packed row must have batch size 1, got {query.shape[0]}")
     plan = route.plan
@@ -204,7 +250,9 @@ def _dedup_delta_rule(original, query, key, value, g, beta, chunk_size: int = DE
         outs.append(head_out)
     if lay.branch is not None:
         hv, dk, dv = value.shape[2], key.shape[3], value.shape[3]
-        zero = torch.zeros(1, hv, dk, dv, dtype=torch.float32 if head_state is None else head_state.dtype, device=query.device)
+        zero = torch.zeros(
+            1, hv, dk, dv, dtype=torch.float32 if head_state is None else head_state.dtype, device=query.device
+        )
         states = zero if head_state is None else torch.cat([zero, head_state])
         branch_out, _ = _delta_varlen(original, lay.branch, x, states[lay.branch_state], chunk_size, False, use_fla)
         outs.append(branch_out)
@@ -226,7 +274,8 @@ def _dedup_conv(original, hidden_states, weight, bias=None, activation=None, **k
     if hidden_states.shape[-1] != plan.num_tokens:
         raise UnsupportedModelError(
             f"the conv input has {hidden_states.shape[-1]} positions for a packed row of {plan.num_tokens}: "
-            "a conv cache is in use; the dedup path runs a full forward without cache")
+            "a conv cache is in use; the dedup path runs a full forward without cache"
+        )
     src, fix = plan.derived(("linear_conv", k), lambda: _conv_fixes(plan, k))
     # The model's own conv over the packed row is right wherever a token's window lies inside its
     # own packed segment; only the first K-1 tokens of a segment see the wrong neighbours.
@@ -272,7 +321,9 @@ def install_linear_attention(model: nn.Module) -> None:
         for name, fn in ((_CONV_FN, _dedup_conv), (_DELTA_FN, _dedup_delta_rule)):
             current = getattr(mod, name, None)
             if current is None:
-                raise UnsupportedModelError(f"{mod.__name__} has no {name}: this transformers version's gated DeltaNet is not supported")
+                raise UnsupportedModelError(
+                    f"{mod.__name__} has no {name}: this transformers version's gated DeltaNet is not supported"
+                )
             if getattr(current, "zorro_original", None) is None:
                 setattr(mod, name, _bind(fn, current))
 

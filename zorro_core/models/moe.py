@@ -39,7 +39,10 @@ def token_multiplicity(plan: DedupPlan) -> torch.Tensor:
 
 
 def load_balancing_loss(
-    router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int, weights: Optional[torch.Tensor] = None,
+    router_logits: Sequence[torch.Tensor],
+    num_experts: int,
+    top_k: int,
+    weights: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Switch-Transformer aux loss of transformers' MoE models, with per-token weights.
 

@@ -74,29 +74,42 @@ def model_parts(model: nn.Module) -> ModelParts:
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(lm_head).__module__.startswith("peft."):
-        raise UnsupportedModelError(f"lm_head is wrapped by peft ({type(lm_head).__name__}): an adapter on lm_head is not "
-                                    "supported by the dedup log-prob path; target the decoder's projections only")
+        raise UnsupportedModelError(
+            f"lm_head is wrapped by peft ({type(lm_head).__name__}): an adapter on lm_head is not "
+            "supported by the dedup log-prob path; target the decoder's projections only"
+        )
     if base is None or base is model or not isinstance(lm_head, nn.Linear):
         raise ValueError(f"{type(model).__name__} is not a causal LM with a base model and a linear lm_head")
     if getattr(config, "final_logit_softcapping", None):
         raise UnsupportedModelError("final_logit_softcapping is not supported by the dedup log-prob path")
     for name in family.unsupported_features:
         if getattr(config, name, None):
-            raise UnsupportedModelError(f"attention feature {name}={getattr(config, name)!r} is not implemented by the dedup attention hook")
+            raise UnsupportedModelError(
+                f"attention feature {name}={getattr(config, name)!r} is not implemented by the dedup attention hook"
+            )
     types = layer_types(config, family)
-    return ModelParts(base=base, lm_head=lm_head,
-                      num_attention_layers=sum(t in ATTENTION_LAYER_TYPES for t in types),
-                      num_linear_layers=sum(t in LINEAR_LAYER_TYPES for t in types),
-                      moe=family.router_aux_loss and is_moe(config), family=family)
+    return ModelParts(
+        base=base,
+        lm_head=lm_head,
+        num_attention_layers=sum(t in ATTENTION_LAYER_TYPES for t in types),
+        num_linear_layers=sum(t in LINEAR_LAYER_TYPES for t in types),
+        moe=family.router_aux_loss and is_moe(config),
+        family=family,
+    )
 
 
 def check_layers_served(parts: ModelParts, route) -> None:
     """After a forward: every token-mixing layer went through the hook or its adapter, exactly once."""
-    served = {"attention": route.calls,
-              "linear_attention": route.adapter_calls.get("linear_attention", 0),
-              "linear_conv": route.adapter_calls.get("linear_conv", 0)}
-    expected = {"attention": parts.num_attention_layers,
-                "linear_attention": parts.num_linear_layers, "linear_conv": parts.num_linear_layers}
+    served = {
+        "attention": route.calls,
+        "linear_attention": route.adapter_calls.get("linear_attention", 0),
+        "linear_conv": route.adapter_calls.get("linear_conv", 0),
+    }
+    expected = {
+        "attention": parts.num_attention_layers,
+        "linear_attention": parts.num_linear_layers,
+        "linear_conv": parts.num_linear_layers,
+    }
     if served != expected:
         raise RuntimeError(
             f"the dedup hooks served {served}, expected {expected}: some layer mixes tokens without going "
@@ -110,7 +123,9 @@ def check_trainable_state(model: nn.Module) -> None:
     if model.training:
         for name, m in model.named_modules():
             if isinstance(m, nn.Dropout) and m.p > 0:
-                raise UnsupportedModelError(f"dropout p={m.p} at {name} in training mode: each copy of a prompt would get its own mask; call model.eval() or set dropout to 0")
+                raise UnsupportedModelError(
+                    f"dropout p={m.p} at {name} in training mode: each copy of a prompt would get its own mask; call model.eval() or set dropout to 0"
+                )
         p = getattr(model.config, "attention_dropout", 0.0)
         if p:
             raise UnsupportedModelError(f"attention_dropout={p} in training mode is not supported by the dedup path")

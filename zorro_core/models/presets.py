@@ -36,7 +36,14 @@ def preset_config(name: str, **overrides: Any):
     return _config_class(family)(**{**fields, **overrides})
 
 
-def build_model(config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0, attn_implementation: str = "sdpa", experts_implementation: Optional[str] = None) -> nn.Module:
+def build_model(
+    config,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+    experts_implementation: Optional[str] = None,
+) -> nn.Module:
     """A causal LM from `config` with seeded random weights.
 
     MoE experts default to transformers' choice, except in float64 where they run "eager"
@@ -63,16 +70,26 @@ def _hf_cache_path(name: str) -> Optional[str]:
         return None
 
 
-def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", seed: int = 0) -> nn.Module:
+def load_model(
+    name_or_path: str,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+) -> nn.Module:
     """A local checkpoint, a model in the local HF cache, or a preset (random weights). Never downloads."""
     from transformers import AutoModelForCausalLM
 
     path = name_or_path if os.path.isdir(name_or_path) else _hf_cache_path(name_or_path)
     if path is not None:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+        )
         return model.to(device)
     if name_or_path in PRESETS:
-        return build_model(preset_config(name_or_path), dtype=dtype, device=device, seed=seed, attn_implementation=attn_implementation)
+        return build_model(
+            preset_config(name_or_path), dtype=dtype, device=device, seed=seed, attn_implementation=attn_implementation
+        )
     raise ValueError(
         f"cannot resolve model {name_or_path!r}: it is not a local directory, not in the local Hugging Face "
         f"cache, and not a preset (nothing is downloaded). Presets: {', '.join(PRESETS)}"

@@ -58,12 +58,17 @@ def _linear_support(device: torch.device) -> str:
     if device.type == "cuda" and fla_available() is None:
         linear = "flash-linear-attention varlen kernel"
     else:
-        linear = "PyTorch fallback over a padded batch, slow (" + ("fla needs CUDA" if fla_available() is None else "fla not installed") + ")"
+        linear = (
+            "PyTorch fallback over a padded batch, slow ("
+            + ("fla needs CUDA" if fla_available() is None else "fla not installed")
+            + ")"
+        )
     return f"ok (gated DeltaNet: {linear}; MoE aux loss as qwen3_moe)"
 
 
 _SLIDING = "ok (sliding window by absolute position)"
 # One line per preset: the config fields that differ from the family's defaults.
+# fmt: off
 # `tiny-*` for tests, `small-*` for CPU benchmarks: small shapes of the same architectures.
 _QWEN3 = dict(rope_theta=1e6, rms_norm_eps=1e-6, head_dim=128, num_key_value_heads=8, vocab_size=151936, max_position_embeddings=40960)
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
@@ -107,6 +112,7 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
         "small-qwen3-next": dict(_SMALL, intermediate_size=512, linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8, moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, full_attention_interval=4),
     }),
 )}
+# fmt: on
 
 
 def family_of(model_type: str | None) -> ModelFamily:

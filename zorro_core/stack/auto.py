@@ -85,7 +85,9 @@ def choose_attention(
         return AttentionChoice("sdpa", f"{caps.type}: flash-attn needs a CUDA GPU; sdpa", auto=True)
     unmet, met = [], []
     cc = "sm%d%d" % tuple(caps.capability) if caps.capability else "unknown capability"
-    (met if caps.bf16 else unmet).append(f"GPU {cc}" + ("" if caps.bf16 else " is older than sm80 (flash-attn 2 needs Ampere or newer)"))
+    (met if caps.bf16 else unmet).append(
+        f"GPU {cc}" + ("" if caps.bf16 else " is older than sm80 (flash-attn 2 needs Ampere or newer)")
+    )
     if dtype in (torch.bfloat16, torch.float16):
         met.append(_dtype_name(dtype))
     else:

@@ -34,8 +34,10 @@ from zorro_core.models.parts import unwrap_adapters
 from zorro_core.models.registry import FAMILIES
 
 _MISSING = object()
-FLCE_NOTE = ("fused_linear_cross_entropy patches the CausalLM forward's loss path, which zorro's actors never call "
-             "(they run base + lm_head); no effect on zorro's log-probs: use logits_mode='memory' instead")
+FLCE_NOTE = (
+    "fused_linear_cross_entropy patches the CausalLM forward's loss path, which zorro's actors never call "
+    "(they run base + lm_head); no effect on zorro's log-probs: use logits_mode='memory' instead"
+)
 
 
 @dataclass
@@ -112,8 +114,13 @@ def apply_liger(model: nn.Module, settings: Optional[LigerSettings] = None) -> L
     mtype = model.config.model_type
     fn = getattr(lt, FAMILIES[mtype].liger_function)
     accepted = inspect.signature(fn).parameters
-    wanted = {"rope": settings.rope, "rms_norm": settings.rms_norm, "swiglu": settings.swiglu,
-              "fused_linear_cross_entropy": settings.fused_linear_cross_entropy, "cross_entropy": False}
+    wanted = {
+        "rope": settings.rope,
+        "rms_norm": settings.rms_norm,
+        "swiglu": settings.swiglu,
+        "fused_linear_cross_entropy": settings.fused_linear_cross_entropy,
+        "cross_entropy": False,
+    }
     kwargs, notes = {}, {}
     for name, on in wanted.items():
         if name in accepted:

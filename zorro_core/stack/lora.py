@@ -83,11 +83,21 @@ def quantize_nf4(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) 
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:
                 continue
-            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                  compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4")
+            q = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=compute_dtype,
+                compress_statistics=True,
+                quant_type="nf4",
+            )
             # Params4bit quantizes when it is moved to the GPU.
-            q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu", compute_dtype), requires_grad=False,
-                                         compress_statistics=True, quant_type="nf4")
+            q.weight = bnb.nn.Params4bit(
+                child.weight.data.to("cpu", compute_dtype),
+                requires_grad=False,
+                compress_statistics=True,
+                quant_type="nf4",
+            )
             if child.bias is not None:
                 q.bias = nn.Parameter(child.bias.data.to(compute_dtype), requires_grad=False)
             setattr(parent, name, q.to(device))
@@ -95,7 +105,9 @@ def quantize_nf4(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) 
     return model
 
 
-def apply_lora(model: nn.Module, settings: Optional[LoraSettings] = None, compute_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+def apply_lora(
+    model: nn.Module, settings: Optional[LoraSettings] = None, compute_dtype: torch.dtype = torch.bfloat16
+) -> nn.Module:
     """Wrap a causal LM with a LoRA adapter (QLoRA: quantize the base first); returns the PeftModel.
 
     Base weights are frozen; the adapter weights are the only trainable parameters (float32
@@ -112,9 +124,15 @@ def apply_lora(model: nn.Module, settings: Optional[LoraSettings] = None, comput
     model_parts(model)  # refuse an unsupported model before wrapping it
     if settings.quantize_base == "nf4":
         quantize_nf4(model, compute_dtype)
-    config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                        target_modules=list(settings.target_modules), init_lora_weights=settings.init_lora_weights,
-                        bias="none", task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules),
+        init_lora_weights=settings.init_lora_weights,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, config)
 
 

@@ -49,7 +49,9 @@ def device_caps(device: str | torch.device | None = None) -> DeviceCaps:
     if not torch.cuda.is_available():
         raise ValueError("a CUDA device was asked for but torch.cuda.is_available() is False")
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return DeviceCaps(type="cuda", name=torch.cuda.get_device_name(index), capability=torch.cuda.get_device_capability(index))
+    return DeviceCaps(
+        type="cuda", name=torch.cuda.get_device_name(index), capability=torch.cuda.get_device_capability(index)
+    )
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,9 @@ class PrecisionPolicy:
     def as_row(self) -> dict:
         """Flat fields for a result row."""
         d = asdict(self)
-        return {f"precision_{k}": (str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v) for k, v in d.items()}
+        return {
+            f"precision_{k}": (str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v) for k, v in d.items()
+        }
 
 
 def precision_policy(caps: DeviceCaps | str | torch.device | None = None) -> PrecisionPolicy:
@@ -92,13 +96,26 @@ def precision_policy(caps: DeviceCaps | str | torch.device | None = None) -> Pre
     if not isinstance(caps, DeviceCaps):
         caps = device_caps(caps)
     if caps.type != "cuda":
-        return PrecisionPolicy(caps.type, torch.float32, False, reason=f"{caps.type}: float32 throughout (no fast low-precision matmul to gain)")
+        return PrecisionPolicy(
+            caps.type,
+            torch.float32,
+            False,
+            reason=f"{caps.type}: float32 throughout (no fast low-precision matmul to gain)",
+        )
     cc = "sm%d%d" % tuple(caps.capability) if caps.capability else "unknown capability"
     if caps.bf16:
-        return PrecisionPolicy("cuda", torch.bfloat16, False,
-                               reason=f"{caps.name or 'GPU'} ({cc}) has bf16: autocast bf16, no loss scaling (float32 exponent range)")
-    return PrecisionPolicy("cuda", torch.float16, True,
-                           reason=f"{caps.name or 'GPU'} ({cc}) has no bf16: autocast fp16 with dynamic loss scaling")
+        return PrecisionPolicy(
+            "cuda",
+            torch.bfloat16,
+            False,
+            reason=f"{caps.name or 'GPU'} ({cc}) has bf16: autocast bf16, no loss scaling (float32 exponent range)",
+        )
+    return PrecisionPolicy(
+        "cuda",
+        torch.float16,
+        True,
+        reason=f"{caps.name or 'GPU'} ({cc}) has no bf16: autocast fp16 with dynamic loss scaling",
+    )
 
 
 def check_float32_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -110,7 +127,9 @@ def check_float32_state(model: nn.Module, optimizer: Optional[torch.optim.Optimi
         if not p.requires_grad:
             continue
         if p.dtype != torch.float32:
-            raise ValueError(f"trainable parameter {name} is {p.dtype}; the precision policy keeps master weights in float32")
+            raise ValueError(
+                f"trainable parameter {name} is {p.dtype}; the precision policy keeps master weights in float32"
+            )
         if p.grad is not None and p.grad.dtype != torch.float32:
             raise ValueError(f"gradient of {name} is {p.grad.dtype}; the precision policy keeps gradients in float32")
     if optimizer is not None:

@@ -51,7 +51,7 @@ RULE = (
 BUGS: dict[str, str] = {
     "sum_loss": "the loss sums over tokens where a mean over the global batch is meant",
     "reduce_average": "FSDP averages gradients over ranks although the loss is already normalised over the global "
-                      "batch (off by the world size, as a backend that averaged where it should sum would be)",
+    "batch (off by the world size, as a backend that averaged where it should sum would be)",
     "restore_rank": "restore hands each rank the rows of the next rank",
     "restore_order": "restore puts a rank's values back in the wrong rows and columns (reversed)",
 }
@@ -190,8 +190,9 @@ def verify_rank(cfg: DistributedConfig) -> list[dict]:
         _sum_reduction(model, explicit_sum=bug != "reduce_average")
         model.zero_grad(set_to_none=True)
         local, restore = regroup(mine, equal_rows=cfg.equal_rows)
-        restore_exact = bool(torch.equal(restore(local.responses * local.response_mask),
-                                         mine.responses * mine.response_mask))
+        restore_exact = bool(
+            torch.equal(restore(local.responses * local.response_mask), mine.responses * mine.response_mask)
+        )
         restore = _bugged_restore(restore, bug)
         res = actor.forward(local, temperature=TEMPERATURE, calculate_entropy=True)
         lp, ent = restore(res.log_probs), restore(res.entropy)
@@ -199,20 +200,30 @@ def verify_rank(cfg: DistributedConfig) -> list[dict]:
         if bug != "sum_loss":
             loss = loss / n_global
         loss.backward()
-        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().cpu()
-                 for n, p in model.named_parameters() if p.grad is not None}
+        grads = {
+            n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().cpu()
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        }
         info = restore.info
-        out.append({
-            "bug": bug, "rank": rank,
-            "log_prob_err": (lp.detach().cpu() - ref_lp[rows]).abs().max().item(),
-            "entropy_err": (ent.detach().cpu() - ref_ent[rows]).abs().max().item(),
-            "restore_exact": restore_exact,
-            "grad_errs": _rel_errors(grads, ref_grads),
-            "rows_before": info.rows_before[rank], "rows_after": info.rows_after[rank],
-            "prompt_dedup_before": info.prompt_dedup_before[rank], "prompt_dedup_after": info.prompt_dedup_after[rank],
-            "split_groups_after": info.split_groups_after, "bytes_sent": info.bytes_sent,
-            "restore_bytes_sent": info.restore_bytes_sent, "seconds": time.perf_counter() - t0,
-        })
+        out.append(
+            {
+                "bug": bug,
+                "rank": rank,
+                "log_prob_err": (lp.detach().cpu() - ref_lp[rows]).abs().max().item(),
+                "entropy_err": (ent.detach().cpu() - ref_ent[rows]).abs().max().item(),
+                "restore_exact": restore_exact,
+                "grad_errs": _rel_errors(grads, ref_grads),
+                "rows_before": info.rows_before[rank],
+                "rows_after": info.rows_after[rank],
+                "prompt_dedup_before": info.prompt_dedup_before[rank],
+                "prompt_dedup_after": info.prompt_dedup_after[rank],
+                "split_groups_after": info.split_groups_after,
+                "bytes_sent": info.bytes_sent,
+                "restore_bytes_sent": info.restore_bytes_sent,
+                "seconds": time.perf_counter() - t0,
+            }
+        )
     return out
 
 
@@ -252,10 +263,35 @@ def judge(per_rank: list[list[dict]]) -> list[VariantResult]:
             failing.append("restore(responses) differs from a rank's own responses")
         if not grads or not grads[worst] <= GRAD_FLOOR:
             failing.append(f"grad {worst} {grads.get(worst, math.nan):.2e} > {GRAD_FLOOR:g}")
-        ranks = [{k: v[k] for k in ("rank", "rows_before", "rows_after", "prompt_dedup_before", "prompt_dedup_after",
-                                    "bytes_sent", "restore_bytes_sent", "seconds")} for v in variant]
-        results.append(VariantResult(bug, "fail" if failing else "pass", "; ".join(failing), lp, ent, exact, worst,
-                                     grads.get(worst, math.nan), ranks))
+        ranks = [
+            {
+                k: v[k]
+                for k in (
+                    "rank",
+                    "rows_before",
+                    "rows_after",
+                    "prompt_dedup_before",
+                    "prompt_dedup_after",
+                    "bytes_sent",
+                    "restore_bytes_sent",
+                    "seconds",
+                )
+            }
+            for v in variant
+        ]
+        results.append(
+            VariantResult(
+                bug,
+                "fail" if failing else "pass",
+                "; ".join(failing),
+                lp,
+                ent,
+                exact,
+                worst,
+                grads.get(worst, math.nan),
+                ranks,
+            )
+        )
     return results
 
 

@@ -126,14 +126,26 @@ class CaseResult:
     def to_dict(self) -> dict:
         """Plain data for JSON (nan and inf become None, so the output is strict JSON)."""
         f = finite_or_none
-        d = {"case": self.case.name, **asdict(self.case), "status": self.status, "reason": self.reason,
-             "dedup_vs_baseline_log_prob": f(self.dedup_vs_baseline), "worst_ratio": f(self.worst_ratio),
-             "worst_check": self.worst_check, "seconds": round(self.seconds, 3)}
+        d = {
+            "case": self.case.name,
+            **asdict(self.case),
+            "status": self.status,
+            "reason": self.reason,
+            "dedup_vs_baseline_log_prob": f(self.dedup_vs_baseline),
+            "worst_ratio": f(self.worst_ratio),
+            "worst_check": self.worst_check,
+            "seconds": round(self.seconds, 3),
+        }
         for who, e in (("dedup", self.dedup), ("baseline", self.baseline)):
             if e is not None:
                 name, err = e.worst_param
-                d[who] = {"log_prob_err": f(e.log_prob), "entropy_err": f(e.entropy), "worst_param": name,
-                          "worst_param_rel_err": f(err), "grad_rel_err": {k: f(v) for k, v in e.grads.items()}}
+                d[who] = {
+                    "log_prob_err": f(e.log_prob),
+                    "entropy_err": f(e.entropy),
+                    "worst_param": name,
+                    "worst_param_rel_err": f(err),
+                    "grad_rel_err": {k: f(v) for k, v in e.grads.items()},
+                }
         return d
 
 
@@ -149,8 +161,10 @@ def judge(dtype: str, dedup: Errors, baseline: Errors, factor: float = FACTOR) -
     def tol(base_err: float, floor: float) -> float:
         return factor * base_err + floor if low else floor
 
-    checks = [("log-prob", dedup.log_prob, tol(baseline.log_prob, LP_FLOOR)),
-              ("entropy", dedup.entropy, tol(baseline.entropy, LP_FLOOR))]
+    checks = [
+        ("log-prob", dedup.log_prob, tol(baseline.log_prob, LP_FLOOR)),
+        ("entropy", dedup.entropy, tol(baseline.entropy, LP_FLOOR)),
+    ]
     checks += [(f"grad {n}", e, tol(baseline.grads.get(n, 0.0), GRAD_FLOOR)) for n, e in dedup.grads.items()]
     worst, worst_name, failing = 0.0, "", []
     for name, err, limit in checks:
@@ -175,8 +189,9 @@ def verify_batch(layout: str, vocab_size: int, seed: int = 0) -> RolloutBatch:
     unpadded: 6 rows, 2 prompts of 8 tokens, responses of 5 tokens, no padding anywhere.
     """
     if layout == "unpadded":
-        return create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=8, response_len=5,
-                                  vocab_size=vocab_size, seed=seed)
+        return create_dummy_batch(
+            batch_size=6, num_unique_prompts=2, prompt_len=8, response_len=5, vocab_size=vocab_size, seed=seed
+        )
     if layout != "padded":
         raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
     g = torch.Generator().manual_seed(seed)
@@ -221,13 +236,19 @@ def build_verify_model(name: str, device: str = "cpu", seed: int = 0) -> nn.Modu
     MoE experts run the eager loop: grouped_mm has no float64 on CPU, and the reference must
     run in float64 (the option is ignored by dense configs).
     """
-    return build_model(preset_config(name, experts_implementation="eager"), dtype=torch.float32, device=device,
-                       seed=seed, attn_implementation="eager")
+    return build_model(
+        preset_config(name, experts_implementation="eager"),
+        dtype=torch.float32,
+        device=device,
+        seed=seed,
+        attn_implementation="eager",
+    )
 
 
 # ---------------------------------------------------------------- deliberate bugs
 # In the package, not in tests/: `zorro verify --inject-bug` proves on the user's own machine that
 # the check fails on a broken plan, and tests/test_actor.py plants the same bugs.
+
 
 def _wrong_prompt(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
     rows = (plan.group_of_row != plan.group_of_row[0]).nonzero().flatten()
@@ -261,12 +282,15 @@ def _first_label_shared(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
 
 BUGS: dict[str, tuple[str, Callable[[DedupPlan, RolloutBatch], DedupPlan]]] = {
     "wrong_prompt": ("a response is grouped with (attends to) another row's prompt", _wrong_prompt),
-    "positions_restart": ("response positions restart at 0 instead of continuing after the prompt",
-                          _positions_restart),
-    "first_label_dropped": ("each response's first token is read one position late (first label dropped)",
-                            _first_label_dropped),
-    "first_label_shared": ("every response of a group gets the first response's first-token label (rolled row)",
-                           _first_label_shared),
+    "positions_restart": ("response positions restart at 0 instead of continuing after the prompt", _positions_restart),
+    "first_label_dropped": (
+        "each response's first token is read one position late (first label dropped)",
+        _first_label_dropped,
+    ),
+    "first_label_shared": (
+        "every response of a group gets the first response's first-token label (rolled row)",
+        _first_label_shared,
+    ),
 }
 
 
@@ -288,8 +312,9 @@ def _tree_wrong_prompt(plan, batch: RolloutBatch):
     r = int(rows[0])
     prompts, mask = batch.prompts.clone(), batch.prompt_mask.clone()
     prompts[r], mask[r] = prompts[0], mask[0]
-    return build_trie_plan(RolloutBatch(prompts, mask, batch.responses, batch.response_mask),
-                           min_shared_tokens=plan.min_shared_tokens)
+    return build_trie_plan(
+        RolloutBatch(prompts, mask, batch.responses, batch.response_mask), min_shared_tokens=plan.min_shared_tokens
+    )
 
 
 # The bugs above for a trie plan (sharing="prefix"), by the same names.
@@ -336,12 +361,21 @@ def inject_bug(name: Optional[str]) -> Iterator[dict]:
 
 # ---------------------------------------------------------------- running cases
 
+
 class Verifier:
     """Runs cases, building each model's weights and each reference once."""
 
-    def __init__(self, device: str = "cpu", seed: int = 0, factor: float = FACTOR, bug: Optional[str] = None,
-                 lora_rank: Optional[int] = None, checkpointing: Optional[str] = None, sharing: str = "prompt",
-                 min_shared_tokens: int = 1) -> None:
+    def __init__(
+        self,
+        device: str = "cpu",
+        seed: int = 0,
+        factor: float = FACTOR,
+        bug: Optional[str] = None,
+        lora_rank: Optional[int] = None,
+        checkpointing: Optional[str] = None,
+        sharing: str = "prompt",
+        min_shared_tokens: int = 1,
+    ) -> None:
         self.lora_rank = lora_rank
         # None, or a flavour of zorro_core.stack.checkpointing: the actors then run in training mode
         # with every decoder layer checkpointed (the reference runs without, in eval mode).
@@ -399,7 +433,9 @@ class Verifier:
         try:
             model = self.model(case.model, case.dtype)
             batch, w, ref = self.reference(case.model, case.dtype, case.layout)
-            kw = dict(model=model, use_split_attention=case.split, attn_implementation=case.attn, logits_mode=case.logits_mode)
+            kw = dict(
+                model=model, use_split_attention=case.split, attn_implementation=case.attn, logits_mode=case.logits_mode
+            )
             try:
                 actor = DeduplicatedActor(**kw, sharing=self.sharing, min_shared_tokens=self.min_shared_tokens)
             except UnsupportedModelError as e:  # refused with its reason (e.g. linear attention in prefix mode)
@@ -411,21 +447,46 @@ class Verifier:
         except Exception as e:  # a crash is a failed proof, reported as a row
             return CaseResult(case, "error", f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
         ratio, check, failing = judge(case.dtype, dedup, base, self.factor)
-        return CaseResult(case, "fail" if failing else "pass", "; ".join(failing[:3]), dedup, base,
-                          max_abs_error(dedup_lp, base_lp), ratio, check, time.perf_counter() - t0)
+        return CaseResult(
+            case,
+            "fail" if failing else "pass",
+            "; ".join(failing[:3]),
+            dedup,
+            base,
+            max_abs_error(dedup_lp, base_lp),
+            ratio,
+            check,
+            time.perf_counter() - t0,
+        )
 
 
-def expand_cases(models: Iterable[str], attns: Iterable[str], dtypes: Iterable[str], layouts: Iterable[str],
-                 modes: Iterable[str], logits_modes: Iterable[str]) -> list[VerifyCase]:
+def expand_cases(
+    models: Iterable[str],
+    attns: Iterable[str],
+    dtypes: Iterable[str],
+    layouts: Iterable[str],
+    modes: Iterable[str],
+    logits_modes: Iterable[str],
+) -> list[VerifyCase]:
     """Every combination, in a stable order (model outermost)."""
-    return [VerifyCase(m, a, d, lay, mode == "split", lm)
-            for m, d, lay, a, mode, lm in itertools.product(models, dtypes, layouts, attns, modes, logits_modes)]
+    return [
+        VerifyCase(m, a, d, lay, mode == "split", lm)
+        for m, d, lay, a, mode, lm in itertools.product(models, dtypes, layouts, attns, modes, logits_modes)
+    ]
 
 
-def verify_cases(cases: Iterable[VerifyCase], device: str = "cpu", seed: int = 0, factor: float = FACTOR,
-                 bug: Optional[str] = None, on_result: Optional[Callable[[CaseResult], None]] = None,
-                 lora_rank: Optional[int] = None, checkpointing: Optional[str] = None, sharing: str = "prompt",
-                 min_shared_tokens: int = 1) -> list[CaseResult]:
+def verify_cases(
+    cases: Iterable[VerifyCase],
+    device: str = "cpu",
+    seed: int = 0,
+    factor: float = FACTOR,
+    bug: Optional[str] = None,
+    on_result: Optional[Callable[[CaseResult], None]] = None,
+    lora_rank: Optional[int] = None,
+    checkpointing: Optional[str] = None,
+    sharing: str = "prompt",
+    min_shared_tokens: int = 1,
+) -> list[CaseResult]:
     """Run cases (sharing models and references) and return their results.
 
     lora_rank: wrap every model in a LoRA adapter of that rank (peft); only the adapter
@@ -433,8 +494,16 @@ def verify_cases(cases: Iterable[VerifyCase], device: str = "cpu", seed: int = 0
     checkpointing: run the actors with gradient checkpointing of that flavour ("non-reentrant" or
     "reentrant", zorro_core.stack.checkpointing), in training mode.
     """
-    verifier = Verifier(device=device, seed=seed, factor=factor, bug=bug, lora_rank=lora_rank, checkpointing=checkpointing,
-                        sharing=sharing, min_shared_tokens=min_shared_tokens)
+    verifier = Verifier(
+        device=device,
+        seed=seed,
+        factor=factor,
+        bug=bug,
+        lora_rank=lora_rank,
+        checkpointing=checkpointing,
+        sharing=sharing,
+        min_shared_tokens=min_shared_tokens,
+    )
     results = []
     for case in cases:
         res = verifier.run(case)

@@ -120,9 +120,15 @@ class TrainingResult:
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
-        return {"config": asdict(self.config), "status": self.status, "reason": self.reason,
-                "seconds": round(self.seconds, 3),
-                "steps": [{k: finite_or_none(v) if isinstance(v, float) else v for k, v in asdict(s).items()} for s in self.steps]}
+        return {
+            "config": asdict(self.config),
+            "status": self.status,
+            "reason": self.reason,
+            "seconds": round(self.seconds, 3),
+            "steps": [
+                {k: finite_or_none(v) if isinstance(v, float) else v for k, v in asdict(s).items()} for s in self.steps
+            ],
+        }
 
 
 def group_advantages(batch: RolloutBatch, rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -141,8 +147,15 @@ def group_advantages(batch: RolloutBatch, rewards: torch.Tensor, eps: float = 1e
     return torch.where(size[groups] > 1, adv, torch.zeros_like(adv))
 
 
-def grpo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              clip_eps: float = 0.2, entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0):
+def grpo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    entropy: Optional[torch.Tensor] = None,
+    entropy_coef: float = 0.0,
+):
     """Token-mean clipped-ratio policy loss minus an entropy bonus. Returns (loss, clipped fraction)."""
     m = mask.to(log_probs.dtype)
     ratio = torch.exp(log_probs - old_log_probs.to(log_probs))
@@ -166,8 +179,13 @@ def _drift(params: dict, ref: dict, start: dict) -> tuple[float, str]:
     return (diff / moved if moved > 0 else diff), worst
 
 
-def verify_training(cfg: TrainConfig, device: str = "cpu", factor: float = TRAIN_FACTOR, bug: Optional[str] = None,
-                    on_step: Optional[Callable[[StepResult], None]] = None) -> TrainingResult:
+def verify_training(
+    cfg: TrainConfig,
+    device: str = "cpu",
+    factor: float = TRAIN_FACTOR,
+    bug: Optional[str] = None,
+    on_step: Optional[Callable[[StepResult], None]] = None,
+) -> TrainingResult:
     """Train ref64, baseline and dedup side by side and judge every step (TRAIN_RULE)."""
     case = VerifyCase(cfg.model, cfg.attn, cfg.dtype, cfg.layout, cfg.split, cfg.logits_mode)
     why = case_unavailable(case, device)
@@ -234,7 +252,9 @@ def _train(cfg: TrainConfig, device: str, factor: float, bug: Optional[str], res
     data = []
     for k in range(cfg.num_batches):
         batch = verify_batch(cfg.layout, vocab, seed=cfg.seed + 1 + k).to(device)
-        rewards = torch.randn(batch.batch_size, generator=torch.Generator().manual_seed(cfg.seed + 100 + k), dtype=torch.float64)
+        rewards = torch.randn(
+            batch.batch_size, generator=torch.Generator().manual_seed(cfg.seed + 100 + k), dtype=torch.float64
+        )
         with torch.no_grad():  # the rollout policy's log-probs: the initial weights, shared by all runs
             old_lp, _ = sequence_forward(m_ref, batch, cfg.temperature)
         data.append((batch, group_advantages(batch, rewards).to(device), old_lp.detach()))
@@ -256,7 +276,9 @@ def _train(cfg: TrainConfig, device: str, factor: float, bug: Optional[str], res
         d_db, _ = _drift(dedup, base, start)
         tol = factor * d_base + TRAIN_FLOOR
         ok = d_dedup <= tol
-        res = StepResult(step, losses["ref"], losses["baseline"], losses["dedup"], frac, d_base, d_dedup, d_db, worst, tol, ok)
+        res = StepResult(
+            step, losses["ref"], losses["baseline"], losses["dedup"], frac, d_base, d_dedup, d_db, worst, tol, ok
+        )
         result.steps.append(res)
         if not ok and result.status == "pass":
             result.status = "fail"
@@ -269,4 +291,5 @@ def _actor_fn(actor, temperature: float):
     def fwd(batch):
         out = actor.forward(batch, temperature=temperature, calculate_entropy=True)
         return out.log_probs, out.entropy
+
     return fwd
