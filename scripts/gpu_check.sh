@@ -18,6 +18,11 @@ PY=${PYTHON:-python3}
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PWD:/tmp/site"
 fi
+if ! $PY -c "import torch" 2>/dev/null; then
+  # Fail closed: a python without torch (venv not activated) must not read as "no GPU, all fine".
+  echo "gpu_check: $PY cannot import torch; activate the venv or set PYTHON=/path/to/python" >&2
+  exit 2
+fi
 if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check: no CUDA device here; nothing to check (every GPU test and suite skips with its reason on CPU)"
   exit 0
