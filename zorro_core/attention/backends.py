@@ -93,6 +93,7 @@ class SdpaBackend(AttentionBackend):
 
 @functools.lru_cache(maxsize=None)
 def _varlen_attn_takes(name: str) -> bool:
+    # lazy: not every torch has torch.nn.attention.varlen (unavailable() says so first)
     from torch.nn.attention.varlen import varlen_attn
 
     return name in inspect.signature(varlen_attn).parameters
@@ -108,6 +109,7 @@ class TorchVarlenBackend(AttentionBackend):
     name = "torch_varlen"
 
     def varlen(self, q, k, v, seg, scale, window=None):
+        # lazy: not every torch has it (see _varlen_attn_takes)
         from torch.nn.attention.varlen import varlen_attn
 
         gqa = {}
@@ -146,6 +148,7 @@ class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
 
     def varlen(self, q, k, v, seg, scale, window=None):
+        # lazy: flash-attn is an optional package (unavailable() checks it)
         from flash_attn import flash_attn_varlen_func
 
         return flash_attn_varlen_func(

@@ -19,6 +19,7 @@ Peak memory, named by what it is (`peak_mem_kind`):
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import math
 import time
@@ -186,8 +187,6 @@ def release_free_memory() -> None:
     """Collect garbage and return glibc's free heap to the OS (no-op without glibc)."""
     gc.collect()
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass

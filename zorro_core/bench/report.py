@@ -33,7 +33,7 @@ def load_results(paths: list[Path]):
     """All rows of the CSVs, the last row of each (case_id, phase) kept. ValueError naming the
     file when one is missing, a directory, empty, binary, damaged (a cut or ragged line) or not
     a zorro results CSV."""
-    import pandas as pd
+    import pandas as pd  # lazy here and below: pandas/matplotlib slow the CLI's start-up
 
     frames = []
     for p in paths:

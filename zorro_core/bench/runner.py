@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from zorro_core.bench.distributed import distributed_case_rows
 from zorro_core.bench.footprint import case_footprint, too_large
 from zorro_core.bench.inputs import make_batch, model_config  # noqa: F401 -- re-exported: callers use runner's names
 from zorro_core.bench.isolation import ChildResult, run_isolated
@@ -331,8 +332,6 @@ def case_rows(
     max_memory: bytes a case may take (None: what the machine has available)."""
     base = case_base_row(case, measure)
     if case.nproc > 1:  # data-parallel ranks, no-regroup vs regroup: a process tree of its own
-        from zorro_core.bench.distributed import distributed_case_rows
-
         return distributed_case_rows(case, measure, base, on_phase)
 
     def failed(status: str, error: str) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from transformers.masking_utils import (
 )
 
 from zorro_core.attention.backends import default_backend, get_backend
+from zorro_core.attention.flex import flex_unavailable
 from zorro_core.attention.hook import Route, route_mask
 from zorro_core.attention.registration import install_attention
 from zorro_core.core import microbatch
@@ -143,8 +144,6 @@ class _Actor:
             get_backend(self.varlen_backend, self.device)  # refuses an unavailable backend now
         else:
             if self.attn_implementation == "flex_attention":
-                from zorro_core.attention.flex import flex_unavailable
-
                 why = flex_unavailable(self.device)
                 if why:
                     raise ValueError(f"mask mode with flex_attention: {why}")
