@@ -103,7 +103,26 @@ def _window_size(window: Optional[int]) -> tuple[int, int]:
     return (-1 if window is None else window - 1, 0)
 
 
-class TorchVarlenBackend(AttentionBackend):
+def _seqlens(seg: Segments, device: torch.device) -> tuple:
+    """cu_seqlens_q, cu_seqlens_k (on the kernel's device), max_seqlen_q, max_seqlen_k: the
+    positional arguments both CUDA varlen kernels take after q, k, v."""
+    return seg.cu_q.to(device), seg.cu_k.to(device), seg.max_q, seg.max_k
+
+
+class CudaVarlenBackend(AttentionBackend):
+    """A cu_seqlens kernel that runs on CUDA only; `missing` says what this install lacks for it."""
+
+    def missing(self) -> Optional[str]:
+        """Why the kernel is not importable here, or None."""
+        raise NotImplementedError
+
+    def unavailable(self, device):
+        if device.type != "cuda":
+            return f"{self.name} needs a CUDA device (got {device.type})"
+        return self.missing()
+
+
+class TorchVarlenBackend(CudaVarlenBackend):
     """torch.nn.attention.varlen.varlen_attn on cu_seqlens (CUDA)."""
 
     name = "torch_varlen"
@@ -125,24 +144,19 @@ class TorchVarlenBackend(AttentionBackend):
             q,
             k,
             v,
-            seg.cu_q.to(q.device),
-            seg.cu_k.to(q.device),
-            seg.max_q,
-            seg.max_k,
+            *_seqlens(seg, q.device),
             scale=scale,
             window_size=_window_size(window),
             **gqa,
         )
 
-    def unavailable(self, device):
-        if device.type != "cuda":
-            return f"{self.name} needs a CUDA device (got {device.type})"
+    def missing(self):
         if importlib.util.find_spec("torch.nn.attention.varlen") is None:
             return f"torch {torch.__version__} has no torch.nn.attention.varlen"
         return None
 
 
-class FlashAttnBackend(AttentionBackend):
+class FlashAttnBackend(CudaVarlenBackend):
     """flash_attn.flash_attn_varlen_func on cu_seqlens (CUDA, the flash-attn package)."""
 
     name = "flash_attn"
@@ -155,18 +169,13 @@ class FlashAttnBackend(AttentionBackend):
             q,
             k,
             v,
-            seg.cu_q.to(q.device),
-            seg.cu_k.to(q.device),
-            seg.max_q,
-            seg.max_k,
+            *_seqlens(seg, q.device),
             softmax_scale=scale,
             causal=True,
             window_size=_window_size(window),
         )
 
-    def unavailable(self, device):
-        if device.type != "cuda":
-            return f"{self.name} needs a CUDA device (got {device.type})"
+    def missing(self):
         if importlib.util.find_spec("flash_attn") is None:
             return "the flash-attn package is not installed (pip install 'zorro[gpu]')"
         return None
