@@ -17,7 +17,6 @@ fresh processes (zorro_core.distributed.launch), nothing is reused between cases
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from zorro_core.bench.inputs import make_batch, model_config
-from zorro_core.bench.measure import Stats, speedup, summarize, time_interleaved
+from zorro_core.bench.measure import Stats, speedup_columns, summarize, time_columns, time_interleaved
 from zorro_core.bench.suite import PHASES, Case, Measure
 from zorro_core.core.actor import DeduplicatedActor
 from zorro_core.core.balance import select_rows
@@ -221,17 +220,10 @@ def _fill(row: dict, results: list[dict], phase: str, ideal: float) -> None:
     stats: dict[str, Stats] = {arm: summarize(times[arm]) for arm in ARMS}
     for key, arm in (("baseline", "no_regroup"), ("dedup", "regroup")):
         s = stats[arm]
-        row.update(
-            {f"{key}_ms_p50": round(s.p50, 3), f"{key}_ms_p20": round(s.p20, 3), f"{key}_ms_p80": round(s.p80, 3)}
-        )
+        row.update(time_columns(key, s))
         row["n"] = s.n
-    sp = speedup(times["no_regroup"], times["regroup"])
+    row.update(speedup_columns(times["no_regroup"], times["regroup"], ideal))
     row.update(
-        speedup=round(sp.value, 4),
-        speedup_err=round(sp.err, 4) if math.isfinite(sp.err) else "",
-        speedup_p20=round(sp.p20, 4),
-        speedup_p80=round(sp.p80, 4),
-        efficiency=round(sp.value / ideal, 4),
         threads=results[0]["threads"],
         regroup_bytes_sent=sum(r["bytes"]["rows"] for r in results),
         regroup_metadata_bytes=sum(r["bytes"]["metadata"] for r in results),

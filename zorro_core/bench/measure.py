@@ -103,6 +103,28 @@ def speedup(baseline_ms: Sequence[float], dedup_ms: Sequence[float]) -> Speedup:
     return Speedup(float(np.median(ratios)), err, p20, p80)
 
 
+def time_columns(arm: str, stats: Stats) -> dict[str, float]:
+    """One arm's timing columns of a result row: <arm>_ms_p50, _p20, _p80."""
+    return {
+        f"{arm}_ms_p50": round(stats.p50, 3),
+        f"{arm}_ms_p20": round(stats.p20, 3),
+        f"{arm}_ms_p80": round(stats.p80, 3),
+    }
+
+
+def speedup_columns(baseline_ms: Sequence[float], dedup_ms: Sequence[float], ideal: float) -> dict[str, float | str]:
+    """The speedup columns of a result row: the paired speedup, its error ('' when unknown), its
+    p20 and p80, and the efficiency (speedup / `ideal`, the cost model's)."""
+    sp = speedup(baseline_ms, dedup_ms)
+    return {
+        "speedup": round(sp.value, 4),
+        "speedup_err": round(sp.err, 4) if math.isfinite(sp.err) else "",
+        "speedup_p20": round(sp.p20, 4),
+        "speedup_p80": round(sp.p80, 4),
+        "efficiency": round(sp.value / ideal, 4),
+    }
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait for the device's queued work, so that a clock read means the work is done."""
     device = torch.device(device)
