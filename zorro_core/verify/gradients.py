@@ -251,14 +251,18 @@ def build_verify_model(name: str, device: str = "cpu", seed: int = 0) -> nn.Modu
 # the check fails on a broken plan, and tests/test_actor.py plants the same bugs.
 
 
+def _row0_prompt_on(batch: RolloutBatch, r: int) -> RolloutBatch:
+    """The batch with row 0's prompt in row `r` (its response kept): the wrong_prompt bug's batch."""
+    prompts, mask = batch.prompts.clone(), batch.prompt_mask.clone()
+    prompts[r], mask[r] = prompts[0], mask[0]
+    return RolloutBatch(prompts, mask, batch.responses, batch.response_mask)
+
+
 def _wrong_prompt(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
     rows = (plan.group_of_row != plan.group_of_row[0]).nonzero().flatten()
     if not rows.numel():
         raise ValueError("wrong_prompt needs a batch with two distinct prompts")
-    r = int(rows[0])
-    prompts, mask = batch.prompts.clone(), batch.prompt_mask.clone()
-    prompts[r], mask[r] = prompts[0], mask[0]
-    return build_dedup_plan(RolloutBatch(prompts, mask, batch.responses, batch.response_mask), dedup=plan.deduplicated)
+    return build_dedup_plan(_row0_prompt_on(batch, int(rows[0])), dedup=plan.deduplicated)
 
 
 def _positions_restart(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
@@ -308,12 +312,7 @@ def _tree_wrong_prompt(plan, batch: RolloutBatch):
     rows = differs.nonzero().flatten()
     if not rows.numel():
         raise ValueError("wrong_prompt needs a batch with two distinct prompts")
-    r = int(rows[0])
-    prompts, mask = batch.prompts.clone(), batch.prompt_mask.clone()
-    prompts[r], mask[r] = prompts[0], mask[0]
-    return build_trie_plan(
-        RolloutBatch(prompts, mask, batch.responses, batch.response_mask), min_shared_tokens=plan.min_shared_tokens
-    )
+    return build_trie_plan(_row0_prompt_on(batch, int(rows[0])), min_shared_tokens=plan.min_shared_tokens)
 
 
 # The bugs above for a trie plan (sharing="prefix"), by the same names.
