@@ -32,6 +32,7 @@ from tests.test_integrations_trl import (
     _run,
     _tokenizer,
     _trainer,
+    _trl_logps,
 )
 from zorro_core.integrations.trl import DedupGRPOTrainer
 from zorro_core.models.presets import build_model, preset_config
@@ -69,15 +70,7 @@ def main() -> int:
         root / "ckpt", dtype=torch.float64, attn_implementation="sdpa"
     ).cuda()
     ref = _run(_plain_float64, ref_model, ids, mask, keep, None, weights.double())
-    own = _run(
-        lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k),
-        policy,
-        ids,
-        mask,
-        keep,
-        None,
-        weights,
-    )
+    own = _run(_trl_logps(trainer), policy, ids, mask, keep, None, weights)
     ours = _run(trainer._get_per_token_logps_and_entropies, policy, ids, mask, keep, None, weights)
     real = mask[:, -keep:].bool()
     for what, i in (("log-probs", 0), ("entropy", 1)):

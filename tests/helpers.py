@@ -6,7 +6,7 @@ Plain functions live here (test files import them); fixtures live in conftest.py
 import torch
 from reference import actor_run, max_rel_grad_error
 
-from zorro_core import RolloutBatch
+from zorro_core import RolloutBatch, create_dummy_batch
 
 # Measured floor in float64: transformers runs RMSNorm and eager softmax in float32 even in a
 # float64 model, so the reference itself carries ~1e-8 relative noise (observed max: log-probs
@@ -27,6 +27,10 @@ def mixed_batch() -> RolloutBatch:
     return RolloutBatch.from_lists(prompts, responses)
 
 
+# The actor's four attention routes: (use_split_attention, attn_implementation).
+MODES = [(True, "eager"), (True, "sdpa"), (False, "eager"), (False, "sdpa")]
+
+
 def check(actor, batch, w, ref, temperature):
     """Run `actor` and assert its log-probs, entropy and every gradient equal the reference `ref`."""
     lp, ent, grads, out = actor_run(actor, batch, temperature, w)
@@ -40,3 +44,15 @@ def check(actor, batch, w, ref, temperature):
     assert ent_err < LP_ATOL, f"entropy error {ent_err:.2e}"
     assert g_err < GRAD_RTOL, f"gradient of {g_name} off by {g_err:.2e} relative"
     return out
+
+
+# Batches the actor tests run every mode on: the mixed batch, a padded and an unpadded dummy one.
+ACTOR_BATCHES = {
+    "mixed": mixed_batch,
+    "dummy_padded": lambda: create_dummy_batch(
+        batch_size=6, num_unique_prompts=2, prompt_len=12, response_len=6, vocab_size=256, vary_lengths=True, seed=3
+    ),
+    "dummy_unpadded": lambda: create_dummy_batch(
+        batch_size=4, num_unique_prompts=1, prompt_len=9, response_len=5, vocab_size=256, seed=4
+    ),
+}

@@ -2,30 +2,14 @@
 
 import pytest
 import torch
-from helpers import GRAD_RTOL, LP_ATOL, check, mixed_batch
+from helpers import ACTOR_BATCHES, GRAD_RTOL, LP_ATOL, MODES, check, mixed_batch
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
 from zorro_core.verify.gradients import BUGS, inject_bug
 
 FAMILIES = ["tiny-qwen3", "tiny-llama", "tiny-qwen2"]
-MODES = [  # (use_split_attention, attn_implementation)
-    (True, "eager"),
-    (True, "sdpa"),
-    (False, "eager"),
-    (False, "sdpa"),
-]
-
-
-BATCHES = {
-    "mixed": mixed_batch,
-    "dummy_padded": lambda: create_dummy_batch(
-        batch_size=6, num_unique_prompts=2, prompt_len=12, response_len=6, vocab_size=256, vary_lengths=True, seed=3
-    ),
-    "dummy_unpadded": lambda: create_dummy_batch(
-        batch_size=4, num_unique_prompts=1, prompt_len=9, response_len=5, vocab_size=256, seed=4
-    ),
-}
+BATCHES = ACTOR_BATCHES
 
 
 @pytest.fixture(scope="module")

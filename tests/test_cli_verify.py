@@ -8,18 +8,14 @@ from typer.testing import CliRunner
 from zorro_cli.main import app
 
 runner = CliRunner()
-SMALL = [
-    "--models",
-    "tiny-qwen3",
-    "--dtype",
-    "float64,bfloat16",
-    "--layout",
-    "padded",
-    "--logits-mode",
-    "compute",
-    "--attn",
-    "sdpa",
-]
+
+
+def cases(models="tiny-qwen3", dtype="float64,bfloat16", layout="padded", logits_mode="compute", attn="sdpa"):
+    """The options that choose the verified cases (the modes and the rest are added by each test)."""
+    return ["--models", models, "--dtype", dtype, "--layout", layout, "--logits-mode", logits_mode, "--attn", attn]
+
+
+SMALL = cases()
 
 
 def invoke(*args):
@@ -48,22 +44,8 @@ def test_gradients_fail_on_a_broken_plan(bug):
 
 
 def test_gradients_json():
-    res = invoke(
-        "gradients",
-        "--models",
-        "tiny-llama",
-        "--dtype",
-        "float32",
-        "--layout",
-        "unpadded",
-        "--mode",
-        "split",
-        "--logits-mode",
-        "none",
-        "--attn",
-        "eager,flash_attention_2",
-        "--json",
-    )
+    args = cases("tiny-llama", "float32", "unpadded", logits_mode="none", attn="eager,flash_attention_2")
+    res = invoke("gradients", *args, "--mode", "split", "--json")
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out["passed"] and out["summary"] == {"pass": 1, "fail": 0, "error": 0, "skip": 1}
@@ -72,21 +54,7 @@ def test_gradients_json():
 
 
 def test_nothing_verified_is_not_a_pass():
-    res = invoke(
-        "gradients",
-        "--models",
-        "tiny-qwen3",
-        "--attn",
-        "flash_attention_2",
-        "--mode",
-        "split",
-        "--dtype",
-        "bfloat16",
-        "--layout",
-        "padded",
-        "--logits-mode",
-        "compute",
-    )
+    res = invoke("gradients", *cases(dtype="bfloat16", attn="flash_attention_2"), "--mode", "split")
     assert res.exit_code == 1 and "0 passed" in res.output
 
 
@@ -116,23 +84,7 @@ def test_training_passes_and_fails_on_a_broken_plan():
 
 def test_lora_compares_adapter_gradients_and_can_fail():
     pytest.importorskip("peft")
-    args = [
-        "--models",
-        "tiny-qwen3",
-        "--dtype",
-        "float64",
-        "--layout",
-        "padded",
-        "--logits-mode",
-        "compute",
-        "--attn",
-        "sdpa",
-        "--mode",
-        "split",
-        "--lora",
-        "4",
-        "--json",
-    ]
+    args = [*cases(dtype="float64"), "--mode", "split", "--lora", "4", "--json"]
     res = invoke("gradients", *args)
     assert res.exit_code == 0, res.output
     case = json.loads(res.output)["results"][0]
@@ -143,16 +95,7 @@ def test_lora_compares_adapter_gradients_and_can_fail():
 @pytest.mark.parametrize("reentrant", [[], ["--reentrant"]])
 def test_checkpointing_passes_and_can_fail(reentrant):
     args = [
-        "--models",
-        "tiny-qwen3-next,tiny-mistral",
-        "--dtype",
-        "float64",
-        "--layout",
-        "padded",
-        "--logits-mode",
-        "compute",
-        "--attn",
-        "sdpa",
+        *cases("tiny-qwen3-next,tiny-mistral", "float64"),
         "--mode",
         "split",
         "--checkpointing",
@@ -190,24 +133,7 @@ def test_gradients_prefix_sharing_passes_and_refuses_linear_attention():
     res = invoke("gradients", *SMALL, "--mode", "split", "--mode", "mask", "--sharing", "prefix")
     assert res.exit_code == 0, res.output
     assert "4 passed, 0 failed" in res.output
-    res = invoke(
-        "gradients",
-        "--models",
-        "tiny-qwen3-next",
-        "--dtype",
-        "float64",
-        "--layout",
-        "padded",
-        "--logits-mode",
-        "compute",
-        "--attn",
-        "sdpa",
-        "--mode",
-        "split",
-        "--sharing",
-        "prefix",
-        "--json",
-    )
+    res = invoke("gradients", *cases("tiny-qwen3-next", "float64"), "--mode", "split", "--sharing", "prefix", "--json")
     out = json.loads(res.output)
     assert out["summary"]["skip"] == 1 and "linear-attention" in out["results"][0]["reason"]
 

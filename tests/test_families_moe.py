@@ -5,23 +5,14 @@ prompt token once), which is what the test expects it to differ by."""
 
 import pytest
 import torch
-from helpers import GRAD_RTOL, check, mixed_batch
+from helpers import ACTOR_BATCHES, GRAD_RTOL, MODES, check, mixed_batch
 from reference import max_rel_grad_error
 
-from zorro_core import BaselineActor, DeduplicatedActor, create_dummy_batch
+from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.core.plan import build_dedup_plan
 from zorro_core.models.moe import load_balancing_loss, token_multiplicity
 
-MODES = [(True, "eager"), (True, "sdpa"), (False, "eager"), (False, "sdpa")]
-BATCHES = {
-    "mixed": mixed_batch,
-    "dummy_padded": lambda: create_dummy_batch(
-        batch_size=6, num_unique_prompts=2, prompt_len=12, response_len=6, vocab_size=256, vary_lengths=True, seed=3
-    ),
-    "dummy_unpadded": lambda: create_dummy_batch(
-        batch_size=4, num_unique_prompts=1, prompt_len=9, response_len=5, vocab_size=256, seed=4
-    ),
-}
+BATCHES = ACTOR_BATCHES
 AUX_RTOL = 1e-7  # measured 1.7e-10 relative in float64 (router softmax runs in float32 upstream)
 
 

@@ -7,7 +7,7 @@ here, so both split calls (prompt->prompt and response->(prompt+response)) cut i
 
 import pytest
 import torch
-from helpers import check, mixed_batch
+from helpers import MODES, check, mixed_batch
 from reference import per_sequence, token_weights
 
 from zorro_core import BaselineActor, DeduplicatedActor, create_dummy_batch
@@ -22,7 +22,6 @@ def model_of(tiny_models, family):
     return tiny_models(name, **overrides)
 
 
-MODES = [(True, "eager"), (True, "sdpa"), (False, "eager"), (False, "sdpa")]
 BATCHES = {
     "mixed": mixed_batch,
     "long_padded": lambda: create_dummy_batch(

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -127,6 +128,11 @@ def _run(fn, model, ids, mask, keep, batch_size, weights, entropy=True):
     return logps.detach(), (ent.detach() if entropy else None), aux, grads
 
 
+def _trl_logps(trainer):
+    """TRL's own `_get_per_token_logps_and_entropies` run on `trainer` (which may override it)."""
+    return functools.partial(GRPOTrainer._get_per_token_logps_and_entropies, trainer)
+
+
 def _plain_float64(model, ids, mask, keep, batch_size=None, compute_entropy=False, temperature=0.7):
     """Independent reference: the model's own padded forward, full logits, log-softmax in float64."""
     logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1][:, -keep:].double() / temperature
@@ -147,16 +153,7 @@ def test_logps_equal_trl_float64(checkpoint, tmp_path, batch_size):
     # only: TRL gives the reference's fused head no entropy output); one cached actor each.
     for model, entropy in ((trainer.model, True), (trainer.ref_model, False)):
         model.train(model is trainer.model)
-        trl_out = _run(
-            lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k),
-            model,
-            ids,
-            mask,
-            keep,
-            batch_size,
-            weights,
-            entropy,
-        )
+        trl_out = _run(_trl_logps(trainer), model, ids, mask, keep, batch_size, weights, entropy)
         ours = _run(trainer._get_per_token_logps_and_entropies, model, ids, mask, keep, batch_size, weights, entropy)
         plain = _run(_plain_float64, model, ids, mask, keep, batch_size, weights, entropy)
         assert ours[0].shape == trl_out[0].shape == (ids.shape[0], keep) and ours[2] is None is trl_out[2]
@@ -212,15 +209,7 @@ def test_checkpointing_is_served_by_the_dedup_path(checkpoint, tmp_path):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs)
     model.train()
     weights = torch.ones(ids.shape[0], keep, dtype=torch.float64)
-    trl_out = _run(
-        lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k),
-        model,
-        ids,
-        mask,
-        keep,
-        None,
-        weights,
-    )
+    trl_out = _run(_trl_logps(trainer), model, ids, mask, keep, None, weights)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ours = _run(trainer._get_per_token_logps_and_entropies, model, ids, mask, keep, None, weights)

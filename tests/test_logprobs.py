@@ -182,24 +182,8 @@ def test_bad_settings_raise(tiny_models):
     with pytest.raises(ValueError, match="logits_mode"):
         DeduplicatedActor(model=model, logits_mode="tiled")
     head = _head(False)
+    hidden, index, labels = torch.randn(3, 6, dtype=torch.float64), torch.arange(3), torch.zeros(3, dtype=torch.long)
     with pytest.raises(ValueError, match="chunk size"):
-        response_logprobs(
-            torch.randn(3, 6, dtype=torch.float64),
-            head,
-            torch.arange(3),
-            torch.zeros(3, dtype=torch.long),
-            1.0,
-            False,
-            "memory",
-            chunk_size=0,
-        )
+        response_logprobs(hidden, head, index, labels, 1.0, False, "memory", chunk_size=0)
     with pytest.raises(ValueError, match="temperature"):
-        response_logprobs(
-            torch.randn(3, 6, dtype=torch.float64),
-            head,
-            torch.arange(3),
-            torch.zeros(3, dtype=torch.long),
-            0.0,
-            False,
-            "memory",
-        )
+        response_logprobs(hidden, head, index, labels, 0.0, False, "memory")

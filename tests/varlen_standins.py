@@ -100,6 +100,23 @@ def _check_window(window_size) -> tuple[int, int]:
     return window_size
 
 
+def _check_segments(q, k, cu_q, cu_k, max_q, max_k, names: tuple[str, str], window_size) -> tuple:
+    """What both attention kernels require of the segments and the window: cu_seqlens (int32 on
+    q's device, from 0 to the token counts, max lengths Python ints), as many query as key
+    segments, a (left, right) window tuple. Returns (cu_q, cu_k) as int64, and the window."""
+    cu_q = _check_cu(cu_q, names[0], q.shape[0], max_q, q.device, torch.int32)
+    cu_k = _check_cu(cu_k, names[1], k.shape[0], max_k, q.device, torch.int32)
+    _require(cu_q.numel() == cu_k.numel(), f"{names[0]} and {names[1]} must hold the same number of segments")
+    return cu_q, cu_k, _check_window(window_size)
+
+
+def _record(calls: Optional[Calls], window: Optional[tuple[int, int]] = None) -> None:
+    if calls is not None:
+        calls.n += 1
+        if window is not None:
+            calls.windows.append(window)
+
+
 def exact_varlen(q, k, v, cu_q, cu_k, scale: float, causal: bool, window: tuple[int, int]) -> torch.Tensor:
     """Per segment: softmax(q k^T * scale) v with flash-attn's mask rules, in float32 (float64 for float64)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -148,17 +165,14 @@ def flash_attn_varlen_func(
     calls: Optional[Calls] = None,
 ):
     _check_qkv(q, k, v)
-    cu_q = _check_cu(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, q.device, torch.int32)
-    cu_k = _check_cu(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, q.device, torch.int32)
-    _require(cu_q.numel() == cu_k.numel(), "cu_seqlens_q and cu_seqlens_k must hold the same number of segments")
-    window = _check_window(window_size)
+    cu_q, cu_k, window = _check_segments(
+        q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ("cu_seqlens_q", "cu_seqlens_k"), window_size
+    )
     _require(
         dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None and block_table is None and not return_attn_probs,
         "the stand-in covers dropout 0, no softcap, no alibi, no paged KV, no returned probabilities",
     )
-    if calls is not None:
-        calls.n += 1
-        calls.windows.append(window)
+    _record(calls, window)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     return exact_varlen(q, k, v, cu_q, cu_k, scale, bool(causal), window)
 
@@ -185,14 +199,11 @@ def varlen_attn(
     _require(
         enable_gqa or query.shape[1] == key.shape[1], f"Hq={query.shape[1]} != Hkv={key.shape[1]} needs enable_gqa=True"
     )
-    cu_q = _check_cu(cu_seq_q, "cu_seq_q", query.shape[0], max_q, query.device, torch.int32)
-    cu_k = _check_cu(cu_seq_k, "cu_seq_k", key.shape[0], max_k, query.device, torch.int32)
-    _require(cu_q.numel() == cu_k.numel(), "cu_seq_q and cu_seq_k must hold the same number of segments")
-    window = _check_window(window_size)
+    cu_q, cu_k, window = _check_segments(
+        query, key, cu_seq_q, cu_seq_k, max_q, max_k, ("cu_seq_q", "cu_seq_k"), window_size
+    )
     _require(return_aux is None and seqused_k is None and block_table is None, "the stand-in covers the plain call")
-    if calls is not None:
-        calls.n += 1
-        calls.windows.append(window)
+    _record(calls, window)
     is_causal = window_size == (-1, 0)  # exactly torch's rule
     s = scale if scale is not None else query.shape[-1] ** -0.5
     return exact_varlen(query, key, value, cu_q, cu_k, s, is_causal, window)
@@ -239,8 +250,7 @@ def chunk_gated_delta_rule(
             f"initial_state must be [{n}, {hv}, {dk}, {dv}] (one per sequence), got {tuple(initial_state.shape)}",
         )
         _require(initial_state.device == q.device, "initial_state must be on q's device")
-    if calls is not None:
-        calls.n += 1
+    _record(calls)
     if scale is not None:
         _require(abs(scale - dk**-0.5) < 1e-12, "the stand-in (delta_rule.py) uses scale = K ** -0.5 only")
     outs, states = [], []
@@ -286,66 +296,27 @@ def install_torch_varlen(monkeypatch, calls: Calls, enable_gqa_kwarg: bool = Tru
 
     from zorro_core.attention import backends
 
-    if enable_gqa_kwarg:
-
-        def fake(
-            query,
-            key,
-            value,
-            cu_seq_q,
-            cu_seq_k,
-            max_q,
-            max_k,
-            *,
-            return_aux=None,
-            scale=None,
-            window_size=(-1, -1),
-            enable_gqa=False,
-            seqused_k=None,
-            block_table=None,
-            num_splits=None,
-        ):
-            return varlen_attn(
-                query,
-                key,
-                value,
-                cu_seq_q,
-                cu_seq_k,
-                max_q,
-                max_k,
-                return_aux=return_aux,
-                scale=scale,
-                window_size=window_size,
-                enable_gqa=enable_gqa,
-                seqused_k=seqused_k,
-                block_table=block_table,
-                num_splits=num_splits,
-                calls=calls,
-            )
-    else:
-
-        def fake(
-            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
-        ):
-            return varlen_attn(
-                query,
-                key,
-                value,
-                cu_seq_q,
-                cu_seq_k,
-                max_q,
-                max_k,
-                return_aux=return_aux,
-                scale=scale,
-                window_size=window_size,
-                enable_gqa=False,
-                calls=calls,
-            )
-
+    # torch 2.11's varlen_attn ends at window_size: it has none of these keywords
+    dropped = () if enable_gqa_kwarg else ("enable_gqa", "seqused_k", "block_table", "num_splits")
+    fake = _with_signature(varlen_attn, dropped, calls)
     monkeypatch.setattr(varlen, "varlen_attn", fake)
     # zorro reads the signature to pick the GQA path (cached per process): read the stand-in's
     monkeypatch.setattr(backends, "_varlen_attn_takes", lambda name: name in inspect.signature(fake).parameters)
     _allow_on_cpu(monkeypatch, "torch_varlen")
+
+
+def _with_signature(fn, dropped: tuple[str, ...], calls: Calls):
+    """`fn` recording into `calls`, with (and enforcing, as the real function does) fn's
+    signature less `calls` and the `dropped` parameters."""
+    sig = inspect.signature(fn)
+    sig = sig.replace(parameters=[p for n, p in sig.parameters.items() if n not in (*dropped, "calls")])
+
+    def fake(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)  # TypeError for an argument this signature lacks
+        return fn(*bound.args, **bound.kwargs, calls=calls)
+
+    fake.__signature__ = sig
+    return fake
 
 
 def _allow_on_cpu(monkeypatch, name: str) -> None:

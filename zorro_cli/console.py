@@ -8,8 +8,9 @@ as markup and drop them.
 
 from __future__ import annotations
 
+import json
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -30,9 +31,14 @@ def fail(reason: str, code: int = EXIT_USAGE) -> NoReturn:
     raise typer.Exit(code)
 
 
+def print_json(report: Any) -> None:
+    """A command's JSON report on stdout, indented; a NaN or infinity is an error, not invalid JSON."""
+    typer.echo(json.dumps(report, indent=2, allow_nan=False))
+
+
 def warn(text: str) -> None:
     """A plain-text warning on stdout (markup escaped)."""
     console.print(f"[yellow]{escape(str(text))}[/]")
 
 
-__all__ = ["console", "err_console", "escape", "fail", "warn", "EXIT_USAGE"]
+__all__ = ["console", "err_console", "escape", "fail", "print_json", "warn", "EXIT_USAGE"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Optional
@@ -28,7 +27,7 @@ from zorro_core.verify.gradients import (
 from zorro_core.verify.training import TRAIN_FACTOR, TRAIN_RULE, TrainConfig, verify_training
 
 from .choices import Layout, LogitsMode, Sharing
-from .console import console, err_console, escape, fail
+from .console import console, err_console, escape, fail, print_json
 
 # Column notes printed under the gradients table.
 _LEGEND = (
@@ -59,6 +58,13 @@ def _split(values: Optional[list[str]], allowed, default: list[str], flag: str) 
     if bad:
         fail(f"{flag}: unknown value(s) {', '.join(bad)}; choose from {', '.join(allowed)}")
     return list(dict.fromkeys(out))
+
+
+def _verdict(results) -> tuple[dict[str, int], bool]:
+    """Results per status, and whether the run passed: nothing failed or errored, and something
+    was verified (a run whose every case was skipped is not a pass)."""
+    counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "error", "skip")}
+    return counts, counts["fail"] == counts["error"] == 0 and counts["pass"] > 0
 
 
 def _models(values: Optional[list[str]]) -> list[str]:
@@ -208,8 +214,7 @@ def gradients(
             min_shared_tokens=min_shared_tokens,
         )
     seconds = time.perf_counter() - t0
-    counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "error", "skip")}
-    ok = counts["fail"] == counts["error"] == 0 and counts["pass"] > 0
+    counts, ok = _verdict(results)
     if as_json:
         out = {
             "rule": RULE,
@@ -221,7 +226,7 @@ def gradients(
             "passed": ok,
             "results": [r.to_dict() for r in results],
         }
-        typer.echo(json.dumps(out, indent=2, allow_nan=False))
+        print_json(out)
     else:
         _gradients_table(results, counts, seconds, dev + (f", {flavour} checkpointing" if flavour else ""), bug, top)
     raise typer.Exit(0 if ok else 1)
@@ -344,23 +349,18 @@ def training(
                 )
             )
     seconds = time.perf_counter() - t0
-    counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "error", "skip")}
-    ok = counts["fail"] == counts["error"] == 0 and counts["pass"] > 0
+    counts, ok = _verdict(results)
     if as_json:
-        typer.echo(
-            json.dumps(
-                {
-                    "rule": TRAIN_RULE,
-                    "device": dev,
-                    "injected_bug": bug,
-                    "seconds": round(seconds, 2),
-                    "summary": counts,
-                    "passed": ok,
-                    "results": [r.to_dict() for r in results],
-                },
-                indent=2,
-                allow_nan=False,
-            )
+        print_json(
+            {
+                "rule": TRAIN_RULE,
+                "device": dev,
+                "injected_bug": bug,
+                "seconds": round(seconds, 2),
+                "summary": counts,
+                "passed": ok,
+                "results": [r.to_dict() for r in results],
+            }
         )
         raise typer.Exit(0 if ok else 1)
     table = Table(

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 import typer
 from rich.table import Table
 
-from zorro_cli.console import console, escape, fail
+from zorro_cli.console import console, escape, fail, print_json
 from zorro_cli.verify import _STYLE, _device, _e, _short, verify_app
 from zorro_core.core.logprobs import LOGITS_MODES
 from zorro_core.distributed.launch import under_torchrun
@@ -73,20 +72,16 @@ def distributed(
     if under_torchrun() and int(os.environ["RANK"]) != 0:
         raise typer.Exit(0 if ok else 1)
     if as_json:
-        typer.echo(
-            json.dumps(
-                {
-                    "rule": RULE,
-                    "device": dev,
-                    "world_size": world,
-                    "self_test": self_test,
-                    "seconds": round(seconds, 2),
-                    "passed": ok,
-                    "results": [r.to_dict() for r in results],
-                },
-                indent=2,
-                allow_nan=False,
-            )
+        print_json(
+            {
+                "rule": RULE,
+                "device": dev,
+                "world_size": world,
+                "self_test": self_test,
+                "seconds": round(seconds, 2),
+                "passed": ok,
+                "results": [r.to_dict() for r in results],
+            }
         )
         raise typer.Exit(0 if ok else 1)
     table = Table(title=f"zorro verify distributed ({world} ranks, {dev}, {model}, float64, fully_shard)")

@@ -93,6 +93,7 @@ class SdpaBackend(AttentionBackend):
 
 @functools.lru_cache(maxsize=None)
 def _varlen_attn_takes(name: str) -> bool:
+    # lazy: not every torch has torch.nn.attention.varlen (unavailable() says so first)
     from torch.nn.attention.varlen import varlen_attn
 
     return name in inspect.signature(varlen_attn).parameters
@@ -102,12 +103,32 @@ def _window_size(window: Optional[int]) -> tuple[int, int]:
     return (-1 if window is None else window - 1, 0)
 
 
-class TorchVarlenBackend(AttentionBackend):
+def _seqlens(seg: Segments, device: torch.device) -> tuple:
+    """cu_seqlens_q, cu_seqlens_k (on the kernel's device), max_seqlen_q, max_seqlen_k: the
+    positional arguments both CUDA varlen kernels take after q, k, v."""
+    return seg.cu_q.to(device), seg.cu_k.to(device), seg.max_q, seg.max_k
+
+
+class CudaVarlenBackend(AttentionBackend):
+    """A cu_seqlens kernel that runs on CUDA only; `missing` says what this install lacks for it."""
+
+    def missing(self) -> Optional[str]:
+        """Why the kernel is not importable here, or None."""
+        raise NotImplementedError
+
+    def unavailable(self, device):
+        if device.type != "cuda":
+            return f"{self.name} needs a CUDA device (got {device.type})"
+        return self.missing()
+
+
+class TorchVarlenBackend(CudaVarlenBackend):
     """torch.nn.attention.varlen.varlen_attn on cu_seqlens (CUDA)."""
 
     name = "torch_varlen"
 
     def varlen(self, q, k, v, seg, scale, window=None):
+        # lazy: not every torch has it (see _varlen_attn_takes)
         from torch.nn.attention.varlen import varlen_attn
 
         gqa = {}
@@ -123,47 +144,38 @@ class TorchVarlenBackend(AttentionBackend):
             q,
             k,
             v,
-            seg.cu_q.to(q.device),
-            seg.cu_k.to(q.device),
-            seg.max_q,
-            seg.max_k,
+            *_seqlens(seg, q.device),
             scale=scale,
             window_size=_window_size(window),
             **gqa,
         )
 
-    def unavailable(self, device):
-        if device.type != "cuda":
-            return f"{self.name} needs a CUDA device (got {device.type})"
+    def missing(self):
         if importlib.util.find_spec("torch.nn.attention.varlen") is None:
             return f"torch {torch.__version__} has no torch.nn.attention.varlen"
         return None
 
 
-class FlashAttnBackend(AttentionBackend):
+class FlashAttnBackend(CudaVarlenBackend):
     """flash_attn.flash_attn_varlen_func on cu_seqlens (CUDA, the flash-attn package)."""
 
     name = "flash_attn"
 
     def varlen(self, q, k, v, seg, scale, window=None):
+        # lazy: flash-attn is an optional package (unavailable() checks it)
         from flash_attn import flash_attn_varlen_func
 
         return flash_attn_varlen_func(
             q,
             k,
             v,
-            seg.cu_q.to(q.device),
-            seg.cu_k.to(q.device),
-            seg.max_q,
-            seg.max_k,
+            *_seqlens(seg, q.device),
             softmax_scale=scale,
             causal=True,
             window_size=_window_size(window),
         )
 
-    def unavailable(self, device):
-        if device.type != "cuda":
-            return f"{self.name} needs a CUDA device (got {device.type})"
+    def missing(self):
         if importlib.util.find_spec("flash_attn") is None:
             return "the flash-attn package is not installed (pip install 'zorro[gpu]')"
         return None

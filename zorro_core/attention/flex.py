@@ -36,6 +36,7 @@ def flex_unavailable(device: torch.device | str) -> Optional[str]:
 
 @lru_cache(maxsize=1)
 def _compiled():
+    # lazy: FlexAttention is heavy and loads only when mask mode runs it
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=True)
@@ -43,6 +44,7 @@ def _compiled():
 
 def block_mask(plan: DedupPlan, window: Optional[int] = None):
     """The plan's mask-mode mask as a BlockMask over the packed length padded to BLOCK."""
+    # lazy: as in _compiled
     from torch.nn.attention.flex_attention import create_block_mask
 
     t = plan.num_tokens

@@ -25,6 +25,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from zorro_core.attention.backends import BACKENDS
+from zorro_core.attention.flex import block_mask as flex_block_mask
+from zorro_core.attention.flex import flex_packed_attention
 from zorro_core.attention.tree import tree_block_mask, tree_split_attention
 from zorro_core.core.plan import DedupPlan
 from zorro_core.errors import UnsupportedModelError
@@ -60,11 +62,8 @@ class Route:
                 pos = self.plan.position_ids
                 allowed = allowed & (pos[:, None] - pos[None, :] < window)
             if kind == "flex_attention":
-                from zorro_core.attention.flex import block_mask
-
-                if getattr(self.plan, "is_tree", False):  # sharing="prefix": the trie's mask
-                    block_mask = tree_block_mask
-                self._masks[key] = block_mask(self.plan, window)
+                tree = getattr(self.plan, "is_tree", False)  # sharing="prefix": the trie's mask
+                self._masks[key] = (tree_block_mask if tree else flex_block_mask)(self.plan, window)
                 return self._masks[key]
             if kind == "eager":
                 m = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
@@ -169,8 +168,6 @@ def zorro_attention(
     if route.mode == "mask":
         mask = route.block_mask(route.inner, query.dtype, sliding_window)
         if route.inner == "flex_attention":
-            from zorro_core.attention.flex import flex_packed_attention
-
             return flex_packed_attention(query, key, value, mask, scale), None
         fn = _model_eager(module) if route.inner == "eager" else sdpa_attention_forward
         extra = {"is_causal": False} if route.inner == "sdpa" else {}

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from zorro_core.attention.backends import BACKENDS
+from zorro_core.attention.flex import BLOCK
 from zorro_core.attention.padded import _cross_blocks, _FlashCross, attend, from_padded
 from zorro_core.core.trie import TriePlan
 
@@ -55,9 +56,8 @@ def tree_split_attention(plan: TriePlan, q, k, v, scale: float, window: Optional
 def tree_block_mask(plan: TriePlan, window: Optional[int] = None):
     """The tree mask as a FlexAttention BlockMask (packed length padded to a multiple of 128):
     q sees k iff k's node is an ancestor-or-self of q's and k <= q (and within the window)."""
+    # lazy: FlexAttention is heavy and loads only when a tree block mask is built
     from torch.nn.attention.flex_attention import create_block_mask
-
-    from zorro_core.attention.flex import BLOCK
 
     t, m = plan.num_tokens, plan.num_nodes
     padded = -(-t // BLOCK) * BLOCK

@@ -17,23 +17,33 @@ fresh processes (zorro_core.distributed.launch), nothing is reused between cases
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 
-from zorro_core.bench.measure import Stats, speedup, summarize, time_interleaved
+from zorro_core.bench.inputs import make_batch, model_config
+from zorro_core.bench.measure import Stats, speedup_columns, summarize, time_columns, time_interleaved
 from zorro_core.bench.suite import PHASES, Case, Measure
+from zorro_core.core.actor import DeduplicatedActor
+from zorro_core.core.balance import select_rows
+from zorro_core.core.cost import ModelShape, flops, plan_workload
+from zorro_core.core.dtypes import DTYPES
+from zorro_core.core.plan import build_dedup_plan
+from zorro_core.distributed import regroup
+from zorro_core.distributed.launch import default_backend, launch
+from zorro_core.distributed.regroup import _row_keys
+from zorro_core.distributed.routing import plan_routing
+from zorro_core.models.presets import load_model
+from zorro_core.verify.distributed import rank_rows
 
 ARMS = ("no_regroup", "regroup")
 
 
 def rank_batches(case: Case, vocab_size: int) -> tuple[Any, list[list[int]]]:
     """The global batch and each rank's rows (dealt round-robin by group)."""
-    from zorro_core.bench.inputs import make_batch
-    from zorro_core.verify.distributed import rank_rows
-
     batch = make_batch(case, vocab_size)
     if batch.batch_size < case.nproc:
         raise ValueError(f"batch_size {batch.batch_size} < nproc {case.nproc}: a rank would hold no rows")
@@ -43,13 +53,6 @@ def rank_batches(case: Case, vocab_size: int) -> tuple[Any, list[list[int]]]:
 def case_plan(case: Case) -> dict[str, Any]:
     """Per rank, before and after regrouping: rows, prompt dedup ratio and the cost model's FLOPs;
     the single-process dedup ratio; the ideal speedup of regrouping per phase. No process starts."""
-    from zorro_core.bench.inputs import model_config
-    from zorro_core.core.balance import select_rows
-    from zorro_core.core.cost import ModelShape, flops, plan_workload
-    from zorro_core.core.plan import build_dedup_plan
-    from zorro_core.distributed.regroup import _row_keys
-    from zorro_core.distributed.routing import plan_routing
-
     config = model_config(case.model)
     shape = ModelShape.from_config(config)
     batch, rows = rank_batches(case, config.vocab_size)
@@ -83,8 +86,6 @@ def case_plan(case: Case) -> dict[str, Any]:
 
 
 def _shard(model) -> None:
-    from torch.distributed.fsdp import fully_shard
-
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -92,14 +93,6 @@ def _shard(model) -> None:
 
 def rank_process(case: Case, measure: Measure) -> dict[str, Any]:
     """One rank of a case (inside its process group): both arms timed interleaved, per phase."""
-    import torch.distributed as dist
-
-    from zorro_core.core.actor import DeduplicatedActor
-    from zorro_core.core.balance import select_rows
-    from zorro_core.core.dtypes import DTYPES
-    from zorro_core.distributed import regroup
-    from zorro_core.models.presets import load_model
-
     rank = dist.get_rank()
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if case.device.startswith("cuda") else "cpu")
     model = load_model(
@@ -167,8 +160,6 @@ def distributed_case_rows(
     case: Case, measure: Measure, base: dict[str, Any], on_phase: Callable[[dict], None] | None = None
 ) -> list[dict[str, Any]]:
     """The rows of an nproc > 1 case (one per phase); a failure becomes the rows' status."""
-    from zorro_core.distributed.launch import default_backend, launch
-
     base = dict(
         base,
         nproc=case.nproc,
@@ -229,17 +220,10 @@ def _fill(row: dict, results: list[dict], phase: str, ideal: float) -> None:
     stats: dict[str, Stats] = {arm: summarize(times[arm]) for arm in ARMS}
     for key, arm in (("baseline", "no_regroup"), ("dedup", "regroup")):
         s = stats[arm]
-        row.update(
-            {f"{key}_ms_p50": round(s.p50, 3), f"{key}_ms_p20": round(s.p20, 3), f"{key}_ms_p80": round(s.p80, 3)}
-        )
+        row.update(time_columns(key, s))
         row["n"] = s.n
-    sp = speedup(times["no_regroup"], times["regroup"])
+    row.update(speedup_columns(times["no_regroup"], times["regroup"], ideal))
     row.update(
-        speedup=round(sp.value, 4),
-        speedup_err=round(sp.err, 4) if math.isfinite(sp.err) else "",
-        speedup_p20=round(sp.p20, 4),
-        speedup_p80=round(sp.p80, 4),
-        efficiency=round(sp.value / ideal, 4),
         threads=results[0]["threads"],
         regroup_bytes_sent=sum(r["bytes"]["rows"] for r in results),
         regroup_metadata_bytes=sum(r["bytes"]["metadata"] for r in results),

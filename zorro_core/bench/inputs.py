@@ -6,17 +6,17 @@ so both build the same batch from the same case.
 
 from __future__ import annotations
 
+from transformers import AutoConfig
+
 from zorro_core.bench.suite import Case
+from zorro_core.core.batch import create_dummy_batch
+from zorro_core.models.presets import PRESETS, preset_config
 
 
 def model_config(name: str):
     """The config of a preset, a local checkpoint or a model in the local HF cache (no download)."""
-    from zorro_core.models.presets import PRESETS, preset_config
-
     if name in PRESETS:
         return preset_config(name)
-    from transformers import AutoConfig
-
     try:
         return AutoConfig.from_pretrained(name, local_files_only=True)
     except Exception as e:
@@ -27,8 +27,6 @@ def model_config(name: str):
 
 
 def make_batch(case: Case, vocab_size: int, device: str = "cpu"):
-    from zorro_core.core.batch import create_dummy_batch
-
     return create_dummy_batch(
         batch_size=case.batch_size,
         num_unique_prompts=case.num_unique_prompts,

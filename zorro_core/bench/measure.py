@@ -19,6 +19,7 @@ Peak memory, named by what it is (`peak_mem_kind`):
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import math
 import time
@@ -100,6 +101,28 @@ def speedup(baseline_ms: Sequence[float], dedup_ms: Sequence[float]) -> Speedup:
     # Fewer than 3 rounds say nothing about the spread: no error rather than a false 0.
     err = _MEDIAN_SE * sigma / math.sqrt(len(ratios)) if len(ratios) >= 3 else float("nan")
     return Speedup(float(np.median(ratios)), err, p20, p80)
+
+
+def time_columns(arm: str, stats: Stats) -> dict[str, float]:
+    """One arm's timing columns of a result row: <arm>_ms_p50, _p20, _p80."""
+    return {
+        f"{arm}_ms_p50": round(stats.p50, 3),
+        f"{arm}_ms_p20": round(stats.p20, 3),
+        f"{arm}_ms_p80": round(stats.p80, 3),
+    }
+
+
+def speedup_columns(baseline_ms: Sequence[float], dedup_ms: Sequence[float], ideal: float) -> dict[str, float | str]:
+    """The speedup columns of a result row: the paired speedup, its error ('' when unknown), its
+    p20 and p80, and the efficiency (speedup / `ideal`, the cost model's)."""
+    sp = speedup(baseline_ms, dedup_ms)
+    return {
+        "speedup": round(sp.value, 4),
+        "speedup_err": round(sp.err, 4) if math.isfinite(sp.err) else "",
+        "speedup_p20": round(sp.p20, 4),
+        "speedup_p80": round(sp.p80, 4),
+        "efficiency": round(sp.value / ideal, 4),
+    }
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -186,8 +209,6 @@ def release_free_memory() -> None:
     """Collect garbage and return glibc's free heap to the OS (no-op without glibc)."""
     gc.collect()
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass

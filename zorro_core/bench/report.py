@@ -9,17 +9,11 @@ import re
 from pathlib import Path
 
 from zorro_core.bench.measure import format_speedup
-from zorro_core.bench.results import parse_results, read_results_text
+from zorro_core.bench.results import SETUP_COLUMNS, parse_results, read_results_text
 
 # Columns that define a configuration: one pivot table (and one plot) per combination.
 GROUP_COLUMNS = [
-    "model",
-    "attn_implementation",
-    "split_attention",
-    "logits_mode",
-    "dtype",
-    "device",
-    "batch_size",
+    *SETUP_COLUMNS,
     "response_len",
     "padding",
     "baseline_kind",
@@ -33,7 +27,7 @@ def load_results(paths: list[Path]):
     """All rows of the CSVs, the last row of each (case_id, phase) kept. ValueError naming the
     file when one is missing, a directory, empty, binary, damaged (a cut or ragged line) or not
     a zorro results CSV."""
-    import pandas as pd
+    import pandas as pd  # lazy here and below: pandas/matplotlib slow the CLI's start-up
 
     frames = []
     for p in paths:

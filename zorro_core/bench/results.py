@@ -26,16 +26,13 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+# What a case runs (the model and the arms' settings): part of the required columns, and the
+# start of the report's configuration key (zorro_core.bench.report.GROUP_COLUMNS).
+SETUP_COLUMNS = ["model", "attn_implementation", "split_attention", "logits_mode", "dtype", "device", "batch_size"]
 # The required columns, in this order, then the extra ones.
 REQUIRED_COLUMNS = [
     "case_id",
-    "model",
-    "attn_implementation",
-    "split_attention",
-    "logits_mode",
-    "dtype",
-    "device",
-    "batch_size",
+    *SETUP_COLUMNS,
     "num_unique_prompts",
     "prompt_len",
     "response_len",

@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import gc
-import math
 import os
 import time
 import traceback
@@ -27,10 +26,19 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from zorro_core.bench.distributed import distributed_case_rows
 from zorro_core.bench.footprint import case_footprint, too_large
 from zorro_core.bench.inputs import make_batch, model_config  # noqa: F401 -- re-exported: callers use runner's names
 from zorro_core.bench.isolation import ChildResult, run_isolated
-from zorro_core.bench.measure import CPU_PEAK_KIND, Stats, peak_memory_mib, speedup, summarize, time_interleaved
+from zorro_core.bench.measure import (
+    CPU_PEAK_KIND,
+    Stats,
+    peak_memory_mib,
+    speedup_columns,
+    summarize,
+    time_columns,
+    time_interleaved,
+)
 from zorro_core.bench.suite import PHASES, Case, Measure
 from zorro_core.core.actor import BaselineActor, DeduplicatedActor
 from zorro_core.core.cost import ModelShape, compare_plans
@@ -331,8 +339,6 @@ def case_rows(
     max_memory: bytes a case may take (None: what the machine has available)."""
     base = case_base_row(case, measure)
     if case.nproc > 1:  # data-parallel ranks, no-regroup vs regroup: a process tree of its own
-        from zorro_core.bench.distributed import distributed_case_rows
-
         return distributed_case_rows(case, measure, base, on_phase)
 
     def failed(status: str, error: str) -> list[dict[str, Any]]:
@@ -454,24 +460,11 @@ def _fill_timing(row: dict, res: dict, work: Workload, phase: str) -> None:
     times = res.get("times", {})
     stats: dict[str, Stats] = {arm: summarize(t) for arm, t in times.items()}
     for arm, s in stats.items():
-        row.update(
-            {
-                f"{arm}_ms_p50": round(s.p50, 3),
-                f"{arm}_ms_p20": round(s.p20, 3),
-                f"{arm}_ms_p80": round(s.p80, 3),
-                f"{arm}_tokens_per_s": round(work.logical_tokens / (s.p50 / 1e3), 1),
-            }
-        )
+        row.update(time_columns(arm, s))
+        row[f"{arm}_tokens_per_s"] = round(work.logical_tokens / (s.p50 / 1e3), 1)
         row["n"] = s.n
     if len(stats) == 2:
-        sp = speedup(times["baseline"], times["dedup"])
-        row.update(
-            speedup=round(sp.value, 4),
-            speedup_err=round(sp.err, 4) if math.isfinite(sp.err) else "",
-            speedup_p20=round(sp.p20, 4),
-            speedup_p80=round(sp.p80, 4),
-            efficiency=round(sp.value / work.ideal_speedup[phase], 4),
-        )
+        row.update(speedup_columns(times["baseline"], times["dedup"], work.ideal_speedup[phase]))
     for arm in ("baseline", "dedup"):
         if f"{arm}_peak_mib" in res:
             row[f"{arm}_peak_mem_mib"] = round(res[f"{arm}_peak_mib"], 1)

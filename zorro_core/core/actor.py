@@ -20,6 +20,7 @@ from transformers.masking_utils import (
 )
 
 from zorro_core.attention.backends import default_backend, get_backend
+from zorro_core.attention.flex import flex_unavailable
 from zorro_core.attention.hook import Route, route_mask
 from zorro_core.attention.registration import install_attention
 from zorro_core.core import microbatch
@@ -143,8 +144,6 @@ class _Actor:
             get_backend(self.varlen_backend, self.device)  # refuses an unavailable backend now
         else:
             if self.attn_implementation == "flex_attention":
-                from zorro_core.attention.flex import flex_unavailable
-
                 why = flex_unavailable(self.device)
                 if why:
                     raise ValueError(f"mask mode with flex_attention: {why}")
@@ -218,20 +217,24 @@ class _Actor:
         # hooks again with the same route, and those calls are not part of this count.
         check_layers_served(self.parts, route)
         aux = aux_loss_of(self.parts, self.model.config, outputs, plan, self.router_aux_weighting)
-        lp, ent = response_logprobs(
+        lp, ent = self._logprobs(hidden, plan.logit_index, plan.labels, temperature, calculate_entropy)
+        return lp, ent, aux
+
+    __call__ = forward
+
+    def _logprobs(self, hidden, index, labels, temperature: float, calculate_entropy: bool):
+        """Log-probs (and entropies) of `labels` predicted at rows `index` of `hidden`, in this actor's logits mode."""
+        return response_logprobs(
             hidden,
             self.parts.lm_head,
-            plan.logit_index,
-            plan.labels,
+            index,
+            labels,
             temperature,
             calculate_entropy,
             self.logits_mode,
             self.logits_chunk_size,
             self.logits_memory_budget_mib,
         )
-        return lp, ent, aux
-
-    __call__ = forward
 
     def forward_backward(
         self,
@@ -363,17 +366,7 @@ class BaselineActor(_Actor):
         rows, cols = flat // r, flat % r
         index = rows * width + p - 1 + cols
         labels = batch.responses.long().flatten()[flat]
-        lp, ent = response_logprobs(
-            hidden.reshape(b * width, -1),
-            self.parts.lm_head,
-            index,
-            labels,
-            temperature,
-            calculate_entropy,
-            self.logits_mode,
-            self.logits_chunk_size,
-            self.logits_memory_budget_mib,
-        )
+        lp, ent = self._logprobs(hidden.reshape(b * width, -1), index, labels, temperature, calculate_entropy)
 
         def scatter(v):
             return v.new_zeros(b * r).index_put((flat,), v).view(b, r)

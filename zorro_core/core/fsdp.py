@@ -40,7 +40,7 @@ def as_root_forward(model: nn.Module, fn: Callable[[], Any]) -> Any:
     """
     if not is_fsdp_root(model):
         return fn()
-    from torch.distributed.fsdp import register_fsdp_forward_method
+    from torch.distributed.fsdp import register_fsdp_forward_method  # lazy: see is_fsdp_root
 
     # register_fsdp_forward_method wraps an attribute of the module instance; the wrapper
     # calls the attribute without `self`, so a closure serves. Removed afterwards.

@@ -22,12 +22,13 @@ from typing import Any, Callable
 import torch
 
 from zorro_core.core.batch import RolloutBatch
+from zorro_core.core.packed import PackedPlan
 from zorro_core.core.segments import Segments, _cu, _ranges  # noqa: F401 -- Segments is public here too
 from zorro_core.core.trie import DEFAULT_MIN_SHARED_TOKENS, TriePlan, build_trie_plan, check_sharing
 
 
 @dataclass
-class DedupPlan:
+class DedupPlan(PackedPlan):
     """How one RolloutBatch maps onto the packed row and back. See the module docstring."""
 
     batch_size: int
@@ -84,25 +85,6 @@ class DedupPlan:
         if key not in self._derived:
             self._derived[key] = build()
         return self._derived[key]
-
-    @property
-    def num_tokens(self) -> int:
-        """T, tokens in the packed row (unique tokens)."""
-        return self.input_ids.numel()
-
-    @property
-    def prompt_dedup_ratio(self) -> float:
-        """1 - unique prompt tokens / all prompt tokens."""
-        return 1.0 - self.unique_prompt_tokens / self.logical_prompt_tokens
-
-    @property
-    def token_redundancy(self) -> float:
-        """1 - unique tokens / all tokens."""
-        return 1.0 - self.num_tokens / self.logical_tokens
-
-    @property
-    def device(self) -> torch.device:
-        return self.input_ids.device
 
     def scatter_responses(self, values: torch.Tensor) -> torch.Tensor:
         """Put [N] per-response-token values back into the batch's [B, R] layout (0 at padding)."""

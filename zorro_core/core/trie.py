@@ -41,6 +41,7 @@ import torch
 
 from zorro_core.core.batch import RolloutBatch
 from zorro_core.core.layouts import CrossLayout
+from zorro_core.core.packed import PackedPlan
 from zorro_core.core.segments import Segments, _cu, _same_device
 
 SHARINGS = ("prompt", "prefix")
@@ -112,7 +113,7 @@ class TreeLevel:
 
 
 @dataclass
-class TriePlan:
+class TriePlan(PackedPlan):
     """How one RolloutBatch maps onto the packed token trie and back. See the module docstring."""
 
     batch_size: int
@@ -169,11 +170,6 @@ class TriePlan:
     """Marks a trie plan for the attention hook, the MoE aux loss and the cost model."""
 
     @property
-    def num_tokens(self) -> int:
-        """T, tokens in the packed row."""
-        return self.input_ids.numel()
-
-    @property
     def num_nodes(self) -> int:
         return self.node_len.numel()
 
@@ -183,23 +179,9 @@ class TriePlan:
         return len(self.levels)
 
     @property
-    def prompt_dedup_ratio(self) -> float:
-        """1 - unique prompt tokens / all prompt tokens."""
-        return 1.0 - self.unique_prompt_tokens / self.logical_prompt_tokens
-
-    @property
-    def token_redundancy(self) -> float:
-        """1 - unique tokens / all tokens."""
-        return 1.0 - self.num_tokens / self.logical_tokens
-
-    @property
     def causal(self) -> Segments:
         """Level 0: the roots as self-causal segments."""
         return self.levels[0].seg
-
-    @property
-    def device(self) -> torch.device:
-        return self.input_ids.device
 
     def scatter_responses(self, values: torch.Tensor) -> torch.Tensor:
         """Put [U] per-(position, label) values into the batch's [B, R] layout (0 at padding).

@@ -42,6 +42,8 @@ from typing import Any, Optional
 
 import torch
 
+from zorro_core.core.actor import DeduplicatedActor
+from zorro_core.errors import UnsupportedModelError
 from zorro_core.integrations.layout import ZorroFallbackWarning, joined_logprobs
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -125,9 +127,6 @@ def patch_dp_actor(actor_cls: type, **actor_kwargs: Any) -> type:
     use. Calls it cannot serve (`unserved_reason`, or an `UnsupportedModelError` from the actor)
     run the original method with a one-time `ZorroFallbackWarning`. Returns `actor_cls`.
     """
-    from zorro_core.core.actor import DeduplicatedActor
-    from zorro_core.errors import UnsupportedModelError
-
     original = actor_cls._forward_micro_batch
     if getattr(original, "_zorro_patched", False):
         return actor_cls

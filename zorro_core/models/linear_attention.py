@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from transformers.activations import ACT2FN
 
 from zorro_core.core.plan import DedupPlan, _cu, _ranges
 from zorro_core.errors import UnsupportedModelError
@@ -157,7 +158,7 @@ def build_linear_layout(plan: DedupPlan, chunk: int = DEFAULT_CHUNK) -> LinearLa
 @functools.lru_cache(maxsize=None)
 def fla_available() -> Optional[str]:
     """None when flash-linear-attention's gated delta rule is importable, else why not."""
-    try:
+    try:  # lazy: flash-linear-attention is an optional package
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
     except Exception as e:  # noqa: BLE001 - any import failure means "not here"
         return f"flash-linear-attention is not importable ({type(e).__name__}: {e})"
@@ -265,8 +266,6 @@ def _dedup_conv(original, hidden_states, weight, bias=None, activation=None, **k
     route = kwargs.get("zorro_route")
     if route is None:
         return original(hidden_states, weight, bias, activation=activation, **kwargs)
-    from transformers.activations import ACT2FN
-
     if hidden_states.shape[0] != 1:
         raise ValueError(f"the packed row must have batch size 1, got {hidden_states.shape[0]}")
     k = weight.shape[-1]

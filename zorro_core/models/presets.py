@@ -12,7 +12,9 @@ import os
 from typing import Any, Optional
 
 import torch
+from huggingface_hub import snapshot_download
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from zorro_core.models.registry import FAMILIES
 
@@ -23,8 +25,6 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def _config_class(family: str):
-    from transformers import AutoConfig
-
     return type(AutoConfig.for_model(family))
 
 
@@ -49,8 +49,6 @@ def build_model(
     MoE experts default to transformers' choice, except in float64 where they run "eager"
     (grouped_mm has no float64 kernel).
     """
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(seed)
     extra = {}
     if experts_implementation is None and dtype == torch.float64 and getattr(config, "num_experts", 0):
@@ -63,8 +61,6 @@ def build_model(
 
 def _hf_cache_path(name: str) -> Optional[str]:
     try:
-        from huggingface_hub import snapshot_download
-
         return snapshot_download(name, local_files_only=True)
     except Exception:
         return None
@@ -78,8 +74,6 @@ def load_model(
     seed: int = 0,
 ) -> nn.Module:
     """A local checkpoint, a model in the local HF cache, or a preset (random weights). Never downloads."""
-    from transformers import AutoModelForCausalLM
-
     path = name_or_path if os.path.isdir(name_or_path) else _hf_cache_path(name_or_path)
     if path is not None:
         model = AutoModelForCausalLM.from_pretrained(

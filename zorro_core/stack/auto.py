@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import transformers
 from packaging.version import Version
 
 from zorro_core.stack.precision import DeviceCaps, device_caps
@@ -61,8 +62,6 @@ def flash_attn_version() -> Optional[str]:
 
 
 def transformers_version() -> str:
-    import transformers
-
     return transformers.__version__
 
 

@@ -93,7 +93,7 @@ def liger_unavailable(model: nn.Module | str, device: str | torch.device | None 
         return "liger-kernel is not installed (pip install 'zorro[gpu]')"
     if mtype not in FAMILIES:
         return f"no Liger patch function for model type {mtype!r} (zorro maps: {', '.join(FAMILIES)})"
-    try:
+    try:  # lazy: liger-kernel is an optional package
         import liger_kernel.transformers as lt
     except Exception as e:  # installed but broken (e.g. a Triton that does not match torch)
         return f"liger_kernel.transformers does not import: {e}"
@@ -108,7 +108,7 @@ def apply_liger(model: nn.Module, settings: Optional[LigerSettings] = None) -> L
     why = liger_unavailable(model)
     if why:
         raise ValueError(why)
-    import liger_kernel.transformers as lt
+    import liger_kernel.transformers as lt  # lazy: optional package, checked above
 
     model = unwrap_adapters(model)  # liger walks model.<base_model_prefix>.layers of the causal LM
     mtype = model.config.model_type

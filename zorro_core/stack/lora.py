@@ -76,7 +76,7 @@ def quantize_nf4(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) 
     why = lora_unavailable(LoraSettings(quantize_base="nf4"), device)
     if why:
         raise ValueError(why)
-    import bitsandbytes as bnb
+    import bitsandbytes as bnb  # lazy: optional package, checked above
 
     base = model_parts(model).base
     for parent in list(base.modules()):
@@ -119,7 +119,7 @@ def apply_lora(
     why = lora_unavailable(settings, device)
     if why:
         raise ValueError(why)
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # lazy: optional package, checked above
 
     model_parts(model)  # refuse an unsupported model before wrapping it
     if settings.quantize_base == "nf4":

@@ -24,10 +24,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 
+from zorro_core.core.actor import DeduplicatedActor
 from zorro_core.core.balance import select_rows
 from zorro_core.core.batch import RolloutBatch
 from zorro_core.core.plan import group_rows
+from zorro_core.distributed import regroup
+from zorro_core.distributed.launch import default_backend, init_from_env, launch, under_torchrun
+from zorro_core.distributed.regroup import _Exchange
 from zorro_core.verify.gradients import (
     GRAD_FLOOR,
     LP_FLOOR,
@@ -124,8 +129,6 @@ def rank_rows(batch: RolloutBatch, rank: int, world: int) -> list[int]:
 
 
 def _shard(model) -> None:
-    from torch.distributed.fsdp import fully_shard
-
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -146,8 +149,6 @@ def _bugged_restore(restore, bug: str | None):
         restore._home_index = restore._home_index.flip(0)
         return restore
     if bug == "restore_rank":
-        from zorro_core.distributed.regroup import _Exchange
-
         rank, world = dist.get_rank(), dist.get_world_size()
 
         def to_next_rank(t):  # every rank's rows go to rank - 1: rank r gets rank r+1's rows
@@ -164,9 +165,6 @@ def _bugged_restore(restore, bug: str | None):
 
 def verify_rank(cfg: DistributedConfig) -> list[dict]:
     """Run every variant of `cfg` on this rank (inside an initialized process group); per-variant raw results."""
-    from zorro_core.core.actor import DeduplicatedActor
-    from zorro_core.distributed import regroup
-
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device(cfg.device if cfg.device != "cuda" else f"cuda:{torch.cuda.current_device()}")
     model = build_verify_model(cfg.model, "cpu", cfg.seed).to(torch.float64)
@@ -297,12 +295,6 @@ def judge(per_rank: list[list[dict]]) -> list[VariantResult]:
 
 def verify_distributed(cfg: DistributedConfig, nproc: int = 2) -> list[VariantResult]:
     """Spawn `nproc` ranks (or, under torchrun, join its ranks), run every variant, judge on every rank."""
-    from zorro_core.distributed.launch import (
-        default_backend,
-        init_from_env,
-        launch,
-        under_torchrun,
-    )
 
     unknown = [b for b in cfg.bugs if b is not None and b not in BUGS]
     if unknown:

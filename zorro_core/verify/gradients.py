@@ -21,16 +21,19 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
+from zorro_core.attention.backends import backend_unavailable, default_backend
 from zorro_core.core.actor import BaselineActor, DeduplicatedActor
 from zorro_core.core.batch import RolloutBatch, create_dummy_batch
 from zorro_core.core.dtypes import DTYPES as TORCH_DTYPES
 from zorro_core.core.logprobs import LOGITS_MODES
 from zorro_core.core.plan import DedupPlan, build_dedup_plan
+from zorro_core.core.trie import build_trie_plan
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.parts import unwrap_adapters
 from zorro_core.models.presets import PRESETS, build_model, preset_config
 from zorro_core.models.registry import FAMILIES
 from zorro_core.stack.checkpointing import checkpointed
+from zorro_core.stack.lora import LoraSettings, apply_lora
 from zorro_core.verify.reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
 
 # Measured float64 floor (transformers keeps RMSNorm, RoPE and eager softmax in float32 even in a
@@ -208,8 +211,6 @@ def verify_batch(layout: str, vocab_size: int, seed: int = 0) -> RolloutBatch:
 
 def case_unavailable(case: VerifyCase, device: str) -> Optional[str]:
     """Why a case cannot run on `device`, or None."""
-    from zorro_core.attention.backends import backend_unavailable, default_backend
-
     if case.model not in PRESETS:
         return f"unknown preset {case.model!r}"
     if case.dtype not in DTYPES:
@@ -250,14 +251,18 @@ def build_verify_model(name: str, device: str = "cpu", seed: int = 0) -> nn.Modu
 # the check fails on a broken plan, and tests/test_actor.py plants the same bugs.
 
 
+def _row0_prompt_on(batch: RolloutBatch, r: int) -> RolloutBatch:
+    """The batch with row 0's prompt in row `r` (its response kept): the wrong_prompt bug's batch."""
+    prompts, mask = batch.prompts.clone(), batch.prompt_mask.clone()
+    prompts[r], mask[r] = prompts[0], mask[0]
+    return RolloutBatch(prompts, mask, batch.responses, batch.response_mask)
+
+
 def _wrong_prompt(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
     rows = (plan.group_of_row != plan.group_of_row[0]).nonzero().flatten()
     if not rows.numel():
         raise ValueError("wrong_prompt needs a batch with two distinct prompts")
-    r = int(rows[0])
-    prompts, mask = batch.prompts.clone(), batch.prompt_mask.clone()
-    prompts[r], mask[r] = prompts[0], mask[0]
-    return build_dedup_plan(RolloutBatch(prompts, mask, batch.responses, batch.response_mask), dedup=plan.deduplicated)
+    return build_dedup_plan(_row0_prompt_on(batch, int(rows[0])), dedup=plan.deduplicated)
 
 
 def _positions_restart(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
@@ -301,20 +306,13 @@ def _tree_positions_restart(plan, batch: RolloutBatch):
 
 def _tree_wrong_prompt(plan, batch: RolloutBatch):
     """A row's response hangs in the trie under row 0's prompt."""
-    from zorro_core.core.trie import build_trie_plan
-
     batch = batch.to(plan.device)
     p, m = batch.prompts, batch.prompt_mask.bool()
     differs = ((p != p[0]) & (m | m[0])).any(1) | (m != m[0]).any(1)
     rows = differs.nonzero().flatten()
     if not rows.numel():
         raise ValueError("wrong_prompt needs a batch with two distinct prompts")
-    r = int(rows[0])
-    prompts, mask = batch.prompts.clone(), batch.prompt_mask.clone()
-    prompts[r], mask[r] = prompts[0], mask[0]
-    return build_trie_plan(
-        RolloutBatch(prompts, mask, batch.responses, batch.response_mask), min_shared_tokens=plan.min_shared_tokens
-    )
+    return build_trie_plan(_row0_prompt_on(batch, int(rows[0])), min_shared_tokens=plan.min_shared_tokens)
 
 
 # The bugs above for a trie plan (sharing="prefix"), by the same names.
@@ -396,8 +394,6 @@ class Verifier:
             if (name, "float32") not in self._models:
                 m = build_verify_model(name, self.device, self.seed)
                 if self.lora_rank:
-                    from zorro_core.stack.lora import LoraSettings, apply_lora
-
                     # Random adapter init (peft's default B = 0 would make the adapter the identity
                     # and its A-gradients zero): every adapter weight gets a gradient to compare.
                     torch.manual_seed(self.seed)
