@@ -13,7 +13,6 @@ import warnings
 
 import pytest
 import torch
-from delta_rule import chunk_gated_delta_rule_exact
 from helpers import check
 from reference import actor_run, per_sequence, token_weights
 from test_actor import BATCHES
@@ -21,6 +20,7 @@ from test_actor import BATCHES
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.models.parts import model_parts
 from zorro_core.models.presets import build_model, preset_config
+from zorro_core.verify.delta_rule import chunk_gated_delta_rule_exact
 
 FAMILIES = [
     "tiny-qwen3",

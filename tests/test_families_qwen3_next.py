@@ -10,13 +10,13 @@ Prompts cover shorter than one chunk (40), exactly one (64), longer (100) and tw
 
 import pytest
 import torch
-from delta_rule import chunk_gated_delta_rule_exact
 from helpers import GRAD_RTOL, LP_ATOL, check
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
 from zorro_core.core.plan import build_dedup_plan
 from zorro_core.models.linear_attention import build_linear_layout, conv_sources, fla_available
+from zorro_core.verify.delta_rule import chunk_gated_delta_rule_exact
 
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 FAMILY = "tiny-qwen3-next"

@@ -187,7 +187,7 @@ def next_batch():
 
 @pytest.fixture(scope="module")
 def next_reference():
-    from delta_rule import chunk_gated_delta_rule_exact
+    from zorro_core.verify.delta_rule import chunk_gated_delta_rule_exact
 
     saved = qwen3_next.torch_chunk_gated_delta_rule
     qwen3_next.torch_chunk_gated_delta_rule = (

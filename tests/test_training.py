@@ -47,6 +47,23 @@ def test_training_matches_reference_every_step(dtype, split):
         assert max(s.drift_dedup for s in res.steps) < TRAIN_FLOOR
 
 
+def test_linear_attention_trains_at_the_float64_floor():
+    """Qwen3-Next: transformers' delta rule rounds to float32 in any dtype; with the dtype-preserving
+    kernel installed for all three runs the float64 check is sharp over the README's 5 steps, and the
+    module's own kernel is back afterwards."""
+    import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
+
+    kernel = qwen3_next.torch_chunk_gated_delta_rule
+    res = verify_training(TrainConfig(model="tiny-qwen3-next", dtype="float64", attn="sdpa", steps=5))
+    assert res.status == "pass", res.reason
+    assert max(s.drift_dedup for s in res.steps) < 1e-5
+    assert qwen3_next.torch_chunk_gated_delta_rule is kernel
+    bad = verify_training(
+        TrainConfig(model="tiny-qwen3-next", dtype="float64", attn="sdpa", steps=1), bug="wrong_prompt"
+    )
+    assert bad.status == "fail" and bad.steps[0].drift_dedup > 0.25
+
+
 @pytest.mark.parametrize(
     "bug,dtype",
     [

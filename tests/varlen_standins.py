@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from delta_rule import chunk_gated_delta_rule_exact
+
+from zorro_core.verify.delta_rule import chunk_gated_delta_rule_exact
 
 HALF = (torch.float16, torch.bfloat16)
 

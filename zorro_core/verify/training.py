@@ -11,6 +11,7 @@ parameters. The pass rule is TRAIN_RULE.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -24,6 +25,7 @@ from zorro_core.core.actor import BaselineActor, DeduplicatedActor
 from zorro_core.core.batch import RolloutBatch
 from zorro_core.core.plan import group_rows
 from zorro_core.models.parts import unwrap_adapters
+from zorro_core.verify.delta_rule import exact_delta_rule
 from zorro_core.verify.gradients import (
     DTYPES,
     LAYOUTS,
@@ -236,6 +238,18 @@ class _Run:
 
 def _train(cfg: TrainConfig, device: str, factor: float, bug: Optional[str], result: TrainingResult, on_step) -> None:
     base32 = build_verify_model(cfg.model, device, cfg.seed)
+    # transformers' PyTorch delta rule computes in float32 whatever the model's dtype: in a
+    # float64/float32 check its rounding, different for dedup's chunk partition, is what AdamW
+    # would turn into drift (1.2e-4 on tiny-qwen3-next at step 5 against 1.6e-6 with this kernel),
+    # so all three runs use the dtype-preserving kernel there; 16-bit runs keep the model's own.
+    exact = DTYPES[cfg.dtype] in (torch.float32, torch.float64)
+    with exact_delta_rule(base32) if exact else contextlib.nullcontext():
+        _train_steps(cfg, device, factor, bug, result, on_step, base32)
+
+
+def _train_steps(
+    cfg: TrainConfig, device: str, factor: float, bug: Optional[str], result: TrainingResult, on_step, base32: nn.Module
+) -> None:
     m_base = base32.to(DTYPES[cfg.dtype])
     m_dedup = copy.deepcopy(m_base)
     m_ref = copy.deepcopy(m_base).to(torch.float64)  # the same (possibly bf16-rounded) weights

@@ -4,17 +4,26 @@ transformers' PyTorch fallback (`torch_chunk_gated_delta_rule`) casts to float32
 model's dtype, so in a float64 model a gradient through it carries float32 noise (measured:
 ~1e-4 relative on A_log for dedup vs one-shot) and cannot prove exactness at float64's floor.
 This is the same algorithm and signature (chunked WY/UT form, chunk 64, qk l2-norm in kernel)
-computing in float64 for float64 inputs (float32 otherwise). Tests install it in place of the
-model module's kernel for both the reference and the deduplicated run; a test checks it agrees
-with transformers' kernel to float32 precision.
+computing in float64 for float64 inputs (float32 otherwise). The equivalence tests and
+`zorro verify training` (`exact_delta_rule`) install it in place of the model module's kernel for
+the reference, the baseline and the deduplicated run alike; a test checks it agrees with
+transformers' kernel to float32 precision. (`zorro verify gradients` runs transformers' kernel
+as it is, at its measured floor.)
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import sys
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from zorro_core.models.linear_attention import linear_layers
+
+_KERNEL = "torch_chunk_gated_delta_rule"
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -71,3 +80,22 @@ def chunk_gated_delta_rule_exact(
         state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_i
     out = torch.stack(outs, 2).reshape(b, hv, -1, dv)[:, :, :length]
     return out.transpose(1, 2).to(out_dtype).contiguous(), (state if output_final_state else None)
+
+
+@contextlib.contextmanager
+def exact_delta_rule(model: nn.Module) -> Iterator[None]:
+    """Within: the gated DeltaNet modules of `model` run `chunk_gated_delta_rule_exact`.
+
+    Set before any actor takes a model, so that zorro's adapter wraps this kernel (an adapter
+    installed earlier is put back on exit, with the module's own kernel). A model without such
+    layers is left as it is.
+    """
+    modules = {sys.modules[type(m).__module__] for m in linear_layers(model)}
+    saved = {mod: getattr(mod, _KERNEL) for mod in modules}
+    try:
+        for mod in modules:
+            setattr(mod, _KERNEL, chunk_gated_delta_rule_exact)
+        yield
+    finally:
+        for mod, fn in saved.items():
+            setattr(mod, _KERNEL, fn)
