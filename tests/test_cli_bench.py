@@ -88,7 +88,8 @@ def test_a_case_that_raises_is_an_error_row_and_the_sweep_goes_on(tmp_path):
     suite = tmp_path / "bad.toml"
     suite.write_text(
         TINY.read_text().replace(
-            "[[grid]]\nnum_unique_prompts = [1, 4]", '[[grid]]\nattn_implementation = ["flash_attention_2", "sdpa"]'
+            "[[grid]]\nnum_unique_prompts = [1, 4]",
+            '[[grid]]\nattn_implementation = ["flash_attention_2", "sdpa"]\nsplit_attention = false',
         )
     )
     out = tmp_path / "bad.csv"
@@ -98,6 +99,21 @@ def test_a_case_that_raises_is_an_error_row_and_the_sweep_goes_on(tmp_path):
     assert [r["status"] for r in rows] == ["error", "error", "ok", "ok"]
     assert "flash" in rows[0]["error"].lower() and rows[0]["speedup"] == ""
     assert rows[0]["ideal_speedup"] != ""  # known before anything runs
+
+
+def test_flash_attention_split_cases_skip_on_cpu(tmp_path):
+    """A GPU suite run with --device cpu: flash-attn split cases are skipped rows with the reason."""
+    suite = tmp_path / "flash.toml"
+    suite.write_text(
+        TINY.read_text().replace(
+            "[[grid]]\nnum_unique_prompts = [1, 4]", '[[grid]]\nattn_implementation = ["flash_attention_2"]'
+        )
+    )
+    out = tmp_path / "flash.csv"
+    res = sweep(suite, "--out", out, "--no-memory", "--repeats", "1", "--warmup", "0")
+    rows = read_rows(out)
+    assert [r["status"] for r in rows] == ["skipped", "skipped"], res.output
+    assert "CUDA" in rows[0]["error"]
 
 
 def test_unknown_model_is_an_error_row(tmp_path):

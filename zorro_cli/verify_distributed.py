@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import typer
@@ -70,7 +71,7 @@ def distributed(
         else all(r.status == "pass" for r in results)
     )
     if under_torchrun() and int(os.environ["RANK"]) != 0:
-        raise typer.Exit(0 if ok else 1)
+        _finish(ok)
     if as_json:
         print_json(
             {
@@ -83,7 +84,7 @@ def distributed(
                 "results": [r.to_dict() for r in results],
             }
         )
-        raise typer.Exit(0 if ok else 1)
+        _finish(ok)
     table = Table(title=f"zorro verify distributed ({world} ranks, {dev}, {model}, float64, fully_shard)")
     for col in (
         "variant",
@@ -130,4 +131,17 @@ def distributed(
         if r.status != "pass" and not (self_test and r.bug is not None):
             console.print(f"  {_STYLE[r.status]} {r.bug or 'clean'}: {escape(r.reason)}")
     console.print(f"{'passed' if ok else 'FAILED'} in {seconds:.0f} s. Rule: `zorro verify distributed --help`.")
-    raise typer.Exit(0 if ok else 1)
+    _finish(ok)
+
+
+def _finish(ok: bool) -> None:
+    """Exit with the verdict. Under torchrun the process leaves with os._exit once its output is
+    flushed: on CPU (torch 2.13, gloo) a rank sometimes aborts in gloo's teardown at interpreter
+    exit ("terminate called without an active exception"), also without zorro, which would turn
+    a printed verdict into torchrun's exit 1."""
+    code = 0 if ok else 1
+    if under_torchrun():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise typer.Exit(code)

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from zorro_core.attention.backends import backend_unavailable
 from zorro_core.bench.distributed import distributed_case_rows
 from zorro_core.bench.footprint import case_footprint, too_large
 from zorro_core.bench.inputs import make_batch, model_config  # noqa: F401 -- re-exported: callers use runner's names
@@ -396,6 +397,9 @@ def skip_reason(case: Case) -> Optional[str]:
         return f"device {case.device} is not available on this machine (no CUDA)"
     if case.liger and not case.device.startswith("cuda"):
         return liger_unavailable(model_config(case.model).model_type, case.device)
+    if case.split_attention and case.attn_implementation.startswith("flash_attention") and not case.varlen_backend:
+        # flash-attn needs CUDA and its package: a GPU suite run with --device cpu skips these rows.
+        return backend_unavailable("flash_attn", case.device)
     return None
 
 
