@@ -194,7 +194,7 @@ class _Actor:
         self.check_call(temperature)
         check_trainable_state(self.model)
         self._take_model()  # a no-op unless something reset the model's attention since
-        plan = self.plan(batch)  # validates the batch, token ids against the vocabulary included
+        plan = self.plan(batch)  # token ids checked against the vocabulary (the batch was validated when built)
         mode = "split" if self.use_split_attention else "mask"
         route = Route(plan=plan, mode=mode, backend=self.varlen_backend or "reference", inner=self.attn_implementation)
         # Through the FSDP2 root's hooks when the model is sharded with fully_shard (zorro_core.core.fsdp).
