@@ -17,7 +17,7 @@ import argparse
 import random
 import statistics
 
-from zorro_core.core.balance import GroupedLengths, partition_micro_batches, partition_ranks
+from zorro_core.plan.balance import GroupedLengths, partition_micro_batches, partition_ranks
 
 
 def workload(rng: random.Random, ranks: int | None = None, whole: bool = True) -> GroupedLengths:

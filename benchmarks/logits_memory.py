@@ -36,7 +36,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
     from torch import nn
 
-    from zorro_core.core.logprobs import chunk_size_for_budget, response_logprobs
+    from zorro_core.actor.logprobs import chunk_size_for_budget, response_logprobs
 
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)

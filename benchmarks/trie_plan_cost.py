@@ -11,7 +11,7 @@ import time
 import torch
 
 from zorro_core import RolloutBatch, build_dedup_plan
-from zorro_core.core import trie
+from zorro_core.plan import trie
 
 
 def main() -> None:

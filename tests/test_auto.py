@@ -109,7 +109,7 @@ def test_actor_auto_on_a_fake_gpu_reaches_flash(monkeypatch, packages):
         seen.update(caps=caps, dtype=dtype, max_seq_len=max_seq_len, split=split)
         return AttentionChoice("sdpa", "faked", auto=True)
 
-    import zorro_core.core.actor as actor_mod
+    import zorro_core.actor.actor as actor_mod
 
     monkeypatch.setattr(actor_mod, "choose_attention", fake_choose)
     model = build_model(preset_config("tiny-qwen3"), dtype=torch.bfloat16)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zorro_core import RolloutBatch, create_dummy_batch
-from zorro_core.core.balance import (
+from zorro_core.plan.balance import (
     GroupedLengths,
     greedy_partition,
     karmarkar_karp,

@@ -12,7 +12,7 @@ from zorro_core.bench.footprint import GIB, case_footprint, too_large
 from zorro_core.bench.isolation import rss_of
 from zorro_core.bench.runner import case_rows, model_config
 from zorro_core.bench.suite import Case, Measure
-from zorro_core.core.cost import ModelShape
+from zorro_core.plan.cost import ModelShape
 
 runner = CliRunner()
 ABSURD = ["bench", "run", "--model", "small-qwen3", "--attn", "sdpa", "--batch-size", "8", "--unique-prompts", "2",

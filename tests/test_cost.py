@@ -6,7 +6,8 @@ import torch
 from helpers import mixed_batch
 
 from zorro_core import build_dedup_plan, create_dummy_batch
-from zorro_core.core.cost import (
+from zorro_core.models.presets import build_model, preset_config
+from zorro_core.plan.cost import (
     ForwardWork,
     ModelShape,
     causal_pairs,
@@ -16,7 +17,6 @@ from zorro_core.core.cost import (
     plan_workload,
     shape_workloads,
 )
-from zorro_core.models.presets import build_model, preset_config
 
 
 def test_causal_pairs():

@@ -8,10 +8,10 @@ from reference import sequence_forward
 
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.attention.hook import Route, route_mask
-from zorro_core.core.plan import build_dedup_plan
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.parts import model_parts
 from zorro_core.models.presets import PRESETS, build_model, preset_config
+from zorro_core.plan.build import build_dedup_plan
 
 
 def fresh(name="tiny-qwen3", **overrides):

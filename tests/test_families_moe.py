@@ -9,8 +9,8 @@ from helpers import ACTOR_BATCHES, GRAD_RTOL, MODES, check, mixed_batch
 from reference import max_rel_grad_error
 
 from zorro_core import BaselineActor, DeduplicatedActor
-from zorro_core.core.plan import build_dedup_plan
-from zorro_core.models.moe import load_balancing_loss, token_multiplicity
+from zorro_core.models.moe import load_balancing_loss
+from zorro_core.plan.build import build_dedup_plan
 
 BATCHES = ACTOR_BATCHES
 AUX_RTOL = 1e-7  # measured 1.7e-10 relative in float64 (router softmax runs in float32 upstream)
@@ -112,7 +112,7 @@ def test_aux_loss_unique_counts_shared_prompt_tokens_once(tiny_models):
 
 def test_token_multiplicity():
     plan = build_dedup_plan(mixed_batch())
-    m = token_multiplicity(plan)
+    m = plan.token_multiplicity()
     is_prompt = plan.token_segment < plan.num_groups
     assert m.sum().item() == plan.logical_tokens
     assert torch.equal(m[is_prompt], plan.group_size[plan.token_group[is_prompt]].double())

@@ -71,7 +71,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_intra_package_imports_are_acyclic():
     graph = import_graph()
-    assert "zorro_core.core.actor" in graph and "zorro_core.core.microbatch" in graph["zorro_core.core.actor"]
+    assert "zorro_core.actor.actor" in graph and "zorro_core.actor.microbatch" in graph["zorro_core.actor.actor"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 

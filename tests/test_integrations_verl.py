@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from zorro_core.core.actor import DeduplicatedActor
+from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.integrations.verl import (
     ZorroFallbackWarning,
     check_micro_batch,

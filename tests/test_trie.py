@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zorro_core import RolloutBatch, build_dedup_plan, create_dummy_batch
-from zorro_core.core.trie import build_trie_plan
+from zorro_core.plan.trie import build_trie_plan
 
 
 def rows_of(batch):
@@ -167,7 +167,7 @@ def test_property_every_response_token_placed(rows, min_shared):
 
 def test_cost_model_counts_the_trie():
     """The analytic trie of a shared-system-prefix workload equals the plan's own count."""
-    from zorro_core.core.cost import causal_pairs, plan_workload, shared_prefix_workload
+    from zorro_core.plan.cost import causal_pairs, plan_workload, shared_prefix_workload
 
     batch = create_dummy_batch(
         batch_size=8, num_unique_prompts=2, prompt_len=12, response_len=5, vocab_size=4096, shared_prefix_len=6, seed=1

@@ -121,7 +121,7 @@ def corrupt(plan, what):
 
 @pytest.mark.parametrize("what,split", [("positions_restart", True), ("sibling_split", True), ("sibling_mask", False)])
 def test_planted_bugs_fail_by_orders_of_magnitude(tiny_models, references, monkeypatch, what, split):
-    import zorro_core.core.actor as actor_mod
+    import zorro_core.actor.actor as actor_mod
 
     batch, w, ref = references("tiny-qwen3", "tree")
     real_build = actor_mod.build_dedup_plan

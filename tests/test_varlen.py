@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from zorro_core.attention.backends import BACKENDS, backend_unavailable
-from zorro_core.core.plan import Segments, _cu
+from zorro_core.plan.prompt import Segments, _cu
 
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 

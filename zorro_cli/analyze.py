@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from zorro_core.bench.runner import model_config
-from zorro_core.core.cost import COMPONENTS, ModelShape, compare, shape_workloads, shared_prefix_workload
+from zorro_core.plan.cost import COMPONENTS, ModelShape, compare, shape_workloads, shared_prefix_workload
 
 from .choices import LogitsMode
 from .console import console, escape, fail

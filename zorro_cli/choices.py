@@ -8,7 +8,7 @@ from typing import Iterable
 
 from zorro_core.bench.report import METRICS
 from zorro_core.bench.suite import ATTN_IMPLEMENTATIONS, BASELINES, DTYPES, LOGITS_MODES, PHASES
-from zorro_core.core.trie import SHARINGS
+from zorro_core.plan.trie import SHARINGS
 from zorro_core.verify.gradients import LAYOUTS
 
 

@@ -10,7 +10,7 @@ import torch
 import typer
 from rich.table import Table
 
-from zorro_core.core.logprobs import LOGITS_MODES
+from zorro_core.actor.logprobs import LOGITS_MODES
 from zorro_core.models.presets import PRESETS
 from zorro_core.verify.gradients import (
     ATTNS,

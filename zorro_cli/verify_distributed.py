@@ -11,7 +11,7 @@ from rich.table import Table
 
 from zorro_cli.console import console, escape, fail, print_json
 from zorro_cli.verify import _STYLE, _device, _e, _short, verify_app
-from zorro_core.core.logprobs import LOGITS_MODES
+from zorro_core.actor.logprobs import LOGITS_MODES
 from zorro_core.distributed.launch import under_torchrun
 from zorro_core.models.presets import PRESETS
 from zorro_core.verify.distributed import BUGS, RULE, DistributedConfig, verify_distributed

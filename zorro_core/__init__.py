@@ -1,14 +1,21 @@
 """zorro: compute each shared prompt once in RL post-training, with equal log-probs and gradients."""
 
-from zorro_core.core.actor import ActorOutput, BaselineActor, DeduplicatedActor
-from zorro_core.core.batch import RolloutBatch, create_dummy_batch
-from zorro_core.core.plan import DedupPlan, Segments, build_dedup_plan
+from zorro_core.actor.actor import ActorOutput, BaselineActor, DeduplicatedActor
+from zorro_core.plan.batch import RolloutBatch, create_dummy_batch
+from zorro_core.plan.build import build_dedup_plan, build_plain_plan
+from zorro_core.plan.prompt import DedupPlan
+from zorro_core.plan.protocol import Plan
+from zorro_core.plan.segments import Segments
+from zorro_core.plan.trie import TriePlan
 
 __all__ = [
     "ActorOutput",
     "BaselineActor",
     "DeduplicatedActor",
     "DedupPlan",
+    "Plan",
+    "TriePlan",
+    "build_plain_plan",
     "RolloutBatch",
     "Segments",
     "build_dedup_plan",

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from zorro_core.core.plan import DedupPlan
+from zorro_core.plan.prompt import DedupPlan
 
 BLOCK = 128
 

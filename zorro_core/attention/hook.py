@@ -28,8 +28,8 @@ from zorro_core.attention.backends import BACKENDS
 from zorro_core.attention.flex import block_mask as flex_block_mask
 from zorro_core.attention.flex import flex_packed_attention
 from zorro_core.attention.tree import tree_block_mask, tree_split_attention
-from zorro_core.core.plan import DedupPlan
 from zorro_core.errors import UnsupportedModelError
+from zorro_core.plan.prompt import DedupPlan
 
 ZORRO_ATTENTION = "zorro"
 

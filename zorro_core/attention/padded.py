@@ -1,7 +1,7 @@
 """Padded-batch attention for the CPU-capable backends (`reference`, `sdpa`).
 
 Segments become a [n, H, L, D] batch: a view when every segment has the same length, one
-gather otherwise. The layouts (indices, masks: zorro_core.core.layouts) are built once per
+gather otherwise. The layouts (indices, masks: zorro_core.plan.layouts) are built once per
 plan by its Segments, then reused by every layer.
 
 The cross call has its own layout: a response's keys are [its group's prompt | itself]. The
@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from zorro_core.core.layouts import CrossLayout, PaddedLayout
-from zorro_core.core.plan import Segments
+from zorro_core.plan.layouts import CrossLayout, PaddedLayout
+from zorro_core.plan.prompt import Segments
 
 
 def pad(x: torch.Tensor, idx: torch.Tensor, uniform: bool, n: int, length: int) -> torch.Tensor:

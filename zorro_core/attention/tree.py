@@ -1,4 +1,4 @@
-"""Attention over a prefix-tree plan (zorro_core.core.trie): split mode per level, and flex masks.
+"""Attention over a prefix-tree plan (zorro_core.plan.trie): split mode per level, and flex masks.
 
 Split mode, one call per level of the tree (nodes of a level are contiguous in the packed row):
 - level 0, the roots: self-causal segments through the varlen backend, as `sharing="prompt"`'s
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from zorro_core.attention.backends import BACKENDS
 from zorro_core.attention.flex import BLOCK
 from zorro_core.attention.padded import _cross_blocks, _FlashCross, attend, from_padded
-from zorro_core.core.trie import TriePlan
+from zorro_core.plan.trie import TriePlan
 
 
 def tree_split_attention(plan: TriePlan, q, k, v, scale: float, window: Optional[int], backend: str) -> torch.Tensor:

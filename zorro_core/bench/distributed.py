@@ -24,19 +24,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
+from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.bench.inputs import make_batch, model_config
 from zorro_core.bench.measure import Stats, speedup_columns, summarize, time_columns, time_interleaved
 from zorro_core.bench.suite import PHASES, Case, Measure
-from zorro_core.core.actor import DeduplicatedActor
-from zorro_core.core.balance import select_rows
-from zorro_core.core.cost import ModelShape, flops, plan_workload
-from zorro_core.core.dtypes import DTYPES
-from zorro_core.core.plan import build_dedup_plan
 from zorro_core.distributed import regroup
 from zorro_core.distributed.launch import default_backend, launch
 from zorro_core.distributed.regroup import _row_keys
 from zorro_core.distributed.routing import plan_routing
 from zorro_core.models.presets import load_model
+from zorro_core.plan.balance import select_rows
+from zorro_core.plan.build import build_dedup_plan
+from zorro_core.plan.cost import ModelShape, flops, plan_workload
+from zorro_core.plan.dtypes import DTYPES
 from zorro_core.verify.distributed import rank_rows
 
 ARMS = ("no_regroup", "regroup")

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from zorro_core.bench.suite import Case
-from zorro_core.core.cost import ModelShape
+from zorro_core.plan.cost import ModelShape
 
 _MEMORY_MODE_DEFAULT_MIB = 256  # the actor's default chunk budget in logits_mode "memory"
 GIB = 2**30

@@ -9,8 +9,8 @@ from __future__ import annotations
 from transformers import AutoConfig
 
 from zorro_core.bench.suite import Case
-from zorro_core.core.batch import create_dummy_batch
 from zorro_core.models.presets import PRESETS, preset_config
+from zorro_core.plan.batch import create_dummy_batch
 
 
 def model_config(name: str):

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 from zorro_core.bench.footprint import GIB, available_memory
 
-PRELOAD = ["zorro_core.bench.runner", "zorro_core.core.actor"]
+PRELOAD = ["zorro_core.bench.runner", "zorro_core.actor.actor"]
 """Modules the fork server imports once (torch, transformers and the dedup path)."""
 POLL_S = 0.1
 """How often the watchdog reads the process's memory."""

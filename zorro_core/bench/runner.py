@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from zorro_core.actor.actor import BaselineActor, DeduplicatedActor
 from zorro_core.attention.backends import backend_unavailable
 from zorro_core.bench.distributed import distributed_case_rows
 from zorro_core.bench.footprint import case_footprint, too_large
@@ -41,11 +42,10 @@ from zorro_core.bench.measure import (
     time_interleaved,
 )
 from zorro_core.bench.suite import PHASES, Case, Measure
-from zorro_core.core.actor import BaselineActor, DeduplicatedActor
-from zorro_core.core.cost import ModelShape, compare_plans
-from zorro_core.core.dtypes import DTYPES as _DTYPES
-from zorro_core.core.plan import build_dedup_plan
 from zorro_core.models.presets import load_model
+from zorro_core.plan.build import build_dedup_plan
+from zorro_core.plan.cost import ModelShape, compare_plans
+from zorro_core.plan.dtypes import DTYPES as _DTYPES
 from zorro_core.stack.auto import choose_attention
 from zorro_core.stack.checkpointing import enable_checkpointing
 from zorro_core.stack.liger import apply_liger, liger_unavailable

@@ -30,9 +30,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from zorro_core.core.dtypes import DTYPES
-from zorro_core.core.logprobs import LOGITS_MODES
-from zorro_core.core.trie import SHARINGS
+from zorro_core.actor.logprobs import LOGITS_MODES
+from zorro_core.plan.dtypes import DTYPES
+from zorro_core.plan.trie import SHARINGS
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "auto")
 BASELINES = ("packed", "padded", "prompt")

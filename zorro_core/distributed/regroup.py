@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from zorro_core.core.batch import RolloutBatch
-from zorro_core.core.plan import group_rows
 from zorro_core.distributed.routing import Routing, plan_routing
+from zorro_core.plan.batch import RolloutBatch
+from zorro_core.plan.prompt import group_rows
 
 
 @dataclass

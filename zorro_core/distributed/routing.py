@@ -4,7 +4,7 @@ Pure host-side Python on the rows' metadata (prompt key, prompt and response len
 rank; every rank computes the same routing from the same gathered metadata, so no rank has to
 decide for the others. Rows are numbered rank-major (rank 0's rows, then rank 1's, ...).
 
-Partition (dedup-aware cost of zorro_core.core.balance, Karmarkar-Karp):
+Partition (dedup-aware cost of zorro_core.plan.balance, Karmarkar-Karp):
 - `equal_rows=False` (default): whole groups, balanced over the ranks by cost. When there are
   fewer groups than ranks, the largest groups are halved until every rank can get a piece (the
   prompt is then computed once per rank holding a piece).
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zorro_core.core.balance import GroupedLengths, karmarkar_karp, partition_ranks
+from zorro_core.plan.balance import GroupedLengths, karmarkar_karp, partition_ranks
 
 
 @dataclass

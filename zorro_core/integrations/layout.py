@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from zorro_core.core.batch import RolloutBatch
+from zorro_core.plan.batch import RolloutBatch
 
 
 class ZorroFallbackWarning(UserWarning):

@@ -39,7 +39,7 @@ import trl
 from packaging.version import Version
 from trl import GRPOTrainer
 
-from zorro_core.core.actor import DeduplicatedActor
+from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.integrations.layout import ZorroFallbackWarning, joined_logprobs, layout_problem
 

@@ -42,7 +42,7 @@ from typing import Any, Optional
 
 import torch
 
-from zorro_core.core.actor import DeduplicatedActor
+from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.integrations.layout import ZorroFallbackWarning, joined_logprobs
 

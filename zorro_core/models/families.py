@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from zorro_core.models.moe import AUX_WEIGHTINGS, load_balancing_loss, router_aux_loss, token_multiplicity
+from zorro_core.models.moe import AUX_WEIGHTINGS, load_balancing_loss, router_aux_loss
 
 __all__ = [
     "AUX_WEIGHTINGS",
@@ -26,7 +26,6 @@ __all__ = [
     "forward_kwargs",
     "load_balancing_loss",
     "router_aux_loss",
-    "token_multiplicity",
     "wants_router_logits",
 ]
 

@@ -36,8 +36,8 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from zorro_core.core.plan import DedupPlan, _cu, _ranges
 from zorro_core.errors import UnsupportedModelError
+from zorro_core.plan.prompt import DedupPlan, _cu, _ranges
 
 # transformers' layer type of a gated DeltaNet layer.
 LINEAR_LAYER_TYPES = ("linear_attention",)

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from zorro_core.core.plan import DedupPlan
+from zorro_core.plan.protocol import Plan
 
 AUX_WEIGHTINGS = ("multiplicity", "unique")
 
@@ -27,15 +27,6 @@ AUX_WEIGHTINGS = ("multiplicity", "unique")
 def is_moe(config) -> bool:
     """Whether the model routes tokens to experts (has a router aux loss)."""
     return bool(getattr(config, "num_experts", 0)) and hasattr(config, "num_experts_per_tok")
-
-
-def token_multiplicity(plan: DedupPlan) -> torch.Tensor:
-    """[T] float: how many batch rows contain each packed token (all ones when nothing is shared)."""
-    if getattr(plan, "is_tree", False):  # sharing="prefix": the rows through each token's node
-        return plan.token_multiplicity()
-    is_prompt = plan.token_segment < plan.num_groups
-    size = plan.group_size[plan.token_group].to(torch.float64)
-    return torch.where(is_prompt, size, torch.ones_like(size))
 
 
 def load_balancing_loss(
@@ -69,9 +60,9 @@ def load_balancing_loss(
     return num_experts * torch.sum((count / total) * (prob / total))
 
 
-def router_aux_loss(router_logits: Sequence[torch.Tensor], config, plan: DedupPlan, weighting: str) -> torch.Tensor:
+def router_aux_loss(router_logits: Sequence[torch.Tensor], config, plan: Plan, weighting: str) -> torch.Tensor:
     """The batch's router aux loss from the packed row's router logits, counted the `weighting` way."""
     if weighting not in AUX_WEIGHTINGS:
         raise ValueError(f"unknown router_aux_weighting {weighting!r}; choose one of {AUX_WEIGHTINGS}")
-    weights = token_multiplicity(plan) if weighting == "multiplicity" else None
+    weights = plan.token_multiplicity() if weighting == "multiplicity" else None
     return load_balancing_loss(router_logits, config.num_experts, config.num_experts_per_tok, weights)

@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from zorro_core.core.actor import DeduplicatedActor
-from zorro_core.core.balance import select_rows
-from zorro_core.core.batch import RolloutBatch
-from zorro_core.core.plan import group_rows
+from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.distributed import regroup
 from zorro_core.distributed.launch import default_backend, init_from_env, launch, under_torchrun
 from zorro_core.distributed.regroup import _Exchange
+from zorro_core.plan.balance import select_rows
+from zorro_core.plan.batch import RolloutBatch
+from zorro_core.plan.prompt import group_rows
 from zorro_core.verify.gradients import (
     GRAD_FLOOR,
     LP_FLOOR,

@@ -21,17 +21,18 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
+from zorro_core.actor.actor import BaselineActor, DeduplicatedActor
+from zorro_core.actor.logprobs import LOGITS_MODES
 from zorro_core.attention.backends import backend_unavailable, default_backend
-from zorro_core.core.actor import BaselineActor, DeduplicatedActor
-from zorro_core.core.batch import RolloutBatch, create_dummy_batch
-from zorro_core.core.dtypes import DTYPES as TORCH_DTYPES
-from zorro_core.core.logprobs import LOGITS_MODES
-from zorro_core.core.plan import DedupPlan, build_dedup_plan
-from zorro_core.core.trie import build_trie_plan
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.parts import unwrap_adapters
 from zorro_core.models.presets import PRESETS, build_model, preset_config
 from zorro_core.models.registry import FAMILIES
+from zorro_core.plan.batch import RolloutBatch, create_dummy_batch
+from zorro_core.plan.build import build_dedup_plan
+from zorro_core.plan.dtypes import DTYPES as TORCH_DTYPES
+from zorro_core.plan.prompt import DedupPlan
+from zorro_core.plan.trie import build_trie_plan
 from zorro_core.stack.checkpointing import checkpointed
 from zorro_core.stack.lora import LoraSettings, apply_lora
 from zorro_core.verify.reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
@@ -43,7 +44,7 @@ GRAD_FLOOR = 1e-5
 FACTOR = 4.0
 TEMPERATURE = 0.7
 
-# The dtypes verify proves, in zorro_core.core.dtypes' names.
+# The dtypes verify proves, in zorro_core.plan.dtypes' names.
 DTYPES = {name: TORCH_DTYPES[name] for name in ("float64", "float32", "bfloat16")}
 LAYOUTS = ("padded", "unpadded")
 MODES = ("split", "mask")

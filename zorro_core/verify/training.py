@@ -21,10 +21,10 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from zorro_core.core.actor import BaselineActor, DeduplicatedActor
-from zorro_core.core.batch import RolloutBatch
-from zorro_core.core.plan import group_rows
+from zorro_core.actor.actor import BaselineActor, DeduplicatedActor
 from zorro_core.models.parts import unwrap_adapters
+from zorro_core.plan.batch import RolloutBatch
+from zorro_core.plan.prompt import group_rows
 from zorro_core.verify.delta_rule import exact_delta_rule
 from zorro_core.verify.gradients import (
     DTYPES,

@@ -19,17 +19,13 @@ from transformers.masking_utils import (
     sliding_window_causal_mask_function,
 )
 
+from zorro_core.actor import microbatch
+from zorro_core.actor.fsdp import as_root_forward, is_fsdp_root
+from zorro_core.actor.logprobs import LOGITS_MODES, response_logprobs
 from zorro_core.attention.backends import default_backend, get_backend
 from zorro_core.attention.flex import flex_unavailable
 from zorro_core.attention.hook import Route, route_mask
 from zorro_core.attention.registration import install_attention
-from zorro_core.core import microbatch
-from zorro_core.core.batch import RolloutBatch
-from zorro_core.core.dtypes import resolve_dtype
-from zorro_core.core.fsdp import as_root_forward, is_fsdp_root
-from zorro_core.core.logprobs import LOGITS_MODES, response_logprobs
-from zorro_core.core.plan import DedupPlan, build_dedup_plan
-from zorro_core.core.trie import DEFAULT_MIN_SHARED_TOKENS, check_sharing
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.families import (
     AUX_WEIGHTINGS,
@@ -40,6 +36,11 @@ from zorro_core.models.families import (
 )
 from zorro_core.models.parts import check_layers_served, check_trainable_state, model_parts
 from zorro_core.models.presets import load_model
+from zorro_core.plan.batch import RolloutBatch
+from zorro_core.plan.build import build_dedup_plan
+from zorro_core.plan.dtypes import resolve_dtype
+from zorro_core.plan.prompt import DedupPlan
+from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, check_sharing
 from zorro_core.stack.auto import AUTO, AttentionChoice, choose_attention
 
 
@@ -113,7 +114,7 @@ class _Actor:
             raise ValueError(f"logits_memory_budget_mib must be > 0, got {logits_memory_budget_mib}")
         self.model = model
         self.parts = model_parts(model)
-        # sharing="prefix": a token trie over whole rows (zorro_core.core.trie); "prompt": identical prompts.
+        # sharing="prefix": a token trie over whole rows (zorro_core.plan.trie); "prompt": identical prompts.
         self.min_shared_tokens = DEFAULT_MIN_SHARED_TOKENS if min_shared_tokens is None else min_shared_tokens
         check_sharing(sharing, self.min_shared_tokens)
         self.sharing = sharing
@@ -197,7 +198,7 @@ class _Actor:
         plan = self.plan(batch)  # token ids checked against the vocabulary (the batch was validated when built)
         mode = "split" if self.use_split_attention else "mask"
         route = Route(plan=plan, mode=mode, backend=self.varlen_backend or "reference", inner=self.attn_implementation)
-        # Through the FSDP2 root's hooks when the model is sharded with fully_shard (zorro_core.core.fsdp).
+        # Through the FSDP2 root's hooks when the model is sharded with fully_shard (zorro_core.actor.fsdp).
         lp, ent, aux = as_root_forward(self.model, lambda: self._compute(plan, route, temperature, calculate_entropy))
         return ActorOutput(
             plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan, aux
@@ -245,7 +246,7 @@ class _Actor:
         calculate_entropy: bool = False,
         attention_weight: float = 0.0,
     ):
-        """Accumulate gradients over balanced micro-batches; see zorro_core.core.microbatch.forward_backward."""
+        """Accumulate gradients over balanced micro-batches; see zorro_core.actor.microbatch.forward_backward."""
         return microbatch.forward_backward(
             self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy, attention_weight
         )

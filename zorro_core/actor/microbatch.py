@@ -16,12 +16,12 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from zorro_core.core.balance import GroupedLengths, Partition, partition_micro_batches, select_rows
-from zorro_core.core.batch import RolloutBatch
+from zorro_core.plan.balance import GroupedLengths, Partition, partition_micro_batches, select_rows
+from zorro_core.plan.batch import RolloutBatch
 
 
 class LogProbActor(Protocol):
-    """What forward_backward needs of an actor (zorro_core.core.actor's actors are ones)."""
+    """What forward_backward needs of an actor (zorro_core.actor.actor's actors are ones)."""
 
     dedup: bool
     device: torch.device

@@ -39,10 +39,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from zorro_core.core.batch import RolloutBatch
-from zorro_core.core.layouts import CrossLayout
-from zorro_core.core.packed import PackedPlan
-from zorro_core.core.segments import Segments, _cu, _same_device
+from zorro_core.plan.batch import RolloutBatch
+from zorro_core.plan.layouts import CrossLayout
+from zorro_core.plan.protocol import PackedPlan
+from zorro_core.plan.segments import Segments, _cu, _same_device
 
 SHARINGS = ("prompt", "prefix")
 DEFAULT_MIN_SHARED_TOKENS = 16
@@ -166,8 +166,7 @@ class TriePlan(PackedPlan):
     """Always True: a trie plan shares (the baseline uses `build_dedup_plan(dedup=False)`)."""
     sharing: str = "prefix"
     """The sharing mode that built this plan."""
-    is_tree: bool = True
-    """Marks a trie plan for the attention hook, the MoE aux loss and the cost model."""
+    _derived: dict = field(default_factory=dict, init=False, repr=False)
 
     @property
     def num_nodes(self) -> int:

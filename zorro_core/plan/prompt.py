@@ -17,14 +17,12 @@ synchronisations.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import torch
 
-from zorro_core.core.batch import RolloutBatch
-from zorro_core.core.packed import PackedPlan
-from zorro_core.core.segments import Segments, _cu, _ranges  # noqa: F401 -- Segments is public here too
-from zorro_core.core.trie import DEFAULT_MIN_SHARED_TOKENS, TriePlan, build_trie_plan, check_sharing
+from zorro_core.plan.batch import RolloutBatch
+from zorro_core.plan.protocol import PackedPlan
+from zorro_core.plan.segments import Segments, _cu, _ranges  # noqa: F401 -- Segments is public here too
 
 
 @dataclass
@@ -77,14 +75,18 @@ class DedupPlan(PackedPlan):
     """Real prompt tokens of the batch before dedup."""
     unique_prompt_tokens: int
     """Prompt tokens after dedup."""
+    sharing: str = "prompt"
+    """The sharing mode that built this plan."""
     _derived: dict = field(default_factory=dict, init=False, repr=False)
 
-    def derived(self, key: tuple, build: Callable[[], Any]) -> Any:
-        """What a layer adapter derives from the plan alone (e.g. the linear-attention layout):
-        `build()` on the first call for `key`, the same object afterwards, for every layer."""
-        if key not in self._derived:
-            self._derived[key] = build()
-        return self._derived[key]
+    def token_multiplicity(self) -> torch.Tensor:
+        """[T] float64: rows that contain each packed token (a prompt token: its group's size)."""
+        size = self.group_size[self.token_group].to(torch.float64)
+        return torch.where(self.token_segment < self.num_groups, size, torch.ones_like(size))
+
+    def attended_pairs(self) -> int:
+        """Query-key pairs of one attention layer: the causal call's plus the cross call's."""
+        return self.causal.attended_pairs() + (self.cross.attended_pairs() if self.cross is not None else 0)
 
     def scatter_responses(self, values: torch.Tensor) -> torch.Tensor:
         """Put [N] per-response-token values back into the batch's [B, R] layout (0 at padding)."""
@@ -125,24 +127,10 @@ def group_rows(batch: RolloutBatch, dedup: bool = True) -> torch.Tensor:
     return rank[inverse]
 
 
-def build_dedup_plan(
-    batch: RolloutBatch,
-    dedup: bool = True,
-    vocab_size: int | None = None,
-    sharing: str = "prompt",
-    min_shared_tokens: int | None = None,
-) -> DedupPlan | TriePlan:
-    """Build the plan of a batch. With `dedup=False` every row is its own group (the baseline).
-
-    The batch was validated when it was built; its token ids are checked here against
-    `vocab_size` when given, once per plan. `sharing="prefix"` (with dedup) builds the token-trie
-    plan instead (zorro_core.core.trie), folding shared runs shorter than `min_shared_tokens`
-    (default DEFAULT_MIN_SHARED_TOKENS).
-    """
-    min_shared_tokens = DEFAULT_MIN_SHARED_TOKENS if min_shared_tokens is None else min_shared_tokens
-    check_sharing(sharing, min_shared_tokens)
-    if dedup and sharing == "prefix":
-        return build_trie_plan(batch, vocab_size=vocab_size, min_shared_tokens=min_shared_tokens)
+def build_prompt_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int | None = None) -> DedupPlan:
+    """The prompt plan of a batch: rows with identical prompts share one group (`dedup=False`: every
+    row is its own group, the plain plan the baselines run). Token ids are checked against
+    `vocab_size` when given."""
     if vocab_size is not None:
         batch.check_vocab(vocab_size)
     dev = batch.device

@@ -16,9 +16,9 @@ ancestors plus its causal self (`tree_workload`, `TriePlan.attended_pairs`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
-from zorro_core.core.plan import DedupPlan, Segments
+from zorro_core.plan.protocol import Plan
 
 COMPONENTS = ("linear", "attention", "lm_head")
 
@@ -121,19 +121,10 @@ def causal_pairs(q_len: int, k_len: int) -> int:
     return q_len * (k_len - q_len) + q_len * (q_len + 1) // 2
 
 
-def _segment_pairs(seg: Optional[Segments]) -> int:
-    if seg is None:
-        return 0
-    lq, lk = seg.lens_q.tolist(), seg.lens_k.tolist()
-    return sum(causal_pairs(q, k) for q, k in zip(lq, lk))
-
-
-def plan_workload(plan: DedupPlan, logits_mode: str = "compute") -> ForwardWork:
-    """The workload a plan runs (a baseline plan is `build_dedup_plan(batch, dedup=False)`)."""
+def plan_workload(plan: Plan, logits_mode: str = "compute") -> ForwardWork:
+    """The workload a plan runs (the baseline's is `build_plain_plan(batch)`'s)."""
     logits = plan.num_tokens if logits_mode == "none" else int(plan.logit_index.numel())
-    if getattr(plan, "is_tree", False):  # sharing="prefix": each node against its ancestors + causal self
-        return ForwardWork(plan.num_tokens, plan.attended_pairs(), logits)
-    return ForwardWork(plan.num_tokens, _segment_pairs(plan.causal) + _segment_pairs(plan.cross), logits)
+    return ForwardWork(plan.num_tokens, plan.attended_pairs(), logits)
 
 
 def shape_workloads(
@@ -228,9 +219,7 @@ def compare(shape: ModelShape, baseline: ForwardWork, dedup: ForwardWork, logits
     return Comparison(flops(shape, baseline, logits_mode), flops(shape, dedup, logits_mode))
 
 
-def compare_plans(
-    shape: ModelShape, baseline_plan: DedupPlan, dedup_plan: DedupPlan, logits_mode: str = "compute"
-) -> Comparison:
+def compare_plans(shape: ModelShape, baseline_plan: Plan, dedup_plan: Plan, logits_mode: str = "compute") -> Comparison:
     """Cost of the two plans of one batch (baseline: `dedup=False`)."""
     return compare(
         shape, plan_workload(baseline_plan, logits_mode), plan_workload(dedup_plan, logits_mode), logits_mode

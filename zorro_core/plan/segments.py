@@ -1,7 +1,7 @@
 """Segments of one varlen attention call over the packed row, and the index helpers both plans use.
 
-Shared by the prompt plan (zorro_core.core.plan) and the prefix-tree plan (zorro_core.core.trie);
-each Segments owns its padded/cross layouts (zorro_core.core.layouts), built once per plan.
+Shared by the prompt plan (zorro_core.plan.prompt) and the prefix-tree plan (zorro_core.plan.trie);
+each Segments owns its padded/cross layouts (zorro_core.plan.layouts), built once per plan.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from zorro_core.core.layouts import CrossLayout, PaddedLayout
+from zorro_core.plan.layouts import CrossLayout, PaddedLayout
 
 
 def _same_device(built: torch.device, wanted: torch.device | str) -> bool:
@@ -83,6 +83,11 @@ class Segments:
     @property
     def lens_k(self) -> torch.Tensor:
         return (self.cu_k[1:] - self.cu_k[:-1]).long()
+
+    def attended_pairs(self) -> int:
+        """Query-key pairs of the call: each segment causal over its keys, aligned bottom-right."""
+        q, k = self.lens_q, self.lens_k
+        return int((q * (k - q) + q * (q + 1) // 2).sum())
 
 
 def _ranges(starts: torch.Tensor, lens: torch.Tensor, total: int) -> torch.Tensor:

@@ -161,7 +161,7 @@ class CrossLayout(PaddedLayout):
         """The cross layout from its shared key blocks: block_rows [gs, p_max] packed rows of each block
         (a short block repeats its last row, masked), block_len [n] real length of each segment's
         block, local [n] block of each segment. The prompt plan's blocks are prompts; the prefix-tree
-        plan's are the parents' paths (zorro_core.core.trie)."""
+        plan's are the parents' paths (zorro_core.plan.trie)."""
         n = own.n
         gs, p_max = block_rows.shape
         prompt_rows = block_rows.flatten()

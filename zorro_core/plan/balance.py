@@ -34,9 +34,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from zorro_core.core.batch import RolloutBatch
-from zorro_core.core.cost import causal_pairs
-from zorro_core.core.plan import group_rows
+from zorro_core.plan.batch import RolloutBatch
+from zorro_core.plan.cost import causal_pairs
+from zorro_core.plan.prompt import group_rows
 
 
 @dataclass
