@@ -85,9 +85,7 @@ def test_kv_cache(family):
     plan = build_dedup_plan(batch)
     cache = DynamicCache(config=model.config)
     model.model(input_ids=torch.tensor([[1, 2, 3]]), cache=cache, use_cache=True)
-    route = Route(
-        plan=plan, mode="split", backend=DeduplicatedActor(model=model).varlen_backend
-    )  # the actor installs the hooks
+    route = Route(DeduplicatedActor(model=model).route_spec, plan)  # the actor installs the hooks
 
     with pytest.raises(UnsupportedModelError, match="cache"):
         model.model(

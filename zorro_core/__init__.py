@@ -1,6 +1,8 @@
 """zorro: compute each shared prompt once in RL post-training, with equal log-probs and gradients."""
 
-from zorro_core.actor.actor import ActorOutput, BaselineActor, DeduplicatedActor
+from zorro_core.actor.actor import BaselineActor, DeduplicatedActor
+from zorro_core.actor.config import ActorConfig
+from zorro_core.actor.output import ActorOutput
 from zorro_core.plan.batch import RolloutBatch, create_dummy_batch
 from zorro_core.plan.build import build_dedup_plan, build_plain_plan
 from zorro_core.plan.prompt import DedupPlan
@@ -9,6 +11,7 @@ from zorro_core.plan.segments import Segments
 from zorro_core.plan.trie import TriePlan
 
 __all__ = [
+    "ActorConfig",
     "ActorOutput",
     "BaselineActor",
     "DeduplicatedActor",

@@ -8,55 +8,32 @@ fair baseline), or with `padded=True` as the plain HF forward trainers run today
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
-from transformers.masking_utils import (
-    ALL_MASK_ATTENTION_FUNCTIONS,
-    causal_mask_function,
-    sliding_window_causal_mask_function,
-)
 
 from zorro_core.actor import microbatch
-from zorro_core.actor.fsdp import as_root_forward, is_fsdp_root
-from zorro_core.actor.logprobs import LOGITS_MODES, response_logprobs
+from zorro_core.actor.config import ActorConfig, resolve_config
+from zorro_core.actor.fsdp import as_root_forward
+from zorro_core.actor.logprobs import response_logprobs
+from zorro_core.actor.output import ActorOutput
+from zorro_core.actor.padded import padded_forward
 from zorro_core.attention.backends import default_backend, get_backend
 from zorro_core.attention.flex import flex_unavailable
-from zorro_core.attention.hook import Route, route_mask
+from zorro_core.attention.hook import Route, RouteSpec, route_mask
 from zorro_core.attention.registration import install_attention
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.models.families import (
-    AUX_WEIGHTINGS,
-    aux_loss_of,
-    forward_kwargs,
-    install_family_adapters,
-    load_balancing_loss,
-)
+from zorro_core.models.families import aux_loss_of, forward_kwargs, install_family_adapters
 from zorro_core.models.parts import check_layers_served, check_trainable_state, model_parts
 from zorro_core.models.presets import load_model
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.build import build_dedup_plan
 from zorro_core.plan.dtypes import resolve_dtype
-from zorro_core.plan.prompt import DedupPlan
-from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, check_sharing
+from zorro_core.plan.protocol import Plan
 from zorro_core.stack.auto import AUTO, AttentionChoice, choose_attention
 
-
-@dataclass
-class ActorOutput:
-    """Per-token results in the batch's [B, R] layout."""
-
-    log_probs: torch.Tensor
-    """[B, R] log-prob of each response token; 0 at padding; float32 (float64 for a float64 model)."""
-    entropy: Optional[torch.Tensor]
-    """[B, R] entropy of each predictive distribution, or None."""
-    plan: Optional[DedupPlan] = None
-    """The plan used (None for the padded baseline)."""
-    aux_loss: Optional[torch.Tensor] = None
-    """Router load-balancing loss (MoE models with config.output_router_logits), else None.
-    Counted per the actor's router_aux_weighting: "multiplicity" (default) equals the baseline's."""
+__all__ = ["ActorConfig", "ActorOutput", "BaselineActor", "DeduplicatedActor"]
 
 
 class _Actor:
@@ -68,93 +45,99 @@ class _Actor:
         model_name_or_path: Optional[str] = None,
         device: Optional[str | torch.device] = None,
         dtype: Optional[str | torch.dtype] = None,
-        use_split_attention: bool = True,
-        attn_implementation: Optional[str] = None,
-        logits_mode: str = "compute",
-        varlen_backend: Optional[str] = None,
-        logits_chunk_size: Optional[int] = None,
-        logits_memory_budget_mib: Optional[float] = None,
-        router_aux_weighting: str = "multiplicity",
-        max_seq_len: Optional[int] = None,
-        sharing: str = "prompt",
-        min_shared_tokens: Optional[int] = None,
+        config: Optional[ActorConfig] = None,
+        **options: Any,
     ) -> None:
+        """Take `model` (or load `model_name_or_path`, never downloading), optionally moved to
+        `device` / cast to `dtype`, and compute the way `config` says; keyword `options` are
+        ActorConfig fields that override it. `actor.config` is the resolved config (the attention
+        implementation and varlen backend actually used); `actor.attn_choice` says why."""
         if (model is None) == (model_name_or_path is None):
             raise ValueError("pass exactly one of model= or model_name_or_path=")
-        if dtype is not None:
-            dtype = resolve_dtype(dtype)
-        # attn_implementation="auto": resolved here (zorro_core.stack.auto) from the device, the compute
-        # dtype and max_seq_len (longest prompt + response; None: assumed long); actor.attn_choice
-        # records what was chosen and why.
-        auto_choice = None
-        if attn_implementation == AUTO:
-            ref = next((p for p in model.parameters() if p.is_floating_point()), None) if model is not None else None
-            auto_choice = choose_attention(
-                device if device is not None else (ref.device if ref is not None else "cpu"),
-                dtype or (ref.dtype if ref is not None else torch.float32),
-                max_seq_len,
-                use_split_attention,
-            )
-            attn_implementation = auto_choice.implementation
-        if model is None:
-            model = load_model(
-                model_name_or_path,
-                device=device or "cpu",
-                dtype=dtype or torch.float32,
-                attn_implementation=attn_implementation or "sdpa",
-            )
-        elif device is not None or dtype is not None:
-            model = model.to(device=device, dtype=dtype)
-        if router_aux_weighting not in AUX_WEIGHTINGS:
-            raise ValueError(f"unknown router_aux_weighting {router_aux_weighting!r}; choose one of {AUX_WEIGHTINGS}")
-        self.router_aux_weighting = router_aux_weighting
-        if logits_mode not in LOGITS_MODES:
-            raise ValueError(f"unknown logits_mode {logits_mode!r}; choose one of {LOGITS_MODES}")
-        if logits_memory_budget_mib is not None and not logits_memory_budget_mib > 0:
-            raise ValueError(f"logits_memory_budget_mib must be > 0, got {logits_memory_budget_mib}")
-        self.model = model
-        self.parts = model_parts(model)
-        # sharing="prefix": a token trie over whole rows (zorro_core.plan.trie); "prompt": identical prompts.
-        self.min_shared_tokens = DEFAULT_MIN_SHARED_TOKENS if min_shared_tokens is None else min_shared_tokens
-        check_sharing(sharing, self.min_shared_tokens)
-        self.sharing = sharing
-        if self.dedup and sharing == "prefix" and self.parts.num_linear_layers:
+        requested = resolve_config(config, options)
+        compute_dtype = resolve_dtype(dtype) if dtype is not None else None
+        auto_choice = self._auto_attention(model, requested, device, compute_dtype)
+        attn = auto_choice.implementation if auto_choice else requested.attn_implementation
+        self.model = self._place_model(model, model_name_or_path, device, compute_dtype, attn)
+        self.parts = model_parts(self.model)
+        if self.dedup and requested.sharing == "prefix" and self.parts.num_linear_layers:
             raise UnsupportedModelError(
                 "sharing='prefix' does not support linear-attention layers yet (a trie node would have to start "
                 "from its parent's recurrent state and conv window at an arbitrary depth); use sharing='prompt'"
             )
-        self.device = next(model.parameters()).device
+        first = next(self.model.parameters())
+        self.device = first.device
         # Backends, the "auto" choice and the batch's device follow from these: checked every call.
-        self._built_for = (self.device, next(model.parameters()).dtype)
-        # Taken once: attention and family adapters registered here, acting only on calls that
-        # carry a route (the model's original implementation runs everywhere else).
-        original = self._take_model()
-        self.attn_implementation = attn_implementation or original
+        self._built_for = (self.device, first.dtype)
+        # Installed once: zorro's attention and the family adapters act only on calls that carry
+        # a route (the model's original implementation runs everywhere else).
+        original = self.install_hooks()
         self.attn_choice = auto_choice or AttentionChoice(
-            self.attn_implementation,
-            "requested explicitly" if attn_implementation else "the model's own attention implementation",
+            attn or original,
+            "requested explicitly" if attn else "the model's own attention implementation",
         )
-        self.use_split_attention = use_split_attention
-        self.logits_mode = logits_mode
-        self.logits_chunk_size = logits_chunk_size
-        # `memory` mode: chunk size from this budget (MiB of one chunk's temporaries) unless
-        # logits_chunk_size is given; see logprobs.chunk_size_for_budget.
-        self.logits_memory_budget_mib = logits_memory_budget_mib
-        if use_split_attention:
-            self.varlen_backend = varlen_backend or default_backend(self.attn_implementation, self.device)
-            get_backend(self.varlen_backend, self.device)  # refuses an unavailable backend now
-        else:
-            if self.attn_implementation == "flex_attention":
-                why = flex_unavailable(self.device)
-                if why:
-                    raise ValueError(f"mask mode with flex_attention: {why}")
-            elif self.attn_implementation not in ("eager", "sdpa"):
-                raise ValueError(
-                    f"mask mode (use_split_attention=False) runs eager, sdpa or flex_attention, not {self.attn_implementation!r}"
-                )
-            self.varlen_backend = None
+        self.config = requested.replace(
+            attn_implementation=attn or original,
+            varlen_backend=self._check_route(requested, attn or original),
+        )
+        self.route_spec = RouteSpec(
+            mode="split" if self.config.use_split_attention else "mask",
+            backend=self.config.varlen_backend or "reference",
+            attention=self.config.attn_implementation,
+        )
 
-    def _take_model(self) -> str:
+    @staticmethod
+    def _auto_attention(model, config: ActorConfig, device, dtype) -> Optional[AttentionChoice]:
+        """attn_implementation="auto": chosen (zorro_core.stack.auto) from the device, the compute
+        dtype and max_seq_len (longest prompt + response; None: assumed long)."""
+        if config.attn_implementation != AUTO:
+            return None
+        ref = next((p for p in model.parameters() if p.is_floating_point()), None) if model is not None else None
+        return choose_attention(
+            device if device is not None else (ref.device if ref is not None else "cpu"),
+            dtype or (ref.dtype if ref is not None else torch.float32),
+            config.max_seq_len,
+            config.use_split_attention,
+        )
+
+    @staticmethod
+    def _place_model(model, model_name_or_path, device, dtype, attn: Optional[str]) -> nn.Module:
+        if model is None:
+            return load_model(
+                model_name_or_path,
+                device=device or "cpu",
+                dtype=dtype or torch.float32,
+                attn_implementation=attn or "sdpa",
+            )
+        if device is not None or dtype is not None:
+            return model.to(device=device, dtype=dtype)
+        return model
+
+    def _check_route(self, config: ActorConfig, attn: str) -> Optional[str]:
+        """The varlen backend split mode runs (refused now if unavailable); mask mode: None, after
+        checking that the attention implementation can run the block mask."""
+        if config.use_split_attention:
+            backend = config.varlen_backend or default_backend(attn, self.device)
+            get_backend(backend, self.device)
+            return backend
+        if attn == "flex_attention":
+            why = flex_unavailable(self.device)
+            if why:
+                raise ValueError(f"mask mode with flex_attention: {why}")
+        elif attn not in ("eager", "sdpa"):
+            raise ValueError(f"mask mode (use_split_attention=False) runs eager, sdpa or flex_attention, not {attn!r}")
+        return None
+
+    # The resolved options, read by the bench and the integrations.
+    @property
+    def attn_implementation(self) -> str:
+        return self.config.attn_implementation or ""
+
+    @property
+    def varlen_backend(self) -> Optional[str]:
+        return self.config.varlen_backend
+
+    def install_hooks(self) -> str:
         """Install zorro's attention dispatch and family adapters on the model (idempotent); the original attention."""
         original = install_attention(self.model)
         install_family_adapters(self.model, self.parts)
@@ -164,13 +147,13 @@ class _Actor:
     def vocab_size(self) -> int:
         return self.parts.lm_head.out_features
 
-    def plan(self, batch: RolloutBatch) -> DedupPlan:
+    def plan(self, batch: RolloutBatch) -> Plan:
         return build_dedup_plan(
             batch.to(self.device),
             dedup=self.dedup,
             vocab_size=self.vocab_size,
-            sharing=self.sharing,
-            min_shared_tokens=self.min_shared_tokens,
+            sharing=self.config.sharing,
+            min_shared_tokens=self.config.min_shared_tokens,
         )
 
     def check_call(self, temperature: float) -> None:
@@ -194,17 +177,16 @@ class _Actor:
         """Log-probs (and optionally entropy) of every response token, differentiable."""
         self.check_call(temperature)
         check_trainable_state(self.model)
-        self._take_model()  # a no-op unless something reset the model's attention since
+        self.install_hooks()  # a no-op unless something reset the model's attention since
         plan = self.plan(batch)  # token ids checked against the vocabulary (the batch was validated when built)
-        mode = "split" if self.use_split_attention else "mask"
-        route = Route(plan=plan, mode=mode, backend=self.varlen_backend or "reference", inner=self.attn_implementation)
+        route = Route(self.route_spec, plan)
         # Through the FSDP2 root's hooks when the model is sharded with fully_shard (zorro_core.actor.fsdp).
         lp, ent, aux = as_root_forward(self.model, lambda: self._compute(plan, route, temperature, calculate_entropy))
         return ActorOutput(
             plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan, aux
         )
 
-    def _compute(self, plan: DedupPlan, route: Route, temperature: float, calculate_entropy: bool):
+    def _compute(self, plan: Plan, route: Route, temperature: float, calculate_entropy: bool):
         outputs = self.parts.base(
             input_ids=plan.input_ids[None],
             position_ids=plan.position_ids[None],
@@ -217,13 +199,13 @@ class _Actor:
         # Checked right after the forward: gradient checkpointing's recompute (in backward) calls the
         # hooks again with the same route, and those calls are not part of this count.
         check_layers_served(self.parts, route)
-        aux = aux_loss_of(self.parts, self.model.config, outputs, plan, self.router_aux_weighting)
-        lp, ent = self._logprobs(hidden, plan.logit_index, plan.labels, temperature, calculate_entropy)
+        aux = aux_loss_of(self.parts, self.model.config, outputs, plan, self.config.router_aux_weighting)
+        lp, ent = self.logprobs_at(hidden, plan.logit_index, plan.labels, temperature, calculate_entropy)
         return lp, ent, aux
 
     __call__ = forward
 
-    def _logprobs(self, hidden, index, labels, temperature: float, calculate_entropy: bool):
+    def logprobs_at(self, hidden, index, labels, temperature: float, calculate_entropy: bool):
         """Log-probs (and entropies) of `labels` predicted at rows `index` of `hidden`, in this actor's logits mode."""
         return response_logprobs(
             hidden,
@@ -232,9 +214,9 @@ class _Actor:
             labels,
             temperature,
             calculate_entropy,
-            self.logits_mode,
-            self.logits_chunk_size,
-            self.logits_memory_budget_mib,
+            self.config.logits_mode,
+            self.config.logits_chunk_size,
+            self.config.logits_memory_budget_mib,
         )
 
     def forward_backward(
@@ -250,54 +232,6 @@ class _Actor:
         return microbatch.forward_backward(
             self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy, attention_weight
         )
-
-
-def _padded_mask(
-    mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype, window: Optional[int] = None
-) -> torch.Tensor | None:
-    """[B, 1, L, L] causal + key-padding mask in which a padding query sees itself.
-
-    transformers' own eager mask leaves padding queries with no key at all; in float64 that
-    softmax is NaN and the NaN reaches real tokens through the next layer's values.
-    """
-    if attn_implementation not in ("eager", "sdpa"):
-        return mask
-    real = mask.bool()
-    length = mask.shape[1]
-    i = torch.arange(length, device=mask.device)
-    allowed = (i[None, :] <= i[:, None])[None] & real[:, None, :]
-    if window is not None:  # real tokens sit in contiguous columns, so column distance is position distance
-        allowed = allowed & (i[:, None] - i[None, :] < window)[None]
-    allowed = allowed | (torch.eye(length, dtype=torch.bool, device=mask.device)[None] & ~real[:, :, None])
-    if attn_implementation == "sdpa":
-        return allowed[:, None]
-    return torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill(~allowed, torch.finfo(dtype).min)[
-        :, None
-    ]
-
-
-def padded_mask_builder(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype):
-    """window (None: full attention) -> the padded baseline's attention mask for layers with that window.
-
-    eager/sdpa: `_padded_mask`; any other implementation: the mask transformers' own mask function for
-    it builds from the [B, L] padding mask (flash: the 2D mask; flex: a BlockMask); none if it has none.
-    """
-    if attn_implementation in ("eager", "sdpa"):
-        return lambda w: _padded_mask(mask, attn_implementation, dtype, w)
-    build = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(attn_implementation)
-    if build is None:
-        return lambda w: None
-    b, length = mask.shape
-    return lambda w: build(
-        batch_size=b,
-        q_length=length,
-        kv_length=length,
-        mask_function=causal_mask_function if w is None else sliding_window_causal_mask_function(w),
-        attention_mask=mask.bool(),
-        allow_is_causal_skip=False,
-        dtype=dtype,
-        device=mask.device,
-    )
 
 
 class DeduplicatedActor(_Actor):
@@ -318,60 +252,6 @@ class BaselineActor(_Actor):
     def forward(self, batch: RolloutBatch, temperature: float = 1.0, calculate_entropy: bool = False) -> ActorOutput:
         if not self.padded:
             return super().forward(batch, temperature, calculate_entropy)
-        if self.parts.num_linear_layers:
-            raise UnsupportedModelError(
-                "the padded baseline does not support linear-attention layers (padding would "
-                "enter their recurrent state); use BaselineActor(padded=False)"
-            )
-        if is_fsdp_root(self.model):
-            raise UnsupportedModelError(
-                "the padded baseline does not run an FSDP2-sharded model (fully_shard); use BaselineActor(padded=False)"
-            )
-        self.check_call(temperature)
-        batch = batch.to(self.device)
-        batch.check_vocab(self.vocab_size)
-        check_trainable_state(self.model)
-        self._take_model()
-        ids = torch.cat([batch.prompts, batch.responses], 1).long()
-        mask = torch.cat([batch.prompt_mask, batch.response_mask], 1).long()
-        pos = (mask.cumsum(1) - 1).clamp(min=0)
-        route = Route(
-            plan=None,
-            mode="plain",
-            inner=self.attn_implementation,
-            mask_of=padded_mask_builder(mask, self.attn_implementation, self.model.dtype),
-        )
-        outputs = self.parts.base(
-            input_ids=ids,
-            attention_mask=route_mask(self.device),
-            position_ids=pos,
-            use_cache=False,
-            zorro_route=route,
-            **forward_kwargs(self.parts, self.model.config),
-        )
-        if route.calls != self.parts.num_attention_layers:
-            raise RuntimeError(
-                f"the attention hook served {route.calls} layers, expected {self.parts.num_attention_layers}: "
-                "some layer mixes tokens outside it; this model is not supported"
-            )
-        hidden = outputs.last_hidden_state
-        aux = None
-        if forward_kwargs(self.parts, self.model.config):
-            c = self.model.config
-            aux = load_balancing_loss(outputs.router_logits, c.num_experts, c.num_experts_per_tok, mask.flatten())
-        b, p = batch.prompts.shape
-        r = batch.responses.shape[1]
-        width = p + r
-        rm = batch.response_mask.bool().flatten()
-        flat = rm.nonzero().flatten()
-        rows, cols = flat // r, flat % r
-        index = rows * width + p - 1 + cols
-        labels = batch.responses.long().flatten()[flat]
-        lp, ent = self._logprobs(hidden.reshape(b * width, -1), index, labels, temperature, calculate_entropy)
-
-        def scatter(v):
-            return v.new_zeros(b * r).index_put((flat,), v).view(b, r)
-
-        return ActorOutput(scatter(lp), scatter(ent) if ent is not None else None, None, aux)
+        return padded_forward(self, batch, temperature, calculate_entropy)
 
     __call__ = forward

@@ -15,9 +15,10 @@ route, after the actor has checked the count of its forward.
 
 from __future__ import annotations
 
+import functools
 import sys
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -30,41 +31,72 @@ from zorro_core.attention.flex import flex_packed_attention
 from zorro_core.attention.tree import tree_block_mask, tree_split_attention
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.plan.prompt import DedupPlan
+from zorro_core.plan.protocol import Plan
+from zorro_core.plan.trie import TriePlan
 
 ZORRO_ATTENTION = "zorro"
 
 
-@dataclass
-class Route:
-    """How the hook runs the attention of one forward."""
+@dataclass(frozen=True)
+class RouteSpec:
+    """How the hook runs an actor's attention: fixed when the actor is built."""
 
-    plan: Optional[DedupPlan]
-    """The batch's dedup plan (None in plain mode)."""
     mode: str
-    """"split" (two varlen calls), "mask" (one call with the block mask) or "plain" (padded batch)."""
+    """"split" (varlen calls per the plan), "mask" (one call with the block mask) or "plain" (padded batch)."""
     backend: str = "reference"
     """Varlen backend name (zorro_core.attention.backends.BACKENDS), split mode."""
-    inner: str = "sdpa"
-    """"eager", "sdpa" or "flex_attention", mask mode; any attention implementation, plain mode."""
-    mask_of: Optional[Callable] = None
-    """Plain mode: window (None: full attention) -> the attention mask of the layers with that window."""
-    calls: int = 0
-    """Attention layers served so far in this forward."""
-    adapter_calls: dict = field(default_factory=dict)
-    """Calls served by the family adapters (e.g. "linear_attention"), by kind."""
-    _masks: dict = field(default_factory=dict, repr=False)
+    attention: str = "sdpa"
+    """The attention implementation: "eager", "sdpa" or "flex_attention" in mask mode; any in plain mode."""
 
-    def block_mask(self, kind: str, dtype: torch.dtype, window: Optional[int]) -> torch.Tensor:
+
+class Route:
+    """One forward's route: the actor's spec, the batch's plan, and what the forward counts and caches.
+
+    Passed to every attention layer through the forward kwargs (`zorro_route`); a new Route per
+    forward, so nothing of one forward leaks into the next."""
+
+    def __init__(self, spec: RouteSpec, plan: Optional[Plan], mask_of: Optional[Callable] = None) -> None:
+        self.spec = spec
+        self.plan = plan
+        self.mask_of = mask_of
+        """Plain mode: window (None: full attention) -> the attention mask of the layers with that window."""
+        self.calls = 0
+        """Attention layers served so far in this forward."""
+        self.adapter_calls: dict[str, int] = {}
+        """Calls served by the family adapters (e.g. "linear_attention"), by kind."""
+        self._masks: dict[tuple, Any] = {}
+
+    @property
+    def mode(self) -> str:
+        return self.spec.mode
+
+    def count_adapter_call(self, kind: str) -> None:
+        self.adapter_calls[kind] = self.adapter_calls.get(kind, 0) + 1
+
+    def plain_mask(self, window: Optional[int]) -> Any:
+        """Plain mode: the padded batch's mask for layers with `window`, built once per window."""
+        key = ("plain", window)
+        if key not in self._masks:
+            if self.mask_of is None:
+                raise RuntimeError("a plain route needs mask_of")
+            self._masks[key] = self.mask_of(window)
+        return self._masks[key]
+
+    def block_mask(self, dtype: torch.dtype, window: Optional[int]) -> Any:
+        """Mask mode: the plan's mask in the form the attention implementation takes, built once
+        per (dtype, window) and shared by the layers."""
+        kind = self.spec.attention
         key = (kind, dtype, window)
         if key not in self._masks:
-            allowed = self.plan.attention_mask() if kind != "flex_attention" else None
-            if allowed is not None and window is not None:
+            if self.plan is None:
+                raise RuntimeError("mask mode needs a plan")
+            if kind == "flex_attention":
+                self._masks[key] = plan_block_mask(self.plan, window)
+                return self._masks[key]
+            allowed = self.plan.attention_mask()
+            if window is not None:
                 pos = self.plan.position_ids
                 allowed = allowed & (pos[:, None] - pos[None, :] < window)
-            if kind == "flex_attention":
-                tree = getattr(self.plan, "is_tree", False)  # sharing="prefix": the trie's mask
-                self._masks[key] = (tree_block_mask if tree else flex_block_mask)(self.plan, window)
-                return self._masks[key]
             if kind == "eager":
                 m = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
                 m = m.masked_fill(~allowed, torch.finfo(dtype).min)
@@ -74,10 +106,16 @@ class Route:
         return self._masks[key]
 
 
-def split_attention(plan: DedupPlan, q, k, v, scale: float, window: Optional[int], backend: str) -> torch.Tensor:
-    """Split mode over the packed row: q [T, Hq, D], k, v [T, Hkv, D] -> [T, Hq, D]."""
-    if getattr(plan, "is_tree", False):  # sharing="prefix": one call per level of the trie
-        return tree_split_attention(plan, q, k, v, scale, window, backend)
+@functools.singledispatch
+def split_attention(plan: Plan, q, k, v, scale: float, window: Optional[int], backend: str) -> torch.Tensor:
+    """Split mode over the packed row: q [T, Hq, D], k, v [T, Hkv, D] -> [T, Hq, D], one
+    implementation per plan type (registered below)."""
+    raise UnsupportedModelError(f"split attention has no implementation for a {type(plan).__name__}")
+
+
+@split_attention.register
+def _(plan: DedupPlan, q, k, v, scale: float, window: Optional[int], backend: str) -> torch.Tensor:
+    """The prompt plan: the causal call, then the cross call of shared groups' responses."""
     be = BACKENDS[backend]
     if plan.cross is None:
         return be.causal(q, k, v, plan.causal, scale, window)
@@ -85,6 +123,19 @@ def split_attention(plan: DedupPlan, q, k, v, scale: float, window: Optional[int
     out_c = be.causal(q[:tc], k[:tc], v[:tc], plan.causal, scale, window)
     out_x = be.cross(q[tc:], k, v, plan.cross, scale, window)
     return torch.cat([out_c, out_x])
+
+
+split_attention.register(TriePlan, tree_split_attention)  # one call per level of the trie
+
+
+@functools.singledispatch
+def plan_block_mask(plan: Plan, window: Optional[int]) -> Any:
+    """The plan's mask as a FlexAttention BlockMask, one builder per plan type."""
+    raise UnsupportedModelError(f"flex attention has no block mask for a {type(plan).__name__}")
+
+
+plan_block_mask.register(DedupPlan, flex_block_mask)
+plan_block_mask.register(TriePlan, tree_block_mask)
 
 
 def _model_eager(module: nn.Module):
@@ -136,17 +187,15 @@ def zorro_attention(
     if route.mode == "plain":
         route.calls += 1
         check_attention_call(query, key, kwargs)
-        fn = _model_eager(module) if route.inner == "eager" else ALL_ATTENTION_FUNCTIONS[route.inner]
+        attention = route.spec.attention
+        fn = _model_eager(module) if attention == "eager" else ALL_ATTENTION_FUNCTIONS[attention]
         rest = {k: v for k, v in kwargs.items() if k != "zorro_route"}
-        slot = ("plain", sliding_window)  # built once per window, shared by the layers with that window
-        if slot not in route._masks:
-            route._masks[slot] = route.mask_of(sliding_window)
         return fn(
             module,
             query,
             key,
             value,
-            route._masks[slot],
+            route.plain_mask(sliding_window),
             scaling=scaling,
             dropout=dropout,
             sliding_window=sliding_window,
@@ -166,14 +215,15 @@ def zorro_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     route.calls += 1
     if route.mode == "mask":
-        mask = route.block_mask(route.inner, query.dtype, sliding_window)
-        if route.inner == "flex_attention":
+        attention = route.spec.attention
+        mask = route.block_mask(query.dtype, sliding_window)
+        if attention == "flex_attention":
             return flex_packed_attention(query, key, value, mask, scale), None
-        fn = _model_eager(module) if route.inner == "eager" else sdpa_attention_forward
-        extra = {"is_causal": False} if route.inner == "sdpa" else {}
+        fn = _model_eager(module) if attention == "eager" else sdpa_attention_forward
+        extra = {"is_causal": False} if attention == "sdpa" else {}
         out, _ = fn(module, query, key, value, mask, scaling=scale, dropout=0.0, **extra)
         return out, None
 
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
-    out = split_attention(route.plan, q, k, v, scale, sliding_window, route.backend)
+    out = split_attention(route.plan, q, k, v, scale, sliding_window, route.spec.backend)
     return out.unsqueeze(0), None

@@ -257,7 +257,7 @@ def _dedup_delta_rule(
         states = zero if head_state is None else torch.cat([zero, head_state])
         branch_out, _ = _delta_varlen(original, lay.branch, x, states[lay.branch_state], chunk_size, False, use_fla)
         outs.append(branch_out)
-    route.adapter_calls["linear_attention"] = route.adapter_calls.get("linear_attention", 0) + 1
+    route.count_adapter_call("linear_attention")
     return torch.cat(outs)[lay.out_index][None], None
 
 
@@ -290,7 +290,7 @@ def _dedup_conv(original, hidden_states, weight, bias=None, activation=None, **k
         if activation is not None:
             rows = ACT2FN[activation](rows)
         out = out[0].t().index_copy(0, fix, rows.to(out.dtype)).t()[None]
-    route.adapter_calls["linear_conv"] = route.adapter_calls.get("linear_conv", 0) + 1
+    route.count_adapter_call("linear_conv")
     return out
 
 

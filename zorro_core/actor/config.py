@@ -1,0 +1,89 @@
+"""ActorConfig: every option of the actors, in one frozen, documented place.
+
+The actors, the bench's cases, `zorro verify`, and the TRL and verl integrations all take an
+ActorConfig, so an option is added here once. The actors also accept the same names as keyword
+arguments (`DeduplicatedActor(model=m, sharing="prefix")`), which override the config's fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from zorro_core.actor.logprobs import LOGITS_MODES
+from zorro_core.models.moe import AUX_WEIGHTINGS
+from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, check_sharing
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """How an actor computes log-probs. Defaults are the exact, general choices."""
+
+    use_split_attention: bool = True
+    """Split mode (a causal and a cross varlen call per layer) if True; mask mode (one attention over
+    the packed row with the plan's block mask, eager/sdpa/flex_attention) if False."""
+    attn_implementation: Optional[str] = None
+    """The attention implementation: None keeps the model's own; "auto" picks from device, dtype and
+    `max_seq_len` (zorro_core.stack.auto); or a transformers name ("sdpa", "flash_attention_2", ...)."""
+    varlen_backend: Optional[str] = None
+    """Split mode's varlen backend (zorro_core.attention.backends.BACKENDS); None: the default for the
+    attention implementation and device."""
+    logits_mode: str = "compute"
+    """"compute": logits of response positions only; "memory": the same in chunks, recomputed in
+    backward; "none": logits of every packed token (the plain computation's cost)."""
+    logits_chunk_size: Optional[int] = None
+    """Rows per chunk in "memory" mode; None: from `logits_memory_budget_mib`, else the default."""
+    logits_memory_budget_mib: Optional[float] = None
+    """"memory" mode: MiB one chunk's temporaries may take, from which the chunk size follows (> 0)."""
+    router_aux_weighting: str = "multiplicity"
+    """MoE router aux loss: "multiplicity" weights each packed token by its rows (equals the
+    baseline's loss); "unique" counts each packed token once."""
+    max_seq_len: Optional[int] = None
+    """Longest prompt + response the actor will see, for attn_implementation="auto" (None: assumed long)."""
+    sharing: str = "prompt"
+    """"prompt": rows with identical prompts share them; "prefix": a token trie over whole rows."""
+    min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS
+    """sharing="prefix": shared runs shorter than this are not split off (>= 1)."""
+
+    def __post_init__(self) -> None:
+        if self.logits_mode not in LOGITS_MODES:
+            raise ValueError(f"unknown logits_mode {self.logits_mode!r}; choose one of {LOGITS_MODES}")
+        if self.router_aux_weighting not in AUX_WEIGHTINGS:
+            raise ValueError(
+                f"unknown router_aux_weighting {self.router_aux_weighting!r}; choose one of {AUX_WEIGHTINGS}"
+            )
+        budget = self.logits_memory_budget_mib
+        if budget is not None and not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
+            raise ValueError(f"logits_memory_budget_mib must be a finite number > 0, got {budget!r}")
+        for name in ("logits_chunk_size", "max_seq_len"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        check_sharing(self.sharing, self.min_shared_tokens)
+
+    def replace(self, **options: Any) -> ActorConfig:
+        """A copy with `options` changed; an unknown option is refused with the known ones."""
+        unknown = sorted(set(options) - FIELDS)
+        if unknown:
+            raise TypeError(f"unknown actor option(s) {unknown}; ActorConfig has {sorted(FIELDS)}")
+        return dataclasses.replace(self, **options) if options else self
+
+    def as_dict(self) -> dict[str, Any]:
+        """The options as plain values (for results files and reports)."""
+        return dataclasses.asdict(self)
+
+
+FIELDS = frozenset(f.name for f in dataclasses.fields(ActorConfig))
+"""The option names an actor accepts as keyword arguments."""
+
+
+def resolve_config(config: Optional[ActorConfig], options: dict[str, Any]) -> ActorConfig:
+    """`config` (default: ActorConfig()) with keyword `options` applied over it; None values of
+    `min_shared_tokens` mean its default (the actors' keyword API allowed it)."""
+    if config is not None and not isinstance(config, ActorConfig):
+        raise TypeError(f"config must be an ActorConfig, got {type(config).__name__}")
+    if options.get("min_shared_tokens", 0) is None:
+        options = {**options, "min_shared_tokens": DEFAULT_MIN_SHARED_TOKENS}
+    return (config or ActorConfig()).replace(**options)
