@@ -96,3 +96,41 @@ def test_every_module_imports_in_a_fresh_interpreter_and_zorro_core_stays_light(
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads(res.stdout.strip().splitlines()[-1]) == []
+
+
+# The layers, bottom first: a package imports only from its own layer and those below it.
+LAYERS = [
+    {"errors", "plan"},
+    {"attention", "models", "stack", "distributed"},
+    {"actor"},
+    {"integrations", "verify", "bench"},
+]
+
+
+def layer_of(module: str) -> int:
+    package = module.split(".")[1] if module.count(".") else ""
+    for i, layer in enumerate(LAYERS):
+        if package in layer:
+            return i
+    return len(LAYERS)  # the package's __init__ (the public names) sits on top
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        for b in targets
+        if layer_of(b) > layer_of(a) and b != "zorro_core"
+    )
+
+
+def test_layers_import_one_way():
+    graph = import_graph()
+    assert {"zorro_core.plan.batch", "zorro_core.attention.hook", "zorro_core.actor.actor"} <= set(graph)
+    assert upward_imports(graph) == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    assert upward_imports({"zorro_core.plan.cost": {"zorro_core.actor.actor"}}) == [
+        "zorro_core.plan.cost -> zorro_core.actor.actor"
+    ]

@@ -108,14 +108,7 @@ def rank_process(case: Case, measure: Measure) -> dict[str, Any]:
         if hasattr(m, "set_gradient_divide_factor"):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-    actor = DeduplicatedActor(
-        model=model,
-        attn_implementation=case.attn_implementation,
-        logits_mode=case.logits_mode,
-        use_split_attention=case.split_attention,
-        varlen_backend=case.varlen_backend,
-        logits_memory_budget_mib=case.logits_memory_budget_mib,
-    )
+    actor = DeduplicatedActor(model=model, config=case.actor_config(sharing="prompt"))
     batch, rows = rank_batches(case, model.config.vocab_size)
     mine = select_rows(batch, rows[rank]).to(device)
     n_global = int(batch.response_mask.sum())

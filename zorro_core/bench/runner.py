@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from zorro_core.actor.actor import BaselineActor, DeduplicatedActor
+from zorro_core.actor.config import ActorConfig
 from zorro_core.attention.backends import backend_unavailable
 from zorro_core.bench.distributed import distributed_case_rows
 from zorro_core.bench.footprint import case_footprint, too_large
@@ -124,8 +125,8 @@ class _Bench:
             self.liger_kernels = ",".join(apply_liger(self.model).applied)
         self.batch = make_batch(case, self.model.config.vocab_size, device=str(self.device))
         self.n_response = int(self.batch.response_mask.sum())
-        common = dict(
-            model=self.model,
+        config = case.actor_config(attn)
+        plain = ActorConfig(
             attn_implementation=attn,
             logits_mode=case.logits_mode,
             logits_memory_budget_mib=case.logits_memory_budget_mib,
@@ -133,25 +134,14 @@ class _Bench:
         self.actors: dict[str, Any] = {}
         if "baseline" in arms:
             if case.baseline == "padded":
-                self.actors["baseline"] = BaselineActor(padded=True, **common)
+                self.actors["baseline"] = BaselineActor(model=self.model, config=plain, padded=True)
             elif case.baseline == "prompt":  # the prompt-sharing dedup arm, to measure what prefix sharing adds
-                self.actors["baseline"] = DeduplicatedActor(
-                    use_split_attention=case.split_attention,
-                    varlen_backend=case.varlen_backend if case.split_attention else None,
-                    **common,
-                )
-            else:
-                self.actors["baseline"] = BaselineActor(
-                    use_split_attention=True, varlen_backend=case.varlen_backend, **common
-                )
+                self.actors["baseline"] = DeduplicatedActor(model=self.model, config=config.replace(sharing="prompt"))
+            else:  # packed, split attention through the same backend as the dedup arm
+                packed = plain.replace(varlen_backend=case.varlen_backend)
+                self.actors["baseline"] = BaselineActor(model=self.model, config=packed)
         if "dedup" in arms:
-            self.actors["dedup"] = DeduplicatedActor(
-                use_split_attention=case.split_attention,
-                varlen_backend=case.varlen_backend if case.split_attention else None,
-                sharing=case.sharing,
-                min_shared_tokens=case.min_shared_tokens,
-                **common,
-            )
+            self.actors["dedup"] = DeduplicatedActor(model=self.model, config=config)
 
     def baseline_kind(self) -> str:
         a = self.actors.get("baseline")
@@ -160,7 +150,7 @@ class _Bench:
         if a.dedup:
             return (
                 f"dedup_prompt_split_{a.varlen_backend}"
-                if a.use_split_attention
+                if a.config.use_split_attention
                 else f"dedup_prompt_mask_{a.attn_implementation}"
             )
         if getattr(a, "padded", False):
@@ -171,8 +161,8 @@ class _Bench:
         a = self.actors.get("dedup")
         if a is None:
             return ""
-        kind = f"split_{a.varlen_backend}" if a.use_split_attention else f"mask_{a.attn_implementation}"
-        return kind if a.sharing == "prompt" else f"{a.sharing}_{kind}"
+        kind = f"split_{a.varlen_backend}" if a.config.use_split_attention else f"mask_{a.attn_implementation}"
+        return kind if a.config.sharing == "prompt" else f"{a.config.sharing}_{kind}"
 
     def step(self, arm: str, phase: str) -> Callable[[], None]:
         actor, batch, n = self.actors[arm], self.batch, self.n_response

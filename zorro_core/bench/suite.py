@@ -30,9 +30,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from zorro_core.actor.config import ActorConfig
 from zorro_core.actor.logprobs import LOGITS_MODES
 from zorro_core.plan.dtypes import DTYPES
-from zorro_core.plan.trie import SHARINGS
+from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, SHARINGS
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "auto")
 BASELINES = ("packed", "padded", "prompt")
@@ -88,6 +89,19 @@ class Case:
     """Seed of the weights and the batch."""
     nproc: int = 1
     """Data-parallel ranks (> 1: the batch is the global one, the arms are no-regroup vs regroup; zorro_core.bench.distributed)."""
+
+    def actor_config(self, attn_implementation: Optional[str] = None, sharing: Optional[str] = None) -> ActorConfig:
+        """The dedup arm's actor options; `attn_implementation`: the resolved choice when the case says
+        "auto"; `sharing` overrides the case's (the "prompt" baseline arm, the nproc > 1 arms)."""
+        return ActorConfig(
+            use_split_attention=self.split_attention,
+            attn_implementation=attn_implementation or self.attn_implementation,
+            varlen_backend=self.varlen_backend if self.split_attention else None,
+            logits_mode=self.logits_mode,
+            logits_memory_budget_mib=self.logits_memory_budget_mib,
+            sharing=sharing or self.sharing,
+            min_shared_tokens=DEFAULT_MIN_SHARED_TOKENS if self.min_shared_tokens is None else self.min_shared_tokens,
+        )
 
     def __post_init__(self) -> None:
         _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)

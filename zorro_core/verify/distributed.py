@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from zorro_core.actor.actor import DeduplicatedActor
+from zorro_core.actor.config import ActorConfig
 from zorro_core.distributed import regroup
 from zorro_core.distributed.launch import default_backend, init_from_env, launch, under_torchrun
 from zorro_core.distributed.regroup import _Exchange
@@ -80,6 +81,10 @@ class DistributedConfig:
     """Seeds weights, the batch and the loss weights."""
     bugs: tuple = (None,)
     """Variants to run in the same ranks: None (clean) and/or names from BUGS."""
+
+    def actor_config(self) -> ActorConfig:
+        """The options the actor runs with (split attention through the hook)."""
+        return ActorConfig(attn_implementation=self.attn, logits_mode=self.logits_mode)
 
 
 @dataclass
@@ -178,7 +183,7 @@ def verify_rank(cfg: DistributedConfig) -> list[dict]:
     del ref_model
     model.to(dev)
     _shard(model)
-    actor = DeduplicatedActor(model=model, attn_implementation=cfg.attn, logits_mode=cfg.logits_mode)
+    actor = DeduplicatedActor(model=model, config=cfg.actor_config())
     rows = rank_rows(batch, rank, world)
     mine = select_rows(batch, rows).to(dev)
     w_lp, w_ent = (w[rows].to(dev) for w in weights)

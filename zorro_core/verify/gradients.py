@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from zorro_core.actor.actor import BaselineActor, DeduplicatedActor
+from zorro_core.actor.config import ActorConfig
 from zorro_core.actor.logprobs import LOGITS_MODES
 from zorro_core.attention.backends import backend_unavailable, default_backend
 from zorro_core.errors import UnsupportedModelError
@@ -32,7 +33,7 @@ from zorro_core.plan.batch import RolloutBatch, create_dummy_batch
 from zorro_core.plan.build import build_dedup_plan
 from zorro_core.plan.dtypes import DTYPES as TORCH_DTYPES
 from zorro_core.plan.prompt import DedupPlan
-from zorro_core.plan.trie import build_trie_plan
+from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, build_trie_plan
 from zorro_core.stack.checkpointing import checkpointed
 from zorro_core.stack.lora import LoraSettings, apply_lora
 from zorro_core.verify.reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
@@ -87,6 +88,16 @@ class VerifyCase:
     @property
     def name(self) -> str:
         return f"{self.model}/{self.attn}/{self.dtype}/{self.layout}/{'split' if self.split else 'mask'}/{self.logits_mode}"
+
+    def actor_config(self, sharing: str = "prompt", min_shared_tokens: Optional[int] = None) -> ActorConfig:
+        """The options both actors of the case run with."""
+        return ActorConfig(
+            use_split_attention=self.split,
+            attn_implementation=self.attn,
+            logits_mode=self.logits_mode,
+            sharing=sharing,
+            min_shared_tokens=DEFAULT_MIN_SHARED_TOKENS if min_shared_tokens is None else min_shared_tokens,
+        )
 
 
 @dataclass
@@ -430,15 +441,13 @@ class Verifier:
         try:
             model = self.model(case.model, case.dtype)
             batch, w, ref = self.reference(case.model, case.dtype, case.layout)
-            kw = dict(
-                model=model, use_split_attention=case.split, attn_implementation=case.attn, logits_mode=case.logits_mode
-            )
+            config = case.actor_config(self.sharing, self.min_shared_tokens)
             try:
-                actor = DeduplicatedActor(**kw, sharing=self.sharing, min_shared_tokens=self.min_shared_tokens)
+                actor = DeduplicatedActor(model=model, config=config)
             except UnsupportedModelError as e:  # refused with its reason (e.g. linear attention in prefix mode)
                 return CaseResult(case, "skip", str(e))
             with checkpointed(model, self.checkpointing):
-                base, base_lp = self.errors(BaselineActor(**kw), batch, w, ref)
+                base, base_lp = self.errors(BaselineActor(model=model, config=config), batch, w, ref)
                 with inject_bug(self.bug):
                     dedup, dedup_lp = self.errors(actor, batch, w, ref)
         except Exception as e:  # a crash is a failed proof, reported as a row

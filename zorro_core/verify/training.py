@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from zorro_core.actor.actor import BaselineActor, DeduplicatedActor
+from zorro_core.actor.config import ActorConfig
 from zorro_core.models.parts import unwrap_adapters
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.prompt import group_rows
@@ -90,6 +91,10 @@ class TrainConfig:
     """Sampling temperature the log-probs are computed at."""
     seed: int = 0
     """Seeds weights, batches and rewards."""
+
+    def actor_config(self) -> ActorConfig:
+        """The options the baseline and dedup actors run with."""
+        return ActorConfig(use_split_attention=self.split, attn_implementation=self.attn, logits_mode=self.logits_mode)
 
 
 @dataclass
@@ -254,11 +259,11 @@ def _train_steps(
     m_dedup = copy.deepcopy(m_base)
     m_ref = copy.deepcopy(m_base).to(torch.float64)  # the same (possibly bf16-rounded) weights
     unwrap_adapters(m_ref).set_attn_implementation("eager")
-    kw = dict(use_split_attention=cfg.split, attn_implementation=cfg.attn, logits_mode=cfg.logits_mode)
+    config = cfg.actor_config()
     runs = {
         "ref": _Run(m_ref, lambda b: sequence_forward(m_ref, b, cfg.temperature), cfg),
-        "baseline": _Run(m_base, _actor_fn(BaselineActor(model=m_base, **kw), cfg.temperature), cfg),
-        "dedup": _Run(m_dedup, _actor_fn(DeduplicatedActor(model=m_dedup, **kw), cfg.temperature), cfg),
+        "baseline": _Run(m_base, _actor_fn(BaselineActor(model=m_base, config=config), cfg.temperature), cfg),
+        "dedup": _Run(m_dedup, _actor_fn(DeduplicatedActor(model=m_dedup, config=config), cfg.temperature), cfg),
     }
     start = runs["ref"].snapshot()
 
