@@ -83,7 +83,7 @@ class _Actor:
         self.route_spec = RouteSpec(
             mode="split" if self.config.use_split_attention else "mask",
             backend=self.config.varlen_backend or "reference",
-            attention=self.config.attn_implementation,
+            attention=self.attn_implementation,
         )
 
     @staticmethod

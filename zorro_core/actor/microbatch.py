@@ -84,4 +84,6 @@ def forward_backward(
         log_probs[idx] = out.log_probs.detach()
         if entropy is not None:
             entropy[idx] = out.entropy.detach()
+    if log_probs is None:  # unreachable: a validated batch has rows, so some micro-batch ran
+        raise ValueError("the batch has no rows")
     return MicroBatchOutput(log_probs, entropy, total, part)

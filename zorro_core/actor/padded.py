@@ -3,10 +3,9 @@ it without zorro (`BaselineActor(padded=True)`), and the attention masks it buil
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
-from torch import nn
 from transformers.masking_utils import (
     ALL_MASK_ATTENTION_FUNCTIONS,
     causal_mask_function,
@@ -25,7 +24,7 @@ from zorro_core.plan.batch import RolloutBatch
 class PaddedActor(Protocol):
     """What the padded forward uses of the BaselineActor that calls it."""
 
-    model: nn.Module
+    model: Any  # a transformers causal LM, or a peft model around one
     parts: ModelParts
     device: torch.device
 

@@ -219,11 +219,16 @@ def zorro_attention(
         mask = route.block_mask(query.dtype, sliding_window)
         if attention == "flex_attention":
             return flex_packed_attention(query, key, value, mask, scale), None
-        fn = _model_eager(module) if attention == "eager" else sdpa_attention_forward
-        extra = {"is_causal": False} if attention == "sdpa" else {}
-        out, _ = fn(module, query, key, value, mask, scaling=scale, dropout=0.0, **extra)
+        if attention == "sdpa":
+            out, _ = sdpa_attention_forward(
+                module, query, key, value, mask, scaling=scale, dropout=0.0, is_causal=False
+            )
+        else:
+            out, _ = _model_eager(module)(module, query, key, value, mask, scaling=scale, dropout=0.0)
         return out, None
 
+    if route.plan is None:
+        raise RuntimeError("split mode needs a plan")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     out = split_attention(route.plan, q, k, v, scale, sliding_window, route.spec.backend)
     return out.unsqueeze(0), None

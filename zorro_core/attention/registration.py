@@ -20,7 +20,7 @@ import sys
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -41,7 +41,7 @@ def attention_name(original: str) -> str:
         AttentionInterface.register(name, _dispatch(original))
         # No mask function when the original has none: transformers then builds no mask for it,
         # which is what it does for the original too.
-        if original in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        if original in ALL_MASK_ATTENTION_FUNCTIONS:
             AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
     return name
 
@@ -97,5 +97,5 @@ def _dispatch(original: str):
     return attention
 
 
-def _causal_lm(model: nn.Module) -> nn.Module:
+def _causal_lm(model: nn.Module) -> PreTrainedModel:
     return unwrap_adapters(model)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.bench.inputs import make_batch, model_config
@@ -105,7 +105,7 @@ def rank_process(case: Case, measure: Measure) -> dict[str, Any]:
     model.eval()
     _shard(model)
     for m in model.modules():  # the loss below is normalised over the global batch: FSDP sums
-        if hasattr(m, "set_gradient_divide_factor"):
+        if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     actor = DeduplicatedActor(model=model, config=case.actor_config(sharing="prompt"))

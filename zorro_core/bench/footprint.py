@@ -76,7 +76,7 @@ def case_footprint(case: Case, config, phases: tuple[str, ...], arm: str = "base
     width = getattr(torch, case.dtype).itemsize  # suite dtypes are torch's names
     backward = "forward_backward" in phases
     params = parameter_count(shape, bool(getattr(config, "tie_word_embeddings", False)))
-    b, u = case.batch_size, case.num_unique_prompts
+    b, u = case.batch_size, case.unique_prompts
     p, r = (max(1, case.prompt_len // 2), 1) if case.padding else (case.prompt_len, case.response_len)
     tokens = b * (p + r) if arm == "baseline" else u * p + b * r  # the arm's packed row
     per_token = shape.hidden_size + 2 * shape.intermediate_size

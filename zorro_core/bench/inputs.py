@@ -29,7 +29,7 @@ def model_config(name: str):
 def make_batch(case: Case, vocab_size: int, device: str = "cpu"):
     return create_dummy_batch(
         batch_size=case.batch_size,
-        num_unique_prompts=case.num_unique_prompts,
+        num_unique_prompts=case.unique_prompts,
         prompt_len=case.prompt_len,
         response_len=case.response_len,
         vocab_size=vocab_size,

@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from zorro_core.bench.footprint import GIB, available_memory
 
@@ -36,7 +36,7 @@ _PR_SET_PDEATHSIG = 1
 _CTX: Optional[mp.context.BaseContext] = None
 
 
-def context() -> mp.context.BaseContext:
+def context() -> Any:  # a multiprocessing context (forkserver, else spawn)
     global _CTX
     if _CTX is None:
         if "forkserver" in mp.get_all_start_methods():

@@ -24,7 +24,7 @@ import gc
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -144,7 +144,7 @@ def time_once(fn: Callable[[], object], device: torch.device | str) -> float:
 
 
 def time_interleaved(
-    arms: dict[str, Callable[[], object]],
+    arms: Mapping[str, Callable[[], object]],
     device: torch.device | str,
     warmup: int = 1,
     repeats: int = 5,

@@ -201,7 +201,7 @@ def compare_frames(old, new, metric: str = "speedup", fail_above: float = 0.05):
     `fail_above` in the bad direction whose p20-p80 band does not overlap the old one (beyond noise)."""
     col, lo, hi, higher_better = METRICS[metric]
     merged = old.merge(new, on=KEY, suffixes=("_old", "_new"), how="outer", indicator=True)
-    out = []
+    out: list[tuple] = []
     for _, r in merged.iterrows():
         case, phase = r["case_id"], r["phase"]
         if r["_merge"] == "left_only":

@@ -62,7 +62,8 @@ def stack_table(df: pd.DataFrame, by: Optional[Sequence[str]] = None, ok_status:
     out = []
     for key, g in groups:
         key = key if isinstance(key, tuple) else (key,)
-        prev = first = None
+        prev: Optional[dict] = None
+        first: Optional[dict] = None
         for config in STACK:
             rows = g[g["config"] == config]
             if rows.empty:

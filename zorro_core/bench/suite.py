@@ -185,7 +185,14 @@ class Case:
     @property
     def nominal_prompt_dedup_ratio(self) -> float:
         """Prompt dedup ratio with equal prompt lengths (the plan gives the exact one)."""
-        return 1 - self.num_unique_prompts / self.batch_size
+        return 1 - self.unique_prompts / self.batch_size
+
+    @property
+    def unique_prompts(self) -> int:
+        """Distinct prompts (num_unique_prompts, normalised from prompt_dedup_ratio when that was given)."""
+        if self.num_unique_prompts is None:  # unreachable: __post_init__ sets it
+            raise ValueError("a Case has num_unique_prompts once built")
+        return self.num_unique_prompts
 
 
 @dataclass(frozen=True)

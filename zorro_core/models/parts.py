@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import cast
 
 from torch import nn
+from transformers import PreTrainedModel
 
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.linear_attention import LINEAR_LAYER_TYPES
@@ -37,12 +39,12 @@ class ModelParts:
     """Whether the model routes tokens to experts (has a router aux loss)."""
 
 
-def unwrap_adapters(model: nn.Module) -> nn.Module:
+def unwrap_adapters(model: nn.Module) -> PreTrainedModel:
     """The causal LM inside a peft PeftModel (adapters still injected), else `model` itself."""
     peft = sys.modules.get("peft")  # a PeftModel exists only if peft was imported
     if peft is not None and isinstance(model, peft.PeftModel):
-        return model.get_base_model()
-    return model
+        return cast(PreTrainedModel, model.get_base_model())
+    return cast(PreTrainedModel, model)
 
 
 def layer_types(config, family: ModelFamily) -> list[str]:

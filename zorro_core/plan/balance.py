@@ -160,7 +160,7 @@ def karmarkar_karp(costs: Sequence[float], k: int, equal_size: bool = False) -> 
         seeds = [[(costs[i], [i]) for i in order[s : s + k]] for s in range(0, n, k)]
     else:
         seeds = [[(costs[i], [i])] + [(0.0, [])] * (k - 1) for i in order]
-    heap = []
+    heap: list[tuple] = []
     for tick, parts in enumerate(seeds):
         parts.sort(key=lambda p: -p[0])
         heapq.heappush(heap, (-(parts[0][0] - parts[-1][0]), tick, parts))

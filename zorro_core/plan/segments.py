@@ -60,7 +60,7 @@ class Segments:
 
     def cross_layout(self, device: torch.device) -> CrossLayout:
         """Cross segments only: [prompt block | own block] keys per segment (built once, reused by every layer)."""
-        if self.kv_group is None:
+        if self.kv_group is None or self.kv_prompt_start is None or self.kv_prompt_len is None:
             raise ValueError("cross_layout needs cross segments (kv_prompt_start, kv_prompt_len, kv_group)")
         if self._cross is None or not _same_device(self._cross.device, device):
             self._cross = CrossLayout.build_cross(

@@ -66,16 +66,23 @@ class TreeLevel:
     _compact: Optional[tuple] = field(default=None, init=False, repr=False)
     _k_index: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
 
+    def path(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Levels >= 1: (prefix_rows, prefix_len, local); level 0 has no ancestors' path."""
+        if self.prefix_rows is None or self.prefix_len is None or self.local is None:
+            raise ValueError("level 0 (the roots) has no ancestors' path")
+        return self.prefix_rows, self.prefix_len, self.local
+
     def cross_layout(self, device: torch.device) -> CrossLayout:
         """Levels >= 1: the padded layout of [parent path block | own block] keys per node, the
         prompt plan's cross layout with "prompt" generalised to "the parent's path" (built once)."""
         if self._cross is None or not _same_device(self._cross.device, device):
             own = self.seg.padded_layout(device)
+            rows, p_len, local = self.path()
             self._cross = CrossLayout.from_blocks(
                 own,
-                self.prefix_rows.to(device),
-                self.prefix_len.to(device),
-                self.local.to(device),
+                rows.to(device),
+                p_len.to(device),
+                local.to(device),
                 self.seg.lens_q,
                 device,
             )
@@ -102,7 +109,7 @@ class TreeLevel:
         gather the cu_seqlens backends (flash-attn, torch varlen) take."""
         if self._k_index is None or self._k_index.device != torch.device(device):
             seg = self.seg
-            p_len, local, rows = self.prefix_len.to(device), self.local.to(device), self.prefix_rows.to(device)
+            rows, p_len, local = (x.to(device) for x in self.path())
             aq = torch.arange(seg.max_q, device=device)
             ap = torch.arange(rows.shape[1], device=device)
             own = seg.q_start + seg.cu_q[:-1].to(device).long()[:, None] + aq[None, :]
@@ -255,12 +262,16 @@ def _radix_tree(canon: np.ndarray, lens: np.ndarray):
             stack.pop()
         if stack and end[stack[-1]] > shared:  # split: new upper node y = [start, shared) above x
             x, y = stack[-1], len(start)
-            start.append(start[x]), end.append(shared), parent.append(parent[x])
+            start.append(start[x])
+            end.append(shared)
+            parent.append(parent[x])
             parent[x], start[x] = y, shared
             stack[-1] = y
         if length > shared:
             stack.append(len(start))
-            start.append(shared), end.append(length), parent.append(stack[-2] if len(stack) > 1 else -1)
+            start.append(shared)
+            end.append(length)
+            parent.append(stack[-2] if len(stack) > 1 else -1)
         row_node[r] = stack[-1]  # length == shared: identical to the previous row
     return start, end, parent, row_node
 
@@ -285,7 +296,7 @@ def _merge_short(start, end, parent, row_node, min_shared: int, keep: set[int]):
     ends_here = [0] * m
     for r in row_node:
         ends_here[r] += 1
-    roots = []
+    roots: list[int] = []
     for n in range(m):
         (children[parent[n]] if parent[n] >= 0 else roots).append(n)
     alive = [True] * m

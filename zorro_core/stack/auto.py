@@ -82,7 +82,8 @@ def choose_attention(
         caps = device_caps(caps)
     if caps.type != "cuda":
         return AttentionChoice("sdpa", f"{caps.type}: flash-attn needs a CUDA GPU; sdpa", auto=True)
-    unmet, met = [], []
+    unmet: list[str] = []
+    met: list[str] = []
     cc = "sm%d%d" % tuple(caps.capability) if caps.capability else "unknown capability"
     (met if caps.bf16 else unmet).append(
         f"GPU {cc}" + ("" if caps.bf16 else " is older than sm80 (flash-attn 2 needs Ampere or newer)")

@@ -255,7 +255,7 @@ def judge(per_rank: list[list[dict]]) -> list[VariantResult]:
         for v in variant:
             for n, e in v["grad_errs"].items():
                 grads[n] = max(grads.get(n, 0.0), e)
-        worst = max(grads, key=grads.get) if grads else ""
+        worst = max(grads, key=lambda p: grads[p]) if grads else ""
         failing = []
         if not lp <= LP_FLOOR:
             failing.append(f"log-prob {lp:.2e} > {LP_FLOOR:g}")

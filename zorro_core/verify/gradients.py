@@ -30,10 +30,9 @@ from zorro_core.models.parts import unwrap_adapters
 from zorro_core.models.presets import PRESETS, build_model, preset_config
 from zorro_core.models.registry import FAMILIES
 from zorro_core.plan.batch import RolloutBatch, create_dummy_batch
-from zorro_core.plan.build import build_dedup_plan
 from zorro_core.plan.dtypes import DTYPES as TORCH_DTYPES
-from zorro_core.plan.prompt import DedupPlan
-from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, build_trie_plan
+from zorro_core.plan.prompt import DedupPlan, build_prompt_plan
+from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, TriePlan, build_trie_plan
 from zorro_core.stack.checkpointing import checkpointed
 from zorro_core.stack.lora import LoraSettings, apply_lora
 from zorro_core.verify.reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
@@ -115,7 +114,7 @@ class Errors:
     def worst_param(self) -> tuple[str, float]:
         if not self.grads:
             return "", 0.0
-        name = max(self.grads, key=self.grads.get)
+        name = max(self.grads, key=lambda p: self.grads[p])
         return name, self.grads[name]
 
 
@@ -274,7 +273,7 @@ def _wrong_prompt(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
     rows = (plan.group_of_row != plan.group_of_row[0]).nonzero().flatten()
     if not rows.numel():
         raise ValueError("wrong_prompt needs a batch with two distinct prompts")
-    return build_dedup_plan(_row0_prompt_on(batch, int(rows[0])), dedup=plan.deduplicated)
+    return build_prompt_plan(_row0_prompt_on(batch, int(rows[0])), dedup=plan.deduplicated)
 
 
 def _positions_restart(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
@@ -351,7 +350,7 @@ def inject_bug(name: Optional[str]) -> Iterator[dict]:
     def plan(self, batch):
         counter["applied"] += 1
         built = original(self, batch)
-        if getattr(built, "is_tree", False):  # sharing="prefix": the trie's version of the bug
+        if isinstance(built, TriePlan):  # sharing="prefix": the trie's version of the bug
             if name not in TREE_BUGS:
                 raise ValueError(f"bug {name!r} has no sharing='prefix' version; choose one of {sorted(TREE_BUGS)}")
             return TREE_BUGS[name](built, batch)

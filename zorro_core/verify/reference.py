@@ -109,7 +109,7 @@ def rel_grad_errors(grads: dict, ref: dict) -> dict[str, float]:
 def max_rel_grad_error(grads: dict, ref: dict) -> tuple[float, str]:
     """Worst ||g - g_ref|| / ||g_ref|| over parameters, and which parameter."""
     errs = rel_grad_errors(grads, ref)
-    name = max(errs, key=errs.get, default="")
+    name = max(errs, key=lambda p: errs[p], default="")
     return (errs[name] if name else 0.0), name
 
 
