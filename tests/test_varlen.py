@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from zorro_core.attention.backends import BACKENDS, backend_unavailable
-from zorro_core.plan.prompt import Segments, _cu
+from zorro_core.plan.segments import Segments, cu_seqlens
 
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -31,7 +31,15 @@ def segments(lens_q, lens_k, device="cpu"):
     lq, lk = torch.tensor(lens_q), torch.tensor(lens_k)
     tq, tk = int(lq.sum()), int(lk.sum())
     return Segments(
-        0, torch.arange(tk), _cu(lq).to(device), _cu(lk).to(device), max(lens_q), max(lens_k), lens_q == lens_k, tq, tk
+        0,
+        torch.arange(tk),
+        cu_seqlens(lq).to(device),
+        cu_seqlens(lk).to(device),
+        max(lens_q),
+        max(lens_k),
+        lens_q == lens_k,
+        tq,
+        tk,
     )
 
 

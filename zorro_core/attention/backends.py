@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from zorro_core.attention.padded import attend, cross_attention, from_padded, to_padded
-from zorro_core.plan.prompt import Segments
+from zorro_core.plan.segments import Segments
 
 
 class AttentionBackend:

@@ -30,7 +30,7 @@ from zorro_core.bench.measure import Stats, speedup_columns, summarize, time_col
 from zorro_core.bench.suite import PHASES, Case, Measure
 from zorro_core.distributed import regroup
 from zorro_core.distributed.launch import default_backend, launch
-from zorro_core.distributed.regroup import _row_keys
+from zorro_core.distributed.regroup import prompt_keys
 from zorro_core.distributed.routing import plan_routing
 from zorro_core.models.presets import load_model
 from zorro_core.plan.balance import select_rows
@@ -58,7 +58,7 @@ def case_plan(case: Case) -> dict[str, Any]:
     batch, rows = rank_batches(case, config.vocab_size)
     parts = [select_rows(batch, r) for r in rows]
     routing = plan_routing(
-        [_row_keys(p) for p in parts],
+        [prompt_keys(p) for p in parts],
         [p.prompt_mask.bool().sum(1).tolist() for p in parts],
         [p.response_mask.bool().sum(1).tolist() for p in parts],
         equal_rows=False,

@@ -44,7 +44,7 @@ from zorro_core.bench.measure import (
 )
 from zorro_core.bench.suite import PHASES, Case, Measure
 from zorro_core.models.presets import load_model
-from zorro_core.plan.build import build_dedup_plan
+from zorro_core.plan.build import build_dedup_plan, build_plain_plan
 from zorro_core.plan.cost import ModelShape, compare_plans
 from zorro_core.plan.dtypes import DTYPES as _DTYPES
 from zorro_core.stack.auto import choose_attention
@@ -75,7 +75,7 @@ def case_workload(case: Case) -> Workload:
     config = model_config(case.model)
     batch = make_batch(case, config.vocab_size)
     prompt_plan = build_dedup_plan(batch, dedup=True)
-    base = prompt_plan if case.baseline == "prompt" else build_dedup_plan(batch, dedup=False)
+    base = prompt_plan if case.baseline == "prompt" else build_plain_plan(batch)
     dedup = build_dedup_plan(batch, dedup=True, sharing=case.sharing, min_shared_tokens=case.min_shared_tokens)
     cmp = compare_plans(ModelShape.from_config(config), base, dedup, case.logits_mode)
     return Workload(

@@ -77,7 +77,7 @@ def prompt_key(tokens: torch.Tensor) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
-def _row_keys(batch: RolloutBatch) -> list[int]:
+def prompt_keys(batch: RolloutBatch) -> list[int]:
     gor = group_rows(batch).tolist()  # hash each distinct prompt once
     first: dict[int, int] = {}
     for row, g in enumerate(gor):
@@ -166,7 +166,7 @@ def regroup(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     dev = batch.device
     pm, rm = batch.prompt_mask.bool(), batch.response_mask.bool()
-    meta = torch.tensor([_row_keys(batch), pm.sum(1).tolist(), rm.sum(1).tolist()], dtype=torch.int64, device=dev).T
+    meta = torch.tensor([prompt_keys(batch), pm.sum(1).tolist(), rm.sum(1).tolist()], dtype=torch.int64, device=dev).T
     counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
     dist.all_gather(counts, torch.tensor([batch.batch_size], dtype=torch.int64, device=dev), group=group)
     counts_ = [int(c) for c in counts]

@@ -37,7 +37,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.plan.prompt import DedupPlan, _cu, _ranges
+from zorro_core.plan.prompt import DedupPlan
+from zorro_core.plan.segments import concat_ranges, cu_seqlens
 
 # transformers' layer type of a gated DeltaNet layer.
 LINEAR_LAYER_TYPES = ("linear_attention",)
@@ -81,10 +82,10 @@ class LinearLayout:
 def _segments(pieces_start: torch.Tensor, pieces_len: torch.Tensor, pieces_per_segment: int, t: int) -> _Calls:
     dev = pieces_start.device
     n_tot = int(pieces_len.sum())
-    index = _ranges(pieces_start, pieces_len, n_tot)
+    index = concat_ranges(pieces_start, pieces_len, n_tot)
     seg_len = pieces_len.view(-1, pieces_per_segment).sum(1)
     max_len = int(seg_len.max()) if seg_len.numel() else 0
-    cu = _cu(seg_len)
+    cu = cu_seqlens(seg_len)
     a = torch.arange(max_len, device=dev)
     valid = a[None, :] < seg_len[:, None]
     flat = torch.where(valid, cu[:-1, None].long() + a[None, :], 0)

@@ -22,7 +22,7 @@ import torch
 
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.protocol import PackedPlan
-from zorro_core.plan.segments import Segments, _cu, _ranges  # noqa: F401 -- Segments is public here too
+from zorro_core.plan.segments import Segments, concat_ranges, cu_seqlens
 
 
 @dataclass
@@ -214,19 +214,27 @@ def build_prompt_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int |
     labels = batch.responses.long().flatten()[response_flat_index]
 
     causal = Segments(
-        0, torch.arange(c_tot, device=dev), _cu(causal_len), _cu(causal_len), c_max, c_max, True, c_tot, c_tot
+        0,
+        torch.arange(c_tot, device=dev),
+        cu_seqlens(causal_len),
+        cu_seqlens(causal_len),
+        c_max,
+        c_max,
+        True,
+        c_tot,
+        c_tot,
     )
     cross = None
     if cross_rows.numel():
         kg = group_of_row[cross_rows]
         starts = torch.stack([prompt_start[kg], response_start[cross_rows]], 1).flatten()
         lens = torch.stack([plen[kg], cross_qlen], 1).flatten()
-        xk = _ranges(starts, lens, x_ktot)
+        xk = concat_ranges(starts, lens, x_ktot)
         cross = Segments(
             c_tot,
             xk,
-            _cu(cross_qlen),
-            _cu(cross_klen),
+            cu_seqlens(cross_qlen),
+            cu_seqlens(cross_klen),
             x_qmax,
             x_kmax,
             False,

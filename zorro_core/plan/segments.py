@@ -14,7 +14,8 @@ import torch
 from zorro_core.plan.layouts import CrossLayout, PaddedLayout
 
 
-def _same_device(built: torch.device, wanted: torch.device | str) -> bool:
+def same_device(built: torch.device, wanted: torch.device | str) -> bool:
+    """Whether something built on `built` serves `wanted` (a device without an index matches any)."""
     wanted = torch.device(wanted)
     return built.type == wanted.type and (wanted.index is None or wanted.index == built.index)
 
@@ -52,7 +53,7 @@ class Segments:
 
     def padded_layout(self, device: torch.device) -> PaddedLayout:
         """The segments as a padded batch (built once, reused by every layer)."""
-        if self._padded is None or not _same_device(self._padded.device, device):
+        if self._padded is None or not same_device(self._padded.device, device):
             self._padded = PaddedLayout.build(
                 self.cu_q, self.cu_k, self.max_q, self.max_k, self.total_q, self.total_k, device
             )
@@ -62,7 +63,7 @@ class Segments:
         """Cross segments only: [prompt block | own block] keys per segment (built once, reused by every layer)."""
         if self.kv_group is None or self.kv_prompt_start is None or self.kv_prompt_len is None:
             raise ValueError("cross_layout needs cross segments (kv_prompt_start, kv_prompt_len, kv_group)")
-        if self._cross is None or not _same_device(self._cross.device, device):
+        if self._cross is None or not same_device(self._cross.device, device):
             self._cross = CrossLayout.build_cross(
                 self.padded_layout(device), self.kv_prompt_start, self.kv_prompt_len, self.kv_group, self.lens_q, device
             )
@@ -90,7 +91,7 @@ class Segments:
         return int((q * (k - q) + q * (q + 1) // 2).sum())
 
 
-def _ranges(starts: torch.Tensor, lens: torch.Tensor, total: int) -> torch.Tensor:
+def concat_ranges(starts: torch.Tensor, lens: torch.Tensor, total: int) -> torch.Tensor:
     """Concatenation of arange(s, s + n) for each (s, n), without a Python loop."""
     if total == 0:
         return starts.new_zeros(0)
@@ -99,5 +100,6 @@ def _ranges(starts: torch.Tensor, lens: torch.Tensor, total: int) -> torch.Tenso
     return torch.repeat_interleave(starts, lens, output_size=total) + within
 
 
-def _cu(lens: torch.Tensor) -> torch.Tensor:
+def cu_seqlens(lens: torch.Tensor) -> torch.Tensor:
+    """[n+1] int32 cumulative lengths from 0: the `cu_seqlens` of varlen attention kernels."""
     return torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32)

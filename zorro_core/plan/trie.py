@@ -42,7 +42,7 @@ import torch
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.layouts import CrossLayout
 from zorro_core.plan.protocol import PackedPlan
-from zorro_core.plan.segments import Segments, _cu, _same_device
+from zorro_core.plan.segments import Segments, cu_seqlens, same_device
 
 SHARINGS = ("prompt", "prefix")
 DEFAULT_MIN_SHARED_TOKENS = 16
@@ -75,7 +75,7 @@ class TreeLevel:
     def cross_layout(self, device: torch.device) -> CrossLayout:
         """Levels >= 1: the padded layout of [parent path block | own block] keys per node, the
         prompt plan's cross layout with "prompt" generalised to "the parent's path" (built once)."""
-        if self._cross is None or not _same_device(self._cross.device, device):
+        if self._cross is None or not same_device(self._cross.device, device):
             own = self.seg.padded_layout(device)
             rows, p_len, local = self.path()
             self._cross = CrossLayout.from_blocks(
@@ -170,7 +170,7 @@ class TriePlan(PackedPlan):
     unique_prompt_tokens: int
     """Packed tokens that are a prompt token of at least one row through them."""
     deduplicated: bool = True
-    """Always True: a trie plan shares (the baseline uses `build_dedup_plan(dedup=False)`)."""
+    """Always True: a trie plan shares (the baseline runs `build_plain_plan`)."""
     sharing: str = "prefix"
     """The sharing mode that built this plan."""
     _derived: dict = field(default_factory=dict, init=False, repr=False)
@@ -497,7 +497,7 @@ def _levels(by_level, new, depth, nlen, nstart, par, rep, packed_at) -> list[Tre
         lq = nlen[ids]
         q0, tq, mq = int(nstart[ids[0]]), int(lq.sum()), int(lq.max())
         if i == 0:
-            seg = Segments(q0, torch.arange(q0, q0 + tq), _cu(lq), _cu(lq), mq, mq, True, tq, tq)
+            seg = Segments(q0, torch.arange(q0, q0 + tq), cu_seqlens(lq), cu_seqlens(lq), mq, mq, True, tq, tq)
             levels.append(TreeLevel(seg))
             continue
         plen = depth[ids]
@@ -512,7 +512,15 @@ def _levels(by_level, new, depth, nlen, nstart, par, rep, packed_at) -> list[Tre
         prefix_rows = packed_at(rep[ids[first]], d)
         # k_index (the gather that flash/torch varlen take) is built on demand by zorro_core.attention.tree.
         seg = Segments(
-            q0, torch.zeros(0, dtype=torch.long), _cu(lq), _cu(lk), mq, int(lk.max()), False, tq, int(lk.sum())
+            q0,
+            torch.zeros(0, dtype=torch.long),
+            cu_seqlens(lq),
+            cu_seqlens(lk),
+            mq,
+            int(lk.max()),
+            False,
+            tq,
+            int(lk.sum()),
         )
         levels.append(TreeLevel(seg, prefix_rows, plen, local))
     return levels
