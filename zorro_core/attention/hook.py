@@ -181,26 +181,55 @@ def zorro_attention(
     sliding_window: Optional[int] = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    """What every attention layer runs under the actor: the route's mode (module docstring)."""
     route: Optional[Route] = kwargs.get("zorro_route")
     if route is None:
         raise RuntimeError("zorro attention was called without a route: run the model through a zorro actor")
     if route.mode == "plain":
-        route.calls += 1
-        check_attention_call(query, key, kwargs)
-        attention = route.spec.attention
-        fn = _model_eager(module) if attention == "eager" else ALL_ATTENTION_FUNCTIONS[attention]
-        rest = {k: v for k, v in kwargs.items() if k != "zorro_route"}
-        return fn(
-            module,
-            query,
-            key,
-            value,
-            route.plain_mask(sliding_window),
-            scaling=scaling,
-            dropout=dropout,
-            sliding_window=sliding_window,
-            **rest,
-        )
+        return _plain_mode(module, route, query, key, value, scaling, dropout, sliding_window, kwargs)
+    query, key, value = _packed_inputs(query, key, value, dropout, kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    route.calls += 1
+    if route.mode == "mask":
+        return _mask_mode(module, route, query, key, value, scale, sliding_window)
+    return _split_mode(route, query, key, value, scale, sliding_window)
+
+
+def _plain_mode(
+    module: nn.Module,
+    route: Route,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: Optional[float],
+    dropout: float,
+    sliding_window: Optional[int],
+    kwargs: dict,
+) -> tuple[torch.Tensor, None]:
+    """The padded baseline's call: the named implementation with the route's plain mask."""
+    route.calls += 1
+    check_attention_call(query, key, kwargs)
+    attention = route.spec.attention
+    fn = _model_eager(module) if attention == "eager" else ALL_ATTENTION_FUNCTIONS[attention]
+    rest = {k: v for k, v in kwargs.items() if k != "zorro_route"}
+    return fn(
+        module,
+        query,
+        key,
+        value,
+        route.plain_mask(sliding_window),
+        scaling=scaling,
+        dropout=dropout,
+        sliding_window=sliding_window,
+        **rest,
+    )
+
+
+def _packed_inputs(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float, kwargs: dict
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packed row's q/k/v, checked (no dropout, batch size 1, no cache or skipped feature) and
+    in autocast's dtype under autocast."""
     if dropout:
         raise ValueError(f"attention dropout {dropout} is not supported by the dedup path (it would differ per copy)")
     if query.shape[0] != 1:
@@ -212,21 +241,39 @@ def zorro_attention(
         # the autocast dtype; autocast casts SDPA's inputs to its dtype, and so does the hook (the
         # varlen kernels and the CPU flash op are not autocast-aware and refuse mixed dtypes).
         query, key, value = (x.to(torch.get_autocast_dtype(dev)) for x in (query, key, value))
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    route.calls += 1
-    if route.mode == "mask":
-        attention = route.spec.attention
-        mask = route.block_mask(query.dtype, sliding_window)
-        if attention == "flex_attention":
-            return flex_packed_attention(query, key, value, mask, scale), None
-        if attention == "sdpa":
-            out, _ = sdpa_attention_forward(
-                module, query, key, value, mask, scaling=scale, dropout=0.0, is_causal=False
-            )
-        else:
-            out, _ = _model_eager(module)(module, query, key, value, mask, scaling=scale, dropout=0.0)
-        return out, None
+    return query, key, value
 
+
+def _mask_mode(
+    module: nn.Module,
+    route: Route,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int],
+) -> tuple[torch.Tensor, None]:
+    """One attention over the packed row with the plan's block mask (flex, sdpa or the model's eager)."""
+    attention = route.spec.attention
+    mask = route.block_mask(query.dtype, sliding_window)
+    if attention == "flex_attention":
+        return flex_packed_attention(query, key, value, mask, scale), None
+    if attention == "sdpa":
+        out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scale, dropout=0.0, is_causal=False)
+    else:
+        out, _ = _model_eager(module)(module, query, key, value, mask, scaling=scale, dropout=0.0)
+    return out, None
+
+
+def _split_mode(
+    route: Route,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int],
+) -> tuple[torch.Tensor, None]:
+    """The plan's varlen calls over the packed row, by plan type: q/k/v [1, H, T, D] -> [1, T, H, D]."""
     if route.plan is None:
         raise RuntimeError("split mode needs a plan")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]

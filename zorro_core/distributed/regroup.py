@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -164,17 +165,39 @@ def regroup(
         raise RuntimeError("regroup is a collective: call torch.distributed.init_process_group first")
     batch.validate()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    dev = batch.device
+    meta = _row_metadata(batch)
+    counts, metas = _exchange_metadata(meta, world, group)
+    routing = _assign_ranks(metas, equal_rows, attention_weight)
+    traffic = _Traffic.of(routing, rank, counts, metas, meta.tolist())
+    order_t, send, recv, local = _move_rows(batch, traffic, group)
+    info = _regroup_info(routing, traffic, send, recv, max(counts))
+    return local, _build_restore(batch, info, traffic, order_t, group)
+
+
+def _row_metadata(batch: RolloutBatch) -> torch.Tensor:
+    """[B, 3] int64: [prompt key, prompt length, response length] of each row."""
     pm, rm = batch.prompt_mask.bool(), batch.response_mask.bool()
-    meta = torch.tensor([prompt_keys(batch), pm.sum(1).tolist(), rm.sum(1).tolist()], dtype=torch.int64, device=dev).T
+    return torch.tensor(
+        [prompt_keys(batch), pm.sum(1).tolist(), rm.sum(1).tolist()], dtype=torch.int64, device=batch.device
+    ).T
+
+
+def _exchange_metadata(meta: torch.Tensor, world: int, group) -> tuple[list[int], list[list[list[int]]]]:
+    """Protocol step 1: all_gather of each rank's row count, then of its rows' metadata (padded to
+    the most rows). Returns (rows of each rank, metadata rows of each rank)."""
+    dev = meta.device
     counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
-    dist.all_gather(counts, torch.tensor([batch.batch_size], dtype=torch.int64, device=dev), group=group)
+    dist.all_gather(counts, torch.tensor([meta.shape[0]], dtype=torch.int64, device=dev), group=group)
     counts_ = [int(c) for c in counts]
     most = max(counts_)
     gathered = [torch.zeros(most, 3, dtype=torch.int64, device=dev) for _ in range(world)]
     dist.all_gather(gathered, torch.cat([meta, meta.new_zeros(most - meta.shape[0], 3)]), group=group)
-    metas = [g[:c].tolist() for g, c in zip(gathered, counts_)]
-    routing = plan_routing(
+    return counts_, [g[:c].tolist() for g, c in zip(gathered, counts_)]
+
+
+def _assign_ranks(metas: list[list[list[int]]], equal_rows: bool, attention_weight: float) -> Routing:
+    """Protocol step 2: the routing, which every rank computes alike from the gathered metadata."""
+    return plan_routing(
         [[m[0] for m in ms] for ms in metas],
         [[m[1] for m in ms] for ms in metas],
         [[m[2] for m in ms] for ms in metas],
@@ -182,42 +205,90 @@ def regroup(
         attention_weight,
     )
 
-    # Send: my rows ordered by destination (stable, so ascending within a destination).
-    start = routing.offset(rank)
-    my_dest = routing.dest[start : start + batch.batch_size]
-    order = sorted(range(batch.batch_size), key=lambda i: my_dest[i])
+
+def _row_tokens(meta: list[int]) -> int:
+    """Real prompt + response tokens of a row, from its metadata."""
+    return meta[1] + meta[2]
+
+
+def _response_tokens(meta: list[int]) -> int:
+    """Real response tokens of a row, from its metadata."""
+    return meta[2]
+
+
+@dataclass
+class _Traffic:
+    """The routing seen from this rank: where my rows go and which rows arrive here (host lists)."""
+
+    rank: int
+    world: int
+    dest: list[int]
+    """[B] destination rank of each of my rows."""
+    arriving: list[int]
+    """Global rows that land on me, ascending: by source rank, then source order (my new local order)."""
+    source: list[int]
+    """[N] source rank of each global row."""
+    meta: list[list[int]]
+    """[N] metadata [key, prompt length, response length] of each global row."""
+    my_meta: list[list[int]]
+    """[B] metadata of each of my rows."""
+
+    @classmethod
+    def of(
+        cls, routing: Routing, rank: int, counts: list[int], metas: list[list[list[int]]], my_meta: list[list[int]]
+    ) -> _Traffic:
+        """This rank's view, from the routing and every rank's gathered row counts and metadata."""
+        start = routing.offset(rank)
+        world = len(counts)
+        return cls(
+            rank=rank,
+            world=world,
+            dest=routing.dest[start : start + counts[rank]],
+            arriving=routing.rows_on(rank),
+            source=[r for r in range(world) for _ in range(counts[r])],
+            meta=[m for ms in metas for m in ms],
+            my_meta=my_meta,
+        )
+
+    def to_each_rank(self, length: Callable[[list[int]], int]) -> list[int]:
+        """Per destination rank: the summed `length` of my rows sent there."""
+        rows = range(len(self.dest))
+        return [sum(length(self.my_meta[i]) for i in rows if self.dest[i] == d) for d in range(self.world)]
+
+    def from_each_rank(self, length: Callable[[list[int]], int]) -> list[int]:
+        """Per source rank: the summed `length` of the rows arriving here from it."""
+        out = [0] * self.world
+        for row in self.arriving:
+            out[self.source[row]] += length(self.meta[row])
+        return out
+
+
+def _move_rows(
+    batch: RolloutBatch, traffic: _Traffic, group
+) -> tuple[torch.Tensor, list[int], list[int], RolloutBatch]:
+    """Protocol step 3: all_to_all_single of the rows' real tokens as int32, my rows ordered by
+    destination (stable, so ascending within one). Returns (my rows in sending order, tokens sent
+    to each rank, tokens received from each rank, the regrouped batch)."""
+    dev = batch.device
+    pm, rm = batch.prompt_mask.bool(), batch.response_mask.bool()
+    order = sorted(range(batch.batch_size), key=lambda i: traffic.dest[i])
     ids = torch.cat([batch.prompts, batch.responses], 1)
     if ids.numel() and int(ids.max()) > torch.iinfo(torch.int32).max:
         raise ValueError("token ids above 2**31 - 1 cannot travel as int32")
     order_t = torch.tensor(order, dtype=torch.long, device=dev)
     payload = ids[order_t][torch.cat([pm, rm], 1)[order_t]].to(torch.int32)
-    my_meta = meta.tolist()
-    row_tokens = [m[1] + m[2] for m in my_meta]  # real prompt + response tokens per row
-    send = [sum(row_tokens[i] for i in range(batch.batch_size) if my_dest[i] == d) for d in range(world)]
-    # Receive: rows whose destination is me, ascending global index = by source rank, then source order.
-    mine = routing.rows_on(rank)
-    source = [r for r in range(world) for _ in range(counts_[r])]
-    flat_meta = [m for ms in metas for m in ms]
-    recv = [0] * world
-    for row in mine:
-        recv[source[row]] += flat_meta[row][1] + flat_meta[row][2]
+    send = traffic.to_each_rank(_row_tokens)
+    recv = traffic.from_each_rank(_row_tokens)
     tokens = _all_to_all(payload, send, recv, group)
-    local = _unpack(
-        tokens, [flat_meta[row][1] for row in mine], [flat_meta[row][2] for row in mine], batch.prompts.dtype, dev
-    )
+    arriving = [traffic.meta[row] for row in traffic.arriving]
+    local = _unpack(tokens, [m[1] for m in arriving], [m[2] for m in arriving], batch.prompts.dtype, dev)
+    return order_t, send, recv, local
 
-    # restore: values go back from each local row to its source; they land at home in the order
-    # each destination sends them (by destination, then my ascending row index).
-    local_lens = torch.tensor([flat_meta[row][2] for row in mine], dtype=torch.long, device=dev)
-    back = [0] * world
-    for row in mine:
-        back[source[row]] += flat_meta[row][2]
-    forth = [sum(my_meta[i][2] for i in range(batch.batch_size) if my_dest[i] == d) for d in range(world)]
-    r_width = batch.responses.shape[1]
-    # flat [B*R] positions of my rows' real response tokens, rows in sending order (right padding:
-    # a row's real positions come first, in column order)
-    home_index = torch.arange(batch.batch_size * r_width, device=dev).view(-1, r_width)[order_t][rm[order_t]]
-    info = RegroupInfo(
+
+def _regroup_info(routing: Routing, traffic: _Traffic, send: list[int], recv: list[int], most: int) -> RegroupInfo:
+    """What this regroup did, seen from this rank, and the bytes it moved (`most`: rows of the largest rank)."""
+    rank, world = traffic.rank, traffic.world
+    return RegroupInfo(
         rank=rank,
         world_size=world,
         rows_before=routing.rows_before,
@@ -228,13 +299,27 @@ def regroup(
         prompt_dedup_after=routing.prompt_dedup_ratio(after=True),
         split_groups_before=routing.split_groups(after=False),
         split_groups_after=routing.split_groups(after=True),
-        rows_sent=sum(d != rank for d in my_dest),
+        rows_sent=sum(d != rank for d in traffic.dest),
         metadata_bytes=(world * 1 + world * most * 3) * 8,
         bytes_sent=sum(send[d] for d in range(world) if d != rank) * 4,
         bytes_received=sum(recv[s] for s in range(world) if s != rank) * 4,
         routing=routing,
     )
-    return local, Restore(info, local_lens, home_index, back, forth, (batch.batch_size, r_width), group)
+
+
+def _build_restore(batch: RolloutBatch, info: RegroupInfo, traffic: _Traffic, order_t: torch.Tensor, group) -> Restore:
+    """`restore`: values go back from each local row to its source; they land at home in the order
+    each destination sends them (by destination, then my ascending row index)."""
+    dev = batch.device
+    local_lens = torch.tensor([traffic.meta[row][2] for row in traffic.arriving], dtype=torch.long, device=dev)
+    back = traffic.from_each_rank(_response_tokens)
+    forth = traffic.to_each_rank(_response_tokens)
+    r_width = batch.responses.shape[1]
+    # flat [B*R] positions of my rows' real response tokens, rows in sending order (right padding:
+    # a row's real positions come first, in column order)
+    rm = batch.response_mask.bool()
+    home_index = torch.arange(batch.batch_size * r_width, device=dev).view(-1, r_width)[order_t][rm[order_t]]
+    return Restore(info, local_lens, home_index, back, forth, (batch.batch_size, r_width), group)
 
 
 def _unpack(tokens: torch.Tensor, plens: list[int], rlens: list[int], dtype: torch.dtype, dev) -> RolloutBatch:

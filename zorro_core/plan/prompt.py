@@ -17,6 +17,7 @@ synchronisations.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -127,95 +128,193 @@ def group_rows(batch: RolloutBatch, dedup: bool = True) -> torch.Tensor:
     return rank[inverse]
 
 
-def build_prompt_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int | None = None) -> DedupPlan:
-    """The prompt plan of a batch: rows with identical prompts share one group (`dedup=False`: every
-    row is its own group, the plain plan the baselines run). Token ids are checked against
-    `vocab_size` when given."""
-    if vocab_size is not None:
-        batch.check_vocab(vocab_size)
-    dev = batch.device
-    b, pw = batch.prompts.shape
-    rw = batch.responses.shape[1]
-    pm, rm = batch.prompt_mask.bool(), batch.response_mask.bool()
-    group_of_row = group_rows(batch, dedup)
-    rows = torch.arange(b, device=dev)
+class _Groups(NamedTuple):
+    """The batch's rows by group: the lengths and counts every later step reads."""
 
-    plen_row = pm.sum(1)
-    rlen = rm.sum(1)
+    num: int
+    """G."""
+    of_row: torch.Tensor
+    """[B] group of each row."""
+    rep_row: torch.Tensor
+    """[G] first row of each group."""
+    size: torch.Tensor
+    """[G] rows in each group."""
+    prompt_len_row: torch.Tensor
+    """[B] real prompt tokens of each row."""
+    prompt_len: torch.Tensor
+    """[G] real prompt tokens of each group."""
+    response_len: torch.Tensor
+    """[B] real response tokens of each row."""
+    lone_row: torch.Tensor
+    """[B] whether the row is the only one of its group."""
+    causal_len: torch.Tensor
+    """[G] length of each group's self-causal segment."""
+
+
+class _PackedOrder(NamedTuple):
+    """The segments (G prompts, then B responses, by id) in packed order and where each starts."""
+
+    order: torch.Tensor
+    """[G+B] segment ids in packed order."""
+    seg_len: torch.Tensor
+    """[G+B] length of each segment, by id."""
+    len_sorted: torch.Tensor
+    """[G+B] the lengths in packed order."""
+    start_sorted: torch.Tensor
+    """[G+B] the packed starts in packed order."""
+    prompt_start: torch.Tensor
+    """[G] packed position of each group's first prompt token."""
+    response_start: torch.Tensor
+    """[B] packed position of each row's first response token."""
+
+
+class _CrossRows(NamedTuple):
+    """The rows of shared groups, in packed order: the cross call's segments."""
+
+    rows: torch.Tensor
+    """[n] batch row of each cross segment."""
+    q_len: torch.Tensor
+    """[n] its queries: the row's response."""
+    k_len: torch.Tensor
+    """[n] its keys: the group's prompt, then the response."""
+
+
+class _Sizes(NamedTuple):
+    """Every size the plan needs on the host, read in one synchronisation."""
+
+    tokens: int
+    causal_total: int
+    causal_max: int
+    cross_q_total: int
+    cross_k_total: int
+    cross_q_max: int
+    cross_k_max: int
+    logical_prompt: int
+    unique_prompt: int
+    response_tokens: int
+
+
+def _group_table(batch: RolloutBatch, group_of_row: torch.Tensor) -> _Groups:
+    """Representative row, size and lengths of each group (the group count is read on the host);
+    a lone row's response joins its group's self-causal segment."""
+    dev = batch.device
+    b = batch.prompts.shape[0]
+    rows = torch.arange(b, device=dev)
+    plen_row = batch.prompt_mask.bool().sum(1)
+    rlen = batch.response_mask.bool().sum(1)
     g_count = int(group_of_row.max()) + 1
     rep_row = torch.full((g_count,), b, device=dev, dtype=torch.long).scatter_reduce(
         0, group_of_row, rows, reduce="amin"
     )
     group_size = torch.bincount(group_of_row, minlength=g_count)
     plen = plen_row[rep_row]
-
     single = group_size == 1
     single_row = single[group_of_row]
     # Self-causal segments, one per group: the prompt, or prompt + response for a lone row.
     lone_rlen = torch.zeros(g_count, device=dev, dtype=torch.long).index_add(
         0, group_of_row, torch.where(single_row, rlen, 0)
     )
-    causal_len = plen + lone_rlen
+    return _Groups(g_count, group_of_row, rep_row, group_size, plen_row, plen, rlen, single_row, plen + lone_rlen)
 
-    # Pieces in packed order: prompt g, the response of a lone row right after its prompt,
-    # then the responses of shared groups, by group then row.
+
+def _packed_order(groups: _Groups) -> _PackedOrder:
+    """Pieces in packed order: prompt g, the response of a lone row right after its prompt,
+    then the responses of shared groups, by group then row."""
+    g_count, group_of_row = groups.num, groups.of_row
+    b = group_of_row.shape[0]
+    dev = group_of_row.device
+    rows = torch.arange(b, device=dev)
     garange = torch.arange(g_count, device=dev)
-    resp_key = torch.where(single_row, group_of_row * (b + 2) + 1, g_count * (b + 2) + group_of_row * b + rows)
+    resp_key = torch.where(groups.lone_row, group_of_row * (b + 2) + 1, g_count * (b + 2) + group_of_row * b + rows)
     order = torch.argsort(torch.cat([garange * (b + 2), resp_key]))
-    seg_len = torch.cat([plen, rlen])
+    seg_len = torch.cat([groups.prompt_len, groups.response_len])
     seg_len_sorted = seg_len[order]
     seg_start_sorted = torch.cumsum(seg_len_sorted, 0) - seg_len_sorted
     seg_start = torch.empty_like(seg_start_sorted)
     seg_start[order] = seg_start_sorted
-    prompt_start, response_start = seg_start[:g_count], seg_start[g_count:]
-    cross_rows = (~single_row).nonzero().flatten()
-    cross_rows = cross_rows[torch.argsort(response_start[cross_rows])]
-    cross_qlen = rlen[cross_rows]
-    cross_klen = plen[group_of_row[cross_rows]] + cross_qlen
+    return _PackedOrder(order, seg_len, seg_len_sorted, seg_start_sorted, seg_start[:g_count], seg_start[g_count:])
 
-    # One host sync for every size the rest needs.
+
+def _cross_rows(groups: _Groups, packed: _PackedOrder) -> _CrossRows:
+    """The rows of shared groups in packed order, with their query and key lengths."""
+    cross_rows = (~groups.lone_row).nonzero().flatten()
+    cross_rows = cross_rows[torch.argsort(packed.response_start[cross_rows])]
+    cross_qlen = groups.response_len[cross_rows]
+    cross_klen = groups.prompt_len[groups.of_row[cross_rows]] + cross_qlen
+    return _CrossRows(cross_rows, cross_qlen, cross_klen)
+
+
+def _host_sizes(groups: _Groups, packed: _PackedOrder, cross: _CrossRows) -> _Sizes:
+    """One host sync for every size the rest needs: a single `.tolist()` of the stacked sizes."""
+    seg_len, causal_len = packed.seg_len, groups.causal_len
+    shared = cross.rows.numel() > 0  # a shape: no sync
+    zero = seg_len.new_zeros(())
     sizes = torch.stack(
         [
             seg_len.sum(),
             causal_len.sum(),
             causal_len.max(),
-            cross_qlen.sum() if cross_rows.numel() else seg_len.new_zeros(()),
-            cross_klen.sum() if cross_rows.numel() else seg_len.new_zeros(()),
-            cross_qlen.max() if cross_rows.numel() else seg_len.new_zeros(()),
-            cross_klen.max() if cross_rows.numel() else seg_len.new_zeros(()),
-            plen_row.sum(),
-            plen.sum(),
-            rlen.sum(),
+            cross.q_len.sum() if shared else zero,
+            cross.k_len.sum() if shared else zero,
+            cross.q_len.max() if shared else zero,
+            cross.k_len.max() if shared else zero,
+            groups.prompt_len_row.sum(),
+            groups.prompt_len.sum(),
+            groups.response_len.sum(),
         ]
     ).tolist()
-    t, c_tot, c_max, x_qtot, x_ktot, x_qmax, x_kmax, logical_p, unique_p, n_resp = sizes
+    return _Sizes(*sizes)
 
-    # Per packed token: its segment and offset inside it.
-    seg_ids_sorted = torch.arange(g_count + b, device=dev)[order]
-    token_segment = torch.repeat_interleave(seg_ids_sorted, seg_len_sorted, output_size=t)
-    offset = torch.arange(t, device=dev) - torch.repeat_interleave(seg_start_sorted, seg_len_sorted, output_size=t)
+
+def _token_maps(
+    batch: RolloutBatch, groups: _Groups, packed: _PackedOrder, t: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per packed token: (segment, group, token id, position), from its segment and offset in it."""
+    g_count, plen = groups.num, groups.prompt_len
+    b, pw = batch.prompts.shape
+    rw = batch.responses.shape[1]
+    dev = batch.device
+    seg_ids_sorted = torch.arange(g_count + b, device=dev)[packed.order]
+    token_segment = torch.repeat_interleave(seg_ids_sorted, packed.len_sorted, output_size=t)
+    offset = torch.arange(t, device=dev) - torch.repeat_interleave(
+        packed.start_sorted, packed.len_sorted, output_size=t
+    )
     is_prompt = token_segment < g_count
     pg = token_segment.clamp(max=g_count - 1)
     rb = (token_segment - g_count).clamp(min=0)
-    token_group = torch.where(is_prompt, pg, group_of_row[rb])
-    prompt_tok = batch.prompts[rep_row[pg], (pw - plen[pg] + offset).clamp(0, pw - 1)]
+    token_group = torch.where(is_prompt, pg, groups.of_row[rb])
+    prompt_tok = batch.prompts[groups.rep_row[pg], (pw - plen[pg] + offset).clamp(0, pw - 1)]
     resp_tok = batch.responses[rb, offset.clamp(0, rw - 1)]
     input_ids = torch.where(is_prompt, prompt_tok, resp_tok).long()
     position_ids = torch.where(is_prompt, offset, plen[token_group] + offset)
+    return token_segment, token_group, input_ids, position_ids
 
-    # Response token (b, j) is predicted at the previous packed position; j = 0 from the
-    # prompt's last position. Each response keeps its own labels.
-    j = torch.arange(rw, device=dev)[None, :]
-    g_of_b = group_of_row[:, None]
-    pred = torch.where(j == 0, prompt_start[g_of_b] + plen[g_of_b] - 1, response_start[:, None] + j - 1)
-    flat_mask = rm.flatten()
+
+def _response_logprob_index(
+    batch: RolloutBatch, groups: _Groups, packed: _PackedOrder
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(response_flat_index, logit_index, labels) of the real response tokens, row-major in [B, R].
+
+    Response token (b, j) is predicted at the previous packed position; j = 0 from the prompt's
+    last position. Each response keeps its own labels."""
+    rw = batch.responses.shape[1]
+    j = torch.arange(rw, device=batch.device)[None, :]
+    g_of_b = groups.of_row[:, None]
+    plen = groups.prompt_len
+    pred = torch.where(j == 0, packed.prompt_start[g_of_b] + plen[g_of_b] - 1, packed.response_start[:, None] + j - 1)
+    flat_mask = batch.response_mask.bool().flatten()
     response_flat_index = flat_mask.nonzero().flatten()
     logit_index = pred.flatten()[response_flat_index]
     labels = batch.responses.long().flatten()[response_flat_index]
+    return response_flat_index, logit_index, labels
 
-    causal = Segments(
+
+def _causal_segments(groups: _Groups, sizes: _Sizes) -> Segments:
+    """The self-causal call: tokens [0, Tc), one segment per group, queries = keys."""
+    c_tot, c_max, causal_len = sizes.causal_total, sizes.causal_max, groups.causal_len
+    return Segments(
         0,
-        torch.arange(c_tot, device=dev),
+        torch.arange(c_tot, device=causal_len.device),
         cu_seqlens(causal_len),
         cu_seqlens(causal_len),
         c_max,
@@ -224,39 +323,58 @@ def build_prompt_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int |
         c_tot,
         c_tot,
     )
-    cross = None
-    if cross_rows.numel():
-        kg = group_of_row[cross_rows]
-        starts = torch.stack([prompt_start[kg], response_start[cross_rows]], 1).flatten()
-        lens = torch.stack([plen[kg], cross_qlen], 1).flatten()
-        xk = concat_ranges(starts, lens, x_ktot)
-        cross = Segments(
-            c_tot,
-            xk,
-            cu_seqlens(cross_qlen),
-            cu_seqlens(cross_klen),
-            x_qmax,
-            x_kmax,
-            False,
-            x_qtot,
-            x_ktot,
-            kv_prompt_start=prompt_start[kg],
-            kv_prompt_len=plen[kg],
-            kv_group=kg,
-        )
 
+
+def _cross_segments(groups: _Groups, packed: _PackedOrder, cross: _CrossRows, sizes: _Sizes) -> Segments | None:
+    """The cross call: each response of a shared group against [its prompt + itself]; None when
+    nothing is shared."""
+    if not cross.rows.numel():
+        return None
+    kg = groups.of_row[cross.rows]
+    prompt_start, plen = packed.prompt_start[kg], groups.prompt_len[kg]
+    starts = torch.stack([prompt_start, packed.response_start[cross.rows]], 1).flatten()
+    lens = torch.stack([plen, cross.q_len], 1).flatten()
+    xk = concat_ranges(starts, lens, sizes.cross_k_total)
+    return Segments(
+        sizes.causal_total,
+        xk,
+        cu_seqlens(cross.q_len),
+        cu_seqlens(cross.k_len),
+        sizes.cross_q_max,
+        sizes.cross_k_max,
+        False,
+        sizes.cross_q_total,
+        sizes.cross_k_total,
+        kv_prompt_start=prompt_start,
+        kv_prompt_len=plen,
+        kv_group=kg,
+    )
+
+
+def build_prompt_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int | None = None) -> DedupPlan:
+    """The prompt plan of a batch: rows with identical prompts share one group (`dedup=False`: every
+    row is its own group, the plain plan the baselines run). Token ids are checked against
+    `vocab_size` when given."""
+    if vocab_size is not None:
+        batch.check_vocab(vocab_size)
+    groups = _group_table(batch, group_rows(batch, dedup))
+    packed = _packed_order(groups)
+    cross_rows = _cross_rows(groups, packed)
+    sizes = _host_sizes(groups, packed, cross_rows)
+    token_segment, token_group, input_ids, position_ids = _token_maps(batch, groups, packed, sizes.tokens)
+    response_flat_index, logit_index, labels = _response_logprob_index(batch, groups, packed)
     return DedupPlan(
-        batch_size=b,
-        response_width=rw,
-        num_groups=g_count,
+        batch_size=batch.prompts.shape[0],
+        response_width=batch.responses.shape[1],
+        num_groups=groups.num,
         deduplicated=dedup,
-        group_of_row=group_of_row,
-        group_rep_row=rep_row,
-        group_size=group_size,
-        prompt_lens=plen,
-        response_lens=rlen,
-        prompt_start=prompt_start,
-        response_start=response_start,
+        group_of_row=groups.of_row,
+        group_rep_row=groups.rep_row,
+        group_size=groups.size,
+        prompt_lens=groups.prompt_len,
+        response_lens=groups.response_len,
+        prompt_start=packed.prompt_start,
+        response_start=packed.response_start,
         input_ids=input_ids,
         position_ids=position_ids,
         token_group=token_group,
@@ -264,9 +382,9 @@ def build_prompt_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int |
         logit_index=logit_index,
         labels=labels,
         response_flat_index=response_flat_index,
-        causal=causal,
-        cross=cross,
-        logical_tokens=logical_p + n_resp,
-        logical_prompt_tokens=logical_p,
-        unique_prompt_tokens=unique_p,
+        causal=_causal_segments(groups, sizes),
+        cross=_cross_segments(groups, packed, cross_rows, sizes),
+        logical_tokens=sizes.logical_prompt + sizes.response_tokens,
+        logical_prompt_tokens=sizes.logical_prompt,
+        unique_prompt_tokens=sizes.unique_prompt,
     )

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -380,7 +380,6 @@ def build_trie_plan(
     check_sharing("prefix", min_shared_tokens)
     if vocab_size is not None:  # the batch itself was validated when it was built
         batch.check_vocab(vocab_size)
-    dev = batch.device
     b, rw = batch.responses.shape
     canon, lens, plens = _rows_on_host(batch)
     start, end, parent, row_node = _radix_tree(canon, lens)
@@ -389,8 +388,70 @@ def build_trie_plan(
     packed, by_level, level, rows, first_row, tin, tout, prompt_tokens = _layout(
         start, end, parent, row_node, live, plens
     )
+    nodes = _number_nodes(packed, start, end, parent, level, rows, first_row, tin, tout, row_node)
+    token_node, position_ids, input_ids = _token_maps(nodes, canon)
+    paths = _row_paths(nodes, lens)
+    logit_index, labels, response_flat_index, response_logit = _shared_logprobs(batch, plens, paths)
+    levels = _levels_on(_levels(by_level, nodes, paths.packed_at), batch.device)
+    to = lambda x: x.to(batch.device)  # noqa: E731
+    return TriePlan(
+        batch_size=b,
+        response_width=rw,
+        min_shared_tokens=min_shared_tokens,
+        node_depth=to(nodes.depth),
+        node_len=to(nodes.length),
+        node_start=to(nodes.start),
+        node_parent=to(nodes.parent),
+        node_level=to(nodes.level),
+        node_rows=to(nodes.rows),
+        node_tin=to(nodes.tin),
+        node_tout=to(nodes.tout),
+        row_node=to(nodes.row_node),
+        input_ids=to(input_ids),
+        position_ids=to(position_ids),
+        token_node=to(token_node),
+        logit_index=to(logit_index),
+        labels=to(labels),
+        response_flat_index=to(response_flat_index),
+        response_logit=to(response_logit),
+        levels=levels,
+        logical_tokens=int(lens.sum()),
+        logical_prompt_tokens=int(plens.sum()),
+        unique_prompt_tokens=prompt_tokens,
+    )
 
-    # Renumber nodes 0..M-1 in packed order; everything below is vectorised.
+
+class _Nodes(NamedTuple):
+    """The live nodes renumbered 0..M-1 in packed order, as host tensors."""
+
+    new: dict[int, int]
+    """Node id of the tree walk -> packed number."""
+    depth: torch.Tensor
+    """[M] path position of each node's first token."""
+    length: torch.Tensor
+    """[M] tokens of each node."""
+    start: torch.Tensor
+    """[M] packed position of each node's first token."""
+    parent: torch.Tensor
+    """[M] parent (-1 for a root)."""
+    level: torch.Tensor
+    """[M] number of ancestors."""
+    rows: torch.Tensor
+    """[M] rows through each node."""
+    rep: torch.Tensor
+    """[M] first row through each node (its tokens are read from that row)."""
+    tin: torch.Tensor
+    """[M] DFS entry index."""
+    tout: torch.Tensor
+    """[M] DFS exit index."""
+    row_node: torch.Tensor
+    """[B] node each row ends in."""
+    total: int
+    """T, packed tokens."""
+
+
+def _number_nodes(packed, start, end, parent, level, rows, first_row, tin, tout, row_node) -> _Nodes:
+    """Renumber nodes 0..M-1 in packed order; everything after this is vectorised."""
     new = {n: i for i, n in enumerate(packed)}
     t64 = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     depth = t64([start[n] for n in packed])
@@ -402,51 +463,77 @@ def build_trie_plan(
     ntin, ntout = t64([tin[n] for n in packed]), t64([tout[n] for n in packed])
     rnode = t64([new[n] for n in row_node])
     nstart = torch.cumsum(nlen, 0) - nlen
-    t = int(nlen.sum())
-    m = len(packed)
+    return _Nodes(new, depth, nlen, nstart, par, lvl, nrows, rep, ntin, ntout, rnode, int(nlen.sum()))
 
-    token_node = torch.repeat_interleave(torch.arange(m), nlen, output_size=t)
-    offset = torch.arange(t) - nstart[token_node]
-    position_ids = depth[token_node] + offset
+
+def _token_maps(nodes: _Nodes, canon: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per packed token: (node, position along its path, token id read from the node's first row)."""
+    t = nodes.total
+    token_node = torch.repeat_interleave(torch.arange(nodes.length.numel()), nodes.length, output_size=t)
+    offset = torch.arange(t) - nodes.start[token_node]
+    position_ids = nodes.depth[token_node] + offset
     canon_t = torch.from_numpy(canon)
-    input_ids = canon_t[rep[token_node], position_ids]
+    input_ids = canon_t[nodes.rep[token_node], position_ids]
+    return token_node, position_ids, input_ids
 
-    # Each row's path (root first) as [B, K] depth starts and packed starts, for depth -> position.
-    par_l, paths = par.tolist(), []
-    for n in rnode.tolist():
+
+class _RowPaths(NamedTuple):
+    """Each row's path (root first) as [B, K] depth starts and packed starts, for depth -> position."""
+
+    depth: torch.Tensor
+    """[B, K] path depth where each node of the row's path starts (beyond the path: past every row)."""
+    start: torch.Tensor
+    """[B, K] packed position of each of those nodes (0 beyond the path)."""
+
+    def packed_at(self, row: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """Packed position of path depth d of row `row` (row [n], d [n, w])."""
+        pd = self.depth[row]
+        j = torch.searchsorted(pd, d.contiguous(), right=True) - 1
+        return self.start[row].gather(1, j) + d - pd.gather(1, j)
+
+
+def _row_paths(nodes: _Nodes, lens: np.ndarray) -> _RowPaths:
+    """Walk each row's end node up to its root (host lists) and pad the paths into [B, K]."""
+    par_l, paths = nodes.parent.tolist(), []
+    for n in nodes.row_node.tolist():
         path = []
         while n >= 0:
             path.append(n)
             n = par_l[n]
         paths.append(path[::-1])
     k = max(len(p) for p in paths)
-    path_nodes = torch.full((b, k), -1, dtype=torch.long)
+    path_nodes = torch.full((len(paths), k), -1, dtype=torch.long)
     for r, p in enumerate(paths):
-        path_nodes[r, : len(p)] = t64(p)
+        path_nodes[r, : len(p)] = torch.tensor(p, dtype=torch.long)
     big = int(lens.max()) + 1
-    path_depth = torch.where(path_nodes >= 0, depth[path_nodes.clamp(min=0)], big)
-    path_start = torch.where(path_nodes >= 0, nstart[path_nodes.clamp(min=0)], 0)
+    path_depth = torch.where(path_nodes >= 0, nodes.depth[path_nodes.clamp(min=0)], big)
+    path_start = torch.where(path_nodes >= 0, nodes.start[path_nodes.clamp(min=0)], 0)
+    return _RowPaths(path_depth, path_start)
 
-    def packed_at(row: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        """Packed position of path depth d of row `row` (row [n], d [n, w])."""
-        pd = path_depth[row]
-        j = torch.searchsorted(pd, d.contiguous(), right=True) - 1
-        return path_start[row].gather(1, j) + d - pd.gather(1, j)
 
-    # Log-probs: response token (b, j) at depth P_b + j is predicted at depth P_b + j - 1.
+def _shared_logprobs(
+    batch: RolloutBatch, plens: np.ndarray, paths: _RowPaths
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logit_index, labels, response_flat_index, response_logit): each (position, label) once.
+
+    Response token (b, j) at depth P_b + j is predicted at depth P_b + j - 1; rows that share
+    that position and the label share one log-prob."""
+    b, rw = batch.responses.shape
     plen_t = torch.from_numpy(plens).long()
     rm = batch.response_mask.bool().cpu()
     jj = torch.arange(rw)[None, :]
     pred_depth = torch.where(rm, plen_t[:, None] + jj - 1, 0)
-    pred = packed_at(torch.arange(b), pred_depth)
+    pred = paths.packed_at(torch.arange(b), pred_depth)
     response_flat_index = rm.flatten().nonzero().flatten()
     pos = pred.flatten()[response_flat_index]
     lab = batch.responses.long().cpu().flatten()[response_flat_index]
     width = int(lab.max()) + 1
     keys, response_logit = torch.unique(pos * width + lab, return_inverse=True)
-    logit_index, labels = keys // width, keys % width
+    return keys // width, keys % width, response_flat_index, response_logit
 
-    levels = _levels(by_level, new, depth, nlen, nstart, par, rep, packed_at)
+
+def _levels_on(levels: list[TreeLevel], dev: torch.device) -> list[TreeLevel]:
+    """The levels (built on the host) with their index tensors moved to the batch's device."""
     to = lambda x: x.to(dev)  # noqa: E731
     for lv in levels:
         lv.seg = Segments(
@@ -462,35 +549,15 @@ def build_trie_plan(
         )
         if lv.prefix_rows is not None:
             lv.prefix_rows, lv.prefix_len, lv.local = to(lv.prefix_rows), to(lv.prefix_len), to(lv.local)
-    return TriePlan(
-        batch_size=b,
-        response_width=rw,
-        min_shared_tokens=min_shared_tokens,
-        node_depth=to(depth),
-        node_len=to(nlen),
-        node_start=to(nstart),
-        node_parent=to(par),
-        node_level=to(lvl),
-        node_rows=to(nrows),
-        node_tin=to(ntin),
-        node_tout=to(ntout),
-        row_node=to(rnode),
-        input_ids=to(input_ids),
-        position_ids=to(position_ids),
-        token_node=to(token_node),
-        logit_index=to(logit_index),
-        labels=to(labels),
-        response_flat_index=to(response_flat_index),
-        response_logit=to(response_logit),
-        levels=levels,
-        logical_tokens=int(lens.sum()),
-        logical_prompt_tokens=int(plens.sum()),
-        unique_prompt_tokens=prompt_tokens,
-    )
+    return levels
 
 
-def _levels(by_level, new, depth, nlen, nstart, par, rep, packed_at) -> list[TreeLevel]:
+def _levels(
+    by_level: list[list[int]], numbered: _Nodes, packed_at: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> list[TreeLevel]:
     """One TreeLevel per level of the tree (host tensors)."""
+    new, depth, nlen, nstart = numbered.new, numbered.depth, numbered.length, numbered.start
+    par, rep = numbered.parent, numbered.rep
     levels = []
     for i, nodes in enumerate(by_level):
         ids = torch.tensor([new[n] for n in nodes], dtype=torch.long)
