@@ -1,7 +1,8 @@
 """`zorro`: benchmark, verify and analyze prompt deduplication for RL post-training.
 
 Every command is registered here, explicitly: `env` below, then each sub-command module's
-`register(app)` (verify's adds gradients, training and distributed).
+`register(app)` (verify's adds gradients, training and distributed). The console script is
+zorro_cli.entry:main, which says what to install when the cli extra is missing.
 """
 
 from __future__ import annotations
