@@ -71,3 +71,51 @@ def test_shared_prefix_reports_the_tree():
     res = runner.invoke(app, args)
     assert res.exit_code == 0 and "prefix tree" in res.output
     assert runner.invoke(app, args[:-2] + ["--shared-prefix-len", "1152"]).exit_code == 2
+
+
+def test_the_report_is_the_librarys():
+    """The CLI prints zorro_core.bench.analysis.workload_report's dict as it is."""
+    from zorro_core.bench.analysis import workload_report
+
+    report = workload_report(10000, 10, 1000, model="small-qwen3", logits_mode="none", prompts=2)
+    cli = json.loads(
+        runner.invoke(
+            app, EXAMPLE + ["--model", "small-qwen3", "--logits-mode", "none", "--prompts", "2", "--json"]
+        ).output
+    )
+    assert cli == report and "prefix" not in report  # floats survive JSON exactly
+    assert workload_report(1152, 4, 128, prompts=4, model="small-qwen3", shared_prefix_len=1024)["prefix"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"prompt_len": 0}, "must be >= 1"),
+        ({"shared_prefix_len": 10}, "shared_prefix_len"),
+        ({"logits_mode": "full"}, "logits_mode"),
+        ({"model": "nope"}, "cannot resolve model"),
+    ],
+)
+def test_the_library_refuses_bad_workloads(kwargs, match):
+    from zorro_core.bench.analysis import workload_report
+
+    args = {"prompt_len": 10, "responses": 2, "response_len": 3, "model": "small-qwen3", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        workload_report(**args)
+
+
+def test_a_nan_in_the_report_is_not_printed(monkeypatch):
+    """--json goes through print_json (allow_nan=False): a NaN is an error naming the field, not `NaN` in the output."""
+    import zorro_cli.analyze as cli_analyze
+    from zorro_core.bench.analysis import workload_report
+
+    def with_a_nan(*args, **kwargs):
+        report = workload_report(*args, **kwargs)
+        report["ideal_speedup"]["attention"] = float("nan")
+        return report
+
+    monkeypatch.setattr(cli_analyze, "workload_report", with_a_nan)
+    res = runner.invoke(app, EXAMPLE + ["--model", "small-qwen3", "--json"])
+    assert res.exit_code != 0 and isinstance(res.exception, ValueError)
+    assert "ideal_speedup.attention" in str(res.exception)
+    assert "NaN" not in res.output and res.output.strip() == ""

@@ -1,12 +1,19 @@
 """The CLI's conventions, over every command: help on every option, one meaning per short
-flag, one error style (exit 2 with the reason on stderr, brackets kept)."""
+flag, one error style (exit 2 with the reason on stderr, brackets kept), JSON without NaN,
+no private name shared between modules."""
+
+import ast
+import math
+import pathlib
 
 import pytest
 import typer
 from typer.testing import CliRunner
 
-from zorro_cli.console import fail
+from zorro_cli.console import error_cell, fail, parameter_cell, print_json
 from zorro_cli.main import app
+
+CLI = pathlib.Path(__file__).resolve().parent.parent / "zorro_cli"
 
 runner = CliRunner()
 
@@ -32,6 +39,7 @@ def test_every_command_is_found():
         "bench run",
         "verify gradients",
         "verify training",
+        "verify distributed",
         "report show",
         "report compare",
         "report stack",
@@ -69,3 +77,32 @@ def test_fail_is_exit_2_with_the_reason_and_its_brackets():
     res = runner.invoke(demo, [])
     assert res.exit_code == 2
     assert "error: tiny.toml: in [measure]: unknown key 'x'" in res.output
+
+
+def test_no_private_name_crosses_a_module():
+    """A name another module imports is public (console.py holds the shared ones): no `from x import _y`."""
+    crossing = [
+        f"{path.name}: from {'.' * node.level}{node.module or ''} import {alias.name}"
+        for path in sorted(CLI.glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.name.startswith("_") and alias.name != "__future__" and node.module != "__future__"
+    ]
+    assert not crossing, crossing
+
+
+def test_shared_cells():
+    assert error_cell(None) == error_cell(math.nan) == "-" and error_cell(1.234e-7) == "1.2e-07"
+    assert parameter_cell("model.layers.0.mlp.up_proj.weight") == "layers.0.mlp.up_proj.weight"
+    assert parameter_cell("lm_head.weight") == "lm_head.weight"
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_print_json_refuses_a_nan_and_names_the_field(bad, capsys):
+    """JSON has no NaN: a report holding one is an error naming where, and nothing is printed."""
+    with pytest.raises(ValueError, match=r"results\[1\]\.err"):
+        print_json({"ok": 1.0, "results": [{"err": 0.5}, {"err": bad}]})
+    assert capsys.readouterr().out == ""
+    print_json({"err": None})
+    assert capsys.readouterr().out == '{\n  "err": null\n}\n'

@@ -1,17 +1,22 @@
-"""`zorro analyze`: redundancy and ideal speedup of a workload, before anything runs."""
+"""`zorro analyze`: redundancy and ideal speedup of a workload, before anything runs.
+The report is zorro_core.bench.analysis.workload_report's; this module parses options and prints it."""
 
 from __future__ import annotations
-
-import json
 
 import typer
 from rich.table import Table
 
-from zorro_core.bench.runner import model_config
-from zorro_core.plan.cost import COMPONENTS, ModelShape, compare, shape_workloads, shared_prefix_workload
+from zorro_core.bench.analysis import workload_report
 
 from .choices import LogitsMode
-from .console import console, escape, fail
+from .console import console, escape, fail, print_json
+
+# The components of the FLOP count (zorro_core.plan.cost.COMPONENTS), as the speedup table names them.
+COMPONENT_LABELS = (
+    ("linear", "linear layers (by tokens)"),
+    ("attention", "attention (by query-key pairs)"),
+    ("lm_head", "lm_head (by positions with logits)"),
+)
 
 
 def _tokens(n: float) -> str:
@@ -45,100 +50,82 @@ def analyze(
         fail("--prompt-len, --responses, --response-len and --prompts must be >= 1")
     if not 0 <= shared_prefix_len < prompt_len:
         fail(f"--shared-prefix-len must be in [0, --prompt-len={prompt_len})")
-    logits_mode = logits_mode.value
     try:
-        shape = ModelShape.from_config(model_config(model))
+        report = workload_report(
+            prompt_len,
+            responses,
+            response_len,
+            prompts,
+            model=model,
+            logits_mode=logits_mode.value,
+            shared_prefix_len=shared_prefix_len,
+        )
     except ValueError as e:
         fail(str(e))
-    base_w, dedup_w = shape_workloads(
-        [prompt_len] * prompts, [responses] * prompts, [[response_len] * responses] * prompts, logits_mode
-    )
-    cmp = compare(shape, base_w, dedup_w, logits_mode)
-    total, unique = base_w.tokens, dedup_w.tokens
-    prompt_total, prompt_unique = prompt_len * responses * prompts, prompt_len * prompts
-    result = {
-        "model": model,
-        "logits_mode": logits_mode,
-        "total_tokens": total,
-        "unique_tokens": unique,
-        "redundant_tokens": total - unique,
-        "token_redundancy": 1 - unique / total,
-        "prompt_dedup_ratio": 1 - prompt_unique / prompt_total,
-        "attended_pairs": {"baseline": base_w.attended_pairs, "dedup": dedup_w.attended_pairs},
-        "ideal_speedup": {c: cmp.component_speedup(c) for c in COMPONENTS},
-        "flops_share_baseline": {c: getattr(cmp.baseline, c) / cmp.baseline.forward for c in COMPONENTS},
-    }
-    result["ideal_speedup"]["total_forward"] = cmp.ideal_speedup("forward")
-    result["ideal_speedup"]["total_forward_backward"] = cmp.ideal_speedup("forward_backward")
-    result["tflops"] = {
-        "baseline_forward_backward": cmp.baseline.forward_backward / 1e12,
-        "dedup_forward_backward": cmp.dedup.forward_backward / 1e12,
-    }
-    if shared_prefix_len:  # the prefix tree: [system prefix] -> [rest of each prompt] -> [each response]
-        tree_w = shared_prefix_workload(prompt_len, prompts, responses, response_len, shared_prefix_len, logits_mode)
-        tcmp = compare(shape, base_w, tree_w, logits_mode)
-        pcmp = compare(shape, dedup_w, tree_w, logits_mode)
-        result["prefix"] = {
-            "shared_prefix_len": shared_prefix_len,
-            "unique_tokens": tree_w.tokens,
-            "token_redundancy": 1 - tree_w.tokens / total,
-            "attended_pairs": tree_w.attended_pairs,
-            "ideal_speedup": {
-                **{c: tcmp.component_speedup(c) for c in COMPONENTS},
-                "total_forward": tcmp.ideal_speedup("forward"),
-                "total_forward_backward": tcmp.ideal_speedup("forward_backward"),
-            },
-            "ideal_speedup_over_prompt_sharing": pcmp.ideal_speedup("forward_backward"),
-        }
     if as_json:
-        typer.echo(json.dumps(result, indent=2))
+        print_json(report)
         return
+    console.print(_tokens_table(report, prompts, responses, prompt_len, response_len))
+    console.print(_speedup_table(report))
+    if "prefix" in report:
+        console.print(_prefix_table(report["prefix"]))
+    tflops = report["tflops"]
+    console.print(
+        f"baseline {tflops['baseline_forward_backward']:.1f} TFLOP vs dedup "
+        f"{tflops['dedup_forward_backward']:.1f} TFLOP per forward+backward. Ideal: measured speedups "
+        "fall short by kernel efficiency and fixed costs (`zorro bench` measures them)."
+    )
 
+
+def _tokens_table(report: dict, prompts: int, responses: int, prompt_len: int, response_len: int) -> Table:
+    """Total, unique and redundant tokens, and the prompt dedup ratio."""
+    total, unique = report["total_tokens"], report["unique_tokens"]
     t = Table(title=f"workload: {prompts} prompt(s) x {responses} responses, {prompt_len} + {response_len} tokens")
     t.add_column("tokens")
     t.add_column("count", justify="right")
     t.add_row("total (every sequence in full)", f"{total:,} ({_tokens(total)})")
     t.add_row("unique (each prompt once)", f"{unique:,} ({_tokens(unique)})")
-    t.add_row("redundant", f"{total - unique:,} ({result['token_redundancy']:.0%} of total)")
-    t.add_row("prompt dedup ratio", f"{result['prompt_dedup_ratio']:.0%}")
-    console.print(t)
+    t.add_row("redundant", f"{report['redundant_tokens']:,} ({report['token_redundancy']:.0%} of total)")
+    t.add_row("prompt dedup ratio", f"{report['prompt_dedup_ratio']:.0%}")
+    return t
 
-    s = Table(title=escape(f"ideal speedup (FLOPs, {model}, logits_mode={logits_mode})"))
+
+def _speedup_table(report: dict) -> Table:
+    """Each component's share of the baseline's FLOPs and its ideal speedup, then the total."""
+    speedup = report["ideal_speedup"]
+    s = Table(title=escape(f"ideal speedup (FLOPs, {report['model']}, logits_mode={report['logits_mode']})"))
     s.add_column("work")
     s.add_column("share of baseline FLOPs", justify="right")
     s.add_column("ideal speedup", justify="right")
-    for c, label in (
-        ("linear", "linear layers (by tokens)"),
-        ("attention", "attention (by query-key pairs)"),
-        ("lm_head", "lm_head (by positions with logits)"),
-    ):
-        s.add_row(label, f"{result['flops_share_baseline'][c]:.1%}", f"{result['ideal_speedup'][c]:.2f}x")
+    for c, label in COMPONENT_LABELS:
+        s.add_row(label, f"{report['flops_share_baseline'][c]:.1%}", f"{speedup[c]:.2f}x")
     s.add_row(
         "[bold]total[/] (forward; forward+backward)",
         "100%",
-        f"[bold]{result['ideal_speedup']['total_forward']:.2f}x[/]; {result['ideal_speedup']['total_forward_backward']:.2f}x",
+        f"[bold]{speedup['total_forward']:.2f}x[/]; {speedup['total_forward_backward']:.2f}x",
     )
-    console.print(s)
-    if shared_prefix_len:
-        pr = result["prefix"]
-        p = Table(title=f"prefix tree (sharing=prefix): every prompt starts with the same {shared_prefix_len} tokens")
-        p.add_column("")
-        p.add_column("value", justify="right")
-        p.add_row("unique tokens (each shared run once)", f"{pr['unique_tokens']:,} ({_tokens(pr['unique_tokens'])})")
-        p.add_row("token redundancy", f"{pr['token_redundancy']:.0%}")
-        p.add_row(
-            "ideal speedup over the baseline (forward+backward)",
-            f"{pr['ideal_speedup']['total_forward_backward']:.2f}x",
-        )
-        p.add_row(
-            "ideal speedup over sharing=prompt (forward+backward)", f"{pr['ideal_speedup_over_prompt_sharing']:.2f}x"
-        )
-        console.print(p)
-    console.print(
-        f"baseline {result['tflops']['baseline_forward_backward']:.1f} TFLOP vs dedup "
-        f"{result['tflops']['dedup_forward_backward']:.1f} TFLOP per forward+backward. Ideal: measured speedups "
-        "fall short by kernel efficiency and fixed costs (`zorro bench` measures them)."
+    return s
+
+
+def _prefix_table(prefix: dict) -> Table:
+    """The prefix tree (sharing=prefix): its unique tokens and ideal speedups."""
+    p = Table(
+        title=f"prefix tree (sharing=prefix): every prompt starts with the same {prefix['shared_prefix_len']} tokens"
     )
+    p.add_column("")
+    p.add_column("value", justify="right")
+    p.add_row(
+        "unique tokens (each shared run once)", f"{prefix['unique_tokens']:,} ({_tokens(prefix['unique_tokens'])})"
+    )
+    p.add_row("token redundancy", f"{prefix['token_redundancy']:.0%}")
+    p.add_row(
+        "ideal speedup over the baseline (forward+backward)",
+        f"{prefix['ideal_speedup']['total_forward_backward']:.2f}x",
+    )
+    p.add_row(
+        "ideal speedup over sharing=prompt (forward+backward)", f"{prefix['ideal_speedup_over_prompt_sharing']:.2f}x"
+    )
+    return p
 
 
 def register(app: typer.Typer) -> None:

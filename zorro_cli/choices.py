@@ -9,7 +9,7 @@ from typing import Iterable
 from zorro_core.bench.report import METRICS
 from zorro_core.bench.suite import ATTN_IMPLEMENTATIONS, BASELINES, DTYPES, LOGITS_MODES, PHASES
 from zorro_core.plan.trie import SHARINGS
-from zorro_core.verify.gradients import LAYOUTS
+from zorro_core.verify.gradients import ATTNS, LAYOUTS
 
 
 def _choices(name: str, values: Iterable[str]) -> type[Enum]:
@@ -17,6 +17,7 @@ def _choices(name: str, values: Iterable[str]) -> type[Enum]:
 
 
 Attn = _choices("Attn", ATTN_IMPLEMENTATIONS)
+VerifyAttn = _choices("VerifyAttn", ATTNS)  # what the verifiers run (verify gradients/training take lists of these)
 LogitsMode = _choices("LogitsMode", LOGITS_MODES)
 DType = _choices("DType", DTYPES)
 Baseline = _choices("Baseline", BASELINES)

@@ -1,17 +1,20 @@
-"""The CLI's one rich Console and its one error style.
+"""The CLI's one rich Console, its one error style, and what several commands share.
 
 Every command prints through `console` (stdout) and fails through `fail` (the reason on
 stderr, exit code 2). Text from outside (file names, case ids, error messages that quote
 "[measure]") goes through `escape`, which `fail` applies itself: rich would read brackets
-as markup and drop them.
+as markup and drop them. The verify commands share `resolve_device` (their --device),
+`STATUS_STYLE`, `error_cell` and `parameter_cell`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Optional
 
+import torch
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -32,8 +35,25 @@ def fail(reason: str, code: int = EXIT_USAGE) -> NoReturn:
 
 
 def print_json(report: Any) -> None:
-    """A command's JSON report on stdout, indented; a NaN or infinity is an error, not invalid JSON."""
-    typer.echo(json.dumps(report, indent=2, allow_nan=False))
+    """A command's JSON report on stdout, indented; a NaN or infinity is an error (ValueError
+    naming the field), not invalid JSON: nothing is printed then."""
+    try:
+        text = json.dumps(report, indent=2, allow_nan=False)
+    except ValueError as e:
+        fields = ", ".join(_non_finite_fields(report)) or "?"
+        raise ValueError(f"the JSON report holds a NaN or infinity (at {fields}): {e}") from e
+    typer.echo(text)
+
+
+def _non_finite_fields(obj: Any, path: str = "") -> list[str]:
+    """Where `obj` (dicts, lists, numbers) holds a NaN or infinity: "ideal_speedup.attention", "results[2].err"."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return [path or "the top"]
+    if isinstance(obj, dict):
+        return [f for k, v in obj.items() for f in _non_finite_fields(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(obj, (list, tuple)):
+        return [f for i, v in enumerate(obj) for f in _non_finite_fields(v, f"{path}[{i}]")]
+    return []
 
 
 def warn(text: str) -> None:
@@ -41,4 +61,48 @@ def warn(text: str) -> None:
     console.print(f"[yellow]{escape(str(text))}[/]")
 
 
-__all__ = ["console", "err_console", "escape", "fail", "print_json", "warn", "EXIT_USAGE"]
+STATUS_STYLE = {
+    "pass": "[green]pass[/]",
+    "fail": "[bold red]FAIL[/]",
+    "error": "[bold red]ERROR[/]",
+    "skip": "[yellow]skip[/]",
+}
+"""A verdict (pass, fail, error, skip) as the tables print it."""
+
+
+def error_cell(x: Optional[float]) -> str:
+    """An error figure as a table cell: 1.2e-07, or '-' where there is none (None or NaN)."""
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1e}"
+
+
+def parameter_cell(name: str) -> str:
+    """A parameter's name as a table cell, without the CausalLM's leading "model."."""
+    return name.removeprefix("model.")
+
+
+def resolve_device(device: Optional[str]) -> str:
+    """The --device option checked: cpu, cuda or cuda:N, cuda only where CUDA is available; None
+    is cuda when it is, else cpu."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+        fail(f"--device {device!r} is not a device zorro runs on; choose cpu or cuda (cuda:N for one GPU)")
+    if kind == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda: no CUDA device here")
+    return device
+
+
+__all__ = [
+    "console",
+    "err_console",
+    "escape",
+    "fail",
+    "print_json",
+    "warn",
+    "EXIT_USAGE",
+    "STATUS_STYLE",
+    "error_cell",
+    "parameter_cell",
+    "resolve_device",
+]

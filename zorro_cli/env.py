@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import json
-
 import typer
 from rich.table import Table
 
 from zorro_core.bench.environment import environment
 
-from .console import console, escape
+from .console import console, escape, print_json
 
 
 def env(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
     info = environment()
     if as_json:
-        typer.echo(json.dumps(info, indent=2))
+        print_json(info)
         return
     table = Table(title="zorro env")
     table.add_column("item")

@@ -1,16 +1,15 @@
-"""`zorro`: benchmark, verify and analyze prompt deduplication for RL post-training."""
+"""`zorro`: benchmark, verify and analyze prompt deduplication for RL post-training.
+
+Every command is registered here, explicitly: `env` below, then each sub-command module's
+`register(app)` (verify's adds gradients, training and distributed). The console script is
+zorro_cli.entry:main, which says what to install when the cli extra is missing.
+"""
 
 from __future__ import annotations
 
 import typer
 
-from . import (
-    analyze,
-    bench,
-    report,
-    verify,
-    verify_distributed,  # noqa: F401 -- adds `verify distributed` to verify's sub-app
-)
+from . import analyze, bench, report, verify
 from . import env as env_cmd
 
 app = typer.Typer(
@@ -28,8 +27,7 @@ def main() -> None:
 
 app.command("env", help="Devices, versions, attention backends and model families that work here.")(env_cmd.env)
 
-
-for _module in (bench, verify, report, analyze):  # each sub-command module registers itself
+for _module in (bench, verify, report, analyze):
     _module.register(app)
 
 if __name__ == "__main__":

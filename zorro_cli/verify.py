@@ -6,7 +6,6 @@ import math
 import time
 from typing import Optional
 
-import torch
 import typer
 from rich.table import Table
 
@@ -26,8 +25,19 @@ from zorro_core.verify.gradients import (
 )
 from zorro_core.verify.training import TRAIN_FACTOR, TRAIN_RULE, TrainConfig, verify_training
 
+from . import verify_distributed
 from .choices import Layout, LogitsMode, Sharing
-from .console import console, err_console, escape, fail, print_json
+from .console import (
+    STATUS_STYLE,
+    console,
+    err_console,
+    error_cell,
+    escape,
+    fail,
+    parameter_cell,
+    print_json,
+    resolve_device,
+)
 
 # Column notes printed under the gradients table.
 _LEGEND = (
@@ -35,14 +45,28 @@ _LEGEND = (
     "(the dtype's noise); err/tol is the worst check's error over its tolerance (> 1 fails)."
 )
 
-verify_app = typer.Typer(
-    help="Prove dedup: log-probs, entropy, every gradient, and training steps against a float64 per-sequence reference.",
-    no_args_is_help=True,
-)
 _BUG_HELP = "Hidden, for testing the verifier: corrupt every dedup plan (" + ", ".join(BUGS) + ")."
+GRADIENTS_HELP = (
+    "Every combination of model x attention x dtype x layout x split/mask x logits mode available here: "
+    "the deduplicated actor and the baseline against each sequence run alone in float64 (log-probs, "
+    "entropy, every parameter's gradient). Exit code 1 on any failure.\n\n" + RULE
+)
+TRAINING_HELP = (
+    "K AdamW steps of a GRPO-style loss (group-normalised advantages, clipped ratio, entropy bonus) "
+    "from the same weights on the same batches: ref64 (per sequence, float64), baseline and dedup; "
+    "parameters compared after every step. Exit code 1 on divergence.\n\n" + TRAIN_RULE
+)
 
 
 def register(app: typer.Typer) -> None:
+    """`zorro verify` and its three commands: gradients, training, distributed."""
+    verify_app = typer.Typer(
+        help="Prove dedup: log-probs, entropy, every gradient, and training steps against a float64 per-sequence reference.",
+        no_args_is_help=True,
+    )
+    verify_app.command("gradients", help=GRADIENTS_HELP)(gradients)
+    verify_app.command("training", help=TRAINING_HELP)(training)
+    verify_distributed.register(verify_app)
     app.add_typer(verify_app, name="verify")
 
 
@@ -71,17 +95,6 @@ def _models(values: Optional[list[str]]) -> list[str]:
     return _split(values, list(PRESETS), tiny_models(), "--models")
 
 
-def _device(device: Optional[str]) -> str:
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    kind, _, index = device.partition(":")
-    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
-        fail(f"--device {device!r} is not a device zorro runs on; choose cpu or cuda (cuda:N for one GPU)")
-    if kind == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda: no CUDA device here")
-    return device
-
-
 def _factor(factor: float) -> float:
     """The allowance multiplies the baseline's error: 0 or less would turn the check off or make it fail always."""
     if not (math.isfinite(factor) and factor > 0):
@@ -100,30 +113,6 @@ def _bug(name: Optional[str]) -> Optional[str]:
     return name
 
 
-def _e(x: float) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1e}"
-
-
-def _short(param: str) -> str:
-    return param.removeprefix("model.")
-
-
-_STYLE = {
-    "pass": "[green]pass[/]",
-    "fail": "[bold red]FAIL[/]",
-    "error": "[bold red]ERROR[/]",
-    "skip": "[yellow]skip[/]",
-}
-
-
-@verify_app.command(
-    "gradients",
-    help=(
-        "Every combination of model x attention x dtype x layout x split/mask x logits mode available here: "
-        "the deduplicated actor and the baseline against each sequence run alone in float64 (log-probs, "
-        "entropy, every parameter's gradient). Exit code 1 on any failure.\n\n" + RULE
-    ),
-)
 def gradients(
     models: Optional[list[str]] = typer.Option(
         None, "--models", help="Presets, comma-separated (default: every tiny-* preset of a supported family)."
@@ -182,7 +171,7 @@ def gradients(
     if reentrant and not checkpointing:
         fail("--reentrant needs --checkpointing")
     flavour = ("reentrant" if reentrant else "non-reentrant") if checkpointing else None
-    dev = _device(device)
+    dev = resolve_device(device)
     factor = _factor(factor)
     cases = expand_cases(
         _models(models),
@@ -248,19 +237,21 @@ def _gradients_table(results, counts, seconds, dev, bug, top) -> None:
         table.add_column(col, justify=just, no_wrap=col == "case")
     for r in results:
         if r.dedup is None:
-            table.add_row(escape(r.case.name), "-", "-", "-", escape(r.reason[:60]), "-", "-", "-", _STYLE[r.status])
+            table.add_row(
+                escape(r.case.name), "-", "-", "-", escape(r.reason[:60]), "-", "-", "-", STATUS_STYLE[r.status]
+            )
             continue
         name, g = r.dedup.worst_param
         table.add_row(
             escape(r.case.name),
-            _e(r.dedup.log_prob),
-            _e(r.baseline.log_prob),
-            _e(r.dedup.entropy),
-            _short(name),
-            _e(g),
-            _e(r.baseline.grads.get(name, float("nan"))),
+            error_cell(r.dedup.log_prob),
+            error_cell(r.baseline.log_prob),
+            error_cell(r.dedup.entropy),
+            parameter_cell(name),
+            error_cell(g),
+            error_cell(r.baseline.grads.get(name, float("nan"))),
             f"{r.worst_ratio:.2f}",
-            _STYLE[r.status],
+            STATUS_STYLE[r.status],
         )
     console.print(table)
     console.print(_LEGEND)
@@ -273,21 +264,13 @@ def _gradients_table(results, counts, seconds, dev, bug, top) -> None:
         for r in ranked[:top]:
             detail = r.reason if r.status != "pass" else f"{r.worst_check}"
             ratio = "crashed" if r.status == "error" else f"{r.worst_ratio:.3g}"
-            console.print(f"  {_STYLE[r.status]} {escape(r.case.name)}: {ratio}  {escape(str(detail))}")
+            console.print(f"  {STATUS_STYLE[r.status]} {escape(r.case.name)}: {ratio}  {escape(str(detail))}")
     console.print(
         f"{counts['pass']} passed, {counts['fail']} failed, {counts['error']} errors, "
         f"{counts['skip']} skipped in {seconds:.0f} s. Rule: `zorro verify gradients --help`."
     )
 
 
-@verify_app.command(
-    "training",
-    help=(
-        "K AdamW steps of a GRPO-style loss (group-normalised advantages, clipped ratio, entropy bonus) "
-        "from the same weights on the same batches: ref64 (per sequence, float64), baseline and dedup; "
-        "parameters compared after every step. Exit code 1 on divergence.\n\n" + TRAIN_RULE
-    ),
-)
 def training(
     steps: int = typer.Option(5, "--steps", help="AdamW steps."),
     models: Optional[list[str]] = typer.Option(
@@ -313,41 +296,14 @@ def training(
         fail(f"--steps must be >= 1, got {steps}")
     if not (math.isfinite(lr) and lr > 0):
         fail(f"--lr must be a finite number > 0, got {lr:g}")
-    dev = _device(device)
+    dev = resolve_device(device)
     factor = _factor(factor)
     bug = _bug(inject_bug)
-    configs = [
-        TrainConfig(
-            model=m,
-            attn=a,
-            dtype=d,
-            split=s == "split",
-            logits_mode=logits_mode.value,
-            layout=layout.value,
-            steps=steps,
-            lr=lr,
-            seed=seed,
-        )
-        for m in _models(models)
-        for d in _split(dtype, list(DTYPES), list(DTYPES), "--dtype")
-        for a in _split(attn, ATTNS, ["sdpa"], "--attn")
-        for s in _split(mode, MODES, ["split"], "--mode")
-    ]
-    results = []
+    configs = _training_grid(
+        models, dtype, attn, mode, logits_mode=logits_mode.value, layout=layout.value, steps=steps, lr=lr, seed=seed
+    )
     t0 = time.perf_counter()
-    with err_console.status("training") as status:
-        for i, cfg in enumerate(configs, 1):
-            name = escape(f"[{i}/{len(configs)}] {cfg.model}/{cfg.attn}/{cfg.dtype}/{'split' if cfg.split else 'mask'}")
-            status.update(name)
-            results.append(
-                verify_training(
-                    cfg,
-                    device=dev,
-                    factor=factor,
-                    bug=bug,
-                    on_step=lambda s, n=name: status.update(f"{n} step {s.step}"),
-                )
-            )
+    results = _train_each(configs, dev, factor, bug)
     seconds = time.perf_counter() - t0
     counts, ok = _verdict(results)
     if as_json:
@@ -362,11 +318,51 @@ def training(
                 "results": [r.to_dict() for r in results],
             }
         )
-        raise typer.Exit(0 if ok else 1)
-    table = Table(
-        title=f"zorro verify training ({dev}, {steps} AdamW steps, lr {lr:g})"
-        + (f" [red]with injected bug {bug}[/]" if bug else "")
-    )
+    else:
+        _training_table(results, f"{dev}, {steps} AdamW steps, lr {lr:g}", bug)
+        _training_summary(results, counts, seconds)
+    raise typer.Exit(0 if ok else 1)
+
+
+def _training_grid(
+    models: Optional[list[str]],
+    dtype: Optional[list[str]],
+    attn: Optional[list[str]],
+    mode: Optional[list[str]],
+    **common,
+) -> list[TrainConfig]:
+    """One TrainConfig per model x dtype x attention x split/mask (each option checked), the rest in common."""
+    return [
+        TrainConfig(model=m, attn=a, dtype=d, split=s == "split", **common)
+        for m in _models(models)
+        for d in _split(dtype, list(DTYPES), list(DTYPES), "--dtype")
+        for a in _split(attn, ATTNS, ["sdpa"], "--attn")
+        for s in _split(mode, MODES, ["split"], "--mode")
+    ]
+
+
+def _train_each(configs: list[TrainConfig], dev: str, factor: float, bug: Optional[str]) -> list:
+    """verify_training of every config in turn, the run and its step on the status line."""
+    results = []
+    with err_console.status("training") as status:
+        for i, cfg in enumerate(configs, 1):
+            name = escape(f"[{i}/{len(configs)}] {cfg.model}/{cfg.attn}/{cfg.dtype}/{'split' if cfg.split else 'mask'}")
+            status.update(name)
+            results.append(
+                verify_training(
+                    cfg,
+                    device=dev,
+                    factor=factor,
+                    bug=bug,
+                    on_step=lambda s, n=name: status.update(f"{n} step {s.step}"),
+                )
+            )
+    return results
+
+
+def _training_table(results, setting: str, bug: Optional[str]) -> None:
+    """One row per run and step: the three losses, the clipped fraction, both drifts and the verdict."""
+    table = Table(title=f"zorro verify training ({setting})" + (f" [red]with injected bug {bug}[/]" if bug else ""))
     for col in (
         "run",
         "step",
@@ -385,7 +381,7 @@ def training(
         c = r.config
         name = f"{c.model}/{c.attn}/{c.dtype}/{'split' if c.split else 'mask'}/{c.logits_mode}"
         if not r.steps:
-            table.add_row(name, "-", "-", "-", "-", "-", "-", "-", "-", escape(r.reason[:50]), _STYLE[r.status])
+            table.add_row(name, "-", "-", "-", "-", "-", "-", "-", "-", escape(r.reason[:50]), STATUS_STYLE[r.status])
         for s in r.steps:
             table.add_row(
                 name if s.step == 1 else "",
@@ -394,24 +390,25 @@ def training(
                 f"{s.loss_baseline:.5f}",
                 f"{s.loss_dedup:.5f}",
                 f"{s.clip_fraction:.0%}",
-                _e(s.drift_baseline),
-                _e(s.drift_dedup),
-                _e(s.dedup_vs_baseline),
-                _e(s.tolerance),
-                _STYLE["pass" if s.passed else "fail"],
+                error_cell(s.drift_baseline),
+                error_cell(s.drift_dedup),
+                error_cell(s.dedup_vs_baseline),
+                error_cell(s.tolerance),
+                STATUS_STYLE["pass" if s.passed else "fail"],
                 end_section=s.step == len(r.steps),
             )
         if r.status == "error":
-            table.add_row(
-                name, "-", "-", "-", "-", "-", "-", "-", "-", escape(r.reason[:50]), _STYLE["error"], end_section=True
-            )
+            table.add_row(name, *("-",) * 8, escape(r.reason[:50]), STATUS_STYLE["error"], end_section=True)
     console.print(table)
+
+
+def _training_summary(results, counts: dict[str, int], seconds: float) -> None:
+    """The reason of each failed or crashed run, then the counts."""
     for r in results:
         if r.status in ("fail", "error"):
-            console.print(f"  {_STYLE[r.status]} {r.config.model}/{r.config.dtype}: {escape(r.reason)}")
+            console.print(f"  {STATUS_STYLE[r.status]} {r.config.model}/{r.config.dtype}: {escape(r.reason)}")
     console.print(
         f"{counts['pass']} passed, {counts['fail']} failed, {counts['error']} errors, {counts['skip']} skipped "
         f"in {seconds:.0f} s. drift = |theta - theta_ref64| / |theta_ref64 - theta_0| over all parameters; "
         "rule: `zorro verify training --help`."
     )
-    raise typer.Exit(0 if ok else 1)

@@ -5,38 +5,56 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Optional
 
 import typer
 from rich.table import Table
 
-from zorro_cli.console import console, escape, fail, print_json
-from zorro_cli.verify import _STYLE, _device, _e, _short, verify_app
-from zorro_core.actor.logprobs import LOGITS_MODES
 from zorro_core.distributed.launch import under_torchrun
 from zorro_core.models.presets import PRESETS
-from zorro_core.verify.distributed import BUGS, RULE, DistributedConfig, verify_distributed
+from zorro_core.verify.distributed import BUGS, RULE, DistributedConfig, VariantResult, verify_distributed
+from zorro_core.verify.gradients import VerifyCase, case_unavailable
+
+from .choices import LogitsMode, VerifyAttn
+from .console import STATUS_STYLE, console, error_cell, escape, fail, parameter_cell, print_json, resolve_device
 
 _BUG_HELP = "Hidden, for testing the verifier: plant a bug (" + ", ".join(BUGS) + ")."
-
-
-@verify_app.command(
-    "distributed",
-    help=(
-        "Spawn N ranks (gloo on CPU, NCCL on GPU; or run under `torchrun --nproc-per-node N`), shard the model "
-        "with fully_shard, regroup a batch whose groups are cut across ranks, run the deduplicated actor, restore, "
-        "backpropagate a loss normalised over the global batch, and compare log-probs, entropy and every "
-        "gathered gradient with one process computing the whole batch. Exit code 1 on any failure.\n\n" + RULE
-    ),
+HELP = (
+    "Spawn N ranks (gloo on CPU, NCCL on GPU; or run under `torchrun --nproc-per-node N`), shard the model "
+    "with fully_shard, regroup a batch whose groups are cut across ranks, run the deduplicated actor, restore, "
+    "backpropagate a loss normalised over the global batch, and compare log-probs, entropy and every "
+    "gathered gradient with one process computing the whole batch. Exit code 1 on any failure.\n\n" + RULE
 )
+COLUMNS = (
+    "variant",
+    "log-prob err",
+    "entropy err",
+    "restore exact",
+    "worst parameter",
+    "grad rel err",
+    "rows per rank before -> after",
+    "prompt dedup per rank before -> after",
+    "bytes sent",
+    "",
+)
+
+
+def register(verify_app: typer.Typer) -> None:
+    """Add `distributed` to `zorro verify`."""
+    verify_app.command("distributed", help=HELP)(distributed)
+
+
 def distributed(
     nproc: int = typer.Option(2, "--nproc", min=1, help="Ranks to spawn (ignored under torchrun, which sets them)."),
     model: str = typer.Option("tiny-qwen3", "--model", help="Preset (a tiny-* shape of a supported family)."),
-    attn: str = typer.Option("sdpa", "--attn", help="Attention implementation of the actor."),
-    logits_mode: str = typer.Option("compute", "--logits-mode", help=f"Log-prob mode ({', '.join(LOGITS_MODES)})."),
+    attn: VerifyAttn = typer.Option(
+        VerifyAttn("sdpa"), "--attn", help="Attention implementation of the actor (split attention, float64)."
+    ),
+    logits_mode: LogitsMode = typer.Option(LogitsMode("compute"), "--logits-mode", help="Log-prob mode."),
     equal_rows: bool = typer.Option(
         False, "--equal-rows", help="regroup with the same row count per rank (default: whole groups)."
     ),
-    device: str | None = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
     seed: int = typer.Option(0, "--seed", help="Seeds weights, batch and loss weights."),
     self_test: bool = typer.Option(
         False,
@@ -44,34 +62,32 @@ def distributed(
         help="Also run every planted bug in the same ranks: passes when the clean run passes and every bug fails.",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-    inject_bug: str | None = typer.Option(None, "--inject-bug", hidden=True, help=_BUG_HELP),
+    inject_bug: Optional[str] = typer.Option(None, "--inject-bug", hidden=True, help=_BUG_HELP),
 ) -> None:
     if inject_bug is not None and inject_bug not in BUGS:
         fail(f"--inject-bug: unknown bug {inject_bug!r}; choose from {', '.join(BUGS)}")
     if model not in PRESETS:
         fail(f"--model: unknown preset {model!r}; presets: {', '.join(PRESETS)}")
-    if logits_mode not in LOGITS_MODES:
-        fail(f"--logits-mode: unknown mode {logits_mode!r}; choose from {', '.join(LOGITS_MODES)}")
     if self_test and inject_bug:
         fail("--inject-bug with --self-test: --self-test runs every bug already")
-    dev = _device(device)
-    bugs = (None, *BUGS) if self_test else (inject_bug,)
+    dev = resolve_device(device)
+    _check_attention_runs(model, attn.value, logits_mode.value, dev)
     cfg = DistributedConfig(
-        model=model, attn=attn, logits_mode=logits_mode, equal_rows=equal_rows, device=dev, seed=seed, bugs=bugs
+        model=model,
+        attn=attn.value,
+        logits_mode=logits_mode.value,
+        equal_rows=equal_rows,
+        device=dev,
+        seed=seed,
+        bugs=(None, *BUGS) if self_test else (inject_bug,),
     )
     t0 = time.perf_counter()
     results = verify_distributed(cfg, nproc)
     seconds = time.perf_counter() - t0
-    world = len(results[0].ranks)
-    clean = [r for r in results if r.bug is None]
-    planted = [r for r in results if r.bug is not None]
-    ok = (
-        all(r.status == "pass" for r in clean) and all(r.status == "fail" for r in planted)
-        if self_test
-        else all(r.status == "pass" for r in results)
-    )
+    ok = _passed(results, self_test)
     if under_torchrun() and int(os.environ["RANK"]) != 0:
         _finish(ok)
+    world = len(results[0].ranks)
     if as_json:
         print_json(
             {
@@ -85,53 +101,69 @@ def distributed(
             }
         )
         _finish(ok)
-    table = Table(title=f"zorro verify distributed ({world} ranks, {dev}, {model}, float64, fully_shard)")
-    for col in (
-        "variant",
-        "log-prob err",
-        "entropy err",
-        "restore exact",
-        "worst parameter",
-        "grad rel err",
-        "rows per rank before -> after",
-        "prompt dedup per rank before -> after",
-        "bytes sent",
-        "",
-    ):
+    console.print(_variants_table(results, f"{world} ranks, {dev}, {model}, float64, fully_shard", self_test))
+    for r in results:
+        if r.status != "pass" and not (self_test and r.bug is not None):
+            console.print(f"  {STATUS_STYLE[r.status]} {r.bug or 'clean'}: {escape(r.reason)}")
+    console.print(f"{'passed' if ok else 'FAILED'} in {seconds:.0f} s. Rule: `zorro verify distributed --help`.")
+    _finish(ok)
+
+
+def _check_attention_runs(model: str, attn: str, logits_mode: str, device: str) -> None:
+    """Refuse (exit 2, before any rank starts) an attention the check cannot run here. The actor
+    runs split attention in float64 over a padded batch: the verify-gradients case of the same
+    settings, whose case_unavailable says why not."""
+
+    def why_not(a: str) -> Optional[str]:
+        case = VerifyCase(model=model, attn=a, dtype="float64", layout="padded", split=True, logits_mode=logits_mode)
+        return case_unavailable(case, device)
+
+    why = why_not(attn)
+    if why:
+        runs = [a.value for a in VerifyAttn if why_not(a.value) is None]
+        fail(
+            f"--attn {attn} cannot run this check (float64, split attention) on {device}: {why}"
+            + (f"; choose {' or '.join(runs)}" if runs else "")
+        )
+
+
+def _passed(results: list[VariantResult], self_test: bool) -> bool:
+    """Every variant passes; under --self-test, the clean run passes and every planted bug fails."""
+    if not self_test:
+        return all(r.status == "pass" for r in results)
+    clean = [r for r in results if r.bug is None]
+    planted = [r for r in results if r.bug is not None]
+    return all(r.status == "pass" for r in clean) and all(r.status == "fail" for r in planted)
+
+
+def _per_rank(r: VariantResult, before: str, after: str, fmt: str = "{}") -> str:
+    """A per-rank figure of every rank, before -> after regrouping: "8 8 -> 6 10"."""
+    return " ".join(fmt.format(x[before]) for x in r.ranks) + " -> " + " ".join(fmt.format(x[after]) for x in r.ranks)
+
+
+def _variants_table(results: list[VariantResult], setting: str, self_test: bool) -> Table:
+    """One row per variant (clean, planted bugs): its errors, the regrouping per rank and the verdict."""
+    table = Table(title=f"zorro verify distributed ({setting})")
+    for col in COLUMNS:
         table.add_column(col, justify="left" if col in ("variant", "worst parameter", "") else "right")
     for r in results:
-        expect_fail = self_test and r.bug is not None
-        verdict = (
-            ("[green]fails as planted[/]" if r.status == "fail" else "[bold red]NOT CAUGHT[/]")
-            if expect_fail
-            else _STYLE[r.status]
-        )
-        rows = (
-            " ".join(str(x["rows_before"]) for x in r.ranks) + " -> " + " ".join(str(x["rows_after"]) for x in r.ranks)
-        )
-        dedup = (
-            " ".join(f"{x['prompt_dedup_before']:.2f}" for x in r.ranks)
-            + " -> "
-            + " ".join(f"{x['prompt_dedup_after']:.2f}" for x in r.ranks)
-        )
+        if self_test and r.bug is not None:  # a planted bug is expected to fail
+            verdict = "[green]fails as planted[/]" if r.status == "fail" else "[bold red]NOT CAUGHT[/]"
+        else:
+            verdict = STATUS_STYLE[r.status]
         table.add_row(
             r.bug or "clean",
-            _e(r.log_prob_err),
-            _e(r.entropy_err),
+            error_cell(r.log_prob_err),
+            error_cell(r.entropy_err),
             "yes" if r.restore_exact else "NO",
-            _short(r.worst_param),
-            _e(r.worst_grad_err),
-            rows,
-            dedup,
+            parameter_cell(r.worst_param),
+            error_cell(r.worst_grad_err),
+            _per_rank(r, "rows_before", "rows_after"),
+            _per_rank(r, "prompt_dedup_before", "prompt_dedup_after", "{:.2f}"),
             " ".join(str(x["bytes_sent"]) for x in r.ranks),
             verdict,
         )
-    console.print(table)
-    for r in results:
-        if r.status != "pass" and not (self_test and r.bug is not None):
-            console.print(f"  {_STYLE[r.status]} {r.bug or 'clean'}: {escape(r.reason)}")
-    console.print(f"{'passed' if ok else 'FAILED'} in {seconds:.0f} s. Rule: `zorro verify distributed --help`.")
-    _finish(ok)
+    return table
 
 
 def _finish(ok: bool) -> None:

@@ -1,0 +1,35 @@
+"""The `zorro` console script.
+
+The command needs the cli extra (typer, rich, pandas, matplotlib; tomli before Python 3.11),
+which a trainer that only imports zorro_core does not install. Without it, `zorro` says what
+to install in one line and exits 2, instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+CLI_PACKAGES = ("typer", "rich", "pandas", "matplotlib", "tomli")
+"""What the cli extra installs (pyproject.toml's [project.optional-dependencies] cli)."""
+INSTALL_HINT = "pip install 'zorro[cli]'"
+EXIT_USAGE = 2  # zorro_cli.console's, which cannot be imported without rich
+
+
+def main() -> None:
+    """Run the `zorro` app, or say which cli package is missing and how to install the extra."""
+    try:
+        from zorro_cli.main import app
+    except ModuleNotFoundError as e:
+        missing = (e.name or "").partition(".")[0]
+        if missing not in CLI_PACKAGES:
+            raise
+        print(
+            f"error: the zorro command needs the cli extra ({missing} is not installed): {INSTALL_HINT}",
+            file=sys.stderr,
+        )
+        raise SystemExit(EXIT_USAGE) from None
+    app()
+
+
+if __name__ == "__main__":
+    main()
