@@ -94,8 +94,9 @@ def test_bugs_fail_by_orders_of_magnitude(tiny_models, references, what):
     """A real bug (zorro_core.verify.gradients.BUGS, the plans `zorro verify` corrupts) must fail
     the comparison by far more than the tolerance."""
     batch, w, ref = references("tiny-qwen3", "mixed", 0.7)
-    with inject_bug(what):
-        lp, ent, grads, _ = actor_run(DeduplicatedActor(model=tiny_models("tiny-qwen3")), batch, 0.7, w)
+    actor = DeduplicatedActor(model=tiny_models("tiny-qwen3"))
+    with inject_bug(what, actor):
+        lp, ent, grads, _ = actor_run(actor, batch, 0.7, w)
     lp_err = (lp - ref[0]).abs().max().item()
     g_err, _ = max_rel_grad_error(grads, ref[2])
     assert lp_err > 1e3 * LP_ATOL or g_err > 1e3 * GRAD_RTOL, (lp_err, g_err)

@@ -187,3 +187,57 @@ def test_bench_run_with_two_ranks_gives_a_row_with_per_rank_figures(tmp_path):
         row["prompt_dedup_per_rank_before"] == "0.5000 0.5000" and row["prompt_dedup_per_rank_after"] == "0.7500 0.7500"
     )
     assert int(row["regroup_bytes_sent"]) == 2 * 2 * 40 * 4  # per rank: 2 rows of 32 + 8 tokens, int32
+
+
+def test_fsdp_root_forward_method_is_registered_once(monkeypatch):
+    """One gloo rank in this process, the model sharded with fully_shard: the actor's forward method
+    of the root is registered on the first forward and reused (nothing set or removed on the model
+    per call), and log-probs and gradients equal the unsharded actor's."""
+    import copy
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.fsdp as fsdp
+
+    from zorro_core.actor import fsdp as zfsdp
+    from zorro_core.actor.actor import DeduplicatedActor
+    from zorro_core.distributed.launch import GLOO_FSDP2_TORCH
+    from zorro_core.verify.distributed import distributed_batch
+    from zorro_core.verify.gradients import build_verify_model
+
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if not dist.is_available() or version < GLOO_FSDP2_TORCH or dist.is_initialized():
+        pytest.skip("needs torch.distributed with FSDP2 on gloo, and no process group in this process")
+    registered = []
+    real = fsdp.register_fsdp_forward_method
+    monkeypatch.setattr(fsdp, "register_fsdp_forward_method", lambda m, name: (registered.append(name), real(m, name)))
+    model = build_verify_model("tiny-qwen3").to(torch.float64)
+    plain = copy.deepcopy(model)
+    batch = distributed_batch(1, model.config.vocab_size, seed=1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        for layer in model.model.layers:
+            fsdp.fully_shard(layer)
+        fsdp.fully_shard(model)
+        actor = DeduplicatedActor(model=model, attn_implementation="sdpa")
+        states = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            lp = actor.forward(batch).log_probs
+            lp.sum().backward()
+            states.append((dict(vars(model)), model.__dict__[zfsdp._METHOD]))
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    assert registered == [zfsdp._METHOD]
+    (first, method), (second, again) = states
+    assert again is method and first.keys() == second.keys()
+    ref = DeduplicatedActor(model=plain, attn_implementation="sdpa").forward(batch).log_probs
+    ref.sum().backward()
+    assert torch.equal(lp.detach(), ref.detach())
+    for n, p in plain.named_parameters():
+        assert torch.allclose(grads[n], p.grad, rtol=0, atol=1e-12), n

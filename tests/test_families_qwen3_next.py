@@ -8,13 +8,22 @@ gradient through it. The exactness tests therefore run both the reference and zo
 Prompts cover shorter than one chunk (40), exactly one (64), longer (100) and two chunks (128).
 """
 
+import os
+
 import pytest
 import torch
 from helpers import GRAD_RTOL, LP_ATOL, check
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 
+import zorro_core
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
-from zorro_core.models.linear_attention import build_linear_layout, conv_sources, fla_available
+from zorro_core.models.linear_attention import (
+    build_linear_layout,
+    conv_sources,
+    fla_available,
+    linear_layers,
+    uninstall_linear_attention,
+)
 from zorro_core.plan.build import build_dedup_plan
 from zorro_core.verify.delta_rule import chunk_gated_delta_rule_exact
 
@@ -231,16 +240,61 @@ def test_layout_all_prompts_shorter_than_a_chunk():
 
 
 def test_adapters_installed_once_and_transparent_without_a_route():
-    """The adapter wraps the layer module's conv and delta-rule functions once (a second actor adds no
-    layer of wrapping); a plain forward of the model, outside any actor, gives the same result as before."""
+    """The adapter gives each gated DeltaNet layer of the model the actor took its own forward, once
+    (a second actor adds no layer of wrapping); a plain forward of the model, outside any actor,
+    gives the same result as before."""
     from zorro_core.models.presets import build_model, preset_config
 
     model = build_model(preset_config(FAMILY), dtype=torch.float64, attn_implementation="eager")
     ids = torch.randint(1, 256, (2, 70), generator=torch.Generator().manual_seed(3))
     before = model(input_ids=ids).logits
     DeduplicatedActor(model=model).forward(chunk_batch())
-    conv, delta = qwen3_next.causal_conv1d_fn, qwen3_next.torch_chunk_gated_delta_rule
-    assert conv.zorro_original is not None and delta.zorro_original is not None
+    layers = linear_layers(model)
+    forwards = [layer.__dict__["forward"] for layer in layers]
+    assert layers and all(f.zorro_adapted for f in forwards)
     DeduplicatedActor(model=model)
-    assert qwen3_next.causal_conv1d_fn is conv and qwen3_next.torch_chunk_gated_delta_rule is delta
+    assert all(layer.__dict__["forward"] is f for layer, f in zip(layers, forwards))
     assert torch.equal(model(input_ids=ids).logits, before)
+
+
+def test_adapter_leaves_transformers_and_other_models_untouched():
+    """transformers' module functions are the originals after an actor took a model (nothing is
+    patched process-wide); a second Qwen3-Next model that no actor took keeps its class's forward
+    and runs transformers' code path as before; uninstalling gives the layers their class's forward back."""
+    from zorro_core.models.presets import build_model, preset_config
+
+    conv, delta = qwen3_next.causal_conv1d_fn, qwen3_next.torch_chunk_gated_delta_rule
+    taken = build_model(preset_config(FAMILY), dtype=torch.float64, attn_implementation="eager")
+    plain = build_model(preset_config(FAMILY), dtype=torch.float64, attn_implementation="eager", seed=1)
+    ids = torch.randint(1, 256, (2, 70), generator=torch.Generator().manual_seed(3))
+    before = plain(input_ids=ids).logits
+    DeduplicatedActor(model=taken).forward(chunk_batch())
+    assert qwen3_next.causal_conv1d_fn is conv and qwen3_next.torch_chunk_gated_delta_rule is delta
+    here = os.path.dirname(zorro_core.__file__)  # and none of them is zorro's (from an earlier actor)
+    assert not any(f.__code__.co_filename.startswith(here) for f in (conv, delta))
+    assert all("forward" not in layer.__dict__ for layer in linear_layers(plain))
+    assert all(layer.forward.__func__ is type(layer).forward for layer in linear_layers(plain))
+    assert torch.equal(plain(input_ids=ids).logits, before)
+    uninstall_linear_attention(taken)
+    assert all("forward" not in layer.__dict__ for layer in linear_layers(taken))
+
+
+def test_adapter_runs_the_module_kernel_of_the_call(monkeypatch):
+    """The adapted forward looks the module's kernel up at each call: a kernel put into the module
+    after the actor took the model is the one that runs (with a route and without)."""
+    from zorro_core.models.presets import build_model, preset_config
+
+    model = build_model(preset_config(FAMILY), dtype=torch.float64, attn_implementation="eager")
+    actor = DeduplicatedActor(model=model)
+    calls = []
+
+    def kernel(*args, **kwargs):
+        calls.append(kwargs.get("cu_seqlens"))
+        return chunk_gated_delta_rule_exact(*args, **kwargs)
+
+    monkeypatch.setattr(qwen3_next, "torch_chunk_gated_delta_rule", kernel)
+    actor.forward(chunk_batch())
+    n_routed = len(calls)
+    assert n_routed >= len(linear_layers(model))  # head and branch calls of every layer
+    model(input_ids=torch.ones(1, 5, dtype=torch.long))
+    assert len(calls) == n_routed + len(linear_layers(model))

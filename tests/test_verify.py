@@ -115,16 +115,50 @@ def test_broken_plans_fail_by_far(verifier, monkeypatch, bug, dtype, split):
 
 def test_injection_is_undone_and_must_take_effect(tiny_models):
     original = DeduplicatedActor.plan
-    with inject_bug("positions_restart") as count:
-        assert DeduplicatedActor.plan is not original
-        DeduplicatedActor(model=tiny_models("tiny-qwen3")).forward(verify_batch("padded", 256))
-    assert count["applied"] == 1 and DeduplicatedActor.plan is original
+    actor = DeduplicatedActor(model=tiny_models("tiny-qwen3"))
+    with inject_bug("positions_restart", actor) as count:
+        assert "plan" in vars(actor) and DeduplicatedActor.plan is original
+        actor.forward(verify_batch("padded", 256))
+    assert count["applied"] == 1 and DeduplicatedActor.plan is original and "plan" not in vars(actor)
     with pytest.raises(RuntimeError, match="never injected"):
-        with inject_bug("wrong_prompt"):
+        with inject_bug("wrong_prompt", actor):
             pass
+    assert "plan" not in vars(actor)
     with pytest.raises(ValueError, match="unknown bug"):
-        with inject_bug("nope"):
+        with inject_bug("nope", actor):
             pass
+
+
+def test_injection_is_per_actor(tiny_models):
+    """A bug planted in one actor leaves every other actor of the process (same model, same class) clean."""
+    model = tiny_models("tiny-qwen3")
+    batch = verify_batch("padded", 256)
+    bugged, other = DeduplicatedActor(model=model), DeduplicatedActor(model=model)
+    clean = other.forward(batch).log_probs.detach()
+    with inject_bug("positions_restart", bugged) as count:
+        assert torch.equal(other.forward(batch).log_probs.detach(), clean)
+        assert torch.equal(other.plan(batch).position_ids, build_dedup_plan(batch).position_ids)
+        wrong = bugged.forward(batch).log_probs.detach()
+    assert count["applied"] == 1 and (wrong - clean).abs().max() > 1e-3
+
+
+def test_injection_plants_the_trie_version_in_a_prefix_actor(tiny_models):
+    """sharing="prefix": the plan is a TriePlan and gets the trie's version of the bug; a bug with no
+    trie version is refused by name."""
+    from zorro_core.plan.trie import TriePlan
+
+    actor = DeduplicatedActor(model=tiny_models("tiny-qwen3"), sharing="prefix", min_shared_tokens=1)
+    batch = verify_batch("padded", 256)
+    clean = actor.plan(batch)
+    assert isinstance(clean, TriePlan)
+    with inject_bug("positions_restart", actor):
+        bad = actor.plan(batch)
+    assert isinstance(bad, TriePlan)
+    assert torch.equal(bad.position_ids, clean.position_ids - clean.node_depth[clean.token_node])
+    assert not torch.equal(bad.position_ids, clean.position_ids)
+    with pytest.raises(ValueError, match="no sharing='prefix' version"):
+        with inject_bug("first_label_dropped", actor):
+            actor.plan(batch)
 
 
 def test_unavailable_cases_skip_with_a_reason(verifier):

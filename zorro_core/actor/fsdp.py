@@ -5,7 +5,8 @@ the methods registered with `register_fsdp_forward_method`). Trainers shard each
 and the CausalLM root; the root then owns the embedding, the final norm and lm_head. The actors
 call the base model and lm_head themselves, so without the root's hooks the embedding would be
 a sharded DTensor ("aten.embedding.default got mixed torch.Tensor and DTensor"). `as_root_forward`
-runs a function as a registered forward method of the root: its pre-forward hook gathers the
+runs a function through a forward method of the root, registered once per model (on first use,
+then reused: nothing on the model is set or removed per call): its pre-forward hook gathers the
 root's parameters (and does FSDP's lazy init from the root, so the layers are not mistaken for
 roots), its post-forward hook registers the pre-backward hook on the returned tensors, whose
 backward then reduce-scatters the root's gradients. The decoder layers keep their own hooks.
@@ -40,17 +41,28 @@ def as_root_forward(model: nn.Module, fn: Callable[[], Any]) -> Any:
     """
     if not is_fsdp_root(model):
         return fn()
+    method = model.__dict__.get(_METHOD)
+    if method is None:
+        method = _register(model)
+    with warnings.catch_warnings():
+        # FSDP warns when an output is a view (an in-place op on it would drop the hook); the
+        # actor only reads its outputs with out-of-place ops (index_put into a new tensor).
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        return method(fn)
+
+
+def _call(fn: Callable[[], Any]) -> Any:
+    return fn()
+
+
+def _register(model: nn.Module):
+    """Register `_call` as a forward method of the root, once per model; the registered method.
+
+    register_fsdp_forward_method wraps an attribute of the module instance and calls it without
+    `self`, so a plain function taking the computation as its argument serves every call.
+    """
     from torch.distributed.fsdp import register_fsdp_forward_method  # lazy: see is_fsdp_root
 
-    # register_fsdp_forward_method wraps an attribute of the module instance; the wrapper
-    # calls the attribute without `self`, so a closure serves. Removed afterwards.
-    object.__setattr__(model, _METHOD, fn)
-    try:
-        register_fsdp_forward_method(model, _METHOD)
-        with warnings.catch_warnings():
-            # FSDP warns when an output is a view (an in-place op on it would drop the hook); the
-            # actor only reads its outputs with out-of-place ops (index_put into a new tensor).
-            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-            return getattr(model, _METHOD)()
-    finally:
-        object.__delattr__(model, _METHOD)
+    object.__setattr__(model, _METHOD, _call)
+    register_fsdp_forward_method(model, _METHOD)
+    return model.__dict__[_METHOD]

@@ -9,10 +9,17 @@ prompt block is gathered once per group and broadcast to the group's responses a
 batch dimension, instead of one row gather per (response, prompt token): on CPU the
 backward of a row gather with duplicates (index_add / scatter_add) is slow, the backward of
 a broadcast is a plain sum. The gap between a short prompt and the response block is masked.
+
+On CPU the non-exact cross call goes through PyTorch's private CPU flash kernel (_FlashCross),
+called with positional arguments: before its first use per dtype, a tiny call of its forward and
+backward is checked against float64 softmax attention (cpu_flash_unavailable, cached); when that
+fails, the cross call runs the public path (`attend`, F.scaled_dot_product_attention) instead.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Optional
 
 import torch
@@ -201,8 +208,73 @@ def cross_attention(q, k, v, seg: Segments, scale: float, window: Optional[int],
     q [Tq, Hq, D] holds the responses' queries (seg's query segments); k, v [T, Hkv, D] are
     the whole packed row's keys/values, with the responses' own at seg.q_start onwards.
     """
-    lay = seg.cross_layout(q.device)
-    if not exact and q.device.type == "cpu":
+    return cross_blocks_attention(q, k, v, seg, seg.cross_layout(q.device), scale, window, exact)
+
+
+def cross_blocks_attention(
+    q, k, v, seg: Segments, lay: CrossLayout, scale: float, window: Optional[int], exact: bool
+) -> torch.Tensor:
+    """The cross call over `lay`: on CPU, non-exact, through the CPU flash kernel when its probe
+    passed for q's dtype (cpu_flash_unavailable); otherwise `attend` over the [prompt | own] blocks."""
+    if not exact and q.device.type == "cpu" and cpu_flash_unavailable(q.dtype) is None:
         return _FlashCross.apply(q, k, v, seg, lay, scale, lay.mask(window, q.dtype))
     qp, kp, vp = _cross_blocks(q, k, v, seg, lay)
     return from_padded(attend(qp, kp, vp, lay, window, scale, exact), lay)
+
+
+# Probe tolerances: the kernel against float64 math on the same (rounded) inputs.
+_PROBE_TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flash_unavailable(dtype: torch.dtype) -> Optional[str]:
+    """None when torch's private CPU flash kernel, forward and backward called as _FlashCross calls
+    them, agrees with float64 softmax attention on a tiny masked case in `dtype`; else why not (warned once).
+    Probed once per dtype per process."""
+    why = probe_cpu_flash(dtype)
+    if why is not None:
+        warnings.warn(
+            f"zorro: the CPU flash kernel is not used for {dtype} cross attention ({why}); "
+            "running F.scaled_dot_product_attention over the [prompt | own] blocks instead",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return why
+
+
+def probe_cpu_flash(dtype: torch.dtype, forward_op=None, backward_op=None) -> Optional[str]:
+    """One call of the ops (torch's by default) on [2, 2, 3, 8] queries and [2, 2, 5, 8] keys with an
+    additive -inf mask, forward and backward, against float64 math written out; None if they agree.
+
+    No autograd here: the probe may run inside a checkpointed region (its saved-tensor hooks would
+    take the probe's tensors), under no_grad or inference_mode, so the reference gradients are the
+    closed form of softmax attention's backward. Autocast is off for the reference.
+    """
+    try:
+        forward_op = forward_op or torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        backward_op = backward_op or torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            g = torch.Generator().manual_seed(0)  # a private generator: the global RNG untouched
+            q, k, v, grad = (torch.randn(2, 2, n, 8, generator=g, dtype=torch.float64).to(dtype) for n in (3, 5, 5, 3))
+            qi, ki = torch.arange(3)[:, None], torch.arange(5)[None, :]
+            allowed = (ki <= qi + 2).expand(2, 1, 3, 5).clone()
+            allowed[1, :, :, 0] = False  # a masked key ahead of the rest (a short prompt's gap)
+            mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+            scale = 0.3
+            out, lse = forward_op(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+            dq, dk, dv = backward_op(grad, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
+            q64, k64, v64, g64 = (t.double() for t in (q, k, v, grad))
+            p = torch.softmax(q64 @ k64.transpose(-1, -2) * scale + mask.double(), -1)
+            dp = g64 @ v64.transpose(-1, -2)
+            ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+            want = (p @ v64, ds @ k64 * scale, ds.transpose(-1, -2) @ q64 * scale, p.transpose(-1, -2) @ g64)
+        tol = _PROBE_TOL.get(dtype, 5e-2)
+        for what, got, ref in zip(("output", "dq", "dk", "dv"), (out, dq, dk, dv), want):
+            if got.shape != ref.shape:
+                return f"{what} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
+            err = (got.double() - ref).abs().max().item()
+            if not err <= tol:
+                return f"{what} differs from float64 softmax attention by {err:.2e} > {tol:g}"
+    except Exception as e:  # noqa: BLE001 - any failure of a private op means "not this kernel here"
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from zorro_core.attention.backends import BACKENDS
 from zorro_core.attention.flex import BLOCK
-from zorro_core.attention.padded import _cross_blocks, _FlashCross, attend, from_padded
+from zorro_core.attention.padded import cross_blocks_attention
 from zorro_core.plan.trie import TriePlan
 
 
@@ -45,11 +45,7 @@ def tree_split_attention(plan: TriePlan, q, k, v, scale: float, window: Optional
         if not lay.uniform_p:  # the parents' paths are scattered over the packed row: gather them once
             rows, seg, lay = level.compact(q.device)
             kl, vl = k[rows], v[rows]
-        if backend != "reference" and q.device.type == "cpu":
-            outs.append(_FlashCross.apply(qx, kl, vl, seg, lay, scale, lay.mask(window, q.dtype)))
-        else:
-            qp, kp, vp = _cross_blocks(qx, kl, vl, seg, lay)
-            outs.append(from_padded(attend(qp, kp, vp, lay, window, scale, backend == "reference"), lay))
+        outs.append(cross_blocks_attention(qx, kl, vl, seg, lay, scale, window, backend == "reference"))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 

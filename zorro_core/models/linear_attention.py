@@ -3,10 +3,15 @@
 A linear-attention layer mixes tokens in two places, neither of them transformers' attention
 interface: a causal depthwise convolution over the pre-conv q/k/v (kernel K), and the chunked
 gated delta rule, a recurrence whose state after a prompt summarises it. The adapter wraps
-exactly those two functions of the layer's module, once, when an actor takes the model (the
-layer passes its forward kwargs, hence the route, to both): with a route they run the dedup
-computation below, without one the original function, so the model is unchanged outside the
-actor. Everything else in the layer (projections, gates, norms) is token-wise and runs untouched.
+exactly those two functions for the layers of the models an actor took, and nowhere else: each
+such layer gets its own copy of its class's forward (the same code, decorators included) whose
+two module-level names resolve to the adapter's functions, every other name to the layer's module
+as it is at the call. transformers' module is never written to, so another model of the same
+class in the process runs transformers' code as it is. The layer passes its forward kwargs, hence
+the route, to both functions: with a route they run the dedup computation below, without one the
+module's own function (looked up at each call, so a kernel swapped into the module later is the
+one that runs), so the model is unchanged outside the actor. Everything else in the layer
+(projections, gates, norms) is token-wise and runs untouched.
 
 - Convolution: the model's own conv over the packed row, then the first K-1 tokens of each
   packed segment recomputed over their own sequence's window: for a response, the prompt's last
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 from dataclasses import dataclass
 from typing import Optional
 
@@ -311,27 +317,98 @@ def linear_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def install_linear_attention(model: nn.Module) -> None:
-    """Wrap the conv and delta rule of every gated DeltaNet layer's module (idempotent).
+    """Give every gated DeltaNet layer of `model` the adapted forward (idempotent; this model's layers only).
 
-    The wrappers act only when a route is in the call's kwargs; a module function replaced
-    later (say, by a test's kernel) is wrapped again at the next install, and a forward that
-    bypasses the wrappers is refused by the actor's call count.
+    The adapter acts only when a route is in the call's kwargs. A layer whose forward was already
+    replaced on the instance by someone else is left as it is: if that forward bypasses the
+    adapter, the actor's call count refuses the forward. transformers' module functions are left
+    as they are.
     """
-    for mod in {sys.modules[type(m).__module__] for m in linear_layers(model)}:
-        for name, fn in ((_CONV_FN, _dedup_conv), (_DELTA_FN, _dedup_delta_rule)):
-            current = getattr(mod, name, None)
-            if current is None:
-                raise UnsupportedModelError(
-                    f"{mod.__name__} has no {name}: this transformers version's gated DeltaNet is not supported"
-                )
-            if getattr(current, "zorro_original", None) is None:
-                setattr(mod, name, _bind(fn, current))
+    for layer in linear_layers(model):
+        if "forward" not in layer.__dict__:
+            layer.forward = types.MethodType(_adapted_forward(type(layer)), layer)
 
 
-def _bind(fn, original):
-    @functools.wraps(original)
-    def patched(*args, **kwargs):
-        return fn(original, *args, **kwargs)
+def uninstall_linear_attention(model: nn.Module) -> None:
+    """Give the gated DeltaNet layers of `model` their class's forward back (a no-op where none was adapted)."""
+    for layer in linear_layers(model):
+        if getattr(layer.__dict__.get("forward"), "zorro_adapted", False):
+            del layer.forward
 
-    patched.zorro_original = original
-    return patched
+
+# The adapted forward of each layer class, by the class's forward function.
+_ADAPTED: dict = {}
+
+
+def _adapted_forward(cls: type):
+    """`cls.forward` rebuilt with the conv and delta rule names resolved to the adapter's functions."""
+    forward = cls.forward
+    if forward not in _ADAPTED:
+        mod = sys.modules[cls.__module__]
+        missing = [name for name in (_CONV_FN, _DELTA_FN) if getattr(mod, name, None) is None]
+        if missing:
+            raise UnsupportedModelError(
+                f"{mod.__name__} has no {', '.join(missing)}: this transformers version's gated DeltaNet is not supported"
+            )
+        overrides = {
+            _CONV_FN: _routed(mod, _CONV_FN, _dedup_conv),
+            _DELTA_FN: _routed(mod, _DELTA_FN, _dedup_delta_rule),
+        }
+        adapted = _with_globals(forward, overrides, cls)
+        adapted.zorro_adapted = True
+        _ADAPTED[forward] = adapted
+    return _ADAPTED[forward]
+
+
+def _routed(mod, name: str, fn):
+    """`fn(the module's `name` at call time, ...)`: the dedup computation with a route, the module's own without."""
+
+    def call(*args, **kwargs):
+        return fn(getattr(mod, name), *args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+class _LayerGlobals(dict):
+    """The globals of an adapted forward: the adapter's names; any other name read from the module at lookup."""
+
+    def __init__(self, module_globals: dict, overrides: dict) -> None:
+        super().__init__(overrides)
+        # Read by the interpreter from the dict itself (not through __missing__) when the function is built.
+        self["__builtins__"] = module_globals["__builtins__"]
+        self["__name__"] = module_globals["__name__"]
+        self._module_globals = module_globals
+
+    def __missing__(self, name: str):
+        return self._module_globals[name]
+
+
+def _with_globals(fn, overrides: dict, cls: type):
+    """A copy of `fn` whose global names in `overrides` resolve there.
+
+    `fn` is a function or a chain of functools.wraps decorators around one: the innermost function
+    that names an override is rebuilt with _LayerGlobals, each decorator above it rebuilt with the
+    new function in place of the old in its closure.
+    """
+    if not set(overrides) & set(fn.__code__.co_names):
+        inner = getattr(fn, "__wrapped__", None)
+        cells = [c for c in fn.__closure__ or () if inner is not None and c.cell_contents is inner]
+        if inner is None or not cells:
+            raise UnsupportedModelError(
+                f"{cls.__qualname__}.forward does not call {' or '.join(overrides)} by name: this transformers "
+                "version's gated DeltaNet is not supported"
+            )
+        new_inner = _with_globals(inner, overrides, cls)
+        closure = tuple(types.CellType(new_inner) if c.cell_contents is inner else c for c in fn.__closure__)
+        return _copy_function(fn, fn.__globals__, closure, __wrapped__=new_inner)
+    return _copy_function(fn, _LayerGlobals(fn.__globals__, overrides), fn.__closure__)
+
+
+def _copy_function(fn, globals_: dict, closure, **attrs):
+    new = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, closure)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__, new.__doc__, new.__annotations__ = fn.__qualname__, fn.__doc__, fn.__annotations__
+    new.__dict__.update(fn.__dict__)
+    new.__dict__.update(attrs)
+    return new

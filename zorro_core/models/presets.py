@@ -8,8 +8,9 @@ published hyperparameters.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from huggingface_hub import snapshot_download
@@ -46,17 +47,36 @@ def build_model(
 ) -> nn.Module:
     """A causal LM from `config` with seeded random weights.
 
+    The weights are drawn from the seed in a private RNG state: the caller's global RNG state is
+    the same after the call as before (see seeded_rng).
     MoE experts default to transformers' choice, except in float64 where they run "eager"
     (grouped_mm has no float64 kernel).
     """
-    torch.manual_seed(seed)
     extra = {}
     if experts_implementation is None and dtype == torch.float64 and getattr(config, "num_experts", 0):
         experts_implementation = "eager"
     if experts_implementation is not None:
         extra["experts_implementation"] = experts_implementation
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation, **extra)
+    with seeded_rng(seed):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation, **extra)
     return model.to(device)
+
+
+@contextlib.contextmanager
+def seeded_rng(seed: int) -> Iterator[None]:
+    """Within: torch's global generators seeded with `seed`; on exit, the caller's states put back.
+
+    transformers initialises weights through torch.nn.init, which takes no generator, so the seed
+    goes into the global generator of the CPU (where from_config builds) and of every CUDA device
+    already initialised, each forked first (torch.random.fork_rng) and restored on exit. The
+    weights are those `torch.manual_seed(seed)` before from_config gives.
+    """
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(seed)
+        for d in cuda:
+            torch.cuda.default_generators[d].manual_seed(seed)
+        yield
 
 
 def _hf_cache_path(name: str) -> Optional[str]:

@@ -86,9 +86,9 @@ def chunk_gated_delta_rule_exact(
 def exact_delta_rule(model: nn.Module) -> Iterator[None]:
     """Within: the gated DeltaNet modules of `model` run `chunk_gated_delta_rule_exact`.
 
-    Set before any actor takes a model, so that zorro's adapter wraps this kernel (an adapter
-    installed earlier is put back on exit, with the module's own kernel). A model without such
-    layers is left as it is.
+    zorro's adapter looks the module's kernel up at each call, so this applies to actors built
+    before or inside the block alike; the module's own kernel is put back on exit. A model
+    without such layers is left as it is.
     """
     modules = {sys.modules[type(m).__module__] for m in linear_layers(model)}
     saved = {mod: getattr(mod, _KERNEL) for mod in modules}

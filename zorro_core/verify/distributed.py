@@ -174,7 +174,7 @@ def verify_rank(cfg: DistributedConfig) -> list[dict]:
     dev = torch.device(cfg.device if cfg.device != "cuda" else f"cuda:{torch.cuda.current_device()}")
     model = build_verify_model(cfg.model, "cpu", cfg.seed).to(torch.float64)
     ref_model = copy.deepcopy(model)
-    ref_model.config._attn_implementation = "eager"
+    ref_model.set_attn_implementation("eager")  # transformers' public switch (already eager: build_verify_model)
     batch = distributed_batch(world, model.config.vocab_size, cfg.seed + 1)
     weights = token_weights(batch, seed=cfg.seed + 2)
     n_global = int(batch.response_mask.sum())

@@ -27,7 +27,7 @@ from zorro_core.actor.logprobs import LOGITS_MODES
 from zorro_core.attention.backends import backend_unavailable, default_backend
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.parts import unwrap_adapters
-from zorro_core.models.presets import PRESETS, build_model, preset_config
+from zorro_core.models.presets import PRESETS, build_model, preset_config, seeded_rng
 from zorro_core.models.registry import FAMILIES
 from zorro_core.plan.batch import RolloutBatch, create_dummy_batch
 from zorro_core.plan.dtypes import DTYPES as TORCH_DTYPES
@@ -331,11 +331,14 @@ TREE_BUGS = {"positions_restart": _tree_positions_restart, "wrong_prompt": _tree
 
 
 @contextlib.contextmanager
-def inject_bug(name: Optional[str]) -> Iterator[dict]:
-    """Corrupt every plan the DeduplicatedActor builds, for proving that verification can fail.
+def inject_bug(name: Optional[str], actor) -> Iterator[dict]:
+    """Corrupt every plan `actor` builds, for proving that verification can fail.
 
-    Yields a counter; raises RuntimeError at exit if the bug was never applied (so a refactor of
-    the actor cannot silently turn the check into a no-op).
+    Only that actor: its `plan` is shadowed by an instance attribute for the block's duration
+    (the class, and every other actor of the process, are untouched), and what it had is put
+    back on exit. Yields a counter; raises RuntimeError at exit if the bug was never applied (so
+    a refactor of the actor cannot silently turn the check into a no-op). name None: nothing is
+    changed.
     """
     counter = {"applied": 0}
     if name is None:
@@ -344,28 +347,30 @@ def inject_bug(name: Optional[str]) -> Iterator[dict]:
     if name not in BUGS:
         raise ValueError(f"unknown bug {name!r}; choose one of {sorted(BUGS)}")
     corrupt = BUGS[name][1]
-    had_own = "plan" in DeduplicatedActor.__dict__
-    original = DeduplicatedActor.plan
+    own = actor.__dict__.get("plan")
+    original = actor.plan
 
-    def plan(self, batch):
+    def plan(batch):
         counter["applied"] += 1
-        built = original(self, batch)
+        built = original(batch)
         if isinstance(built, TriePlan):  # sharing="prefix": the trie's version of the bug
             if name not in TREE_BUGS:
                 raise ValueError(f"bug {name!r} has no sharing='prefix' version; choose one of {sorted(TREE_BUGS)}")
             return TREE_BUGS[name](built, batch)
-        return corrupt(built, batch.to(self.device))
+        return corrupt(built, batch.to(actor.device))
 
-    DeduplicatedActor.plan = plan
+    actor.plan = plan
     try:
         yield counter
     finally:
-        if had_own:
-            DeduplicatedActor.plan = original
+        if own is None:
+            del actor.plan
         else:
-            del DeduplicatedActor.plan
+            actor.plan = own
     if counter["applied"] == 0:
-        raise RuntimeError(f"bug {name!r} was never injected: DeduplicatedActor no longer builds plans through .plan()")
+        raise RuntimeError(
+            f"bug {name!r} was never injected: {type(actor).__name__} no longer builds plans through .plan()"
+        )
 
 
 # ---------------------------------------------------------------- running cases
@@ -407,8 +412,8 @@ class Verifier:
                 if self.lora_rank:
                     # Random adapter init (peft's default B = 0 would make the adapter the identity
                     # and its A-gradients zero): every adapter weight gets a gradient to compare.
-                    torch.manual_seed(self.seed)
-                    m = apply_lora(m, LoraSettings(r=self.lora_rank, init_lora_weights=False))
+                    with seeded_rng(self.seed):  # the caller's global RNG state is left as it was
+                        m = apply_lora(m, LoraSettings(r=self.lora_rank, init_lora_weights=False))
                 self._models[(name, "float32")] = m
             base = self._models[(name, "float32")]
             self._models[key] = copy.deepcopy(base).to(DTYPES[dtype])
@@ -447,7 +452,7 @@ class Verifier:
                 return CaseResult(case, "skip", str(e))
             with checkpointed(model, self.checkpointing):
                 base, base_lp = self.errors(BaselineActor(model=model, config=config), batch, w, ref)
-                with inject_bug(self.bug):
+                with inject_bug(self.bug, actor):
                     dedup, dedup_lp = self.errors(actor, batch, w, ref)
         except Exception as e:  # a crash is a failed proof, reported as a row
             return CaseResult(case, "error", f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)

@@ -260,10 +260,12 @@ def _train_steps(
     m_ref = copy.deepcopy(m_base).to(torch.float64)  # the same (possibly bf16-rounded) weights
     unwrap_adapters(m_ref).set_attn_implementation("eager")
     config = cfg.actor_config()
+    base_actor = BaselineActor(model=m_base, config=config)
+    dedup_actor = DeduplicatedActor(model=m_dedup, config=config)
     runs = {
         "ref": _Run(m_ref, lambda b: sequence_forward(m_ref, b, cfg.temperature), cfg),
-        "baseline": _Run(m_base, _actor_fn(BaselineActor(model=m_base, config=config), cfg.temperature), cfg),
-        "dedup": _Run(m_dedup, _actor_fn(DeduplicatedActor(model=m_dedup, config=config), cfg.temperature), cfg),
+        "baseline": _Run(m_base, _actor_fn(base_actor, cfg.temperature), cfg),
+        "dedup": _Run(m_dedup, _actor_fn(dedup_actor, cfg.temperature), cfg),
     }
     start = runs["ref"].snapshot()
 
@@ -282,7 +284,7 @@ def _train_steps(
         batch, adv, old_lp = data[(step - 1) % cfg.num_batches]
         losses, frac = {}, 0.0
         for name, run in runs.items():
-            with inject_bug(bug if name == "dedup" else None):
+            with inject_bug(bug if name == "dedup" else None, dedup_actor):  # the dedup actor's plans only
                 lp, ent = run.forward(batch)
             loss, f = grpo_loss(lp, old_lp, adv, batch.response_mask, cfg.clip_eps, ent, cfg.entropy_coef)
             run.step(loss)
