@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from zorro_core.plan.layouts import CrossLayout, PaddedLayout
-from zorro_core.plan.prompt import Segments
+from zorro_core.plan.segments import Segments
 
 
 def pad(x: torch.Tensor, idx: torch.Tensor, uniform: bool, n: int, length: int) -> torch.Tensor:

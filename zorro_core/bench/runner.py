@@ -46,7 +46,7 @@ from zorro_core.bench.suite import PHASES, Case, Measure
 from zorro_core.models.presets import load_model
 from zorro_core.plan.build import build_dedup_plan, build_plain_plan
 from zorro_core.plan.cost import ModelShape, compare_plans
-from zorro_core.plan.dtypes import DTYPES as _DTYPES
+from zorro_core.plan.dtypes import DTYPES
 from zorro_core.stack.auto import choose_attention
 from zorro_core.stack.checkpointing import enable_checkpointing
 from zorro_core.stack.liger import apply_liger, liger_unavailable
@@ -108,10 +108,10 @@ class _Bench:
         attn = case.attn_implementation
         if attn == "auto":  # resolved once, the same for both arms (zorro_core.stack.auto's rule)
             attn = choose_attention(
-                self.device, _DTYPES[case.dtype], case.prompt_len + case.response_len, case.split_attention
+                self.device, DTYPES[case.dtype], case.prompt_len + case.response_len, case.split_attention
             ).implementation
         self.model = load_model(
-            case.model, device=self.device, dtype=_DTYPES[case.dtype], attn_implementation=attn, seed=case.seed
+            case.model, device=self.device, dtype=DTYPES[case.dtype], attn_implementation=attn, seed=case.seed
         )
         self.model.eval()  # no dropout; gradients still flow
         if case.checkpointing:  # what a trainer runs: every decoder layer recomputed in backward (training mode)

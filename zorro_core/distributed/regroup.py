@@ -93,7 +93,7 @@ def _all_to_all(values: torch.Tensor, send: list[int], recv: list[int], group) -
     return out
 
 
-class _Exchange(torch.autograd.Function):
+class Exchange(torch.autograd.Function):
     """all_to_all_single whose backward is the inverse all-to-all (split sizes swapped)."""
 
     @staticmethod
@@ -145,7 +145,7 @@ class Restore:
             * math.prod(t.shape[2:])
             * values.element_size()
         )
-        home = _Exchange.apply(values, self._back, self._forth, self._group)
+        home = Exchange.apply(values, self._back, self._forth, self._group)
         b, r = self._shape
         out = home.new_zeros((b * r,) + tuple(t.shape[2:]))
         return out.index_put((self._home_index.to(t.device),), home).view((b, r) + tuple(t.shape[2:]))

@@ -36,7 +36,7 @@ import functools
 import sys
 import types
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -340,7 +340,7 @@ def uninstall_linear_attention(model: nn.Module) -> None:
 _ADAPTED: dict = {}
 
 
-def _adapted_forward(cls: type):
+def _adapted_forward(cls: Any):
     """`cls.forward` rebuilt with the conv and delta rule names resolved to the adapter's functions."""
     forward = cls.forward
     if forward not in _ADAPTED:

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional
 import torch
 from huggingface_hub import snapshot_download
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from zorro_core.models.registry import FAMILIES
 
@@ -44,7 +44,7 @@ def build_model(
     seed: int = 0,
     attn_implementation: str = "sdpa",
     experts_implementation: Optional[str] = None,
-) -> nn.Module:
+) -> PreTrainedModel:
     """A causal LM from `config` with seeded random weights.
 
     The weights are drawn from the seed in a private RNG state: the caller's global RNG state is
@@ -53,13 +53,14 @@ def build_model(
     (grouped_mm has no float64 kernel).
     """
     extra = {}
-    if experts_implementation is None and dtype == torch.float64 and getattr(config, "num_experts", 0):
+    if experts_implementation is None and dtype == torch.float64 and getattr(config, "num_experts", None):
         experts_implementation = "eager"
     if experts_implementation is not None:
         extra["experts_implementation"] = experts_implementation
     with seeded_rng(seed):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation, **extra)
-    return model.to(device)
+    nn.Module.to(model, device)  # in place (transformers types its own .to for dtype casts only)
+    return model
 
 
 @contextlib.contextmanager
@@ -92,14 +93,15 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sdpa",
     seed: int = 0,
-) -> nn.Module:
+) -> PreTrainedModel:
     """A local checkpoint, a model in the local HF cache, or a preset (random weights). Never downloads."""
     path = name_or_path if os.path.isdir(name_or_path) else _hf_cache_path(name_or_path)
     if path is not None:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
         )
-        return model.to(device)
+        nn.Module.to(model, device)  # in place
+        return model
     if name_or_path in PRESETS:
         return build_model(
             preset_config(name_or_path), dtype=dtype, device=device, seed=seed, attn_implementation=attn_implementation

@@ -101,7 +101,7 @@ def quantize_nf4(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) 
             if child.bias is not None:
                 q.bias = nn.Parameter(child.bias.data.to(compute_dtype), requires_grad=False)
             setattr(parent, name, q.to(device))
-    model.is_loaded_in_4bit = True  # what peft looks at to treat the model as quantized
+    model.is_loaded_in_4bit = True  # type: ignore[assignment]  # a plain flag peft reads to treat the model as quantized
     return model
 
 

@@ -21,6 +21,7 @@ import copy
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.distributed import regroup
 from zorro_core.distributed.launch import default_backend, init_from_env, launch, under_torchrun
-from zorro_core.distributed.regroup import _Exchange
+from zorro_core.distributed.regroup import Exchange
 from zorro_core.plan.balance import select_rows
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.prompt import group_rows
@@ -154,25 +155,32 @@ def _bugged_restore(restore, bug: str | None):
         restore._home_index = restore._home_index.flip(0)
         return restore
     if bug == "restore_rank":
-        rank, world = dist.get_rank(), dist.get_world_size()
-
-        def to_next_rank(t):  # every rank's rows go to rank - 1: rank r gets rank r+1's rows
-            out = restore(t)
-            n = out.shape[0]
-            send = [n if d == (rank - 1) % world else 0 for d in range(world)]
-            recv = [n if s == (rank + 1) % world else 0 for s in range(world)]
-            return _Exchange.apply(out, send, recv, None)
-
-        to_next_rank.info = restore.info
-        return to_next_rank
+        return _RestoreToNextRank(restore)
     return restore
+
+
+class _RestoreToNextRank:
+    """The restore_rank bug: every rank's rows go to rank - 1, so rank r gets rank r+1's rows."""
+
+    def __init__(self, restore) -> None:
+        self.restore = restore
+        self.info = restore.info
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        out = self.restore(t)
+        n = out.shape[0]
+        send = [n if d == (rank - 1) % world else 0 for d in range(world)]
+        recv = [n if s == (rank + 1) % world else 0 for s in range(world)]
+        return Exchange.apply(out, send, recv, None)
 
 
 def verify_rank(cfg: DistributedConfig) -> list[dict]:
     """Run every variant of `cfg` on this rank (inside an initialized process group); per-variant raw results."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device(cfg.device if cfg.device != "cuda" else f"cuda:{torch.cuda.current_device()}")
-    model = build_verify_model(cfg.model, "cpu", cfg.seed).to(torch.float64)
+    model: Any = build_verify_model(cfg.model, "cpu", cfg.seed)
+    model.to(torch.float64)
     ref_model = copy.deepcopy(model)
     ref_model.set_attn_implementation("eager")  # transformers' public switch (already eager: build_verify_model)
     batch = distributed_batch(world, model.config.vocab_size, cfg.seed + 1)

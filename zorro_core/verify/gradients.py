@@ -16,10 +16,10 @@ import itertools
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
-from torch import nn
+from transformers import PreTrainedModel
 
 from zorro_core.actor.actor import BaselineActor, DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
@@ -242,7 +242,7 @@ def case_unavailable(case: VerifyCase, device: str) -> Optional[str]:
     return None
 
 
-def build_verify_model(name: str, device: str = "cpu", seed: int = 0) -> nn.Module:
+def build_verify_model(name: str, device: str = "cpu", seed: int = 0) -> PreTrainedModel:
     """Preset `name` in float32 with seeded weights, ready to cast to any dtype.
 
     MoE experts run the eager loop: grouped_mm has no float64 on CPU, and the reference must
@@ -400,15 +400,15 @@ class Verifier:
         self.seed = seed
         self.factor = factor
         self.bug = bug
-        self._models: dict[tuple[str, str], nn.Module] = {}
+        self._models: dict[tuple[str, str], Any] = {}  # causal LMs, or peft models around them
         self._refs: dict[tuple[str, str, str], tuple] = {}
 
-    def model(self, name: str, dtype: str) -> nn.Module:
+    def model(self, name: str, dtype: str) -> Any:  # a causal LM, or a peft model around one
         """Weights are drawn once in float32 and cast, so every dtype holds the same model."""
         key = (name, dtype)
         if key not in self._models:
             if (name, "float32") not in self._models:
-                m = build_verify_model(name, self.device, self.seed)
+                m: Any = build_verify_model(name, self.device, self.seed)
                 if self.lora_rank:
                     # Random adapter init (peft's default B = 0 would make the adapter the identity
                     # and its A-gradients zero): every adapter weight gets a gradient to compare.

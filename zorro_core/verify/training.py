@@ -16,7 +16,7 @@ import copy
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -257,7 +257,7 @@ def _train_steps(
 ) -> None:
     m_base = base32.to(DTYPES[cfg.dtype])
     m_dedup = copy.deepcopy(m_base)
-    m_ref = copy.deepcopy(m_base).to(torch.float64)  # the same (possibly bf16-rounded) weights
+    m_ref: Any = copy.deepcopy(m_base).to(torch.float64)  # the same (possibly bf16-rounded) weights
     unwrap_adapters(m_ref).set_attn_implementation("eager")
     config = cfg.actor_config()
     base_actor = BaselineActor(model=m_base, config=config)
