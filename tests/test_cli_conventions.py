@@ -87,7 +87,7 @@ def test_no_private_name_crosses_a_module():
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.ImportFrom)
         for alias in node.names
-        if alias.name.startswith("_") and alias.name != "__future__" and node.module != "__future__"
+        if alias.name.startswith("_")
     ]
     assert not crossing, crossing
 
