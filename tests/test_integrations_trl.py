@@ -247,8 +247,18 @@ def test_unserved_inputs_fall_back(checkpoint, tmp_path):
     assert trainer.zorro_calls == {"dedup": 0, "fallback": 3}
 
 
-def test_moe_aux_loss_falls_back(tmp_path):
-    """Qwen3-MoE: log-probs through zorro; the router aux loss TRL asks for in its loss is served by TRL."""
+def _aux_inputs():
+    """_joined_inputs with two completions fully masked: one whose prompt other rows share, one whose prompt is its own."""
+    ids, mask, keep = _joined_inputs()
+    mask[6, -keep:] = 1 * (ids[6, -keep:] != 0)  # row 6 (one-token prompt) live again
+    mask[5, -keep:] = 0  # prompt [5, 6, 7], shared with rows 0 and 2
+    mask[3, -keep:] = 0  # prompt [11..15], its own
+    return ids, mask, keep
+
+
+def test_moe_aux_loss_is_served_equal_to_trl(tmp_path):
+    """Qwen3-MoE: the router aux loss TRL asks for in its loss is served by zorro and equals TRL's (value and
+    every gradient), with fully masked completions in the call and in TRL's chunks."""
     path = tmp_path / "tiny_moe"
     model = build_model(preset_config("tiny-qwen3-moe", eos_token_id=1, pad_token_id=0), dtype=torch.float64, seed=0)
     model.save_pretrained(path)
@@ -262,17 +272,46 @@ def test_moe_aux_loss_falls_back(tmp_path):
         model_init_kwargs={"dtype": torch.float64, "experts_implementation": "eager"},
     )
     assert trainer.aux_loss_enabled  # TRL requests the aux loss for every MoE config
-    ids, mask, keep = _joined_inputs()
+    model = trainer.model
+    model.train()
+    ids, mask, keep = _aux_inputs()
+    weights = torch.rand(ids.shape[0], keep, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) + 0.5
+
+    def run(fn, batch_size):
+        model.zero_grad(set_to_none=True)
+        lp, ent, aux = fn(model, ids, mask, keep, batch_size=batch_size, compute_entropy=True, compute_aux_loss=True)
+        ((lp * weights).sum() + (ent * weights.flip(0)).sum() + 10 * aux).backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return lp.detach(), ent.detach(), aux.detach(), grads
+
+    for batch_size in (None, 3):
+        own = run(_trl_logps(trainer), batch_size)
+        ours = run(trainer._get_per_token_logps_and_entropies, batch_size)
+        assert (ours[0] - own[0]).abs().max() <= LP_FLOOR and (ours[1] - own[1]).abs().max() <= LP_FLOOR
+        assert abs(float(ours[2]) - float(own[2])) <= LP_FLOOR and float(own[2]) > 0, (ours[2], own[2])
+        assert float(ours[0][[3, 5]].abs().max()) == 0.0 and float(ours[1][[3, 5]].abs().max()) == 0.0
+        errs = rel_grad_errors(ours[3], own[3])
+        assert len(errs) == len(own[3]) and max(errs.values()) <= GRAD_FLOOR, errs
+        # the masked rows' prompts count: dropping those rows (as the log-prob path does) changes the loss
+        live = mask[:, -keep:].any(1)
+        with torch.no_grad():
+            without = GRPOTrainer._get_per_token_logps_and_entropies(
+                trainer, model, ids[live], mask[live], keep, compute_aux_loss=True
+            )[2]
+        assert abs(float(without) - float(own[2])) > 1e3 * LP_FLOOR or batch_size is not None
+    # the log-prob calls without the aux loss (old/reference log-probs) are served as before, without aux
     with torch.no_grad():
-        own = GRPOTrainer._get_per_token_logps_and_entropies(
-            trainer, trainer.model, ids, mask, keep, compute_aux_loss=True
-        )
-        ours = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep)
-        assert ours[2] is None and (ours[0] - own[0]).abs().max() <= LP_FLOOR
-        with pytest.warns(ZorroFallbackWarning, match="router aux loss"):
-            aux = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep, compute_aux_loss=True)
-    assert torch.equal(aux[0], own[0]) and torch.equal(aux[2], own[2])
-    assert trainer.zorro_calls == {"dedup": 1, "fallback": 1}
+        plain = trainer._get_per_token_logps_and_entropies(model, ids, mask, keep)
+    assert plain[2] is None
+    assert trainer.zorro_calls == {"dedup": 3, "fallback": 0}
+    assert [r["aux"] for r in trainer.zorro_log] == [True, True, False]
+    # a fully masked completion after a one-token prompt: TRL serves it
+    ids1, mask1, _ = _joined_inputs()
+    with torch.no_grad(), pytest.warns(ZorroFallbackWarning, match="one-token prompt"):
+        out = trainer._get_per_token_logps_and_entropies(model, ids1, mask1, keep, compute_aux_loss=True)
+    with torch.no_grad():
+        ref = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids1, mask1, keep, compute_aux_loss=True)
+    assert torch.equal(out[2], ref[2]) and trainer.zorro_calls["fallback"] == 1
 
 
 def test_trl_versions():

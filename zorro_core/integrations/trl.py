@@ -1,12 +1,35 @@
 """TRL: `DedupGRPOTrainer`, a drop-in `trl.GRPOTrainer` whose log-probs go through zorro.
 
+    from zorro_core import ActorConfig
     from zorro_core.integrations.trl import DedupGRPOTrainer
-    trainer = DedupGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), ...)  # GRPOTrainer's arguments
+    trainer = DedupGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), ...,  # GRPOTrainer's arguments
+                               zorro_config=ActorConfig(...))                           # optional
 
 `_get_per_token_logps_and_entropies` (policy in the loss; old and reference log-probs after
-generation) runs the deduplicated actor: one `DeduplicatedActor` per model object, built on
-first use and cached. TRL repeats each prompt `num_generations` times, then shuffles and splits
-the generation batch, so a call holds parts of groups: the actor groups rows by prompt content.
+generation) runs the deduplicated actor: one `DeduplicatedActor` per model, built on first use and
+cached. TRL repeats each prompt `num_generations` times, then shuffles and splits the generation
+batch, so a call holds parts of groups: the actor groups rows by prompt content.
+
+Many processes (`accelerate launch` / `torchrun`, 2+ ranks): served behind DDP, FSDP2 (accelerate's
+FSDP plugin, `fsdp_version: 2`) and DeepSpeed (the engine; ZeRO-3 modules through their hooks),
+always through the wrapper's forward (zorro_core.integrations.wrappers). With `zorro_regroup=True`
+(the default) each call's rows are regrouped across the data-parallel group first
+(zorro_core.distributed.regroup: every row of a prompt on one rank, ranks balanced by dedup-aware
+cost) and the results restored to the rank that owns each row, differentiably, so every gradient
+reaches its owner and the all-reduce sees the plain computation's. Every rank makes the same calls
+in the same order (TRL does), and before any collective the ranks agree whether the call is served
+(one all-reduce of a flag): if one rank's call must fall back, all fall back, so collectives always
+match. Sharded models (FSDP2, ZeRO-3) get one actor forward per call (TRL's `batch_size` chunks
+would differ in number per rank after regrouping). `zorro_log` records each call's rows and
+prompt dedup ratio before and after regrouping.
+
+The MoE router aux loss (`compute_aux_loss`, TRL's loss call for MoE models) is served: the actor
+weights each packed token by its rows (`router_aux_weighting="multiplicity"`), which equals
+transformers' loss over the call's real tokens. Such a call is computed in TRL's own chunks and is
+not regrouped (the loss is a nonlinear statistic of exactly the rows a rank holds); a row whose
+completion is fully masked still counts its prompt tokens in TRL's loss, so it is computed with its
+last prompt token as a one-token "completion" whose log-prob is dropped (its tokens are then each
+counted once, as in TRL's).
 
 Which TRL: 1.15 and 1.16, where the method scores completions through TRL's fused LM head
 (`add_fused_lm_head`): log-probs and entropies divided by `temperature`, 0 wherever the label is
@@ -18,11 +41,11 @@ method returned a 2-tuple; before 0.20 it was `_get_per_token_logps`). A newer T
 the method keeps the signature checked here, with a one-time warning that it is untested.
 
 Served by TRL itself (a one-time `ZorroFallbackWarning` names the reason; never computed wrong):
-vision inputs (pixel_values and friends, token_type_ids), the MoE router aux loss
-(`compute_aux_loss`), `cast_lm_head_to_fp32`, a model behind a distributed wrapper
-(DDP/FSDP1/DeepSpeed: calling its inner module would skip the wrapper's hooks), a layout other
-than left-padded prompt + right-padded completion, a call where every completion is masked, and
-whatever the actor refuses (`UnsupportedModelError`: an unsupported model type, dropout in
+vision inputs (pixel_values and friends, token_type_ids), `cast_lm_head_to_fp32`, FSDP1, a
+torch.compile'd model or another wrapper, tensor/context parallelism, a layout other than
+left-padded prompt + right-padded completion, a call where every completion is masked (on any
+rank, when regrouping), an aux-loss call with a fully masked completion after a one-token prompt,
+and whatever the actor refuses (`UnsupportedModelError`: an unsupported model type, dropout in
 training mode). Gradient checkpointing in training mode is served by the dedup path.
 TRL 1.15/1.16 has no Liger loss path any more (`use_liger_kernel` applies only layer kernels and
 TRL itself refuses Liger's fused cross-entropy), so there is nothing of Liger's to fall back from.
@@ -30,18 +53,27 @@ TRL itself refuses Liger's fused cross-entropy), so there is nothing of Liger's 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import time
 import warnings
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import trl
 from packaging.version import Version
 from trl import GRPOTrainer
 
 from zorro_core.actor.actor import DeduplicatedActor
+from zorro_core.actor.config import ActorConfig
+from zorro_core.distributed.regroup import regroup
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.integrations.layout import ZorroFallbackWarning, joined_logprobs, layout_problem
+from zorro_core.integrations.wrappers import Wrapped, unwrap
+from zorro_core.models.parts import check_trainable_state
+from zorro_core.plan.batch import RolloutBatch
+from zorro_core.plan.prompt import group_rows
 
 TESTED_TRL = ("1.15", "1.16")
 """TRL minor versions whose `_get_per_token_logps_and_entropies` this module reproduces."""
@@ -86,16 +118,31 @@ _NEWER = check_trl_version(trl.__version__, GRPOTrainer._get_per_token_logps_and
 class DedupGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` computing per-token log-probs and entropies with prompt deduplication.
 
-    Same constructor as `GRPOTrainer`, plus `actor_kwargs` (keyword only): options of the
-    `DeduplicatedActor` built for each model (`use_split_attention`, `logits_mode`, ...).
-    `zorro_calls` counts the calls served by zorro ("dedup") and by TRL ("fallback").
+    Same constructor as `GRPOTrainer`, plus (keyword only) `zorro_config`, the `ActorConfig` of the
+    `DeduplicatedActor` built for each model, and `zorro_regroup` (default True): with 2+
+    processes, regroup each call's rows across the data-parallel group so that every prompt is
+    computed once in the whole group (module doc). `zorro_calls` counts the calls served by zorro
+    ("dedup") and by TRL ("fallback"); `zorro_log` holds one record per served call.
     """
 
-    def __init__(self, *args: Any, actor_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
-        self._actor_kwargs = dict(actor_kwargs or {})
+    def __init__(
+        self,
+        *args: Any,
+        zorro_config: Optional[ActorConfig] = None,
+        zorro_regroup: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if "actor_kwargs" in kwargs:
+            raise TypeError("DedupGRPOTrainer takes zorro_config=ActorConfig(...) instead of actor_kwargs={...}")
+        if zorro_config is not None and not isinstance(zorro_config, ActorConfig):
+            raise TypeError(f"zorro_config must be a zorro_core.ActorConfig, got {type(zorro_config).__name__}")
+        self._zorro_config = zorro_config or ActorConfig()
+        self._zorro_regroup = bool(zorro_regroup)
         self._actors: dict[int, tuple[torch.nn.Module, Any]] = {}  # id(model) -> (model, actor or refusal text)
         self._warned: set[str] = set()
         self.zorro_calls = {"dedup": 0, "fallback": 0}
+        self.zorro_log: list[dict[str, Any]] = []
+        """Per served call: which model, rows, aux, regrouped, prompt dedup ratio (before/after), seconds."""
         super().__init__(*args, **kwargs)
         if _NEWER:
             self._fallback_note(_NEWER)
@@ -105,34 +152,75 @@ class DedupGRPOTrainer(GRPOTrainer):
             self._warned.add(reason)
             warnings.warn(f"zorro: {reason}", ZorroFallbackWarning, stacklevel=3)
 
+    @staticmethod
+    def _world() -> int:
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
     def _actor_for(self, model: torch.nn.Module):
         """The cached actor of this model object, or the text of why the dedup path refuses it."""
         entry = self._actors.get(id(model))
         if entry is None or entry[0] is not model:
             try:
-                actor: Any = DeduplicatedActor(model=model, **self._actor_kwargs)
+                actor: Any = DeduplicatedActor(model=model, config=self._zorro_config)
             except UnsupportedModelError as e:
                 actor = f"the dedup path refuses this model: {e}"
             entry = self._actors[id(model)] = (model, actor)
         return entry[1]
 
     def _refusal(self, model, attention_mask, logits_to_keep, compute_aux_loss, extra) -> Optional[str]:
-        """Why TRL must serve this call itself (None when zorro can)."""
+        """Why TRL must serve this call itself, judged on this rank's inputs (None when zorro can)."""
         used = sorted(k for k, v in extra.items() if v is not None and k not in ("num_images", "num_tiles"))
         if used:
             return f"vision/multimodal inputs ({', '.join(used)}) are not served by the dedup path"
-        if compute_aux_loss:
-            return "the MoE router aux loss (compute_aux_loss) is computed by TRL's own forward"
         if getattr(self.args, "cast_lm_head_to_fp32", False):
             return "cast_lm_head_to_fp32 is not served by the dedup path"
-        if self.accelerator.unwrap_model(model) is not model or self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            return "a model behind a distributed wrapper (DDP/FSDP/DeepSpeed) is not served by the dedup path"
+        pc = getattr(self.accelerator, "parallelism_config", None)
+        if pc is not None and any(getattr(pc, f, False) for f in ("tp_enabled", "cp_enabled", "sp_enabled")):
+            return "tensor/context/sequence parallelism is not served by the dedup path (data parallelism only)"
+        if self._world() != self.accelerator.num_processes:
+            return f"the process group has {self._world()} ranks, accelerate {self.accelerator.num_processes}"
         problem = layout_problem(attention_mask, logits_to_keep)
         if problem:
             return f"layout not served: {problem}"
-        if not bool(attention_mask[:, -logits_to_keep:].any()):
+        completion = attention_mask[:, -logits_to_keep:].bool()
+        if not bool(completion.any()):
             return "every completion of the call is masked"
+        if compute_aux_loss:
+            prompt_lens = attention_mask[:, :-logits_to_keep].sum(1)
+            if bool(((~completion.any(1)) & (prompt_lens < 2)).any()):
+                return "an aux-loss call with a fully masked completion after a one-token prompt is not served"
         return None
+
+    def _served(self, model, compute_aux_loss) -> tuple[Optional[str], Optional[Wrapped], Any]:
+        """(refusal, wrapped model, actor) for a model that passed the input checks."""
+        wrapped = unwrap(model, self._zorro_config.logits_mode)
+        if isinstance(wrapped, str):
+            return wrapped, None, None
+        if self.accelerator.unwrap_model(model) is not wrapped.inner:
+            return f"a model behind {type(model).__name__} (not DDP, FSDP2 or DeepSpeed) is not served", None, None
+        actor = self._actor_for(wrapped.inner)
+        if isinstance(actor, str):
+            return actor, None, None
+        if compute_aux_loss and not actor.parts.moe:
+            return "the aux loss was requested for a model the actor does not route as MoE", None, None
+        try:
+            check_trainable_state(wrapped.inner)  # before any collective: a refusal mid-call could not fall back
+        except UnsupportedModelError as e:
+            return f"the dedup path refuses this call: {e}", None, None
+        return None, wrapped, actor
+
+    def _agree(self, reason: Optional[str]) -> Optional[str]:
+        """With 2+ ranks: served only if every rank's call is (one all-reduce of a flag)."""
+        if self._world() == 1:
+            return reason
+        flag = torch.tensor([0 if reason is None else 1], dtype=torch.int32, device=self.accelerator.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if reason is None and int(flag.item()):
+            return (
+                "another rank's call is not served (its own warning says why): all ranks fall back together, so "
+                "that their collectives match"
+            )
+        return reason
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -146,21 +234,152 @@ class DedupGRPOTrainer(GRPOTrainer):
         **extra,
     ):
         reason = self._refusal(model, attention_mask, logits_to_keep, compute_aux_loss, extra)
-        actor = None if reason else self._actor_for(model)
-        if isinstance(actor, str):
-            reason = actor
+        wrapped = actor = None
         if reason is None:
+            reason, wrapped, actor = self._served(model, compute_aux_loss)
+        reason = self._agree(reason)
+        if reason is None:
+            start = time.perf_counter()
             try:
-                with self.accelerator.autocast():
-                    logps, entropies = joined_logprobs(
-                        actor, input_ids, attention_mask, logits_to_keep, self.temperature, compute_entropy, batch_size
+                with self.accelerator.autocast(), _router_logits(wrapped.inner, compute_aux_loss):
+                    call = self._aux_call if compute_aux_loss else self._dedup_call
+                    out, record = call(
+                        wrapped, actor, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy
                     )
-                self.zorro_calls["dedup"] += 1
-                return logps, entropies, None
-            except UnsupportedModelError as e:  # state-dependent refusals (e.g. dropout in training mode)
+            except UnsupportedModelError as e:
+                if self._world() > 1:  # the other ranks are inside this call's collectives: no safe fallback
+                    raise
                 reason = f"the dedup path refuses this call: {e}"
+            else:
+                record["seconds"] = time.perf_counter() - start
+                self.zorro_log.append(record)
+                self.zorro_calls["dedup"] += 1
+                return out
         self._fallback_note(reason)
         self.zorro_calls["fallback"] += 1
         return super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **extra
         )
+
+    def _record(self, wrapped: Wrapped, rows: int, aux: bool) -> dict[str, Any]:
+        policy = wrapped.inner is self.accelerator.unwrap_model(self.model)
+        return {
+            "model": "policy" if policy else "reference",
+            "wrapper": wrapped.kind,
+            "grad": torch.is_grad_enabled(),
+            "rows": rows,
+            "aux": aux,
+            "regrouped": False,
+        }
+
+    def _dedup_call(self, wrapped, actor, input_ids, attention_mask, keep, batch_size, compute_entropy):
+        b, width = input_ids.shape
+        p = width - keep
+        mask = attention_mask.long()
+        live = mask[:, p:].bool().any(1).nonzero().flatten()
+        record = self._record(wrapped, int(live.numel()), aux=False)
+        # Sharded models: one forward per call (every rank must gather as often as the others).
+        rows_per_call = None if wrapped.sharded else batch_size
+        if self._world() == 1 or not self._zorro_regroup:
+            record["prompt_dedup"] = prompt_dedup_ratio(input_ids[live, :p], mask[live, :p])
+            lp, ent = wrapped.run(
+                lambda: joined_logprobs(actor, input_ids, mask, keep, self.temperature, compute_entropy, rows_per_call)
+            )
+            return (lp, ent, None), record
+        batch = RolloutBatch(input_ids[live, :p], mask[live, :p], input_ids[live, p:], mask[live, p:])
+        local, restore = regroup(batch)
+        ids = torch.cat([local.prompts, local.responses], 1)
+        lmask = torch.cat([local.prompt_mask, local.response_mask], 1)
+        lp_local, ent_local = wrapped.run(
+            lambda: joined_logprobs(
+                actor, ids, lmask, local.responses.shape[1], self.temperature, compute_entropy, rows_per_call
+            )
+        )
+
+        def home(t: torch.Tensor) -> torch.Tensor:  # this rank's live rows back from their computing ranks
+            return t.new_zeros((b, keep)).index_put((live,), restore(t))
+
+        info, rank = restore.info, restore.info.rank
+        record.update(
+            regrouped=True,
+            rows_computed=info.rows_after[rank],
+            prompt_dedup=info.prompt_dedup_before[rank],
+            prompt_dedup_regrouped=info.prompt_dedup_after[rank],
+            tokens=info.tokens_before[rank],
+            tokens_regrouped=info.tokens_after[rank],
+            split_groups=info.split_groups_before,
+            split_groups_regrouped=info.split_groups_after,
+            rows_sent=info.rows_sent,
+        )
+        return (home(lp_local), home(ent_local) if compute_entropy else None, None), record
+
+    def _aux_call(self, wrapped, actor, input_ids, attention_mask, keep, batch_size, compute_entropy):
+        """A call with the MoE aux loss: TRL's own chunks, every row counted (module doc), not regrouped."""
+        b, width = input_ids.shape
+        p = width - keep
+        mask = attention_mask.long()
+        prompts, pm, resp, rm = input_ids[:, :p], mask[:, :p], input_ids[:, p:], mask[:, p:]
+        live = rm.bool().any(1)
+        dead = ~live[:, None]
+        if bool(dead.any()):
+            # TRL counts a fully masked completion's prompt tokens in the loss: the row's last prompt
+            # token becomes its one-token completion (same position, same context); its log-prob is dropped.
+            shifted, shifted_mask = (torch.cat([t[:, :1] * 0, t[:, :-1]], 1) for t in (prompts, pm))
+            one, one_mask = torch.zeros_like(resp), torch.zeros_like(rm)
+            one[:, 0], one_mask[:, 0] = prompts[:, -1], 1
+            prompts, pm = torch.where(dead, shifted, prompts), torch.where(dead, shifted_mask, pm)
+            resp, rm = torch.where(dead, one, resp), torch.where(dead, one_mask, rm)
+        size = batch_size or b
+        record = self._record(wrapped, int(live.sum()), aux=True)
+        record["prompt_dedup"] = prompt_dedup_ratio(input_ids[live, :p], mask[live, :p])
+
+        def compute():
+            lps, ents, auxes = [], [], []
+            for s in range(0, b, size):
+                sl = slice(s, min(s + size, b))
+                out = actor.forward(
+                    RolloutBatch(prompts[sl], pm[sl], resp[sl], rm[sl]),
+                    temperature=self.temperature,
+                    calculate_entropy=compute_entropy,
+                )
+                if out.aux_loss is None:
+                    raise RuntimeError("the actor computed no router aux loss although it was requested")
+                lps.append(out.log_probs)
+                ents.append(out.entropy)
+                auxes.append(out.aux_loss)
+            lp = torch.cat(lps)
+            return lp, (torch.cat(ents) if compute_entropy else lp[:0]), torch.stack(auxes).mean()
+
+        lp, ent, aux = wrapped.run(compute)
+        keep_rows = live[:, None]
+        lp = torch.where(keep_rows, lp, torch.zeros_like(lp))
+        ent = torch.where(keep_rows, ent, torch.zeros_like(ent)) if compute_entropy else None
+        return (lp, ent, aux), record
+
+
+@contextlib.contextmanager
+def _router_logits(model: torch.nn.Module, on: bool):
+    """MoE configs: `output_router_logits` set to whether this call wants the aux loss (TRL passes it as
+    a forward kwarg; the actor reads the config), put back afterwards."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "output_router_logits"):
+        yield
+        return
+    was = config.output_router_logits
+    config.output_router_logits = bool(on)
+    try:
+        yield
+    finally:
+        config.output_router_logits = was
+
+
+def prompt_dedup_ratio(prompts: torch.Tensor, prompt_mask: torch.Tensor) -> float:
+    """1 - unique prompt tokens / prompt tokens of these rows (0 for no rows)."""
+    if prompts.shape[0] == 0:
+        return 0.0
+    batch = RolloutBatch(prompts, prompt_mask, prompts[:, -1:], torch.ones_like(prompt_mask[:, -1:]))
+    group = group_rows(batch)
+    lens = prompt_mask.sum(1)
+    total = int(lens.sum())
+    unique = int(lens.new_zeros(int(group.max()) + 1).scatter(0, group, lens).sum())
+    return 1.0 - unique / total if total else 0.0
