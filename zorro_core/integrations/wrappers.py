@@ -27,9 +27,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Union, cast
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from zorro_core.actor.fsdp import is_fsdp_root
 
@@ -113,13 +114,13 @@ def zero3_partitioned(model: nn.Module) -> bool:
 def unwrap(model: nn.Module, logits_mode: str = "compute") -> Union[Wrapped, str]:
     """The Wrapped view of what a trainer passed, or why zorro does not serve it."""
     if _is_ddp(model):
-        inner = model.module
+        inner = cast(nn.Module, model.module)
         if is_fsdp_root(inner) or _is_fsdp1(inner):
             return "a model sharded with FSDP inside DistributedDataParallel is not served"
         return Wrapped("ddp", inner, model, sharded=False)
     engine = _deepspeed_engine_class()
     if engine is not None and isinstance(model, engine):
-        inner = model.module
+        inner = cast(nn.Module, model.module)
         stage = int(model.zero_optimization_stage())
         if stage == 3 and logits_mode == "memory":
             return "logits_mode 'memory' reads lm_head.weight outside lm_head's ZeRO-3 hooks: use 'compute' or 'none'"
@@ -131,11 +132,7 @@ def unwrap(model: nn.Module, logits_mode: str = "compute") -> Union[Wrapped, str
         )
     if is_fsdp_root(model):
         return Wrapped("fsdp2", model, model, sharded=True)
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        FSDPModule = ()  # noqa: N806
-    if FSDPModule and any(isinstance(m, FSDPModule) for m in model.modules()):
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
         return (
             "FSDP2 with fully_shard on inner modules but not on the model itself is not served: the "
             "embedding and lm_head would stay sharded outside a root's hooks"
