@@ -73,7 +73,13 @@ def run(a: DataArgs, as_json: bool) -> None:
 
         try:
             data = load_dataset(
-                a.data, a.tokenizer, a.prompt_column, a.completion_column, _template(a.chat_template), progress
+                a.data,
+                a.tokenizer,
+                a.prompt_column,
+                a.completion_column,
+                _template(a.chat_template),
+                progress,
+                completions="all" if a.rollouts else "sample",
             )
             t_read = time.perf_counter() - t0
             report = data_report(

@@ -38,6 +38,9 @@ PROMPT_COLUMNS = ("prompt", "messages")
 COMPLETION_COLUMNS = ("completion", "response")
 SPLIT_CHECK_ROWS = 256
 """Rows whose piecewise tokenization is compared with a whole-text encode."""
+COMPLETION_SAMPLE = 10_000
+"""`load_dataset(completions="sample")` tokenizes this many completions (a seeded random sample): where
+only their length distribution is needed, that is enough, and it halves the tokenizer's work."""
 
 Progress = Optional[Callable[[str, int, int], None]]
 """progress(stage, done, total), called as work advances (the CLI draws a bar)."""
@@ -110,6 +113,8 @@ class TokenizedData:
     completions: Optional[Ragged]
     split_tokenization: bool = False
     """Whether distinct pieces between special tokens were encoded once each (checked on a sample)."""
+    completions_sampled: bool = False
+    """Whether `completions` holds a random sample of the rows' completions (not row-aligned)."""
 
     @property
     def rows(self) -> int:
@@ -293,10 +298,15 @@ def _sibling_template(path: str, specials: dict) -> Optional[str]:
 
 
 def encode_texts(
-    tok: LocalTokenizer, texts: list[str], add_special_tokens: bool, progress: Progress = None
+    tok: LocalTokenizer,
+    texts: list[str],
+    add_special_tokens: bool,
+    progress: Progress = None,
+    cache: Optional[dict[str, list[int]]] = None,
 ) -> tuple[Ragged, bool]:
     """Token ids of `texts`, each distinct piece between special tokens encoded once (see the module
-    docstring); (ids, whether the piecewise split was used)."""
+    docstring; `cache` holds pieces encoded by an earlier call); (ids, whether the split was used)."""
+    cache = {} if cache is None else cache
     specials = tok.special_tokens() if not add_special_tokens else []
     if specials:
         pattern = re.compile("(" + "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)) + ")")
@@ -314,12 +324,16 @@ def encode_texts(
                 j = piece_id[p] = len(piece_id)
             seq.append(j)
     uniq = list(piece_id)
-    enc: list[list[int]] = []
+    todo = [u for u in uniq if u not in cache] if specials else uniq
     step = 8192
-    for s in range(0, len(uniq), step):
-        enc.extend(tok.encode(uniq[s : s + step], add_special_tokens))
+    for s in range(0, len(todo), step):
+        chunk = todo[s : s + step]
+        cache.update(zip(chunk, tok.encode(chunk, add_special_tokens)))
         if progress:
-            progress("tokenize", min(s + step, len(uniq)), len(uniq))
+            progress("tokenize", min(s + step, len(todo)), len(todo))
+    enc = [cache[u] for u in uniq]
+    if not specials:
+        cache.clear()  # whole texts: nothing to share with a later call
     pieces = Ragged.from_lists(enc)
     occ = np.asarray(seq, dtype=np.int64)
     occ_lens = pieces.lens[occ]
@@ -372,8 +386,12 @@ def load_dataset(
     completion_column: Optional[str] = None,
     chat_template: Optional[str] = None,
     progress: Progress = None,
+    completions: str = "all",
 ) -> TokenizedData:
-    """Read `path` and tokenize its prompts (and completions); see the module docstring."""
+    """Read `path` and tokenize its prompts (and completions: "all", or "sample" for a random
+    COMPLETION_SAMPLE of them, enough for their length distribution); see the module docstring."""
+    if completions not in ("all", "sample"):
+        raise ValueError(f"completions must be 'all' or 'sample', got {completions!r}")
     fmt, columns = read_columns(path)
     pcol = _pick(path, columns, prompt_column, PROMPT_ID_COLUMNS + PROMPT_COLUMNS, "prompt")
     if pcol is None:
@@ -393,37 +411,50 @@ def load_dataset(
     cvals = _values(columns[ccol]) if ccol else None
     if kind == "token_ids":
         prompts = _ids_column(path, pcol, pvals)
-        completions = None
+        ids = None
         if cvals is not None:
             if _value_kind(path, ccol, cvals) != "token_ids":  # type: ignore[arg-type]
                 raise DatasetError(f"{path}: prompt column {pcol!r} holds token ids but {ccol!r} does not")
-            completions = _ids_column(path, ccol, cvals)  # type: ignore[arg-type]
-        return TokenizedData(path, fmt, kind, pcol, ccol, prompts, completions)
+            ids = _ids_column(path, ccol, cvals)  # type: ignore[arg-type]
+        return TokenizedData(path, fmt, kind, pcol, ccol, prompts, ids)
     if tokenizer is None:
         raise DatasetError(f"{path}: column {pcol!r} holds {kind}, not token ids: give --tokenizer PATH (local)")
     tok = LocalTokenizer(tokenizer, chat_template)
     if kind == "chat" and pcol == "messages" and ccol is None:
         pvals, cvals = _split_messages(path, pvals)
         ccol = "messages"
+    sample = np.arange(len(pvals))
+    if cvals is not None and completions == "sample" and len(cvals) > COMPLETION_SAMPLE:
+        sample = np.sort(np.random.default_rng(0).choice(len(pvals), COMPLETION_SAMPLE, replace=False))
+        cvals = [cvals[i] for i in sample.tolist()]
     if kind == "text":
         prompts, split = encode_texts(tok, pvals, True, progress)
-        completions = None
+        comp = None
         if cvals is not None:
             if _value_kind(path, ccol, cvals) != "text":  # type: ignore[arg-type]
                 raise DatasetError(f"{path}: prompt column {pcol!r} holds text but {ccol!r} does not")
-            completions, _ = encode_texts(tok, cvals, False, progress)
-        return TokenizedData(path, fmt, kind, pcol, ccol, prompts, completions, split)
+            comp, _ = encode_texts(tok, cvals, False, progress)
+        return TokenizedData(path, fmt, kind, pcol, ccol, prompts, comp, split, sample.size < len(pvals))
     convs = [list(c) for c in pvals]
-    prompts, split = encode_texts(tok, tok.render(path, convs, True), False, progress)
-    completions = None
+    cache: dict[str, list[int]] = {}
+    prompts, split = encode_texts(tok, tok.render(path, convs, True), False, progress, cache)
+    comp = None
     if cvals is not None:
+        picked = [convs[i] for i in sample.tolist()]
         if isinstance(cvals[0], str):
-            full = [c + [{"role": "assistant", "content": x}] for c, x in zip(convs, cvals)]
+            full = [c + [{"role": "assistant", "content": x}] for c, x in zip(picked, cvals)]
         else:
-            full = [c + list(x) for c, x in zip(convs, cvals)]
-        whole, _ = encode_texts(tok, tok.render(path, full, False), False, progress)
-        completions = _suffix(path, whole, prompts)
-    return TokenizedData(path, fmt, kind, pcol, ccol, prompts, completions, split)
+            full = [c + list(x) for c, x in zip(picked, cvals)]
+        whole, _ = encode_texts(tok, tok.render(path, full, False), False, progress, cache)
+        comp = _suffix(path, whole, _take(prompts, sample))
+    return TokenizedData(path, fmt, kind, pcol, ccol, prompts, comp, split, sample.size < len(pvals))
+
+
+def _take(r: Ragged, rows: np.ndarray) -> Ragged:
+    lens = r.lens[rows]
+    offsets = np.zeros(rows.size + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    return Ragged(r.flat[ragged_arange(r.offsets[rows], lens)], offsets)
 
 
 def _suffix(path: str, whole: Ragged, prompts: Ragged) -> Ragged:

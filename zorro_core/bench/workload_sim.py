@@ -41,6 +41,8 @@ MIN_SHARED_CANDIDATES = (16, 32, 64, 128)
 PREFIX_WORTH = 1.02
 """sharing="prefix" is picked when its ideal forward+backward beats "prompt"'s by at least 2%: below
 that one attention level per node costs about what it saves (docs/prefix-sharing.md)."""
+SWEEP_PROMPTS = 20_000
+"""The group-size sweep simulates a seeded random sample of this many prompts (ratios, not totals)."""
 FOLD_TOLERANCE = 0.01
 """The largest min_shared_tokens whose FLOPs stay within 1% of min_shared_tokens=16's is picked."""
 
@@ -376,16 +378,17 @@ def data_report(
         raise ValueError("batch_size, group_size and response_len must be >= 1")
     plens = data.prompts.lens
     clens = data.completions.lens if data.completions is not None else None
-    if rollouts and data.completions is None:
-        raise ValueError(f"{data.path}: --rollouts needs a completion column (the rollouts' responses)")
+    if rollouts and (data.completions is None or data.completions_sampled):
+        raise ValueError(f"{data.path}: --rollouts needs a completion column (the rollouts' responses), every row's")
     if response_len is not None:
         pool, resp_source = np.array([response_len]), f"fixed: {response_len} tokens"
     elif clens is not None:
-        pool, resp_source = clens, f"sampled from the data's {clens.size} completions"
+        pool = clens
+        resp_source = (
+            f"sampled from {'a random ' if data.completions_sampled else 'the data'}'s {clens.size} completions"
+        )
     else:
         raise ValueError(f"{data.path}: no completion column, so give --response-len N (tokens per response)")
-    row_len = plens + (clens if rollouts or (clens is not None and response_len is None) else pool.max())
-    over = np.flatnonzero(row_len > context)
     prompt_index = PrefixIndex.build(data.prompts)
     if progress:
         progress("index", 1, 1)
@@ -402,8 +405,13 @@ def data_report(
             min_shared_tokens=folds,
         )
 
-    def sim(g: int) -> Calls:
-        return simulate_calls(data.rows, batching, batch_size, g, pool, generation_batch_size, seed)
+    def sim(g: int, prompts: Optional[np.ndarray] = None) -> Calls:
+        calls = simulate_calls(
+            data.rows if prompts is None else prompts.size, batching, batch_size, g, pool, generation_batch_size, seed
+        )
+        if prompts is not None:
+            calls.prompt = prompts[calls.prompt]
+        return calls
 
     if rollouts:
         assert data.completions is not None and clens is not None
@@ -422,6 +430,7 @@ def data_report(
             min_shared_tokens=MIN_SHARED_CANDIDATES,
         )
         batching_info = {"mode": "rollouts", "batch_size": batch_size, "calls": work.rows.size, "rows": data.rows}
+        row_len, row_of = plens + clens, np.arange(data.rows)
     else:
         calls = sim(group_size)
         work = count(calls, MIN_SHARED_CANDIDATES)
@@ -435,6 +444,7 @@ def data_report(
             "rows": int(calls.call.size),
             "response_len": resp_source,
         }
+        row_len, row_of = plens[calls.prompt] + calls.response_len, calls.prompt
     if progress:
         progress("count", 1, 1)
     t_count = time.perf_counter() - t0 - t_index
@@ -449,9 +459,14 @@ def data_report(
         for arm in ("prompt", "prefix")
     }
     cmp = compare(shape, base, work.work("prompt"), logits_mode)
+    over_sim = row_len > context
+    over = np.unique(row_of[over_sim])  # data rows with a (simulated) row over the context
     sweep_rows = []
+    sample = None
+    if data.rows > SWEEP_PROMPTS:
+        sample = np.sort(np.random.default_rng(seed).choice(data.rows, SWEEP_PROMPTS, replace=False))
     for g in sweep:
-        w = count(sim(g), ())
+        w = count(sim(g, sample), ())
         b = w.work("baseline")
         sweep_rows.append(
             {
@@ -482,6 +497,8 @@ def data_report(
                 "context": int(context),
                 "longest": int(row_len.max()),
                 "first_rows": over[:5].tolist(),
+                "simulated_rows": int(over_sim.sum()),
+                "prompts_alone": int((plens > context).sum()),
             },
         },
         "model": model,
@@ -521,6 +538,7 @@ def data_report(
             "ideal_speedup_prefix": _quantiles(per_call["prefix"]),
         },
         "group_size_sweep": sweep_rows,
+        "group_size_sweep_prompts": data.rows if sample is None else SWEEP_PROMPTS,
         "shared_prefix_lengths": {
             **_quantiles(work.shared_prefix.astype(float)),
             "histogram": _histogram(work.shared_prefix),
