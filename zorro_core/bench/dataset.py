@@ -237,7 +237,7 @@ class LocalTokenizer:
         else:
             raise DatasetError(f"{path}: no such tokenizer (a local directory or a tokenizer.json)")
         self.chat_template = template
-        self._compiled = None
+        self._compiled: Any = None
 
     def encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         if not texts:
@@ -266,10 +266,10 @@ class LocalTokenizer:
             except Exception as e:
                 raise DatasetError(f"{self.path}: the chat template does not compile ({e})") from e
         extra = {k: v for k, v in self.specials.items() if v is not None}
+        compiled = self._compiled
         try:
             return [
-                self._compiled.render(messages=c, add_generation_prompt=add_generation_prompt, **extra)
-                for c in conversations
+                compiled.render(messages=c, add_generation_prompt=add_generation_prompt, **extra) for c in conversations
             ]
         except Exception as e:
             raise DatasetError(f"{data_path}: the chat template fails on a row ({type(e).__name__}: {e})") from e
@@ -334,16 +334,16 @@ def encode_texts(
     enc = [cache[u] for u in uniq]
     if not specials:
         cache.clear()  # whole texts: nothing to share with a later call
-    pieces = Ragged.from_lists(enc)
+    table = Ragged.from_lists(enc)
     occ = np.asarray(seq, dtype=np.int64)
-    occ_lens = pieces.lens[occ]
+    occ_lens = table.lens[occ]
     row_off = np.zeros(len(texts) + 1, dtype=np.int64)
     np.cumsum(counts, out=row_off[1:])
     csum = np.concatenate([[0], np.cumsum(occ_lens)])
     lens = csum[row_off[1:]] - csum[row_off[:-1]]
     offsets = np.zeros(len(texts) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
-    ids = Ragged(pieces.flat[ragged_arange(pieces.offsets[occ], occ_lens)], offsets)
+    ids = Ragged(table.flat[ragged_arange(table.offsets[occ], occ_lens)], offsets)
     if specials:
         sample = list(range(0, len(texts), max(1, len(texts) // SPLIT_CHECK_ROWS)))[:SPLIT_CHECK_ROWS]
         whole = tok.encode([texts[i] for i in sample], add_special_tokens)
