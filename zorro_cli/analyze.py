@@ -1,14 +1,18 @@
 """`zorro analyze`: redundancy and ideal speedup of a workload, before anything runs.
-The report is zorro_core.bench.analysis.workload_report's; this module parses options and prints it."""
+The report is zorro_core.bench.analysis.workload_report's; this module parses options and prints it.
+With --data FILE the workload is a dataset's (zorro_cli.analyze_data, zorro_core.bench.workload_sim)."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import typer
 from rich.table import Table
 
 from zorro_core.bench.analysis import workload_report
 
-from .choices import LogitsMode
+from . import analyze_data
+from .choices import Batching, LogitsMode
 from .console import console, escape, fail, print_json
 
 # The components of the FLOP count (zorro_core.plan.cost.COMPONENTS), as the speedup table names them.
@@ -24,9 +28,16 @@ def _tokens(n: float) -> str:
 
 
 def analyze(
-    prompt_len: int = typer.Option(..., "--prompt-len", "-p", help="Tokens of each prompt."),
-    responses: int = typer.Option(..., "--responses", "-n", help="Responses sampled per prompt (group size)."),
-    response_len: int = typer.Option(..., "--response-len", "-r", help="Tokens of each response."),
+    prompt_len: Optional[int] = typer.Option(None, "--prompt-len", "-p", help="Tokens of each prompt."),
+    responses: Optional[int] = typer.Option(
+        None, "--responses", "-n", help="Responses sampled per prompt (group size; with --data: --group-size)."
+    ),
+    response_len: Optional[int] = typer.Option(
+        None,
+        "--response-len",
+        "-r",
+        help="Tokens of each response (with --data: default sampled from the data's completions).",
+    ),
     prompts: int = typer.Option(
         1, "--prompts", help="Distinct prompts in the batch (each with --responses responses)."
     ),
@@ -44,8 +55,72 @@ def analyze(
         "--shared-prefix-len",
         help="Tokens every prompt starts with (a system prompt) before the prompts differ: adds the prefix tree (sharing=prefix) to the report.",
     ),
+    data: Optional[str] = typer.Option(
+        None, "--data", help="A dataset of prompts or dumped rollouts (.parquet or .jsonl) instead of synthetic shapes."
+    ),
+    tokenizer: Optional[str] = typer.Option(
+        None, "--tokenizer", help="--data: a local tokenizer directory or tokenizer.json (nothing is downloaded)."
+    ),
+    chat_template: Optional[str] = typer.Option(
+        None, "--chat-template", help="--data: a Jinja chat template file, where the tokenizer has none."
+    ),
+    prompt_column: Optional[str] = typer.Option(
+        None, "--prompt-column", help="--data: the prompt column (default: prompt_ids, input_ids, prompt, messages)."
+    ),
+    completion_column: Optional[str] = typer.Option(
+        None,
+        "--completion-column",
+        help="--data: the completion column (default: completion_ids, completion, response).",
+    ),
+    batching: Batching = typer.Option(
+        Batching("trl"),
+        "--batching",
+        help="--data: trl (groups shuffled into calls), verl (groups adjacent, split in order) or groups (whole groups per call).",
+    ),
+    batch_size: int = typer.Option(8, "--batch-size", help="--data: rows per forward+backward call (per device)."),
+    group_size: Optional[int] = typer.Option(
+        None, "--group-size", help="--data: responses per prompt (TRL num_generations, verl rollout.n); default 8."
+    ),
+    generation_batch_size: Optional[int] = typer.Option(
+        None, "--generation-batch-size", help="--data, trl: rows per generation round (default: --batch-size)."
+    ),
+    rollouts: bool = typer.Option(
+        False, "--rollouts", help="--data: the rows are dumped rollouts in trainer order (calls of --batch-size rows)."
+    ),
+    max_len: Optional[int] = typer.Option(
+        None, "--max-len", help="--data: the context length rows are checked against (default: the model's)."
+    ),
+    seed: int = typer.Option(0, "--seed", help="--data: seed of the shuffles and the sampled response lengths."),
+    plots: Optional[str] = typer.Option(
+        None, "--plots", help="--data: write ideal-vs-group-size and shared-prefix-length plots (PNG) into DIR."
+    ),
 ) -> None:
     """Total, unique and redundant tokens of a workload and the ideal speedup of each kind of work."""
+    if data is not None:
+        analyze_data.run(
+            analyze_data.DataArgs(
+                data=data,
+                tokenizer=tokenizer,
+                chat_template=chat_template,
+                prompt_column=prompt_column,
+                completion_column=completion_column,
+                batching=batching.value,
+                batch_size=batch_size,
+                group_size=group_size or responses or 8,
+                generation_batch_size=generation_batch_size,
+                response_len=response_len,
+                rollouts=rollouts,
+                max_len=max_len,
+                seed=seed,
+                model=model,
+                logits_mode=logits_mode.value,
+                plots=plots,
+            ),
+            as_json,
+        )
+        return
+    if prompt_len is None or responses is None or response_len is None:
+        fail("give --prompt-len, --responses and --response-len (synthetic shapes), or --data FILE")
     if min(prompt_len, responses, response_len, prompts) < 1:
         fail("--prompt-len, --responses, --response-len and --prompts must be >= 1")
     if not 0 <= shared_prefix_len < prompt_len:

@@ -8,6 +8,7 @@ from typing import Iterable
 
 from zorro_core.bench.report import METRICS
 from zorro_core.bench.suite import ATTN_IMPLEMENTATIONS, BASELINES, DTYPES, LOGITS_MODES, PHASES
+from zorro_core.bench.workload_sim import BATCHINGS
 from zorro_core.plan.trie import SHARINGS
 from zorro_core.verify.gradients import ATTNS, LAYOUTS
 
@@ -25,6 +26,7 @@ Phase = _choices("Phase", PHASES)
 Metric = _choices("Metric", METRICS)
 Layout = _choices("Layout", LAYOUTS)
 Sharing = _choices("Sharing", SHARINGS)
+Batching = _choices("Batching", BATCHINGS)  # zorro analyze --data
 
 
 def value(choice: Enum | None) -> str | None:

@@ -1,6 +1,6 @@
 """The `zorro` console script.
 
-The command needs the cli extra (typer, rich, pandas, matplotlib; tomli before Python 3.11),
+The command needs the cli extra (typer, rich, pandas, matplotlib, pyarrow; tomli before Python 3.11),
 which a trainer that only imports zorro_core does not install. Without it, `zorro` says what
 to install in one line and exits 2, instead of a traceback.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-CLI_PACKAGES = ("typer", "rich", "pandas", "matplotlib", "tomli")
+CLI_PACKAGES = ("typer", "rich", "pandas", "matplotlib", "pyarrow", "tomli")
 """What the cli extra installs (pyproject.toml's [project.optional-dependencies] cli)."""
 INSTALL_HINT = "pip install 'zorro[cli]'"
 EXIT_USAGE = 2  # zorro_cli.console's, which cannot be imported without rich

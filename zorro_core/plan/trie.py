@@ -247,10 +247,17 @@ def _radix_tree(canon: np.ndarray, lens: np.ndarray):
     keys = [(canon[i, : lens[i]] + 1).astype(">u4").tobytes() for i in range(b)]
     order = sorted(range(b), key=keys.__getitem__)  # bytes order = token order; a prefix first
     srt = canon[order]
+    lcp: list[int] = []
     if b > 1:
         neq = srt[1:] != srt[:-1]
-        lcp = np.where(neq.any(1), neq.argmax(1), srt.shape[1])
-        lcp = np.minimum(lcp, np.minimum(lens[order][1:], lens[order][:-1])).tolist()
+        lcp_a = np.where(neq.any(1), neq.argmax(1), srt.shape[1])
+        lcp = np.minimum(lcp_a, np.minimum(lens[order][1:], lens[order][:-1])).tolist()
+    return _radix_walk(order, lens, lcp)
+
+
+def _radix_walk(order, lens, lcp):
+    """The radix tree of rows visited in sorted `order`, lcp[i - 1] tokens shared by order[i - 1] and order[i]."""
+    b = len(order)
     start: list[int] = []
     end: list[int] = []
     parent: list[int] = []
@@ -274,6 +281,17 @@ def _radix_tree(canon: np.ndarray, lens: np.ndarray):
             parent.append(stack[-2] if len(stack) > 1 else -1)
         row_node[r] = stack[-1]  # length == shared: identical to the previous row
     return start, end, parent, row_node
+
+
+def shared_nodes(lens, lcp, plens, min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS) -> tuple[list[int], list[int]]:
+    """(depth, length) of each node of the trie `build_trie_plan` builds, from the rows' lengths alone
+    once they are sorted: rows 0..B-1 in token order, lcp[i] tokens shared by rows i and i + 1, plens
+    their prompt lengths (zorro_core.bench.workload_sim counts a dataset's calls with it)."""
+    check_sharing("prefix", min_shared_tokens)
+    start, end, parent, row_node = _radix_walk(range(len(lens)), lens, lcp)
+    keep = _prompt_closers(start, end, parent, row_node, plens)
+    live = _merge_short(start, end, parent, row_node, min_shared_tokens, keep)
+    return [start[n] for n in live], [end[n] - start[n] for n in live]
 
 
 def _prompt_closers(start, end, parent, row_node, plens) -> set[int]:
