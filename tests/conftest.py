@@ -45,3 +45,55 @@ def per_sequence_reference():
         return cache[key]
 
     return get
+
+
+# ---------------------------------------------------------------- a sweep whose cases are faked
+
+SUITE = """
+name = "fake"
+[measure]
+repeats = 3
+warmup = 0
+memory = false
+phases = ["forward"]
+[defaults]
+model = "tiny-qwen3"
+batch_size = 4
+prompt_len = 8
+response_len = 2
+[[grid]]
+num_unique_prompts = [1, 2, 4]
+"""
+
+
+def fake_case_rows(case, measure, fault=None, on_phase=None, max_memory=None):
+    """What runner.case_rows reports, without running anything."""
+    from zorro_core.bench.results import COLUMNS
+
+    rows = []
+    for p in measure.phases:
+        r = {c: "" for c in COLUMNS}
+        r.update(case_id=case.case_id, phase=p, model=case.model, status="ok", speedup=2.0, ideal_speedup=3.0)
+        on_phase(r)
+        rows.append(r)
+    return rows
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    """A suite file whose cases are faked (zorro_core.bench.sweep.case_rows), and a sweep runner."""
+    from typer.testing import CliRunner
+
+    import zorro_core.bench.sweep as sweep_mod
+    from zorro_cli.main import app
+
+    runner = CliRunner()
+    monkeypatch.setattr(sweep_mod, "case_rows", fake_case_rows)
+    suite = tmp_path / "s.toml"
+    suite.write_text(SUITE)
+
+    def run(*args):
+        return runner.invoke(app, ["bench", "sweep", str(suite), *map(str, args)])
+
+    run.suite = suite
+    return run

@@ -99,6 +99,32 @@ def test_a_killed_sweep_leaves_no_process_computing(tmp_path):
     _kill_and_check_nothing_left(proc)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_the_ranks_of_an_nproc_case_end_with_a_killed_sweep(tmp_path, sig):
+    """Issue 23, defect 2: the ranks of an nproc > 1 case are the sweep's own children (spawned by
+    launch): killed with the sweep, they must end with it, not compute on under PID 1."""
+    suite = tmp_path / "ranks.toml"
+    suite.write_text(LONG_CASE.replace('name = "long"', 'name = "ranks"') + "nproc = 2\n")
+    proc = _start(suite, tmp_path / "ranks.csv")
+    deadline = time.monotonic() + 150
+    ranks: set[int] = set()
+    while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        ranks = {p for p, (pp, cmd) in _session(proc.pid).items() if pp == proc.pid and "spawn_main" in cmd}
+        time.sleep(0.2)
+    assert len(ranks) == 2, f"the two ranks were not seen: {_session(proc.pid)}"
+    time.sleep(2)  # the ranks are importing torch or computing
+    os.kill(proc.pid, sig)
+    proc.wait()
+    # A rank still importing torch notices when the imports are done (it computes nothing
+    # meanwhile: on a loaded 2-core machine that takes up to a minute); without the fix the case
+    # (100000 repeats) computes until its 300 s timeout.
+    deadline = time.monotonic() + 150
+    while ranks & set(_session(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = {p: v for p, v in _session(proc.pid).items() if p in ranks}
+    assert not left, f"ranks left running after the sweep was killed: {left}"
+
+
 SUITE = """
 name = "faults"
 [measure]

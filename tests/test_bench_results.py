@@ -139,13 +139,14 @@ def test_rerunning_a_sweep_keeps_every_earlier_run(tmp_path):
     """The issue's reproduction: a third run without --resume deleted the first run's rows."""
     out = tmp_path / "tiny.csv"
     (tmp_path / "tiny.csv.1.bak").write_text("the first run\n")  # a backup made by an earlier rerun
-    out.write_text("the second run\n")
+    second = "case_id,phase,status\nthe,second,run\n"  # a results file (only one is ever moved aside)
+    out.write_text(second)
     args = ["bench", "sweep", str(TINY), "--out", str(out), "--filter", "b4u1", "--repeats", "1", "--warmup", "0",
             "--no-memory"]  # fmt: skip
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     assert (tmp_path / "tiny.csv.1.bak").read_text() == "the first run\n"
-    assert (tmp_path / "tiny.csv.2.bak").read_text() == "the second run\n"
+    assert (tmp_path / "tiny.csv.2.bak").read_text() == second
     assert "the old one is now" in res.output and "tiny.csv.2.bak" in " ".join(res.output.split())
     assert [r["status"] for r in read_rows(out)] == ["ok", "ok"]
 

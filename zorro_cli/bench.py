@@ -17,6 +17,8 @@ from zorro_core.bench.results import sidecar_path
 from zorro_core.bench.runner import ARMS, case_rows, model_config, refused_arms
 from zorro_core.bench.suite import Case, Measure, Suite, load_suite
 from zorro_core.bench.sweep import FAILED, run_suite, unresolved_models
+from zorro_core.plan.dtypes import DTYPES
+from zorro_core.verify.guard import ranks_too_many
 
 from .choices import Attn, Baseline, DType, LogitsMode, Phase
 from .console import console, escape, fail, warn
@@ -293,6 +295,8 @@ def run(
         fail(str(e))
     if len(refused) == len(ARMS):
         fail(f"{case.case_id}: {refused['dedup']}")
+    if case.nproc > 1 and (why := ranks_too_many(case.nproc, case.model, DTYPES[case.dtype].itemsize)):
+        fail(why)
     suite = Suite(name="run", cases=[case], measure=measure, device=device, seed=seed)
     if out is not None:
         rows = _sweep(suite, out, mode="append", max_memory=limit)

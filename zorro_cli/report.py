@@ -4,6 +4,7 @@ The logic lives in zorro_core.bench.report; this module parses arguments and pri
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -11,7 +12,7 @@ import typer
 from rich.table import Table
 from typer.core import TyperGroup
 
-from zorro_core.bench.report import compare_frames, load_results, pivot_frame, pivots, plot
+from zorro_core.bench.report import compare_frames, compared_count, load_results, pivot_frame, pivots, plot
 
 from .choices import Metric, Phase
 from .console import console, escape, fail
@@ -27,6 +28,8 @@ class _DefaultShow(TyperGroup):
         return super().parse_args(ctx, args)
 
 
+MAX_COMPARE_ROWS = 50
+"""`report compare` prints every row up to this many; past it, a summary and the rows that are not "same"."""
 report_app = typer.Typer(
     cls=_DefaultShow,
     no_args_is_help=True,
@@ -43,14 +46,17 @@ def _markdown(title: str, text) -> str:
 
 
 def parse_fraction(text: str) -> float:
-    """'5%' -> 0.05, '0.05' -> 0.05."""
+    """'5%' -> 0.05, '0.05' -> 0.05. A bare number must be a fraction below 1: '5' is refused
+    (5% or 500%?), as is anything not finite or negative."""
     t = text.strip()
     try:
         v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
     except ValueError:
         raise ValueError(f"cannot read {text!r} as a fraction (use 5% or 0.05)") from None
-    if not 0 <= v < 10:
-        raise ValueError(f"threshold {text!r} is out of range")
+    if not (math.isfinite(v) and 0 <= v < 10):
+        raise ValueError(f"threshold {text!r} is out of range (use 5% or 0.05)")
+    if not t.endswith("%") and v >= 1:
+        raise ValueError(f"--fail-above {text!r}: is that {v:g}% or {v:.0%}? give the unit: {v:g}% or {v / 100:g}")
     return v
 
 
@@ -70,6 +76,10 @@ def show(
     ),
 ) -> None:
     """Merge result CSVs and pivot `value` by prompt dedup ratio x prompt length, per configuration."""
+    if plots is not None and plots.exists() and not plots.is_dir():
+        fail(f"--plots {plots} is a file; it takes a directory to write the PNGs into")
+    if csv_out is not None and csv_out.is_dir():
+        fail(f"--csv {csv_out} is a directory; it takes a CSV file path")
     try:
         df = load_results(results)
     except ValueError as e:
@@ -125,12 +135,24 @@ def compare(
         rows = compare_frames(load_results([old]), load_results([new]), metric.value, threshold)
     except ValueError as e:
         fail(str(e))
+    if not compared_count(rows):
+        fail(
+            f"nothing compared: {old} and {new} share no (case, phase) that is ok in {old}"
+            + ("" if any(v != "missing in new" for *_, v in rows) else f" ({new} has none of its rows)")
+            + "; a gate that compares nothing fails"
+        )
+    counts: dict[str, int] = {}
+    for *_, verdict in rows:
+        counts[verdict] = counts.get(verdict, 0) + 1
+    shown = rows
+    if len(rows) > MAX_COMPARE_ROWS:  # summarise: every row but "same", the regressions first, at most MAX
+        shown = sorted((r for r in rows if r[-1] != "same"), key=lambda r: not r[-1].startswith("REGRESSION"))
+        shown = shown[:MAX_COMPARE_ROWS]
     t = Table(title=escape(f"{metric.value}: {old} -> {new} (fail above {threshold:.1%} beyond p20-p80 noise)"))
     for c in ("case", "phase", "old", "new", "change", "verdict"):
         t.add_column(c, justify="right" if c in ("old", "new", "change") else "left")
-    regressions = 0
-    for case, phase, vo, vn, change, verdict in rows:
-        regressions += verdict.startswith("REGRESSION")
+    regressions = sum(n for v, n in counts.items() if v.startswith("REGRESSION"))
+    for case, phase, vo, vn, change, verdict in shown:
         style = "red" if verdict.startswith("REGRESSION") else ("green" if verdict == "improved" else "")
         t.add_row(
             escape(str(case)),
@@ -140,7 +162,14 @@ def compare(
             "" if change is None else f"{change:+.1%}",
             f"[{style}]{verdict}[/]" if style else verdict,
         )
-    console.print(t)
+    if shown:
+        console.print(t)
+    if len(shown) < len(rows):
+        console.print(
+            f"{len(rows)} (case, phase) rows: "
+            + ", ".join(f"{n} {escape(v)}" for v, n in sorted(counts.items()))
+            + f"; {len(shown)} shown (not 'same', regressions first)"
+        )
     if regressions:
         console.print(f"[red]{regressions} regression(s)[/]")
         raise typer.Exit(1)

@@ -15,7 +15,7 @@ import typer
 from rich.table import Table
 
 from zorro_core.bench.report import load_results
-from zorro_core.bench.stack_table import WORKLOAD, stack_report
+from zorro_core.bench.stack_table import WORKLOAD, stack_needs, stack_report
 
 from .choices import Phase
 from .console import console, escape, fail
@@ -97,8 +97,11 @@ def stack(
     except ValueError as e:
         fail(str(e))
     if table.empty:
-        console.print("[yellow]no stack rows: the results hold no case of the stack (see suites/stack.toml)[/]")
-        raise typer.Exit(1)
+        devices = sorted(set(df["device"].astype(str))) if "device" in df.columns and len(df) else ["cpu"]
+        fail(
+            f"{', '.join(map(str, results))}: not a stack sweep, no row of any stack config; per workload the "
+            f"stack needs {stack_needs(devices)} (suites/stack.toml, stack_cpu.toml)"
+        )
     by = [c for c in WORKLOAD if c in table.columns]
     for key, g in table.groupby(by, sort=False, dropna=False):
         title = _title(dict(zip(by, key if isinstance(key, tuple) else (key,))))

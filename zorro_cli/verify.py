@@ -23,6 +23,7 @@ from zorro_core.verify.gradients import (
     tiny_models,
     verify_cases,
 )
+from zorro_core.verify.guard import verify_too_large
 from zorro_core.verify.training import TRAIN_FACTOR, TRAIN_RULE, TrainConfig, verify_training
 
 from . import verify_distributed
@@ -92,7 +93,12 @@ def _verdict(results) -> tuple[dict[str, int], bool]:
 
 
 def _models(values: Optional[list[str]]) -> list[str]:
-    return _split(values, list(PRESETS), tiny_models(), "--models")
+    """The --models checked: presets, and small enough for this machine's memory (verify.guard)."""
+    models = _split(values, list(PRESETS), tiny_models(), "--models")
+    why = verify_too_large(models)
+    if why:
+        fail(f"--models: {why}")
+    return models
 
 
 def _factor(factor: float) -> float:

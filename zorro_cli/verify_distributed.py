@@ -14,6 +14,7 @@ from zorro_core.distributed.launch import under_torchrun
 from zorro_core.models.presets import PRESETS
 from zorro_core.verify.distributed import BUGS, RULE, DistributedConfig, VariantResult, verify_distributed
 from zorro_core.verify.gradients import VerifyCase, case_unavailable
+from zorro_core.verify.guard import ranks_too_many, verify_too_large
 
 from .choices import LogitsMode, VerifyAttn
 from .console import STATUS_STYLE, console, error_cell, escape, fail, parameter_cell, print_json, resolve_device
@@ -70,6 +71,10 @@ def distributed(
         fail(f"--model: unknown preset {model!r}; presets: {', '.join(PRESETS)}")
     if self_test and inject_bug:
         fail("--inject-bug with --self-test: --self-test runs every bug already")
+    if not under_torchrun():  # under torchrun the ranks are torchrun's
+        why = ranks_too_many(nproc, model) or (verify_too_large([model]) if nproc == 1 else None)
+        if why:
+            fail(why)
     dev = resolve_device(device)
     _check_attention_runs(model, attn.value, logits_mode.value, dev)
     cfg = DistributedConfig(

@@ -38,6 +38,7 @@ from zorro_core.plan.build import build_dedup_plan
 from zorro_core.plan.cost import ModelShape, flops, plan_workload
 from zorro_core.plan.dtypes import DTYPES
 from zorro_core.verify.distributed import rank_rows
+from zorro_core.verify.guard import ranks_over_cores, ranks_over_memory
 
 ARMS = ("no_regroup", "regroup")
 
@@ -174,8 +175,13 @@ def distributed_case_rows(
         prompt_dedup_ratio=round(plan["single_process_prompt_dedup"], 6),
     )
     status, error, results = "ok", "", []
+    width = getattr(torch, case.dtype).itemsize
     if case.device.startswith("cuda") and torch.cuda.device_count() < case.nproc:
         status, error = "skipped", f"{case.nproc} ranks need {case.nproc} GPUs, {torch.cuda.device_count()} here"
+    elif why := ranks_over_cores(case.nproc, flag="nproc"):
+        status, error = "skipped", why
+    elif why := ranks_over_memory(case.nproc, case.model, width, flag="nproc"):
+        status, error = "oom", f"refused before running: {why}"
     else:
         try:
             results = launch(

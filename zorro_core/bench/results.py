@@ -9,7 +9,14 @@
   its holder dies, however it dies.
 - Backups never overwrite: starting a file afresh renames it to the first free
   `<csv>.<n>.bak` (its sidecar to `<json>.<n>.bak`).
-- The sidecar is replaced atomically (written beside, then renamed).
+- The sidecar is replaced atomically (written beside, then renamed; the `.tmp` is removed when
+  the write fails). A damaged sidecar (not JSON, not UTF-8, not a {"runs": [...]} table) is kept
+  as a numbered backup before a new one is started, and the caller is told.
+- `--out` is checked first (check_out): only a regular results file is ever moved aside or
+  appended to; a device, a directory, the suite file itself, a file that is not a results CSV,
+  or a name whose sidecar would be the file itself (`x.json`) is refused with the reason.
+- A write that fails (disk full, read-only) is a ResultsWriteError naming the file and the
+  cause; a row is written whole or not at all (a failed append is cut back off).
 A resumed sweep skips every (case_id, phase) that already has a finished row. A CSV may hold
 several rows of one key (a failed case run again); readers keep the last.
 """
@@ -22,6 +29,7 @@ import fcntl
 import io
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -113,6 +121,67 @@ class ResultsBusy(ValueError):
     """Another process is writing this results file."""
 
 
+class ResultsWriteError(ValueError):
+    """A results file or its sidecar could not be written (the message names the file and the cause)."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _first_line(path: Path) -> list[str]:
+    with path.open("rb") as f:
+        head = f.readline(1 << 16)
+    return next(csv.reader([head.decode("utf-8-sig", errors="replace")]), [])
+
+
+def check_out(out: str | Path, mode: str, protect: tuple[str | Path, ...] = ()) -> None:
+    """Refuse an `--out` this sweep may not lock, move aside or append to (ValueError with the
+    reason): a sidecar that would be the file itself, anything but a regular file (a device, a
+    directory, a pipe), or one of `protect` (the suite file). See also check_is_results."""
+    out = Path(out)
+    side = sidecar_path(out)
+    if side == out:
+        raise ValueError(
+            f"--out {out}: its JSON sidecar would be {side}, the file itself; give the results file a .csv name"
+        )
+    for p, what in ((out, "--out"), (side, "its sidecar")):
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise ValueError(f"{what} {p}: cannot read it ({e.strerror})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{what} {p} is {_kind(st.st_mode)}, not a results file; --out takes a CSV file path")
+    if not out.exists():
+        return
+    for p in protect:
+        if p and Path(p).exists() and os.path.samefile(out, p):
+            raise ValueError(f"--out {out} is the suite file itself; write the results to another file")
+
+
+def check_is_results(out: str | Path, mode: str) -> None:
+    """Refuse to move aside or append to an existing non-empty file whose first line is not a
+    results header (checked under the lock: a busy file is refused as busy first)."""
+    out = Path(out)
+    if out.is_file() and out.stat().st_size and not {"case_id", "phase", "status"} <= set(_first_line(out)):
+        verb = "move it aside" if mode == "replace" else "append to it"
+        raise ValueError(
+            f"--out {out} exists and is not a zorro results CSV (its first line is not a results header); "
+            f"refusing to {verb}: write to another file"
+        )
+
+
 class ResultsLock:
     """Exclusive lock on a results file for the duration of a `with` block (a sweep)."""
 
@@ -176,7 +245,7 @@ def read_results_text(path: str | Path, drop_cut_line: bool = False) -> str:
     if b"\0" in data:
         raise ValueError(f"{path} is binary, not a zorro results CSV")
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a BOM (a spreadsheet's export) is not part of the header
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not UTF-8 text (byte {e.start}): not a zorro results CSV") from None
     if not text.endswith("\n"):
@@ -209,8 +278,11 @@ def parse_results(path: str | Path, drop_cut_line: bool = False, text: Optional[
 def _header(path: Path) -> list[str] | None:
     if not path.exists() or path.stat().st_size == 0:
         return None
-    with path.open(newline="") as f:
-        return next(csv.reader(f), None)
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as f:
+            return next(csv.reader(f), None)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}): not a zorro results CSV") from None
 
 
 def _drop_partial_line(path: Path) -> None:
@@ -234,13 +306,26 @@ def _line(values: list[Any]) -> bytes:
 
 
 def _write_whole(path: Path, data: bytes) -> None:
-    """Append `data` with one write (looping only if the kernel takes less), then fsync."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    """Append `data` with one write (looping only if the kernel takes less), then fsync; when a
+    write fails (a full disk) what was written of `data` is cut back off: whole or not at all.
+    ResultsWriteError naming the file and the cause."""
     try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ResultsWriteError(f"cannot write {path}: {e.strerror or e}") from None
+    try:
+        start = os.fstat(fd).st_size
         view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
+        try:
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except OSError as e:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:  # pragma: no cover -- a cut last line is still detected by readers
+                pass
+            raise ResultsWriteError(f"cannot write {path}: {e.strerror or e}") from None
     finally:
         os.close(fd)
 
@@ -259,6 +344,13 @@ class ResultWriter:
             missing = [c for c in REQUIRED_COLUMNS if c not in header]
             if missing:
                 raise ValueError(f"{self.path} exists but lacks the columns {missing}: write to a new file")
+            newer = [c for c in COLUMNS if c not in header]
+            if newer:
+                raise ValueError(
+                    f"{self.path} was written by an older zorro: it lacks the columns {newer}, which new rows "
+                    "would silently leave out; start it afresh (without --resume the old file is kept as a "
+                    "backup) or write to another file"
+                )
             self.columns = header
         else:
             self.columns = COLUMNS
@@ -287,21 +379,54 @@ def done_keys(path: str | Path) -> set[tuple[str, str]]:
 def _write_json(path: Path, data: Any) -> None:
     """Replace `path` atomically: a kill leaves the old file or the new one, never half of one."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ResultsWriteError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def write_sidecar(path: str | Path, run: dict[str, Any]) -> None:
-    """Add one run's record to the sidecar (a resumed sweep adds a second record)."""
+def read_sidecar(path: str | Path) -> dict[str, Any]:
+    """The sidecar's table ({"runs": [...]}); ValueError naming the file and what is wrong with it
+    when it is not UTF-8, not JSON, or not such a table. A missing file is an empty table."""
     path = Path(path)
-    data: dict[str, Any] = {"runs": []}
-    if path.exists():
+    if not path.exists():
+        return {"runs": []}
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"sidecar {path} is not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"sidecar {path} is not valid JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("runs", []), list):
+        raise ValueError(f'sidecar {path} is not a zorro sidecar (a JSON table with a "runs" list)')
+    data.setdefault("runs", [])
+    return data
+
+
+def write_sidecar(path: str | Path, run: dict[str, Any]) -> tuple[Optional[Path], str]:
+    """Add one run's record to the sidecar (a resumed sweep adds a second record). A damaged
+    sidecar is first moved to the first free `<json>.<n>.bak` (never lost): (that backup, why it
+    was damaged); (None, "") otherwise."""
+    path = Path(path)
+    kept, why = None, ""
+    try:
+        data = read_sidecar(path)
+    except ValueError as e:
+        why = str(e)
+        n = 1
+        while path.with_name(f"{path.name}.{n}.bak").exists():
+            n += 1
+        kept = path.with_name(f"{path.name}.{n}.bak")
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            data = {"runs": []}
-    data.setdefault("runs", []).append(run)
+            path.replace(kept)
+        except OSError as err:
+            raise ResultsWriteError(f"cannot move the damaged sidecar {path} aside: {err.strerror or err}") from None
+        data = {"runs": []}
+    data["runs"].append(run)
     _write_json(path, data)
+    return kept, why
 
 
 def update_last_run(path: str | Path, **fields: Any) -> None:
@@ -309,7 +434,7 @@ def update_last_run(path: str | Path, **fields: Any) -> None:
     path = Path(path)
     if not path.exists():
         return
-    data = json.loads(path.read_text())
-    if data.get("runs"):
+    data = read_sidecar(path)
+    if data["runs"]:
         data["runs"][-1].update(fields)
         _write_json(path, data)

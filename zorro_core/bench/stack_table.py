@@ -238,6 +238,25 @@ def _pick(g: pd.DataFrame, arm: str, attn: str, split: Optional[bool], liger: bo
     return (chosen, "") if len(chosen) else None
 
 
+def stack_needs(devices: Sequence[str] = ("cpu",), attention: Optional[dict[str, StackAttention]] = None) -> str:
+    """The cases a stack sweep holds, per workload, on each of `devices` (what `report stack` says
+    is missing when results hold none of them)."""
+    attention = attention or STACK_ATTENTION
+    parts = []
+    for device in dict.fromkeys(d.split(":")[0] or "cpu" for d in devices):
+        roles = attention.get(device)
+        if roles is None:
+            continue
+        need = []
+        for config, (arm, part, split, liger) in STACK_SOURCES.items():
+            mode = "" if split is None else (", split_attention=true" if split else ", split_attention=false")
+            need.append(
+                f"{config}: {arm} arm of attn_implementation={getattr(roles, part)}{mode}, liger={str(liger).lower()}"
+            )
+        parts.append(f"on {device}: " + "; ".join(need))
+    return " | ".join(parts)
+
+
 def stack_report(df: pd.DataFrame, attention: Optional[dict[str, StackAttention]] = None) -> pd.DataFrame:
     """stack_table over stack_rows_from_bench(df), one stack per workload, with each row's source,
     note and (for rows without figures) the reason."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import itertools
+import math
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -117,23 +118,30 @@ class Case:
             raise ValueError(
                 f"shared_prefix_len must be an integer in [0, shortest prompt), got {self.shared_prefix_len!r}"
             )
-        if self.min_shared_tokens is not None and not (
-            isinstance(self.min_shared_tokens, int) and self.min_shared_tokens >= 1
-        ):
+        if self.min_shared_tokens is not None and not (_is_int(self.min_shared_tokens) and self.min_shared_tokens >= 1):
             raise ValueError(f"min_shared_tokens must be an integer >= 1, got {self.min_shared_tokens!r}")
-        if self.device.split(":")[0] not in ("cpu", "cuda"):
+        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         for name in ("split_attention", "padding", "liger", "checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("batch_size", "prompt_len", "response_len", "nproc"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not _is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        for name in ("model", "device"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if self.num_unique_prompts is not None and not _is_int(self.num_unique_prompts):
+            raise ValueError(f"num_unique_prompts must be an integer >= 1, got {self.num_unique_prompts!r}")
+        if self.prompt_dedup_ratio is not None and not _is_number(self.prompt_dedup_ratio):
+            raise ValueError(f"prompt_dedup_ratio must be a number in [0, 1), got {self.prompt_dedup_ratio!r}")
         if (self.num_unique_prompts is None) == (self.prompt_dedup_ratio is None):
             raise ValueError("give exactly one of num_unique_prompts and prompt_dedup_ratio")
         if self.logits_memory_budget_mib is not None and not (
-            isinstance(self.logits_memory_budget_mib, (int, float)) and self.logits_memory_budget_mib > 0
+            _is_number(self.logits_memory_budget_mib) and self.logits_memory_budget_mib > 0
         ):
             raise ValueError(f"logits_memory_budget_mib must be > 0, got {self.logits_memory_budget_mib!r}")
         if self.num_unique_prompts is not None and not 1 <= self.num_unique_prompts <= self.batch_size:
@@ -213,15 +221,23 @@ class Measure:
     """torch intra-op threads in the case process (0: torch's default)."""
 
     def __post_init__(self) -> None:
-        if self.warmup < 0 or self.repeats < 1:
-            raise ValueError(f"need warmup >= 0 and repeats >= 1, got {self.warmup} and {self.repeats}")
+        for name, least in (("warmup", 0), ("repeats", 1), ("threads", 0)):
+            v = getattr(self, name)
+            if not _is_int(v) or v < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {v!r}")
+        if not isinstance(self.memory, bool):
+            raise ValueError(f"memory must be true or false, got {self.memory!r}")
+        if not (_is_number(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+        if isinstance(self.phases, str):  # phases = "forward": one phase, not its letters
+            object.__setattr__(self, "phases", (self.phases,))
+        if not isinstance(self.phases, (list, tuple)):
+            raise ValueError(f"phases must be a list of phases ({', '.join(PHASES)}), got {self.phases!r}")
         object.__setattr__(self, "phases", tuple(self.phases))
         for p in self.phases:
             _check_choice("phases", p, PHASES)
         if not self.phases:
             raise ValueError("phases must name at least one phase")
-        if self.timeout_s <= 0 or self.threads < 0:
-            raise ValueError("timeout_s must be > 0 and threads >= 0")
 
 
 @dataclass
@@ -260,6 +276,16 @@ def case_matches(case: Case, expr: str) -> bool:
     if any(ch in expr for ch in "*?["):
         return fnmatch.fnmatchcase(case.case_id, expr)
     return expr in case.case_id
+
+
+def _is_int(v: Any) -> bool:
+    """An integer, not a bool (TOML's true is not 1)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    """A finite int or float, not a bool (nan would pass every comparison's negation)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _suggest(key: str, valid: Iterable[str]) -> str:
@@ -312,6 +338,13 @@ def expand(defaults: dict[str, Any], grids: list[dict[str, Any]]) -> list[Case]:
 def parse_suite(data: dict[str, Any], source: Optional[str] = None, name: Optional[str] = None) -> Suite:
     """A Suite from the parsed TOML table."""
     _check_keys("the suite", data, _TOP)
+    for key, kind in (("name", str), ("description", str), ("device", str), ("measure", dict), ("defaults", dict)):
+        if key in data and not isinstance(data[key], kind):
+            raise ValueError(f"{key} must be a {'table' if kind is dict else 'string'}, got {data[key]!r}")
+    if not isinstance(data.get("grid", []), (list, dict)) or any(
+        not isinstance(g, dict) for g in (data["grid"] if isinstance(data.get("grid"), list) else [])
+    ):
+        raise ValueError("grid must be one [[grid]] table or several")
     measure_t = data.get("measure", {})
     defaults = dict(data.get("defaults", {}))
     grids = data.get("grid", [])
@@ -321,6 +354,9 @@ def parse_suite(data: dict[str, Any], source: Optional[str] = None, name: Option
     _check_keys("[defaults]", defaults, _AXES)
     for i, g in enumerate(grids):
         _check_keys(f"[[grid]] #{i + 1}", g, _AXES)
+    measure = Measure(**measure_t)
+    if "defaults" not in data and "grid" not in data:
+        raise ValueError("defines no case (no [defaults] and no [[grid]]); see suites/ for examples")
     device = data.get("device", "cpu")
     seed = data.get("seed", 0)
     defaults.setdefault("device", device)
@@ -330,7 +366,7 @@ def parse_suite(data: dict[str, Any], source: Optional[str] = None, name: Option
     return Suite(
         name=data.get("name") or name or "suite",
         cases=expand(defaults, grids),
-        measure=Measure(**measure_t),
+        measure=measure,
         description=data.get("description", ""),
         device=device,
         seed=seed,
@@ -341,10 +377,20 @@ def parse_suite(data: dict[str, Any], source: Optional[str] = None, name: Option
 def load_suite(path: str | Path) -> Suite:
     """Read and expand a suite file; errors name the file and the problem."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"suite file {str(path)!r} is a directory, not a TOML file")
+    if path.exists() and not path.is_file():
+        raise ValueError(f"suite file {str(path)!r} is not a regular file (a device or a pipe), not a TOML file")
     if not path.is_file():
         raise ValueError(f"suite file {str(path)!r} not found")
     try:
-        data = tomllib.loads(path.read_text())
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}), not a TOML suite") from None
+    if not text.strip():
+        raise ValueError(f"{path} is empty: a suite defines its cases in [defaults] and [[grid]] (see suites/)")
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not valid TOML: {e}") from e
     try:

@@ -20,9 +20,13 @@ import torch
 from zorro_core.bench.environment import environment
 from zorro_core.bench.results import (
     ResultsLock,
+    ResultsWriteError,
     ResultWriter,
     backup,
+    check_is_results,
+    check_out,
     done_keys,
+    read_sidecar,
     sidecar_path,
     update_last_run,
     write_sidecar,
@@ -131,40 +135,99 @@ def run_suite(
     out = Path(out)
     if out.is_dir():
         raise ValueError(f"{out} is a directory; --out takes a CSV file")
-    with ResultsLock(out):
-        if out.exists() and mode == "replace":
-            kept = backup(out)
-            notify(f"starting {out} afresh; the old one is now {kept} (--resume continues a file instead)")
-        done = done_keys(out) if mode == "resume" else set()
-        todo = [c for c in suite.cases if any((c.case_id, p) not in done for p in suite.measure.phases)]
-        if len(todo) < len(suite.cases):
-            notify(f"resume: {len(suite.cases) - len(todo)} case(s) already done in {out}, {len(todo)} to run")
-        if any(c.device.startswith("cuda") for c in todo) and not _cuda_available():
-            notify(
-                "this suite runs on CUDA, which is not available here: its cases are written with "
-                "status=skipped (run it on a GPU machine, or pass --device cpu)"
-            )
-        writer = ResultWriter(out)
-        write_sidecar(sidecar_path(out), run_record(suite))
-        rows: list[dict] = []
-
-        def emit(row: dict) -> None:
-            if (row["case_id"], row["phase"]) in done:
-                return
-            row["finished_utc"] = now_utc()
-            writer.append(row)
-            rows.append(row)
-            on_row(row)
-
-        for i, case in enumerate(todo):
-            on_case(case, i, len(todo))
-            measure = suite.measure
-            phases = tuple(p for p in measure.phases if (case.case_id, p) not in done)
-            if phases != measure.phases:
-                measure = Measure(**{**dataclasses.asdict(measure), "phases": phases})
-            case_rows(case, measure, fault=fault, on_phase=emit, max_memory=max_memory)
-        update_last_run(sidecar_path(out), finished_utc=now_utc(), loadavg_end=loadavg(), rows_written=len(rows))
+    check_out(out, mode, protect=(suite.source,) if suite.source else ())
+    rows: list[dict] = []
+    try:
+        with ResultsLock(out):
+            _run_locked(suite, out, mode, fault, notify, on_case, on_row, max_memory, rows)
+    except ResultsWriteError as e:
+        raise ResultsWriteError(f"{e}; {_kept(rows, out)}") from None
+    except OSError as e:  # the lock, a backup's rename, a directory that cannot be made
+        where = f" {e.filename}" if e.filename else ""
+        raise ResultsWriteError(f"cannot write{where}: {e.strerror or e}; {_kept(rows, out)}") from None
     return rows
+
+
+def _kept(rows: list[dict], out: Path) -> str:
+    if not rows:
+        return "nothing was measured"
+    return f"the {len(rows)} row(s) measured before are kept in {out}; fix the cause and run again with --resume"
+
+
+_TIMING = ("warmup", "repeats", "threads")
+
+
+def _settings_differ(out: Path, suite: Suite) -> list[str]:
+    """What differs between `suite`'s settings and those of the last run recorded in `out`'s sidecar:
+    its name and the settings that change what a time means (warmup, repeats, threads; memory,
+    timeout_s and phases do not)."""
+    runs = read_sidecar(sidecar_path(out))["runs"]
+    if not runs or not isinstance(runs[-1], dict):
+        return []
+    last = runs[-1]
+    now = {
+        "suite": suite.name,
+        **{f"measure.{k}": v for k, v in dataclasses.asdict(suite.measure).items() if k in _TIMING},
+    }
+    then = {"suite": last.get("suite"), **{f"measure.{k}": v for k, v in (last.get("measure") or {}).items()}}
+    out_ = []
+    for k, v in now.items():
+        was = then.get(k)
+        if k in then and (list(was) if isinstance(was, (list, tuple)) else was) != (
+            list(v) if isinstance(v, (list, tuple)) else v
+        ):
+            out_.append(f"{k} {was!r} -> {v!r}")
+    return out_
+
+
+def _run_locked(suite, out, mode, fault, notify, on_case, on_row, max_memory, rows) -> None:
+    check_is_results(out, mode)
+    if out.exists() and mode == "replace":
+        kept = backup(out)
+        notify(f"starting {out} afresh; the old one is now {kept} (--resume continues a file instead)")
+    done = done_keys(out) if mode == "resume" else set()
+    if mode == "resume" and out.exists():
+        try:
+            differ = _settings_differ(out, suite)
+        except ValueError:
+            differ = []  # a damaged sidecar: write_sidecar below keeps it and says so
+        if differ:
+            raise ValueError(
+                f"--resume: {out} was measured with other settings ({'; '.join(differ)}): its rows and the new "
+                "ones would not compare; resume with the same suite and options, or start afresh (without --resume)"
+            )
+    todo = [c for c in suite.cases if any((c.case_id, p) not in done for p in suite.measure.phases)]
+    if len(todo) < len(suite.cases):
+        notify(f"resume: {len(suite.cases) - len(todo)} case(s) already done in {out}, {len(todo)} to run")
+    if any(c.device.startswith("cuda") for c in todo) and not _cuda_available():
+        notify(
+            "this suite runs on CUDA, which is not available here: its cases are written with "
+            "status=skipped (run it on a GPU machine, or pass --device cpu)"
+        )
+    writer = ResultWriter(out)
+    kept, why = write_sidecar(sidecar_path(out), run_record(suite))
+    if kept is not None:
+        notify(f"{why}: it is kept as {kept}, and a new sidecar started")
+
+    def emit(row: dict) -> None:
+        if (row["case_id"], row["phase"]) in done:
+            return
+        row["finished_utc"] = now_utc()
+        writer.append(row)
+        rows.append(row)
+        on_row(row)
+
+    for i, case in enumerate(todo):
+        on_case(case, i, len(todo))
+        measure = suite.measure
+        phases = tuple(p for p in measure.phases if (case.case_id, p) not in done)
+        if phases != measure.phases:
+            measure = Measure(**{**dataclasses.asdict(measure), "phases": phases})
+        case_rows(case, measure, fault=fault, on_phase=emit, max_memory=max_memory)
+    try:
+        update_last_run(sidecar_path(out), finished_utc=now_utc(), loadavg_end=loadavg(), rows_written=len(rows))
+    except ResultsWriteError as e:
+        raise ResultsWriteError(f"every row is written, but the sidecar's end-of-run record is not: {e}") from None
 
 
 def _cuda_available() -> bool:

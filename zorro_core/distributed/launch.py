@@ -2,7 +2,8 @@
 
 `launch(fn, nproc, *args)` spawns `nproc` fresh processes (torch.multiprocessing, "spawn"),
 each with a process group over TCP on 127.0.0.1 (gloo on CPU, NCCL with one GPU per rank), runs
-`fn(*args)` in each and returns the ranks' return values in rank order. A rank that raises stops
+`fn(*args)` in each (each rank ends with the launching process,
+however it ends) and returns the ranks' return values in rank order. A rank that raises stops
 the others (they would wait forever in their next collective) and the error is re-raised here.
 `under_torchrun()` tells whether this process is one of torchrun's ranks (RANK, WORLD_SIZE and
 MASTER_ADDR set); then `init_from_env` joins its process group instead.
@@ -61,7 +62,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, backend: str, threads: int, fn, args, results) -> None:
+def _rank_main(rank: int, world: int, port: int, backend: str, threads: int, fn, args, results, parent: int) -> None:
+    # A rank ends with the process that launched it, however that one ends (a sweep killed with
+    # SIGKILL or SIGTERM): otherwise it is re-parented to PID 1 and computes on.
+    from zorro_core.bench.isolation import die_with
+
+    die_with(parent)
     try:
         torch.set_num_threads(threads)
         if backend == "nccl":
@@ -91,7 +97,9 @@ def launch(
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, nproc, port, backend, threads, fn, args, results), daemon=False)
+        ctx.Process(
+            target=_rank_main, args=(r, nproc, port, backend, threads, fn, args, results, os.getpid()), daemon=False
+        )
         for r in range(nproc)
     ]
     for p in procs:
