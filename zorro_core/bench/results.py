@@ -165,8 +165,8 @@ def check_out(out: str | Path, mode: str, protect: tuple[str | Path, ...] = ()) 
             raise ValueError(f"{what} {p} is {_kind(st.st_mode)}, not a results file; --out takes a CSV file path")
     if not out.exists():
         return
-    for p in protect:
-        if p and Path(p).exists() and os.path.samefile(out, p):
+    for q in protect:
+        if q and Path(q).exists() and os.path.samefile(out, q):
             raise ValueError(f"--out {out} is the suite file itself; write the results to another file")
 
 

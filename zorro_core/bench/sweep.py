@@ -205,9 +205,9 @@ def _run_locked(suite, out, mode, fault, notify, on_case, on_row, max_memory, ro
             "status=skipped (run it on a GPU machine, or pass --device cpu)"
         )
     writer = ResultWriter(out)
-    kept, why = write_sidecar(sidecar_path(out), run_record(suite))
-    if kept is not None:
-        notify(f"{why}: it is kept as {kept}, and a new sidecar started")
+    kept_sidecar, why = write_sidecar(sidecar_path(out), run_record(suite))
+    if kept_sidecar is not None:
+        notify(f"{why}: it is kept as {kept_sidecar}, and a new sidecar started")
 
     def emit(row: dict) -> None:
         if (row["case_id"], row["phase"]) in done:

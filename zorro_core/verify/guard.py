@@ -46,7 +46,7 @@ def verify_too_large(models: list[str], available: Optional[int] = None) -> Opti
     if avail is None:
         return None
     need = {m: _params(m) * VERIFY_BYTES_PER_PARAM for m in dict.fromkeys(models)}
-    worst = max(need, key=need.get)
+    worst = max(need, key=lambda m: need[m])
     if need[worst] > avail:
         return (
             f"verifying {worst} needs at least {_gib(need[worst])} (float32 weights, a float64 copy and its "
