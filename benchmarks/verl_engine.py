@@ -115,6 +115,18 @@ def main() -> None:
                 engine.forward_backward_batch(data, loss_fn, forward_only=False)
         return time.perf_counter() - t0
 
+    shape = ModelShape.from_config(config)
+    base_w, dedup_w = shape_workloads(
+        [args.prompt_len] * args.prompts,
+        [args.responses] * args.prompts,
+        [[len(r) for p, r in zip(prompts, responses) if tuple(p) == q] for q in dict.fromkeys(map(tuple, prompts))],
+    )
+    base_all = ForwardWork(base_w.tokens, base_w.attended_pairs, base_w.tokens)  # verl: logits at every token
+    ideal = {
+        "infer": flops(shape, base_all, "none").forward / flops(shape, dedup_w, "compute").forward,
+        "train": flops(shape, base_all, "none").forward_backward / flops(shape, dedup_w, "compute").forward_backward,
+    }
+
     samples: dict[tuple[str, str], list[float]] = {}
     for phase in ("infer", "train"):
         for arm in ("verl", "zorro"):
@@ -123,18 +135,6 @@ def main() -> None:
             for arm in ("verl", "zorro"):
                 samples.setdefault((phase, arm), []).append(step(arm, phase))
                 print(phase, arm, f"{samples[(phase, arm)][-1]:.3f} s", flush=True)
-
-    shape = ModelShape.from_config(config)
-    base_w, dedup_w = shape_workloads(
-        [args.prompt_len] * args.prompts,
-        [args.responses] * args.prompts,
-        [[len(r) for p, r in zip(prompts, responses) if p == q] for q in dict.fromkeys(map(tuple, prompts))],
-    )
-    base_all = ForwardWork(base_w.tokens, base_w.attended_pairs, base_w.tokens)  # verl: logits at every token
-    ideal = {
-        "infer": flops(shape, base_all, "none").forward / flops(shape, dedup_w, "compute").forward,
-        "train": flops(shape, base_all, "none").forward_backward / flops(shape, dedup_w, "compute").forward_backward,
-    }
 
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
