@@ -76,8 +76,15 @@ def test_intra_package_imports_are_acyclic():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+# Modules of an optional trainer that is installed only in its own environment (.ci/verl_tests).
+OPTIONAL = {"verl": ("zorro_core.integrations.verl_engine", "zorro_core.integrations.verl_cpu")}
+
+
 def test_every_module_imports_in_a_fresh_interpreter_and_zorro_core_stays_light():
-    names = sorted(modules())
+    import importlib.util
+
+    skip = {m for dep, mods in OPTIONAL.items() if importlib.util.find_spec(dep) is None for m in mods}
+    names = sorted(set(modules()) - skip)
     code = (
         "import importlib, json, sys\n"
         "import zorro_core\n"

@@ -167,3 +167,11 @@ def test_refuses_what_is_not_verl_layout(model):
         check_micro_batch(wrong)
     with pytest.raises(ValueError, match="lacks"):
         check_micro_batch({k: v for k, v in batch.items() if k != "position_ids"})
+
+
+def test_legacy_adapter_refuses_current_verl():
+    from zorro_core.integrations.verl import check_legacy_verl
+
+    check_legacy_verl("0.7.1")
+    with pytest.raises(ImportError, match="verl_engine"):
+        check_legacy_verl("0.9.1")

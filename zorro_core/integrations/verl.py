@@ -1,4 +1,8 @@
-"""verl: the actor's micro-batch forward through the deduplicated actor.
+"""verl <= 0.7 (legacy workers): the actor's micro-batch forward through the deduplicated actor.
+
+For verl 0.8 and newer (no `verl/workers/actor/` any more) use `zorro_core.integrations.verl_engine`;
+`patch_dp_actor` refuses a verl >= 0.8 (`check_legacy_verl`). Kept for verl <= 0.7, which is still
+in use; tested against a stand-in class (tests/test_integrations_verl.py), not against a verl 0.7.
 
 verl (checked at volcengine/verl b178a3c, Jan 2026) computes actor, old and reference log-probs in
 `verl/workers/actor/dp_actor.py::DataParallelPPOActor._forward_micro_batch(micro_batch,
@@ -43,6 +47,7 @@ from typing import Any, Optional
 import torch
 
 from zorro_core.actor.actor import DeduplicatedActor
+from zorro_core.actor.config import ActorConfig
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.integrations.layout import ZorroFallbackWarning, joined_logprobs
 
@@ -120,13 +125,40 @@ def unserved_reason(dp_actor: Any, micro_batch: dict) -> Optional[str]:
     return None
 
 
-def patch_dp_actor(actor_cls: type, **actor_kwargs: Any) -> type:
+LEGACY_MAX = "0.8.0"
+"""verl releases from this one on have no DataParallelPPOActor (PR #6067); see verl_engine."""
+
+
+def check_legacy_verl(version: Optional[str] = None) -> None:
+    """Refuse a verl (the installed one when `version` is None) that has no legacy workers."""
+    if version is None:
+        try:
+            import verl
+        except ImportError:  # a stand-in class, no verl installed: nothing to check
+            return
+        version = getattr(verl, "__version__", None)
+        if version is None:
+            return
+    from packaging.version import Version
+
+    if Version(version) >= Version(LEGACY_MAX):
+        raise ImportError(
+            f"verl {version} has no legacy DataParallelPPOActor; use zorro_core.integrations.verl_engine "
+            "(actor_rollout_ref.model.external_lib=zorro_core.integrations.verl_engine)"
+        )
+
+
+def patch_dp_actor(actor_cls: type, zorro_config: Optional[ActorConfig] = None, **actor_kwargs: Any) -> type:
     """Make `actor_cls._forward_micro_batch` (verl's DataParallelPPOActor) run the deduplicated actor.
 
     One `DeduplicatedActor(model=self.actor_module, **actor_kwargs)` per instance, built on first
     use. Calls it cannot serve (`unserved_reason`, or an `UnsupportedModelError` from the actor)
     run the original method with a one-time `ZorroFallbackWarning`. Returns `actor_cls`.
     """
+    if actor_cls.__module__.startswith("verl."):  # verl's own class (a stand-in is not checked)
+        check_legacy_verl()
+    if zorro_config is not None:
+        actor_kwargs = {"config": zorro_config, **actor_kwargs}
     original = actor_cls._forward_micro_batch
     if getattr(original, "_zorro_patched", False):
         return actor_cls

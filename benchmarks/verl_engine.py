@@ -1,0 +1,199 @@
+"""verl's engine step with and without zorro, on CPU: inference (old log-probs + entropy) and
+training (verl's ppo_loss, backward), against the cost model's ideal speedup.
+
+    .ci/verl_tests --collect-only -q >/dev/null   # once: makes the verl venv (/work/venv-verl)
+    /work/venv-verl/bin/python benchmarks/verl_engine.py [--prompts 2 --responses 8 --prompt-len 512
+        --response-len 64 --preset small-qwen3 --repeats 7 --out results/verl_engine.csv]
+
+Both engines are verl 0.9.x's FSDP2 engine built by verl's own code (one gloo rank, float32, no
+autocast, verl's sdpa, remove-padding off: on CPU verl's remove-padding path runs sdpa over the whole
+packed row with a dense block mask, quadratic in the pack, which would flatter zorro; the padded
+path is verl's fast CPU path and zorro's engine serves both the same way): `FSDPEngineWithLMHead` (baseline) and zorro's
+`ZorroFSDPEngine`. One micro-batch holds the whole batch (`micro_batch_size_per_gpu` = rows), so
+each prompt's rows share it. Runs alternate baseline / zorro (after one warm-up of each) and the
+CSV keeps every sample; the summary reports medians, p20-p80, and the speedup as the ratio of
+medians with the p20-p80 range of the per-pair ratios.
+
+Ideal (zorro_core.plan.cost): verl's forward computes logits at every token (logits mode "none"),
+zorro's only where a response token is predicted; FLOPs of linear layers, attention pairs and
+lm_head; training = 3 x forward. Responses have random lengths in [response_len / 2, response_len].
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+
+def quantile(xs, q):
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small-qwen3")
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--responses", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--response-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results/verl_engine.csv")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29611")
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+    from zorro_core.integrations.verl_cpu import build_engine, engine_batch, padded_batch, save_model, use_cpu_platform
+
+    use_cpu_platform()
+    import verl
+    from verl.workers.config import FSDPActorConfig
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.utils.losses import ppo_loss
+
+    from zorro_core.integrations.verl_engine import ZorroFSDPEngine
+    from zorro_core.models.presets import build_model, preset_config
+    from zorro_core.plan.cost import ForwardWork, ModelShape, flops, shape_workloads
+
+    config = preset_config(args.preset)
+    path = f"/tmp/zorro_verl_bench_{args.preset}"
+    if not os.path.isdir(path):
+        save_model(build_model(config, dtype=torch.float32, attn_implementation="sdpa", seed=0), path)
+    g = torch.Generator().manual_seed(args.seed)
+    vocab = config.vocab_size
+    prompts, responses = [], []
+    for _ in range(args.prompts):
+        prompt = torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist()
+        for _ in range(args.responses):
+            n = int(torch.randint(args.response_len // 2, args.response_len + 1, (1,), generator=g))
+            prompts.append(prompt)
+            responses.append(torch.randint(2, vocab, (n,), generator=g).tolist())
+    order = torch.randperm(len(prompts), generator=g).tolist()  # rows arrive shuffled
+    prompts, responses = [prompts[i] for i in order], [responses[i] for i in order]
+    padded = padded_batch(prompts, responses, seed=args.seed)
+    rows = len(prompts)
+
+    engines = {
+        "verl": build_engine(FSDPEngineWithLMHead, path, precision="fp32", use_remove_padding=False),
+        "zorro": build_engine(ZorroFSDPEngine, path, precision="fp32", use_remove_padding=False),
+    }
+    loss_fn = __import__("functools").partial(
+        ppo_loss,
+        config=FSDPActorConfig(
+            strategy="fsdp2", rollout_n=args.responses, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=rows
+        ),
+    )
+
+    def step(arm: str, phase: str) -> float:
+        engine = engines[arm]
+        data = engine_batch(
+            padded, temperature=1.0, calculate_entropy=True, use_remove_padding=False, micro_batch_size_per_gpu=rows
+        )
+        t0 = time.perf_counter()
+        if phase == "infer":
+            with engine.eval_mode(disable_auto_offload=True):
+                engine.infer_batch(data)
+        else:
+            engine.optimizer_zero_grad()
+            with engine.train_mode(disable_auto_offload=True):
+                engine.forward_backward_batch(data, loss_fn, forward_only=False)
+        return time.perf_counter() - t0
+
+    shape = ModelShape.from_config(config)
+    base_w, dedup_w = shape_workloads(
+        [args.prompt_len] * args.prompts,
+        [args.responses] * args.prompts,
+        [[len(r) for p, r in zip(prompts, responses) if tuple(p) == q] for q in dict.fromkeys(map(tuple, prompts))],
+    )
+    base_all = ForwardWork(base_w.tokens, base_w.attended_pairs, base_w.tokens)  # verl: logits at every token
+    ideal = {
+        "infer": flops(shape, base_all, "none").forward / flops(shape, dedup_w, "compute").forward,
+        "train": flops(shape, base_all, "none").forward_backward / flops(shape, dedup_w, "compute").forward_backward,
+    }
+
+    samples: dict[tuple[str, str], list[float]] = {}
+    for phase in ("infer", "train"):
+        for arm in ("verl", "zorro"):
+            step(arm, phase)  # warm-up
+        for _ in range(args.repeats):
+            for arm in ("verl", "zorro"):
+                samples.setdefault((phase, arm), []).append(step(arm, phase))
+                print(phase, arm, f"{samples[(phase, arm)][-1]:.3f} s", flush=True)
+
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    meta = {
+        "verl": verl.__version__,
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "threads": args.threads,
+        "preset": args.preset,
+        "shape": f"{args.prompts}x{args.responses} P={args.prompt_len} R<={args.response_len}",
+        "time": stamp,
+    }
+    with open(args.out, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["kind", "phase", "arm", "value", "p20", "p80", "n", *meta])
+        print(f"verl {verl.__version__}, {meta['shape']}, {args.preset}, {args.threads} threads")
+        for phase in ("infer", "train"):
+            b, z = samples[(phase, "verl")], samples[(phase, "zorro")]
+            for i, (tb, tz) in enumerate(zip(b, z)):
+                w.writerow(["sample", phase, "verl", f"{tb:.4f}", "", "", i, *meta.values()])
+                w.writerow(["sample", phase, "zorro", f"{tz:.4f}", "", "", i, *meta.values()])
+            for arm, xs in (("verl", b), ("zorro", z)):
+                w.writerow(
+                    [
+                        "median_s",
+                        phase,
+                        arm,
+                        f"{statistics.median(xs):.4f}",
+                        f"{quantile(xs, 0.2):.4f}",
+                        f"{quantile(xs, 0.8):.4f}",
+                        len(xs),
+                        *meta.values(),
+                    ]
+                )
+            ratios = [tb / tz for tb, tz in zip(b, z)]
+            speedup = statistics.median(b) / statistics.median(z)
+            eff = speedup / ideal[phase]
+            w.writerow(
+                [
+                    "speedup",
+                    phase,
+                    "zorro/verl",
+                    f"{speedup:.3f}",
+                    f"{quantile(ratios, 0.2):.3f}",
+                    f"{quantile(ratios, 0.8):.3f}",
+                    len(ratios),
+                    *meta.values(),
+                ]
+            )
+            w.writerow(["ideal", phase, "cost model", f"{ideal[phase]:.3f}", "", "", "", *meta.values()])
+            w.writerow(["efficiency", phase, "speedup/ideal", f"{eff:.3f}", "", "", "", *meta.values()])
+            print(
+                f"{phase}: verl {statistics.median(b):.3f} s [{quantile(b, 0.2):.3f}, {quantile(b, 0.8):.3f}], "
+                f"zorro {statistics.median(z):.3f} s [{quantile(z, 0.2):.3f}, {quantile(z, 0.8):.3f}]; "
+                f"speedup {speedup:.2f}x (pairs p20-p80 {quantile(ratios, 0.2):.2f}-{quantile(ratios, 0.8):.2f}), "
+                f"ideal {ideal[phase]:.2f}x, efficiency {eff:.2f}"
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

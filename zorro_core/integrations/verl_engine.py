@@ -1,0 +1,370 @@
+"""verl 0.8+: a zorro engine, verl's FSDP engine whose forward step runs the deduplicated actor.
+
+Where current verl computes log-probs (read in the installed verl 0.9.1): the actor, old-log-prob
+and reference passes all go `TrainingWorker.infer_batch` / `train_batch` ->
+`FSDPEngine.forward_backward_batch` (micro-batches from `prepare_micro_batches`) ->
+`FSDPEngineWithLMHead.forward_step(micro_batch, loss_function, forward_only)`, which runs
+`prepare_model_inputs`, the model, `prepare_model_outputs`, then the loss (`ppo_loss` for the actor).
+`ZorroFSDPEngine` subclasses `FSDPEngineWithLMHead` and replaces `forward_step` only:
+
+- in: verl's micro-batch TensorDict. `input_ids` and `position_ids` are jagged nested tensors over
+  each row's real tokens (prompt then response, from `left_right_2_no_padding` in the PPO trainer,
+  or written nested by the V1 trainer's agent loop); the prompt length of each row comes from
+  `prompts` (nested: its offsets; padded: `attention_mask[:, :P].sum(1)`, as verl's
+  `no_padding_2_padding` reads it). `use_remove_padding` on or off changes only how verl would feed
+  its model, so both are served the same way.
+- out: what verl's `forward_step` returns, `(loss, {"model_output", "loss", "metrics"})`;
+  `model_output["log_probs"]` (and `"entropy"` with `calculate_entropy`) nested like `input_ids`,
+  position t of a row holding the log-prob of token t + 1 (verl's rolled layout). zorro fills the
+  response window (positions prompt_len - 1 .. len - 2, the only ones `no_padding_2_padding`,
+  `response_from_nested` and `ppo_loss` read) and leaves 0 at the prompt positions and the last one,
+  where verl has prompt-token log-probs and a token rolled in from the next row.
+- temperature: verl's (a scalar, or one per row when they are all equal), rounded to float32 as verl
+  does; logits are divided by it before log-softmax and entropy, as in verl.
+- the loss: verl's own `loss_function(model_output=..., data=micro_batch, dp_group=...)`, under the
+  same autocast verl uses, so training is verl's policy loss and backward on zorro's log-probs.
+
+`forward_backward_batch` is verl's, with one change when micro-batches have a fixed size
+(`use_dynamic_bsz=False`): the rank's rows are first ordered so that rows with the same prompt are
+next to each other (stable), then verl chunks them, and the outputs are put back in verl's order.
+Rows of a prompt then share a micro-batch wherever they fit one. verl's losses are sums over rows
+normalised by global counts (`batch_num_tokens`, `global_batch_size`, `dp_size`), so the gradient
+does not depend on which rows share a micro-batch; per-micro-batch metrics (e.g. clip fractions,
+averaged over micro-batches) can differ in the last digits, as they do under verl's own dynamic
+batching. With dynamic batch sizes verl's `rearrange_micro_batches` chooses micro-batches by length
+and the order is left alone. Groups split across data-parallel ranks (the V1 trainer balances rows
+by length without uids) are computed per rank: each rank shares what it holds.
+
+Served by verl's own forward, with a one-time `ZorroFallbackWarning` naming the reason (never
+computed wrong): Ulysses sequence parallelism, multi-modal inputs or 3-D (mrope) position ids,
+position ids other than 0..len-1 per row, fused kernels, `calculate_sum_pi_squared`, top-k
+distillation, routed-experts replay, an FSDP1 module (`strategy=fsdp`), a micro-batch without a
+prompt/response split (SFT data), per-row temperatures that differ, a micro-batch where every
+response is empty, and whatever the actor refuses (`UnsupportedModelError`).
+
+Turning it on (every verl worker imports `actor_rollout_ref.model.external_lib` when it builds its
+model config, before it builds its engine)::
+
+    pip install 'zorro[verl]'
+    python -m verl.trainer.main_ppo ... actor_rollout_ref.model.external_lib=zorro_core.integrations.verl_engine
+
+Importing this module calls `install()`: `ZorroFSDPEngine` is registered through verl's
+`EngineRegistry.register` for `language_model` x `fsdp`/`fsdp2` on this platform's device and vendor,
+a key verl's registry looks up before the device-only key verl's own engine sits under. To pass
+actor options, point `external_lib` at a module of your own that calls
+`install(zorro_config=ActorConfig(...))`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import nullcontext
+from typing import Any, Optional
+
+import torch
+import verl
+from packaging.version import Version
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id, get_device_name, get_vendor
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+from zorro_core.actor.actor import DeduplicatedActor
+from zorro_core.actor.config import ActorConfig
+from zorro_core.errors import UnsupportedModelError
+from zorro_core.integrations.layout import ZorroFallbackWarning
+from zorro_core.plan.batch import RolloutBatch
+
+__all__ = ["TESTED_VERL", "ZorroFSDPEngine", "ZorroFallbackWarning", "install", "rows_of", "unserved_reason"]
+
+TESTED_VERL = ("0.9",)
+"""verl minor versions whose `FSDPEngineWithLMHead.forward_step` this module reproduces."""
+MIN_VERL = Version("0.8.0")
+"""The first release without the legacy workers (`zorro_core.integrations.verl` serves those)."""
+
+if Version(verl.__version__) < MIN_VERL:
+    raise ImportError(
+        f"zorro_core.integrations.verl_engine needs verl >= {MIN_VERL} (found {verl.__version__}); "
+        "for verl <= 0.7's legacy DataParallelPPOActor use zorro_core.integrations.verl"
+    )
+
+
+def _verl_version_note() -> Optional[str]:
+    v = Version(verl.__version__)
+    if f"{v.major}.{v.minor}" in TESTED_VERL:
+        return None
+    return (
+        f"verl {verl.__version__} is not one of the tested {TESTED_VERL}; the engine keeps verl's forward_step contract"
+    )
+
+
+class VerlRows:
+    """A micro-batch's rows split into prompt and response (on the micro-batch's device)."""
+
+    def __init__(self, batch: RolloutBatch, live: torch.Tensor, offsets, prompt_lens, response_lens):
+        self.batch = batch
+        """The live rows (a response of >= 1 token) in zorro's layout."""
+        self.live = live
+        """Their indices in the micro-batch."""
+        self.offsets, self.prompt_lens, self.response_lens = offsets, prompt_lens, response_lens
+
+    def to_nested(self, values: torch.Tensor) -> torch.Tensor:
+        """[live, R] per-response-token values -> verl's nested layout over every row's tokens (0 elsewhere)."""
+        r = values.shape[1]
+        k = torch.arange(r, device=values.device)
+        starts = (self.offsets[:-1] + self.prompt_lens - 1)[self.live]
+        lens = self.response_lens[self.live]
+        keep = k[None] < lens[:, None]
+        positions = (starts[:, None] + k[None])[keep]
+        flat = values.new_zeros(int(self.offsets[-1])).index_put((positions,), values[keep])
+        return torch.nested.nested_tensor_from_jagged(flat, self.offsets)
+
+
+def _prompt_lengths(micro_batch) -> Optional[torch.Tensor]:
+    prompts = micro_batch.get("prompts", None)
+    if prompts is None:
+        return None
+    if prompts.is_nested:
+        return prompts.offsets().diff()
+    mask = micro_batch.get("attention_mask", None)
+    if mask is None or mask.is_nested:
+        return None
+    return mask[:, : prompts.shape[1]].sum(1)
+
+
+def rows_of(micro_batch) -> VerlRows | str:
+    """The rows of verl's micro-batch for the deduplicated actor, or why they cannot be served."""
+    input_ids = micro_batch["input_ids"]
+    if not input_ids.is_nested:
+        return "input_ids is not a nested (no-padding) tensor"
+    offsets = input_ids.offsets()
+    lens = offsets.diff()
+    values = input_ids.values()
+    plen = _prompt_lengths(micro_batch)
+    if plen is None:
+        return "the micro-batch has no prompt/response split (no `prompts` field: SFT data)"
+    plen = plen.to(lens.device, torch.long)
+    rlen = lens - plen
+    if bool((plen < 1).any()) or bool((rlen < 0).any()):
+        return "a row's prompt is empty or longer than the row"
+    position_ids = micro_batch["position_ids"]
+    if position_ids.dim() != 2:
+        return "3-D (mrope) position ids"
+    row_of = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
+    local = torch.arange(values.numel(), device=lens.device) - offsets[:-1][row_of]
+    if not torch.equal(position_ids.values().to(local.dtype), local):
+        return "position ids are not 0..len-1 per row (the dedup path numbers each sequence from 0)"
+    prompts = micro_batch["prompts"]
+    live = (rlen > 0).nonzero().flatten()
+    if live.numel() == 0:
+        return "every response in the micro-batch is empty"
+    p, r = int(plen.max()), int(rlen[live].max())
+    starts = offsets[:-1][live]
+    pl, rl = plen[live], rlen[live]
+    j = torch.arange(p, device=lens.device)
+    p_valid = j[None] >= (p - pl)[:, None]
+    p_idx = (starts[:, None] + pl[:, None] - p + j[None]).clamp(0, values.numel() - 1)
+    prompt_ids = torch.where(p_valid, values[p_idx], 0)
+    k = torch.arange(r, device=lens.device)
+    r_valid = k[None] < rl[:, None]
+    r_idx = (starts[:, None] + pl[:, None] + k[None]).clamp(0, values.numel() - 1)
+    response_ids = torch.where(r_valid, values[r_idx], 0)
+    # The split must be the one verl's loss reads: the prompt tokens are `prompts`' real tokens.
+    if prompts.is_nested:
+        given = prompts.values()
+        mine = values[(offsets[:-1][row_of] + local)[local < plen[row_of]]]
+    else:
+        width = prompts.shape[1]
+        pmask = micro_batch["attention_mask"][:, :width].bool()
+        given, mine = prompts[pmask], values[local < plen[row_of]]
+    if not torch.equal(given.to(mine.dtype), mine):
+        return "the prompt tokens in input_ids differ from `prompts`: not verl's layout"
+    batch = RolloutBatch.of_validated(prompt_ids, p_valid.long(), response_ids, r_valid.long())
+    return VerlRows(batch, live, offsets, plen, rlen)
+
+
+def _flag(micro_batch, key: str) -> bool:
+    return bool(tu.get_non_tensor_data(data=micro_batch, key=key, default=False))
+
+
+def unserved_reason(engine, micro_batch) -> Optional[str]:
+    """Why verl's own forward must serve this micro-batch (None when zorro serves it)."""
+    if getattr(engine, "use_ulysses_sp", False):
+        return "Ulysses sequence parallelism shards the sequence"
+    if _flag(micro_batch, "use_fused_kernels") or getattr(engine.model_config, "use_fused_kernels", False):
+        return "use_fused_kernels"
+    if _flag(micro_batch, "calculate_sum_pi_squared"):
+        return "calculate_sum_pi_squared (an output the dedup path does not compute)"
+    if _flag(micro_batch, "distillation_use_topk") or _flag(micro_batch, "distillation_only"):
+        return "top-k distillation (teacher tensors over every token)"
+    if "routed_experts" in micro_batch.keys():
+        return "routed-experts replay"
+    mm = micro_batch.get("multi_modal_inputs", None)
+    if mm is not None:
+        from verl.utils.model import extract_multi_modal_inputs
+
+        if extract_multi_modal_inputs(mm):
+            return "multi-modal inputs"
+    from verl.utils.fsdp_utils import fsdp_version
+
+    if fsdp_version(engine.module) == 1:
+        return "an FSDP1 module (strategy=fsdp): its root forward gathers the parameters; use strategy=fsdp2"
+    return None
+
+
+def _temperature(micro_batch) -> float | str:
+    t = micro_batch["temperature"]
+    if isinstance(t, torch.Tensor):
+        flat = t.flatten()
+        if flat.numel() == 0:
+            return "an empty temperature tensor"
+        if not bool((flat == flat[0]).all()):
+            return "per-row temperatures that differ"
+        t = flat[0]
+    # verl scales logits by the temperature as a float32 tensor cast to the logits' dtype.
+    return float(torch.as_tensor(float(t), dtype=torch.float32))
+
+
+class ZorroFSDPEngine(FSDPEngineWithLMHead):
+    """verl's FSDP language-model engine; its forward step runs zorro's `DeduplicatedActor`."""
+
+    zorro_config: ActorConfig = ActorConfig()
+    """Options of the deduplicated actor (set by `install`)."""
+    _warned: set[str] = set()
+
+    # -- the forward step -------------------------------------------------------------------------
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        micro_batch = micro_batch.to(get_device_id())
+        reason = unserved_reason(self, micro_batch)
+        if reason is None:
+            rows = rows_of(micro_batch)
+            temperature = _temperature(micro_batch)
+            reason = rows if isinstance(rows, str) else temperature if isinstance(temperature, str) else None
+        if reason is None:
+            try:
+                actor = self._zorro_actor()
+                return self._zorro_forward_step(actor, rows, temperature, micro_batch, loss_function, forward_only)
+            except UnsupportedModelError as e:
+                reason = f"the dedup path refuses the model: {e}"
+        self._warn_once(reason)
+        return super().forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
+
+    def _zorro_actor(self) -> DeduplicatedActor:
+        actor = self.__dict__.get("_zorro_actor_instance")
+        if actor is None or actor.model is not self.module:
+            note = _verl_version_note()
+            if note:
+                self._warn_once(note, fallback=False)
+            actor = self._zorro_actor_instance = DeduplicatedActor(model=self.module, config=self.zorro_config)
+        return actor
+
+    def _autocast(self):
+        # verl's forward_step: autocast to mixed_precision.param_dtype unless it is float32.
+        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        return nullcontext() if dtype == torch.float32 else torch.autocast(device_type=get_device_name(), dtype=dtype)
+
+    def _zorro_forward_step(self, actor, rows: VerlRows, temperature, micro_batch, loss_function, forward_only):
+        calculate_entropy = _flag(micro_batch, "calculate_entropy")
+        with self._autocast():
+            out = actor.forward(rows.batch, temperature=temperature, calculate_entropy=calculate_entropy)
+            model_output = {"log_probs": rows.to_nested(out.log_probs)}
+            if calculate_entropy:
+                model_output["entropy"] = rows.to_nested(out.entropy)
+            if loss_function is not None:
+                loss, metrics = loss_function(
+                    model_output=model_output, data=micro_batch, dp_group=self.get_data_parallel_group()
+                )
+            else:
+                assert forward_only, "forward_only must be True when loss_function is None"
+                loss = torch.tensor(1.0, device=get_device_name())
+                metrics = {}
+        from verl.workers.engine.utils import detach_tree
+
+        return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
+
+    # -- micro-batching: rows of a prompt next to each other --------------------------------------
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+            return super().forward_backward_batch(data, loss_function, forward_only)
+        order = prompt_order(data)
+        if order is None:
+            return super().forward_backward_batch(data, loss_function, forward_only)
+        output = super().forward_backward_batch(tu.index_select_tensor_dict(data, order), loss_function, forward_only)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel())
+        model_output = output.get("model_output", {})
+        for key, value in list(model_output.items()):
+            if isinstance(value, torch.Tensor) and value.shape[0] == order.numel():
+                model_output[key] = _select_rows(value, inverse)
+        return output
+
+    def _warn_once(self, reason: str, fallback: bool = True) -> None:
+        if reason in self._warned:
+            return
+        self._warned.add(reason)
+        text = f"zorro: verl's own forward serves this micro-batch: {reason}" if fallback else f"zorro: {reason}"
+        warnings.warn(text, ZorroFallbackWarning, stacklevel=3)
+
+
+def _select_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    if not t.is_nested:
+        return t[index]
+    rows = t.unbind()
+    return torch.nested.as_nested_tensor([rows[int(i)] for i in index], layout=torch.jagged)
+
+
+def prompt_order(data) -> Optional[torch.Tensor]:
+    """A stable permutation putting rows with identical prompts next to each other (None: no prompts
+    field, or already so)."""
+    prompts = data.get("prompts", None)
+    if prompts is None:
+        return None
+    if prompts.is_nested:
+        keys = [tuple(p.tolist()) for p in prompts.unbind()]
+    else:
+        mask = data.get("attention_mask", None)
+        if mask is None or mask.is_nested:
+            return None
+        m = mask[:, : prompts.shape[1]].bool()
+        keys = [tuple(row[mrow].tolist()) for row, mrow in zip(prompts, m)]
+    first: dict[tuple, int] = {}
+    group = [first.setdefault(k, len(first)) for k in keys]
+    order = torch.sort(torch.tensor(group), stable=True).indices
+    if torch.equal(order, torch.arange(len(group))):
+        return None
+    return order
+
+
+def install(zorro_config: Optional[ActorConfig] = None, device: Any = None, vendor: Any = None) -> type:
+    """Register `ZorroFSDPEngine` for language models on fsdp/fsdp2 (idempotent); set its actor options.
+
+    Registered through `EngineRegistry.register` under (device, vendor) of this platform (or the
+    given ones), which `EngineRegistry.get_engine_cls` tries before the device-only key of verl's
+    own `FSDPEngineWithLMHead`. Returns the engine class.
+    """
+    if zorro_config is not None:
+        if not isinstance(zorro_config, ActorConfig):
+            raise TypeError(f"zorro_config must be an ActorConfig, got {type(zorro_config).__name__}")
+        ZorroFSDPEngine.zorro_config = zorro_config
+    device = device or get_device_name()
+    vendor = vendor or get_vendor() or device
+    registry = EngineRegistry._engines.get("language_model", {})
+    for backend in ("fsdp", "fsdp2"):
+        current = registry.get(backend, {}).get((device, vendor))
+        if current is ZorroFSDPEngine:
+            continue
+        if current is not None:
+            warnings.warn(
+                f"zorro: verl already has a {vendor} engine for {backend} on {device} ({current.__name__}); "
+                "zorro's engine is not installed for it",
+                ZorroFallbackWarning,
+                stacklevel=2,
+            )
+            continue
+        EngineRegistry.register(model_type="language_model", backend=backend, device=device, vendor=vendor)(
+            ZorroFSDPEngine
+        )
+    return ZorroFSDPEngine
+
+
+install()
