@@ -143,7 +143,7 @@ def _plant_wrong_rank_restore() -> None:
     import torch.distributed as dist
 
     import zorro_core.integrations.trl as zt
-    from zorro_core.distributed.regroup import _Exchange, regroup
+    from zorro_core.distributed.regroup import Exchange, regroup
 
     def bugged(batch, *args, **kwargs):
         local, restore = regroup(batch, *args, **kwargs)
@@ -154,7 +154,7 @@ def _plant_wrong_rank_restore() -> None:
             n = out.shape[0]
             send = [n if d == (rank - 1) % world else 0 for d in range(world)]
             recv = [n if s == (rank + 1) % world else 0 for s in range(world)]
-            return _Exchange.apply(out, send, recv, None)
+            return Exchange.apply(out, send, recv, None)
 
         to_next_rank.info = restore.info
         return local, to_next_rank

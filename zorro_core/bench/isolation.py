@@ -15,23 +15,19 @@
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
-import select
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from zorro_core.bench.footprint import GIB, available_memory
+from zorro_core.distributed.lifetime import die_with
 
 PRELOAD = ["zorro_core.bench.runner", "zorro_core.actor.actor"]
 """Modules the fork server imports once (torch, transformers and the dedup path)."""
 POLL_S = 0.1
 """How often the watchdog reads the process's memory."""
-_PR_SET_PDEATHSIG = 1
 
 _CTX: Optional[mp.context.BaseContext] = None
 
@@ -45,44 +41,6 @@ def context() -> Any:  # a multiprocessing context (forkserver, else spawn)
         else:  # pragma: no cover (macOS/Windows)
             _CTX = mp.get_context("spawn")
     return _CTX
-
-
-def die_with(sweep_pid: int) -> None:
-    """In a case process: end as soon as the sweep `sweep_pid` ends, however it ends.
-
-    The fork server cannot do it: each process it forks holds the fork server's "alive" pipe, so
-    the server waits for its children while they compute on. So a thread waits on the sweep's
-    pidfd (readable when it exits; polled where pidfds are missing) and ends this process; and
-    the kernel ends it with the fork server (PR_SET_PDEATHSIG), should that go first."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover (not Linux)
-        pass
-    threading.Thread(target=_end_with, args=(sweep_pid,), name="end-with-sweep", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def _end_with(pid: int) -> None:
-    try:
-        fd = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        fd = None
-    if fd is not None:
-        select.select([fd], [], [])
-    else:  # pragma: no cover (kernels before 5.3)
-        while _alive(pid):
-            time.sleep(POLL_S)
-    os._exit(1)
 
 
 def _entry(target: Callable, sweep_pid: int, *args) -> None:

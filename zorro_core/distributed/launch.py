@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from zorro_core.distributed.lifetime import die_with
+
 
 def default_backend(device: str) -> str:
     """gloo for CPU tensors, nccl for CUDA tensors."""
@@ -65,8 +67,6 @@ def _free_port() -> int:
 def _rank_main(rank: int, world: int, port: int, backend: str, threads: int, fn, args, results, parent: int) -> None:
     # A rank ends with the process that launched it, however that one ends (a sweep killed with
     # SIGKILL or SIGTERM): otherwise it is re-parented to PID 1 and computes on.
-    from zorro_core.bench.isolation import die_with
-
     die_with(parent)
     try:
         torch.set_num_threads(threads)

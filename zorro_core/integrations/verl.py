@@ -45,6 +45,7 @@ import warnings
 from typing import Any, Optional
 
 import torch
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
@@ -98,7 +99,7 @@ def forward_micro_batch(actor, micro_batch: dict, temperature: float, calculate_
     log_probs, entropy = joined_logprobs(
         actor, micro_batch["input_ids"], micro_batch["attention_mask"], r, temperature, calculate_entropy
     )
-    out = {"log_probs": log_probs}
+    out: dict[str, Any] = {"log_probs": log_probs}
     if calculate_entropy:
         out["entropys"] = entropy
     return out
@@ -116,10 +117,6 @@ def unserved_reason(dp_actor: Any, micro_batch: dict) -> Optional[str]:
         return "use_fused_kernels"
     if get("calculate_sum_pi_squared", False):
         return "calculate_sum_pi_squared (an output the dedup path does not compute)"
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - torch without distributed
-        FullyShardedDataParallel = ()
     if isinstance(dp_actor.actor_module, FullyShardedDataParallel):
         return "an FSDP1 module (strategy=fsdp): its root forward gathers the parameters; use strategy=fsdp2"
     return None
@@ -148,7 +145,7 @@ def check_legacy_verl(version: Optional[str] = None) -> None:
         )
 
 
-def patch_dp_actor(actor_cls: type, zorro_config: Optional[ActorConfig] = None, **actor_kwargs: Any) -> type:
+def patch_dp_actor(actor_cls: Any, zorro_config: Optional[ActorConfig] = None, **actor_kwargs: Any) -> Any:
     """Make `actor_cls._forward_micro_batch` (verl's DataParallelPPOActor) run the deduplicated actor.
 
     One `DeduplicatedActor(model=self.actor_module, **actor_kwargs)` per instance, built on first
@@ -187,7 +184,8 @@ def patch_dp_actor(actor_cls: type, zorro_config: Optional[ActorConfig] = None, 
             )
         return original(self, micro_batch, temperature, calculate_entropy)
 
-    _forward_micro_batch._zorro_patched = True
-    _forward_micro_batch.__wrapped__ = original
-    actor_cls._forward_micro_batch = _forward_micro_batch
+    patched: Any = _forward_micro_batch  # marked, so that patching twice is a no-op
+    patched._zorro_patched = True
+    patched.__wrapped__ = original
+    actor_cls._forward_micro_batch = patched
     return actor_cls

@@ -11,6 +11,8 @@ Neither changes what verl computes; both are for CPU runs of verl's own engine c
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from verl.plugin.platform.platform_cuda import PlatformCUDA
 
@@ -88,8 +90,9 @@ def allow_float64() -> None:
             return torch.float64
         return original(precision)
 
-    to_dtype._zorro_fp64 = True
-    torch_dtypes.PrecisionType.to_dtype = staticmethod(to_dtype)
+    marked: Any = to_dtype  # installed once: a second call sees the mark
+    marked._zorro_fp64 = True
+    torch_dtypes.PrecisionType.to_dtype = staticmethod(marked)
 
 
 # -- building verl's engine and verl's batches on CPU (tests, benchmarks) --------------------------
