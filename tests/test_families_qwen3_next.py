@@ -10,6 +10,7 @@ Prompts cover shorter than one chunk (40), exactly one (64), longer (100) and tw
 
 import pytest
 import torch
+from fla_devices import pytorch_delta_rule_on_cpu
 from helpers import GRAD_RTOL, LP_ATOL, check
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 
@@ -20,6 +21,13 @@ from zorro_core.verify.delta_rule import chunk_gated_delta_rule_exact
 
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 FAMILY = "tiny-qwen3-next"
+
+
+@pytest.fixture(autouse=True)
+def _pytorch_kernel_outside_the_actor(monkeypatch):
+    """With fla installed, transformers' own forward cannot run on CPU (tests/fla_devices.py): the
+    references here get the PyTorch kernel; zorro's own choice is tested in test_fla_device.py."""
+    pytorch_delta_rule_on_cpu(monkeypatch)
 
 
 def _tokens(n, gen):
