@@ -13,12 +13,14 @@ import torch
 from fla_devices import pytorch_delta_rule_on_cpu
 from helpers import GRAD_RTOL, LP_ATOL, check
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
+from versions import skip_module_without_qwen3_next_adapter
 
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
 from zorro_core.models.linear_attention import build_linear_layout, conv_sources, fla_available
 from zorro_core.plan.build import build_dedup_plan
 from zorro_core.verify.delta_rule import chunk_gated_delta_rule_exact
 
+skip_module_without_qwen3_next_adapter()
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 FAMILY = "tiny-qwen3-next"
 

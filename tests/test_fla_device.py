@@ -9,11 +9,13 @@ import torch
 from fla_devices import assert_refuses_cpu, device_aware, qwen3_next_module, simulate_fla
 from helpers import LP_ATOL
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
+from versions import skip_module_without_qwen3_next_adapter
 
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch
 from zorro_core.models import linear_attention
 from zorro_core.models.linear_attention import delta_rule_kernel, fla_available
 
+skip_module_without_qwen3_next_adapter()
 pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 FAMILY = "tiny-qwen3-next"
 # transformers' kernel computes in float32 inside a float64 model: gradients at its floor
