@@ -23,10 +23,15 @@ def qwen3_next_module():
 
 
 def device_aware(kernel):
-    """`kernel` on CUDA tensors, the PyTorch function behind it on any other device."""
+    """`kernel` on CUDA tensors, the PyTorch function behind it on any other device.
+
+    Built around transformers' function even where zorro's adapter already wraps the module's
+    (`zorro_original`), and without copying the wrapper's attributes, so that the next actor
+    wraps the dispatcher again instead of being bypassed by it."""
+    kernel = getattr(kernel, "zorro_original", None) or kernel
     pytorch = inspect.unwrap(kernel)
 
-    @functools.wraps(kernel)
+    @functools.wraps(kernel, updated=())
     def dispatch(query, *args, **kwargs):
         return (kernel if query.is_cuda else pytorch)(query, *args, **kwargs)
 

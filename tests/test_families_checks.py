@@ -5,6 +5,7 @@ import inspect
 
 import pytest
 import torch
+from fla_devices import pytorch_delta_rule_on_cpu
 from helpers import LP_ATOL, mixed_batch
 from reference import sequence_forward
 
@@ -78,10 +79,11 @@ def test_dropout_in_training_mode(where):
 
 
 @pytest.mark.parametrize("family", ["tiny-qwen3", "tiny-qwen3-next"])
-def test_kv_cache(family):
+def test_kv_cache(family, monkeypatch):
     """A forward with a filled cache: attention keys outnumber queries / the recurrence has a prior state."""
     from transformers import DynamicCache
 
+    pytorch_delta_rule_on_cpu(monkeypatch)  # the route-less first forward, where fla is installed
     model = fresh(family)
     batch = mixed_batch()
     plan = build_dedup_plan(batch)
