@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The prepared device check for a lent GPU (issue 7): one script, under 10 minutes on one H200.
 #   1. every GPU path against the reference: torch varlen and flash-attn varlen vs the exact
-#      reference backend, flex_attention mask mode vs the baseline, Liger and LoRA/QLoRA
-#      (pytest's CUDA cases; each skips with its reason when its package is absent);
+#      reference backend, flex_attention mask mode (compiled, dynamic shapes) vs the baseline and,
+#      with gradients, vs the float64 reference (prompt and tree masks, a window), Liger and
+#      LoRA/QLoRA, fla's varlen delta rule on CUDA and the PyTorch one chosen for CPU tensors with
+#      fla installed (pytest's CUDA cases; each skips with its reason when its package is absent);
 #   2. `zorro verify gradients` on CUDA (bf16/fp32 against a float64 reference), then again
 #      with gradient checkpointing (training mode, non-reentrant and reentrant);
 #   3. the GPU suites' timings (seed shapes; OOM cases become rows, nothing is lost);
@@ -35,17 +37,17 @@ $PY -m zorro_cli.main env --json > "$OUT/env.json" 2>&1
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 
 echo "== 1. GPU paths against the reference"
-timeout "$(left 150)" $PY -m pytest -q -rs -p no:cacheprovider tests/test_varlen.py tests/test_flex.py tests/test_liger.py \
-  tests/test_lora.py tests/test_precision.py tests/test_auto.py tests/test_families_qwen3_next.py tests/test_trie_gpu_paths.py \
+timeout "$(left 200)" $PY -m pytest -q -rs -p no:cacheprovider tests/test_varlen.py tests/test_flex.py tests/test_liger.py \
+  tests/test_lora.py tests/test_precision.py tests/test_auto.py tests/test_families_qwen3_next.py tests/test_trie_gpu_paths.py tests/test_fla_device.py \
   2>&1 | tee "$OUT/pytest.txt"
 
 echo "== 2. zorro verify gradients on CUDA"
-timeout "$(left 240)" $PY -m zorro_cli.main verify gradients --device cuda --models tiny-qwen3,tiny-llama,tiny-qwen3-moe \
+timeout "$(left 290)" $PY -m zorro_cli.main verify gradients --device cuda --models tiny-qwen3,tiny-llama,tiny-qwen3-moe \
   --dtype bfloat16,float32 --logits-mode compute --json > "$OUT/verify.json" 2> "$OUT/verify.err"
 echo "verify exit code: $?"
 for flavour in "" "--reentrant"; do
   name=verify_checkpointing${flavour:+_reentrant}
-  timeout "$(left 280)" $PY -m zorro_cli.main verify gradients --device cuda --models tiny-qwen3,tiny-qwen3-moe,tiny-mistral \
+  timeout "$(left 330)" $PY -m zorro_cli.main verify gradients --device cuda --models tiny-qwen3,tiny-qwen3-moe,tiny-mistral \
     --dtype bfloat16 --logits-mode compute --checkpointing $flavour --json > "$OUT/$name.json" 2> "$OUT/$name.err"
   echo "verify --checkpointing $flavour exit code: $?"
 done
@@ -54,7 +56,7 @@ echo "== 3. GPU suite timings"
 # flash-attn is a compiled extension the device image may lack: then the sdpa suite (PyTorch's
 # varlen attention) times the same shapes instead of a suite whose every row would be skipped.
 SUITE=gpu; $PY -c "import flash_attn" 2>/dev/null || SUITE=gpu_sdpa
-timeout "$(left 430)" $PY -m zorro_cli.main bench sweep suites/$SUITE.toml --out "$OUT/$SUITE.csv" --repeats 5 --warmup 2 \
+timeout "$(left 460)" $PY -m zorro_cli.main bench sweep suites/$SUITE.toml --out "$OUT/$SUITE.csv" --repeats 5 --warmup 2 \
   ${SUITE_FILTER:+-k "$SUITE_FILTER"} 2>&1 | tail -40
 $PY -m zorro_cli.main report "$OUT/$SUITE.csv" --markdown > "$OUT/$SUITE.md" 2>&1
 

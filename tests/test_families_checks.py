@@ -1,8 +1,11 @@
 """Fail closed: every configuration the dedup path cannot compute exactly is refused with an error
 that names it (UnsupportedModelError, a ValueError)."""
 
+import inspect
+
 import pytest
 import torch
+from fla_devices import pytorch_delta_rule_on_cpu
 from helpers import LP_ATOL, mixed_batch
 from reference import sequence_forward
 
@@ -76,22 +79,25 @@ def test_dropout_in_training_mode(where):
 
 
 @pytest.mark.parametrize("family", ["tiny-qwen3", "tiny-qwen3-next"])
-def test_kv_cache(family):
+def test_kv_cache(family, monkeypatch):
     """A forward with a filled cache: attention keys outnumber queries / the recurrence has a prior state."""
     from transformers import DynamicCache
 
+    pytorch_delta_rule_on_cpu(monkeypatch)  # the route-less first forward, where fla is installed
     model = fresh(family)
     batch = mixed_batch()
     plan = build_dedup_plan(batch)
     cache = DynamicCache(config=model.config)
-    model.model(input_ids=torch.tensor([[1, 2, 3]]), cache=cache, use_cache=True)
+    # transformers renamed past_key_values to cache (5.x); the test passes it under the model's name
+    name = "cache" if "cache" in inspect.signature(type(model.model).forward).parameters else "past_key_values"
+    model.model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **{name: cache})
     route = Route(DeduplicatedActor(model=model).route_spec, plan)  # the actor installs the hooks
 
     with pytest.raises(UnsupportedModelError, match="cache"):
         model.model(
             input_ids=plan.input_ids[None],
             position_ids=plan.position_ids[None] + 3,
-            cache=cache,
+            **{name: cache},
             attention_mask=route_mask("cpu"),
             use_cache=True,
             zorro_route=route,

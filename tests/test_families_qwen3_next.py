@@ -12,8 +12,10 @@ import os
 
 import pytest
 import torch
+from fla_devices import pytorch_delta_rule_on_cpu
 from helpers import GRAD_RTOL, LP_ATOL, check
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
+from versions import skip_module_without_qwen3_next_adapter
 
 import zorro_core
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
@@ -27,8 +29,16 @@ from zorro_core.models.linear_attention import (
 from zorro_core.plan.build import build_dedup_plan
 from zorro_core.verify.delta_rule import chunk_gated_delta_rule_exact
 
+skip_module_without_qwen3_next_adapter()
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 FAMILY = "tiny-qwen3-next"
+
+
+@pytest.fixture(autouse=True)
+def _pytorch_kernel_outside_the_actor(monkeypatch):
+    """With fla installed, transformers' own forward cannot run on CPU (tests/fla_devices.py): the
+    references here get the PyTorch kernel; zorro's own choice is tested in test_fla_device.py."""
+    pytorch_delta_rule_on_cpu(monkeypatch)
 
 
 def _tokens(n, gen):

@@ -1,4 +1,5 @@
-"""FlexAttention mask mode: the BlockMask equals the plan's mask; on CUDA, the actor equals the baseline."""
+"""FlexAttention mask mode: the BlockMask equals the plan's mask; on CUDA, the actor equals the baseline
+(on CPU, through the real kernel against the reference: test_flex_cpu.py)."""
 
 import pytest
 import torch
@@ -7,13 +8,20 @@ from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, build_ded
 from zorro_core.attention.flex import BLOCK, flex_unavailable
 
 
-def test_flex_on_cpu_is_refused_with_the_reason(tiny_models):
-    if flex_unavailable("cpu") is None:
-        pytest.skip("flex trains on this device")
-    with pytest.raises(ValueError, match="no backward on CPU"):
+def test_flex_on_cpu_without_the_lift_is_refused_with_the_reason(tiny_models, monkeypatch):
+    """CPU flex mask mode needs flex_attention's device check to lift; a torch without it is refused."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    monkeypatch.delattr(fa, "_validate_device")
+    with pytest.raises(ValueError, match="refuses backward on CPU"):
         DeduplicatedActor(
             model=tiny_models("tiny-qwen3"), use_split_attention=False, attn_implementation="flex_attention"
         )
+
+
+def test_flex_on_another_device_is_refused_with_the_reason():
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    assert flex_unavailable("cpu") is None
+    assert "runs on CUDA or CPU, not meta" in flex_unavailable("meta")
 
 
 def test_block_mask_matches_plan_mask(monkeypatch):
@@ -44,7 +52,9 @@ def test_block_mask_matches_plan_mask(monkeypatch):
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
 def test_flex_matches_baseline_on_cuda(dtype, atol):
-    why = flex_unavailable("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    why = flex_unavailable("cuda")
     if why:
         pytest.skip(why)
     from zorro_core.models.presets import build_model, preset_config
@@ -66,3 +76,32 @@ def test_flex_matches_baseline_on_cuda(dtype, atol):
     )
     b = BaselineActor(model=model, attn_implementation="sdpa").forward(batch).log_probs
     assert (d - b).abs().max().item() < atol
+
+
+@pytest.mark.parametrize("family,sharing", [("tiny-qwen3", "prompt"), ("tiny-qwen2-sliding", "prefix")])
+def test_flex_gradients_match_per_sequence_on_cuda(tiny_models, family, sharing):
+    """CUDA, the compiled kernel (dynamic=True, block tables, Inductor's backward) in float32 with
+    gradients, prompt and tree masks, a window (tiny-qwen2-sliding), against the float64 CPU
+    reference at float32 tolerances (float32 noise ~1e-6 on log-probs; a wrong mask is >1e-2)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    why = flex_unavailable("cuda")
+    if why:
+        pytest.skip(why)
+    import copy
+
+    from helpers import mixed_batch
+    from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
+
+    model64 = tiny_models(family)
+    batch = mixed_batch()
+    w = token_weights(batch, seed=1)
+    ref_lp, ref_ent, ref_grads = per_sequence(model64, batch, 0.7, w)
+    model = copy.deepcopy(model64).to("cuda", torch.float32)
+    kw = dict(sharing="prefix", min_shared_tokens=1) if sharing == "prefix" else {}
+    actor = DeduplicatedActor(model=model, use_split_attention=False, attn_implementation="flex_attention", **kw)
+    lp, ent, grads, _ = actor_run(actor, batch.to("cuda"), 0.7, w)
+    assert (lp.double() - ref_lp).abs().max().item() < 1e-4
+    assert (ent.double() - ref_ent).abs().max().item() < 1e-4
+    g_err, name = max_rel_grad_error(grads, ref_grads)
+    assert g_err < 1e-3, f"gradient of {name} off by {g_err:.2e} relative"

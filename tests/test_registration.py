@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from fla_devices import pytorch_delta_rule_on_cpu
 from helpers import mixed_batch
 
 from zorro_core import BaselineActor, DeduplicatedActor
@@ -20,7 +21,8 @@ def _plain(model, ids, mask):
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_plain_forward_unchanged_after_an_actor_takes_the_model(family, attn):
+def test_plain_forward_unchanged_after_an_actor_takes_the_model(family, attn, monkeypatch):
+    pytorch_delta_rule_on_cpu(monkeypatch)  # plain forwards of Qwen3-Next, where fla is installed
     model = build_model(preset_config(family), dtype=torch.float64, attn_implementation=attn)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 256, (3, 16), generator=gen)

@@ -25,7 +25,8 @@ one that runs), so the model is unchanged outside the actor. Everything else in 
           own tail outputs are taken from its first response's branch.
   Gradients reach the prompt through the carried state, the replayed tail and the conv window.
 - Backends: flash-linear-attention's chunk_gated_delta_rule when transformers resolved to it
-  (varlen with cu_seqlens, one initial state per segment); otherwise transformers' PyTorch
+  and the tensors are on CUDA (varlen with cu_seqlens, one initial state per segment);
+  otherwise (no fla, or CPU tensors, which fla's kernel cannot take) transformers' PyTorch
   fallback, which ignores cu_seqlens, over a zero-padded batch of the segments (a zero token,
   with g = beta = 0 and k = v = 0, leaves the state untouched, so right-padding is exact).
 """
@@ -33,6 +34,7 @@ one that runs), so the model is unchanged outside the actor. Everything else in 
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import types
 from dataclasses import dataclass
@@ -173,8 +175,25 @@ def fla_available() -> Optional[str]:
 
 
 def fla_serves(x: torch.Tensor) -> bool:
-    """Whether transformers resolved the delta rule to flash-linear-attention for `x` (CUDA, fla importable)."""
+    """Whether the adapter runs flash-linear-attention's delta rule for `x`: fla importable (then
+    transformers resolved its delta rule to fla's kernel at import, on every device) and `x` on
+    CUDA (fla's Triton kernels have no CPU backend). Otherwise the adapter runs the PyTorch kernel
+    (`delta_rule_kernel`)."""
     return x.is_cuda and fla_available() is None
+
+
+def delta_rule_kernel(module_kernel, x: torch.Tensor):
+    """The delta rule the adapter calls for `x`, chosen by `x`'s device, and whether it is fla's.
+
+    `module_kernel` is the layer module's function, which transformers resolves to fla's kernel
+    whenever fla is importable, without looking at the device; on CPU the adapter takes the
+    PyTorch function that transformers' wrapper keeps behind it (functools.wraps' `__wrapped__`).
+    """
+    if fla_serves(x):
+        return module_kernel, True
+    if fla_available() is None:
+        return inspect.unwrap(module_kernel), False
+    return module_kernel, False
 
 
 def _delta_varlen(
@@ -248,13 +267,12 @@ def _dedup_delta_rule(
         raise ValueError(f"the packed row must have batch size 1, got {query.shape[0]}")
     plan = route.plan
     lay = plan.derived(("linear_layout", chunk_size), lambda: build_linear_layout(plan, chunk_size))
-    # transformers resolves the delta rule to flash-linear-attention when it is importable;
-    # that kernel takes cu_seqlens (true varlen), the PyTorch fallback does not.
-    use_fla = fla_serves(query)
+    # fla's kernel (CUDA) takes cu_seqlens (true varlen), the PyTorch fallback does not.
+    kernel, use_fla = delta_rule_kernel(original, query)
     x = tuple(a[0] for a in (query, key, value, g, beta))
     outs, head_state = [], None
     if lay.head.index.numel():
-        head_out, head_state = _delta_varlen(original, lay.head, x, None, chunk_size, lay.branch is not None, use_fla)
+        head_out, head_state = _delta_varlen(kernel, lay.head, x, None, chunk_size, lay.branch is not None, use_fla)
         outs.append(head_out)
     if lay.branch is not None:
         hv, dk, dv = value.shape[2], key.shape[3], value.shape[3]
@@ -262,7 +280,7 @@ def _dedup_delta_rule(
             1, hv, dk, dv, dtype=torch.float32 if head_state is None else head_state.dtype, device=query.device
         )
         states = zero if head_state is None else torch.cat([zero, head_state])
-        branch_out, _ = _delta_varlen(original, lay.branch, x, states[lay.branch_state], chunk_size, False, use_fla)
+        branch_out, _ = _delta_varlen(kernel, lay.branch, x, states[lay.branch_state], chunk_size, False, use_fla)
         outs.append(branch_out)
     route.count_adapter_call("linear_attention")
     return torch.cat(outs)[lay.out_index][None], None

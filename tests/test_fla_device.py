@@ -1,0 +1,87 @@
+"""Qwen3-Next on CPU where flash-linear-attention is importable: zorro's adapter runs the PyTorch
+delta rule, chosen by the tensors' device, although transformers resolved its kernel to fla's at
+import without looking at the device (issue 22). Simulated (every run) and with fla installed."""
+
+import inspect
+
+import pytest
+import torch
+from fla_devices import assert_refuses_cpu, device_aware, qwen3_next_module, simulate_fla
+from helpers import LP_ATOL
+from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
+from versions import skip_module_without_qwen3_next_adapter
+
+from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch
+from zorro_core.models import linear_attention
+from zorro_core.models.linear_attention import delta_rule_kernel, fla_available
+
+skip_module_without_qwen3_next_adapter()
+pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+FAMILY = "tiny-qwen3-next"
+# transformers' kernel computes in float32 inside a float64 model: gradients at its floor
+# (measured 1.2e-4 relative; test_families_qwen3_next.test_unmodified_float32_kernel).
+GRAD_FLOOR = 1e-3
+
+
+def batch() -> RolloutBatch:
+    """Prompts across the 64-token chunk boundary, shared, so the head and branch calls both run."""
+    gen = torch.Generator().manual_seed(4)
+    p = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (70, 30)]
+    r = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (5, 9, 2, 4)]
+    return RolloutBatch.from_lists([p[0], p[1], p[0], p[1]], r)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    """Per-sequence reference through transformers' PyTorch kernel (the model's forward, no actor)."""
+    mod = qwen3_next_module()
+    saved = mod.torch_chunk_gated_delta_rule
+    mod.torch_chunk_gated_delta_rule = device_aware(saved)
+    try:
+        b = batch()
+        w = token_weights(b, seed=2)
+        return b, w, per_sequence(tiny_models(FAMILY), b, 1.0, w)
+    finally:
+        mod.torch_chunk_gated_delta_rule = saved
+
+
+def _check(actor, reference):
+    b, w, ref = reference
+    lp, ent, grads, _ = actor_run(actor, b, 1.0, w)
+    assert (lp - ref[0]).abs().max().item() < LP_ATOL
+    assert (ent - ref[1]).abs().max().item() < LP_ATOL
+    assert max_rel_grad_error(grads, ref[2])[0] < GRAD_FLOOR
+
+
+def test_kernel_chosen_by_device_when_fla_resolved(monkeypatch):
+    """fla importable: CUDA tensors get the module's (fla) kernel; CPU tensors the PyTorch function behind it."""
+    fake = simulate_fla(monkeypatch)
+    kernel, is_fla = delta_rule_kernel(fake, torch.zeros(1))
+    assert not is_fla and kernel is inspect.unwrap(qwen3_next_module().torch_chunk_gated_delta_rule)
+    assert kernel is not fake
+    monkeypatch.setattr(linear_attention, "fla_serves", lambda x: True)  # as on CUDA
+    assert delta_rule_kernel(fake, torch.zeros(1)) == (fake, True)
+
+
+def test_kernel_untouched_without_fla(monkeypatch):
+    monkeypatch.setattr(linear_attention, "fla_available", lambda: "not installed")
+    kernel = qwen3_next_module().torch_chunk_gated_delta_rule
+    assert delta_rule_kernel(kernel, torch.zeros(1)) == (kernel, False)
+
+
+@pytest.mark.parametrize("actor_cls", [DeduplicatedActor, BaselineActor])
+def test_simulated_fla_cpu_runs_the_pytorch_kernel(tiny_models, reference, monkeypatch, actor_cls):
+    """Every run: transformers' kernel resolved to a stand-in of fla that refuses CPU tensors; the
+    actors (both route their forward through the adapter) never call it and equal the reference."""
+    fake = simulate_fla(monkeypatch)
+    _check(actor_cls(model=tiny_models(FAMILY)), reference)
+    assert fake.calls == 0
+
+
+@pytest.mark.skipif(fla_available() is not None, reason=f"{fla_available()}")
+@pytest.mark.parametrize("actor_cls", [DeduplicatedActor, BaselineActor])
+def test_installed_fla_cpu_runs_the_pytorch_kernel(tiny_models, reference, actor_cls):
+    """fla installed: transformers' module kernel is fla's (it fails on CPU tensors); the actors on
+    CPU run the PyTorch kernel and equal the reference."""
+    assert_refuses_cpu(qwen3_next_module().torch_chunk_gated_delta_rule)
+    _check(actor_cls(model=tiny_models(FAMILY)), reference)
