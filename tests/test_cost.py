@@ -99,3 +99,47 @@ def test_no_sharing_is_no_speedup():
     cmp = compare_plans(shape, build_dedup_plan(batch, dedup=False), build_dedup_plan(batch), "none")
     assert cmp.ideal_speedup("forward") == pytest.approx(1.0)
     assert cmp.ideal_speedup("forward_backward") == pytest.approx(1.0)
+
+
+# Issue 23, defect 9: `zorro analyze` is arithmetic, in constant time, equal to the per-response sums.
+@pytest.mark.parametrize("logits_mode", ["compute", "none"])
+def test_uniform_workloads_equal_the_per_group_sums(logits_mode):
+    from zorro_core.plan.cost import shape_workloads, uniform_workloads
+
+    for p, g, n, r in [(1, 1, 1, 1), (7, 3, 1, 2), (5, 2, 4, 3), (128, 4, 8, 16)]:
+        expected = shape_workloads([p] * g, [n] * g, [[r] * n] * g, logits_mode)
+        assert uniform_workloads(p, g, n, r, logits_mode) == expected
+
+
+@pytest.mark.parametrize("logits_mode", ["compute", "none"])
+def test_shared_prefix_workload_equals_the_tree_of_its_nodes(logits_mode):
+    from zorro_core.plan.cost import shared_prefix_workload, tree_workload
+
+    for p, g, n, r, h in [(4, 1, 1, 2, 0), (9, 3, 1, 2, 4), (9, 3, 5, 2, 4), (6, 2, 3, 1, 0), (16, 4, 8, 5, 15)]:
+        head = h if g > 1 else 0
+        nodes = [(0, head)] if head else []
+        for _ in range(g):
+            nodes += [(head, p + r - head)] if n == 1 else [(head, p - head)] + [(p, r)] * n
+        tokens = sum(length for _, length in nodes)
+        expected = tree_workload(nodes, tokens if logits_mode == "none" else g * n * r)
+        assert shared_prefix_workload(p, g, n, r, h, logits_mode) == expected
+
+
+def test_analyze_of_huge_workloads_takes_no_time():
+    import time
+
+    from zorro_core.plan.cost import shared_prefix_workload, uniform_workloads
+
+    t0 = time.perf_counter()
+    base, dedup = uniform_workloads(10_000, 10**6, 10**9, 1_000)
+    tree = shared_prefix_workload(10_000, 10**6, 10**9, 1_000, 2_000)
+    assert time.perf_counter() - t0 < 0.1
+    assert base.tokens == 10**15 * 11_000 and dedup.tokens == 10**6 * (10_000 + 10**12)
+    assert tree.tokens < dedup.tokens
+
+
+def test_analyze_refuses_a_workload_too_large_for_floats():
+    from zorro_core.bench.analysis import workload_report
+
+    with pytest.raises(ValueError, match="too large"):
+        workload_report(prompt_len=10**160, responses=10, response_len=10, model="tiny-qwen3")

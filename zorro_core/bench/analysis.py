@@ -15,8 +15,8 @@ from zorro_core.plan.cost import (
     ForwardWork,
     ModelShape,
     compare,
-    shape_workloads,
     shared_prefix_workload,
+    uniform_workloads,
 )
 
 
@@ -78,10 +78,14 @@ def workload_report(
     if logits_mode not in LOGITS_MODES:
         raise ValueError(f"unknown logits_mode {logits_mode!r}; choose one of {', '.join(LOGITS_MODES)}")
     shape = ModelShape.from_config(model_config(model))
-    base_w, dedup_w = shape_workloads(
-        [prompt_len] * prompts, [responses] * prompts, [[response_len] * responses] * prompts, logits_mode
-    )
-    cmp = compare(shape, base_w, dedup_w, logits_mode)
+    base_w, dedup_w = uniform_workloads(prompt_len, prompts, responses, response_len, logits_mode)
+    try:
+        cmp = compare(shape, base_w, dedup_w, logits_mode)
+    except OverflowError:
+        raise ValueError(
+            f"the workload is too large to count its FLOPs in floating point ({base_w.tokens:.3g} tokens "
+            "before dedup): give smaller sizes"
+        ) from None
     total, unique = base_w.tokens, dedup_w.tokens
     prompt_total, prompt_unique = prompt_len * responses * prompts, prompt_len * prompts
     report = {

@@ -182,18 +182,42 @@ def shared_prefix_workload(
     that share nothing: [system prefix] -> [rest of each prompt] -> [each response]."""
     if not 0 <= shared_prefix_len < prompt_len:
         raise ValueError(f"shared_prefix_len must be in [0, prompt_len={prompt_len}), got {shared_prefix_len}")
-    nodes: list[tuple[int, int]] = []
+    if min(prompt_len, prompts, responses, response_len) < 1:
+        raise ValueError("prompt and response lengths and counts must be >= 1")
+    # Closed form of tree_workload over the nodes (depth, length): the head (0, H) once, then per
+    # prompt (H, P - H) and `responses` x (P, R), or (H, P + R - H) for a lone response.
+    p, r = prompt_len, response_len
     head = shared_prefix_len if prompts > 1 else 0
+    tokens = pairs = 0
     if head:
-        nodes.append((0, head))
-    for _ in range(prompts):
-        if responses == 1:
-            nodes.append((head, prompt_len + response_len - head))
-            continue
-        nodes.append((head, prompt_len - head))
-        nodes.extend((prompt_len, response_len) for _ in range(responses))
-    tokens = sum(n for _, n in nodes)
-    return tree_workload(nodes, tokens if logits_mode == "none" else prompts * responses * response_len)
+        tokens, pairs = head, causal_pairs(head, head)
+    if responses == 1:
+        tokens += prompts * (p + r - head)
+        pairs += prompts * causal_pairs(p + r - head, p + r)
+    else:
+        tokens += prompts * (p - head + responses * r)
+        pairs += prompts * (causal_pairs(p - head, p) + responses * causal_pairs(r, p + r))
+    return ForwardWork(tokens, pairs, tokens if logits_mode == "none" else prompts * responses * r)
+
+
+def uniform_workloads(
+    prompt_len: int, prompts: int, responses: int, response_len: int, logits_mode: str = "compute"
+) -> tuple[ForwardWork, ForwardWork]:
+    """`shape_workloads` of `prompts` groups of `responses` responses, every prompt `prompt_len` and
+    every response `response_len` tokens: the same sums in closed form (constant time)."""
+    if min(prompt_len, prompts, responses, response_len) < 1:
+        raise ValueError("prompt and response lengths and counts must be >= 1")
+    p, r, rows = prompt_len, response_len, prompts * responses
+    b_tok, b_pairs, n_resp = rows * (p + r), rows * causal_pairs(p + r, p + r), rows * r
+    d_tok = prompts * (p + responses * r)
+    if responses == 1:
+        d_pairs = prompts * causal_pairs(p + r, p + r)
+    else:
+        d_pairs = prompts * (causal_pairs(p, p) + responses * causal_pairs(r, p + r))
+    none = logits_mode == "none"
+    return ForwardWork(b_tok, b_pairs, b_tok if none else n_resp), ForwardWork(
+        d_tok, d_pairs, d_tok if none else n_resp
+    )
 
 
 @dataclass(frozen=True)
