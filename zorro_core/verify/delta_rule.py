@@ -14,6 +14,7 @@ as it is, at its measured floor.)
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from typing import Iterator, Optional
 
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zorro_core.models.linear_attention import linear_layers
+from zorro_core.models.linear_attention import fla_available, linear_layers
 
 _KERNEL = "torch_chunk_gated_delta_rule"
 
@@ -95,6 +96,36 @@ def exact_delta_rule(model: nn.Module) -> Iterator[None]:
     try:
         for mod in modules:
             setattr(mod, _KERNEL, chunk_gated_delta_rule_exact)
+        yield
+    finally:
+        for mod, fn in saved.items():
+            setattr(mod, _KERNEL, fn)
+
+
+@contextlib.contextmanager
+def device_delta_rule(model: nn.Module) -> Iterator[None]:
+    """Within: a plain forward of `model`'s gated DeltaNet layers runs the kernel its tensors' device
+    can run. transformers resolves its module kernel to fla's whenever fla is importable, on every
+    device, and fla's Triton kernels cannot take CPU tensors; the reference then takes the PyTorch
+    function transformers' wrapper keeps behind it (what transformers runs without fla), as zorro's
+    adapter does (`delta_rule_kernel`). Without fla, or without such layers, nothing changes."""
+    if fla_available() is not None:  # fla is not importable: transformers' kernel is PyTorch's
+        yield
+        return
+    modules = {sys.modules[type(m).__module__] for m in linear_layers(model)}
+    saved = {mod: getattr(mod, _KERNEL) for mod in modules}
+
+    def by_device(kernel):
+        pytorch = inspect.unwrap(kernel)
+
+        def dispatch(query, *args, **kwargs):
+            return (kernel if query.is_cuda else pytorch)(query, *args, **kwargs)
+
+        return dispatch
+
+    try:
+        for mod, fn in saved.items():
+            setattr(mod, _KERNEL, by_device(fn))
         yield
     finally:
         for mod, fn in saved.items():

@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from zorro_core.verify.delta_rule import device_delta_rule
+
 
 def token_weights(batch, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss weights that differ between responses, so each pulls the prompt its own way."""
@@ -31,7 +33,9 @@ def loss_of(log_probs, entropy, weights) -> torch.Tensor:
 
 def _sequence(model: nn.Module, prompt: list[int], response: list[int], temperature: float, device):
     ids = torch.tensor([prompt + response], device=device)
-    logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(response)]
+    with device_delta_rule(model):  # transformers' kernel choice, made by the device (fla on CPU)
+        out = model(input_ids=ids, use_cache=False)
+    logits = out.logits[0, len(prompt) - 1 : len(prompt) - 1 + len(response)]
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logp = torch.log_softmax(logits.to(acc) / temperature, dim=-1)
     lp = logp.gather(-1, torch.tensor(response, device=device)[:, None]).squeeze(-1)
