@@ -32,38 +32,15 @@ import warnings
 import torch
 import torch.distributed as dist
 from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer
 
+# The one-process example's pieces (the same tokenizer, reward and timer); this folder is on sys.path
+# when the example runs as a script.
+from trl_grpo import reward_short, timed, tokenizer  # noqa: E402
+
 from zorro_core.integrations.trl import DedupGRPOTrainer
 from zorro_core.models.presets import build_model, preset_config
-
-
-def tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-
-
-def reward_short(completions, **kwargs):
-    return [-float(len(c.split())) for c in completions]
-
-
-def timed(trainer):
-    inner = trainer._get_per_token_logps_and_entropies
-    trainer.logprob_seconds = []
-
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        out = inner(*args, **kwargs)
-        trainer.logprob_seconds.append(time.perf_counter() - start)
-        return out
-
-    trainer._get_per_token_logps_and_entropies = wrapper
-    return trainer
 
 
 def main() -> None:

@@ -21,16 +21,13 @@ the FSDP2 preparation of the policy and of the reference model, is accelerate's 
 from __future__ import annotations
 
 import os
-import queue as queue_mod
-import socket
-import traceback
 
 import pytest
 import torch
 
 trl = pytest.importorskip("trl")
 
-import torch.multiprocessing as mp  # noqa: E402
+from zorro_core.distributed.launch import launch  # noqa: E402
 
 FSDP_ENV = {
     "ACCELERATE_USE_FSDP": "true",
@@ -45,60 +42,9 @@ LP_FLOOR, GRAD_FLOOR = 1e-6, 1e-5  # zorro_core.verify.gradients' float64 tolera
 # ----------------------------------------------------------------------------- launching ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank, world, port, fn, args, results):
-    try:
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world),
-            OMP_NUM_THREADS="1",
-        )
-        torch.set_num_threads(1)
-        out = fn(*args)
-        results.put((rank, True, out))
-    except Exception:  # noqa: BLE001 -- reported to the parent
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def spawn(fn, *args, nproc: int = 2, timeout_s: float = 600.0):
     """`fn(*args)` on `nproc` fresh ranks with torchrun's environment (accelerate then joins gloo)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, fn, args, results)) for r in range(nproc)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        while len(out) < nproc:
-            try:
-                rank, ok, value = results.get(timeout=timeout_s)
-            except queue_mod.Empty:
-                raise TimeoutError(f"{nproc - len(out)} rank(s) gave no result within {timeout_s:.0f} s") from None
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10 if len(out) == nproc else 0.1)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=10)
-    return [out[r] for r in range(nproc)]
+    return launch(fn, nproc, *args, timeout_s=timeout_s, init_process_group=False)
 
 
 # ----------------------------------------------------------------------------- inside a rank

@@ -64,30 +64,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, backend: str, threads: int, fn, args, results, parent: int) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, backend: str, threads: int, init: bool, fn, args, results, parent: int
+) -> None:
     # A rank ends with the process that launched it, however that one ends (a sweep killed with
     # SIGKILL or SIGTERM): otherwise it is re-parented to PID 1 and computes on.
     die_with(parent)
+    # torchrun's environment, so that a trainer's launcher (accelerate) joins the same group.
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     try:
         torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
-        )
+        if init:
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world,
+                timeout=timedelta(seconds=300),
+            )
         try:
             out = fn(*args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         results.put((rank, True, out))
     except Exception:  # noqa: BLE001 -- reported to the parent, which stops the other ranks
         results.put((rank, False, traceback.format_exc()))
 
 
 def launch(
-    fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo", threads: int = 1, timeout_s: float = 600.0
+    fn: Callable[..., Any],
+    nproc: int,
+    *args: Any,
+    backend: str = "gloo",
+    threads: int = 1,
+    timeout_s: float = 600.0,
+    init_process_group: bool = True,
 ) -> list[Any]:
-    """`fn(*args)` on `nproc` new ranks (module doc); `fn` must be importable (spawn pickles it by name)."""
+    """`fn(*args)` on `nproc` new ranks (module doc); `fn` must be importable (spawn pickles it by name).
+    `init_process_group=False`: the ranks get torchrun's environment only and `fn` joins the group
+    itself (as accelerate does)."""
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     if backend == "nccl" and torch.cuda.device_count() < 1:
@@ -98,7 +123,9 @@ def launch(
     port = _free_port()
     procs = [
         ctx.Process(
-            target=_rank_main, args=(r, nproc, port, backend, threads, fn, args, results, os.getpid()), daemon=False
+            target=_rank_main,
+            args=(r, nproc, port, backend, threads, init_process_group, fn, args, results, os.getpid()),
+            daemon=False,
         )
         for r in range(nproc)
     ]
