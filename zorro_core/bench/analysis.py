@@ -11,22 +11,12 @@ from zorro_core.actor.logprobs import LOGITS_MODES
 from zorro_core.bench.inputs import model_config
 from zorro_core.plan.cost import (
     COMPONENTS,
-    Comparison,
     ForwardWork,
     ModelShape,
     compare,
     shared_prefix_workload,
     uniform_workloads,
 )
-
-
-def _ideal_speedups(cmp: Comparison) -> dict[str, float]:
-    """Baseline / dedup FLOPs per component, then of the whole forward and forward+backward."""
-    return {
-        **{c: cmp.component_speedup(c) for c in COMPONENTS},
-        "total_forward": cmp.ideal_speedup("forward"),
-        "total_forward_backward": cmp.ideal_speedup("forward_backward"),
-    }
 
 
 def _prefix_report(
@@ -43,7 +33,7 @@ def _prefix_report(
         "unique_tokens": tree_w.tokens,
         "token_redundancy": 1 - tree_w.tokens / base_w.tokens,
         "attended_pairs": tree_w.attended_pairs,
-        "ideal_speedup": _ideal_speedups(compare(shape, base_w, tree_w, logits_mode)),
+        "ideal_speedup": compare(shape, base_w, tree_w, logits_mode).speedups(),
         "ideal_speedup_over_prompt_sharing": compare(shape, prompt_w, tree_w, logits_mode).ideal_speedup(
             "forward_backward"
         ),
@@ -97,7 +87,7 @@ def workload_report(
         "token_redundancy": 1 - unique / total,
         "prompt_dedup_ratio": 1 - prompt_unique / prompt_total,
         "attended_pairs": {"baseline": base_w.attended_pairs, "dedup": dedup_w.attended_pairs},
-        "ideal_speedup": _ideal_speedups(cmp),
+        "ideal_speedup": cmp.speedups(),
         "flops_share_baseline": {c: getattr(cmp.baseline, c) / cmp.baseline.forward for c in COMPONENTS},
         "tflops": {
             "baseline_forward_backward": cmp.baseline.forward_backward / 1e12,

@@ -300,16 +300,6 @@ def _folded(tcall, tlens, tlcp, tplen, n: int, num_calls: int) -> tuple[np.ndarr
 # -- the report ------------------------------------------------------------------------------------
 
 
-def ideal_speedups(shape: ModelShape, base: ForwardWork, dedup: ForwardWork, logits_mode: str) -> dict[str, float]:
-    """Baseline / dedup FLOPs per component and per phase (zorro_core.plan.cost.compare)."""
-    cmp = compare(shape, base, dedup, logits_mode)
-    return {
-        **{c: cmp.component_speedup(c) for c in COMPONENTS},
-        "total_forward": cmp.ideal_speedup("forward"),
-        "total_forward_backward": cmp.ideal_speedup("forward_backward"),
-    }
-
-
 def _fb(shape: ModelShape, base: ForwardWork, dedup: ForwardWork, logits_mode: str) -> float:
     return compare(shape, base, dedup, logits_mode).ideal_speedup("forward_backward")
 
@@ -510,14 +500,14 @@ def data_report(
         "token_redundancy": 1 - unique_p / total,
         "prompt_dedup_ratio": 1 - prompt_unique / prompt_total,
         "attended_pairs": {"baseline": base.attended_pairs, "dedup": work.work("prompt").attended_pairs},
-        "ideal_speedup": ideal_speedups(shape, base, work.work("prompt"), logits_mode),
+        "ideal_speedup": compare(shape, base, work.work("prompt"), logits_mode).speedups(),
         "flops_share_baseline": {c: getattr(cmp.baseline, c) / cmp.baseline.forward for c in COMPONENTS},
         "prefix": {
             "unique_tokens": unique_t,
             "beyond_identical_prompts_tokens": unique_p - unique_t,
             "token_redundancy": 1 - unique_t / total,
             "attended_pairs": work.work("prefix").attended_pairs,
-            "ideal_speedup": ideal_speedups(shape, base, work.work("prefix"), logits_mode),
+            "ideal_speedup": compare(shape, base, work.work("prefix"), logits_mode).speedups(),
             "ideal_speedup_over_prompt_sharing": _fb(shape, work.work("prompt"), work.work("prefix"), logits_mode),
         },
         "min_shared_tokens": [

@@ -238,6 +238,15 @@ class Comparison:
         d = getattr(self.dedup, component)
         return getattr(self.baseline, component) / d if d else float("nan")
 
+    def speedups(self) -> dict[str, float]:
+        """The ideal speedup of each component, then of the whole forward and forward+backward
+        (the `ideal_speedup` entry of `zorro analyze`'s reports)."""
+        return {
+            **{c: self.component_speedup(c) for c in COMPONENTS},
+            "total_forward": self.ideal_speedup("forward"),
+            "total_forward_backward": self.ideal_speedup("forward_backward"),
+        }
+
 
 def compare(shape: ModelShape, baseline: ForwardWork, dedup: ForwardWork, logits_mode: str = "compute") -> Comparison:
     return Comparison(flops(shape, baseline, logits_mode), flops(shape, dedup, logits_mode))
