@@ -25,7 +25,10 @@ ACTORS = [lambda m: DeduplicatedActor(model=m), lambda m: BaselineActor(model=m)
 
 
 @pytest.mark.parametrize("make", ACTORS, ids=["dedup", "baseline", "padded"])
-@pytest.mark.parametrize("temperature", [math.inf, -math.inf, math.nan, 0.0, -0.7, "hot", None])
+# A string or bool passes float() and was taken (issue 23): "1.0" then failed deep in the log-probs.
+@pytest.mark.parametrize(
+    "temperature", [math.inf, -math.inf, math.nan, 0.0, -0.7, "hot", None, "1.0", b"1", True, [1.0]]
+)
 def test_temperature_must_be_finite_and_positive(model, batch, make, temperature):
     with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
         make(model).forward(batch, temperature=temperature)

@@ -1,6 +1,7 @@
 """`zorro report`: pivot, markdown, CSV, plots, and the regression gate of `report compare`."""
 
 import csv
+import re
 from pathlib import Path
 
 import pytest
@@ -227,7 +228,22 @@ def test_stack_view_rich_markdown_csv(tmp_path):
 
 def test_stack_view_without_stack_cases_and_shorthand_still_works(old):
     res = runner.invoke(app, ["report", "stack", str(old)])  # sdpa split only: no eager baseline, no liger case
-    assert res.exit_code == 0 and "+flash_attention" in res.output and "baseline " not in res.output
+    assert res.exit_code == 0 and "+flash_attention" in res.output
+    assert not re.search(r"│ baseline\s+│", res.output)  # no baseline row; the note names its case
+    assert "not in these results: baseline: baseline arm of attn_implementation=eager" in " ".join(res.output.split())
     bad_phase = runner.invoke(app, ["report", "stack", str(old), "--phase", "nothing"])
     assert bad_phase.exit_code == 2 and "forward_backward" in bad_phase.output  # a choice: the valid ones are listed
     assert "3.41 ± 0.02x" in runner.invoke(app, ["report", str(old)]).output
+
+
+def test_stack_view_of_a_partial_stack_names_the_missing_configs(tmp_path):
+    """A sweep that ran only some stack cases: the table shows what it has and a note names each
+    missing config and the case it needs."""
+    rows = [r for r in stack_rows() if r["attn_implementation"] == "sdpa" and not r["liger"]]
+    res = runner.invoke(app, ["report", "stack", str(write(tmp_path / "part.csv", rows))])
+    assert res.exit_code == 0, res.output
+    flat = " ".join(res.output.split())
+    assert "not in these results: baseline: baseline arm of attn_implementation=eager" in flat
+    assert "+liger: baseline arm of attn_implementation=sdpa, liger=true" in flat
+    full = runner.invoke(app, ["report", "stack", str(write(tmp_path / "full.csv", stack_rows()))])
+    assert "not in these results" not in full.output

@@ -15,7 +15,7 @@ import typer
 from rich.table import Table
 
 from zorro_core.bench.report import load_results
-from zorro_core.bench.stack_table import WORKLOAD, stack_needs, stack_report
+from zorro_core.bench.stack_table import WORKLOAD, missing_configs, stack_needs, stack_report
 
 from .choices import Phase
 from .console import console, escape, fail
@@ -73,6 +73,10 @@ def _notes(g) -> list[str]:
         if r.get("note"):
             by_text.setdefault(str(r["note"]), []).append(r["config"])
     notes = [f"{', '.join(configs)}: {text}" for text, configs in by_text.items()]
+    device = str(g["device"].iloc[0]) if "device" in g.columns and len(g) else "cpu"
+    absent = missing_configs(list(g["config"]), device or "cpu")
+    if absent:
+        notes.append(absent)
     if (g["status"] != "ok").any():
         notes.append(
             "rows without figures are left out of the chain: the next row's step is over the nearest row above with figures"

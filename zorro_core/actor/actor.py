@@ -7,7 +7,6 @@ fair baseline), or with `padded=True` as the plain HF forward trainers run today
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
@@ -16,7 +15,7 @@ from torch import nn
 from zorro_core.actor import microbatch
 from zorro_core.actor.config import ActorConfig, resolve_config
 from zorro_core.actor.fsdp import as_root_forward
-from zorro_core.actor.logprobs import response_logprobs
+from zorro_core.actor.logprobs import check_temperature, response_logprobs
 from zorro_core.actor.output import ActorOutput
 from zorro_core.actor.padded import padded_forward
 from zorro_core.attention.backends import default_backend, get_backend
@@ -159,12 +158,7 @@ class _Actor:
     def check_call(self, temperature: float) -> None:
         """Refuse a temperature that is not a finite number > 0, and a model moved or cast since
         the actor was built (its backends and attention choice were made for the old one)."""
-        try:
-            t = float(temperature)
-        except (TypeError, ValueError):
-            t = math.nan
-        if not (math.isfinite(t) and t > 0):
-            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        check_temperature(temperature)
         p = next(self.model.parameters())
         if (p.device, p.dtype) != self._built_for:
             was, now = self._built_for, (p.device, p.dtype)

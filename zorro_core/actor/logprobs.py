@@ -13,6 +13,7 @@ Softmax runs in float32 (float64 when the model is float64); temperature divides
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -151,6 +152,22 @@ def chunked_logprobs(
     return lp, (ent if calculate_entropy else None)
 
 
+def check_temperature(temperature: object) -> float:
+    """`temperature` as a float, refusing anything but a finite real number > 0: a string or a bool
+    would pass `float()` (or `> 0`) and then scale the logits as a different value or fail deep inside."""
+    if isinstance(temperature, (str, bytes, bool)):
+        raise ValueError(f"temperature must be a finite number > 0, got {type(temperature).__name__} {temperature!r}")
+    try:
+        t = float(temperature)  # type: ignore[arg-type]  # anything float() takes: int, numpy or 0-d tensor
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"temperature must be a finite number > 0, got {type(temperature).__name__} {temperature!r}"
+        ) from None
+    if not (math.isfinite(t) and t > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    return t
+
+
 def response_logprobs(
     hidden: torch.Tensor,
     lm_head: nn.Module,
@@ -169,8 +186,7 @@ def response_logprobs(
     """
     if mode not in LOGITS_MODES:
         raise ValueError(f"unknown logits_mode {mode!r}; choose one of {LOGITS_MODES}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    temperature = check_temperature(temperature)
     if mode == "none":
         logits = lm_head(hidden)[index]
         return _lp_entropy(logits, labels, temperature, calculate_entropy)

@@ -55,8 +55,10 @@ def padded_forward(actor: PaddedActor, batch: RolloutBatch, temperature: float, 
     batch.check_vocab(actor.vocab_size)
     check_trainable_state(actor.model)
     actor.install_hooks()
-    ids = torch.cat([batch.prompts, batch.responses], 1).long()
     mask = torch.cat([batch.prompt_mask, batch.response_mask], 1).long()
+    # Padding ids are never attended to nor scored, but they are embedded: a trainer's -100 (or any
+    # id outside the vocabulary) there would index out of the embedding table, so padding reads token 0.
+    ids = torch.cat([batch.prompts, batch.responses], 1).long().masked_fill(mask == 0, 0)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     attn = actor.attn_implementation
     route = Route(

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from zorro_core.bench.measure import format_speedup
-from zorro_core.bench.results import SETUP_COLUMNS, parse_results, read_results_text
+from zorro_core.bench.results import SETUP_COLUMNS, check_fields, read_results_text
 
 # Columns that define a configuration: one pivot table (and one plot) per combination.
 GROUP_COLUMNS = [
@@ -32,7 +32,7 @@ def load_results(paths: list[Path]):
     frames = []
     for p in paths:
         text = read_results_text(p)
-        parse_results(p, text=text)  # every line whole, with the header's number of fields
+        check_fields(p, text)  # every line whole, with the header's number of fields
         try:
             df = pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=[""])
         except (pd.errors.ParserError, pd.errors.EmptyDataError) as e:
@@ -79,8 +79,11 @@ def check_values(df, path) -> None:
         if col not in ok.columns:
             continue
         raw = ok[col]
-        given = raw.notna() & (raw.astype(str).str.strip() != "")
-        num = pd.to_numeric(raw.where(given), errors="coerce")
+        if pd.api.types.is_numeric_dtype(raw):  # read as numbers: no text to look for (fast on big files)
+            given, num = raw.notna(), raw
+        else:
+            given = raw.notna() & (raw.astype(str).str.strip() != "")
+            num = pd.to_numeric(raw.where(given), errors="coerce")
         if col in POSITIVE:
             bad, need = ~(num > 0), "a finite number > 0"
         elif col in NON_NEGATIVE:
@@ -246,9 +249,15 @@ def compare_frames(old, new, metric: str = "speedup", fail_above: float = 0.05):
     """Rows of (case_id, phase, old, new, change, verdict). A regression is a change past
     `fail_above` in the bad direction whose p20-p80 band does not overlap the old one (beyond noise)."""
     col, lo, hi, higher_better = METRICS[metric]
+    # Only the columns the verdict reads: merging and iterating every column of 100k-row files
+    # was most of `report compare`'s time.
+    keep = [*KEY, "status", col, lo, hi]
+    old, new = (f[[c for c in keep if c in f.columns]] for f in (old, new))
     merged = old.merge(new, on=KEY, suffixes=("_old", "_new"), how="outer", indicator=True)
     out: list[tuple] = []
-    for r in merged.to_dict("records"):  # 20x faster than iterrows on 100k rows
+    cols = list(merged.columns)
+    for values in zip(*(merged[c].tolist() for c in cols)):  # column lists: far faster than rows on 100k
+        r = dict(zip(cols, values))
         case, phase = r["case_id"], r["phase"]
         if r["_merge"] == "left_only":
             out.append((case, phase, r[f"{col}_old"], None, None, "missing in new"))

@@ -259,20 +259,25 @@ def read_results_text(path: str | Path, drop_cut_line: bool = False) -> str:
     return text
 
 
+def check_fields(path: str | Path, text: str) -> None:
+    """ValueError naming the file and the line when a row's fields do not match the header (no rows built)."""
+    reader = csv.reader(io.StringIO(text, newline=""))
+    n = len(next(reader, None) or [])
+    for row in reader:
+        if len(row) != n:
+            raise ValueError(
+                f"{path} is damaged: line {reader.line_num} has {len(row)} fields where the header has {n}"
+            )
+
+
 def parse_results(path: str | Path, drop_cut_line: bool = False, text: Optional[str] = None) -> list[dict[str, str]]:
     """The rows of a results CSV (see read_results_text; `text`: already read); ValueError naming
     the file and the line when a row's fields do not match the header."""
     text = read_results_text(path, drop_cut_line) if text is None else text
+    check_fields(path, text)
     reader = csv.reader(io.StringIO(text, newline=""))
     header = next(reader, None) or []
-    rows = []
-    for row in reader:
-        if len(row) != len(header):
-            raise ValueError(
-                f"{path} is damaged: line {reader.line_num} has {len(row)} fields where the header has {len(header)}"
-            )
-        rows.append(dict(zip(header, row)))
-    return rows
+    return [dict(zip(header, row)) for row in reader]
 
 
 def _header(path: Path) -> list[str] | None:

@@ -238,23 +238,33 @@ def _pick(g: pd.DataFrame, arm: str, attn: str, split: Optional[bool], liger: bo
     return (chosen, "") if len(chosen) else None
 
 
+def stack_need(config: str, device: str = "cpu", attention: Optional[dict[str, StackAttention]] = None) -> str:
+    """The benchmark case and arm stack row `config` comes from on `device` (None if the device has no stack)."""
+    roles = (attention or STACK_ATTENTION).get(device.split(":")[0] or "cpu")
+    if roles is None:
+        return f"{config}: no stack attention for device {device!r}"
+    arm, part, split, liger = STACK_SOURCES[config]
+    mode = "" if split is None else (", split_attention=true" if split else ", split_attention=false")
+    return f"{config}: {arm} arm of attn_implementation={getattr(roles, part)}{mode}, liger={str(liger).lower()}"
+
+
 def stack_needs(devices: Sequence[str] = ("cpu",), attention: Optional[dict[str, StackAttention]] = None) -> str:
     """The cases a stack sweep holds, per workload, on each of `devices` (what `report stack` says
     is missing when results hold none of them)."""
     attention = attention or STACK_ATTENTION
     parts = []
     for device in dict.fromkeys(d.split(":")[0] or "cpu" for d in devices):
-        roles = attention.get(device)
-        if roles is None:
-            continue
-        need = []
-        for config, (arm, part, split, liger) in STACK_SOURCES.items():
-            mode = "" if split is None else (", split_attention=true" if split else ", split_attention=false")
-            need.append(
-                f"{config}: {arm} arm of attn_implementation={getattr(roles, part)}{mode}, liger={str(liger).lower()}"
-            )
-        parts.append(f"on {device}: " + "; ".join(need))
+        if device in attention:
+            parts.append(f"on {device}: " + "; ".join(stack_need(c, device, attention) for c in STACK_SOURCES))
     return " | ".join(parts)
+
+
+def missing_configs(present: Sequence[str], device: str = "cpu") -> Optional[str]:
+    """A note naming the stack configs a workload's results lack and the case each needs, or None."""
+    absent = [c for c in STACK if c not in set(present)]
+    if not absent:
+        return None
+    return "not in these results: " + "; ".join(stack_need(c, device) for c in absent)
 
 
 def stack_report(df: pd.DataFrame, attention: Optional[dict[str, StackAttention]] = None) -> pd.DataFrame:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Any, Iterator, Optional
 
 import torch
@@ -95,6 +96,18 @@ def load_model(
     seed: int = 0,
 ) -> PreTrainedModel:
     """A local checkpoint, a model in the local HF cache, or a preset (random weights). Never downloads."""
+    if os.path.isdir(name_or_path) and name_or_path in PRESETS:
+        # A local directory wins, as in transformers, but a preset name must not be shadowed unseen.
+        if not os.path.isfile(os.path.join(name_or_path, "config.json")):
+            raise ValueError(
+                f"{name_or_path!r} is a preset, but a directory of that name is in {os.getcwd()!r} and holds no "
+                "config.json, so neither can be loaded; rename the directory or run from another one"
+            )
+        warnings.warn(
+            f"loading the checkpoint in the local directory {os.path.abspath(name_or_path)!r}, not the preset "
+            f"{name_or_path!r} (a local directory shadows a preset of the same name)",
+            stacklevel=2,
+        )
     path = name_or_path if os.path.isdir(name_or_path) else _hf_cache_path(name_or_path)
     if path is not None:
         model = AutoModelForCausalLM.from_pretrained(

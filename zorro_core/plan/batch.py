@@ -7,6 +7,8 @@ from typing import Sequence
 
 import torch
 
+META_BATCH = "the batch is on the meta device: its tensors hold no token ids (build it on a real device)"
+
 
 @dataclass
 class RolloutBatch:
@@ -47,6 +49,8 @@ class RolloutBatch:
         return self.prompts.device
 
     def to(self, device: str | torch.device) -> "RolloutBatch":
+        if self.device.type == "meta":
+            raise ValueError(META_BATCH)
         return RolloutBatch.of_validated(
             *(t.to(device) for t in (self.prompts, self.prompt_mask, self.responses, self.response_mask))
         )
@@ -74,6 +78,8 @@ class RolloutBatch:
         devices = {t.device for t in (p, pm, r, rm)}
         if len(devices) != 1:
             raise ValueError(f"batch tensors are on different devices: {sorted(map(str, devices))}")
+        if p.device.type == "meta":
+            raise ValueError(META_BATCH)
         for name, t in (("prompts", p), ("responses", r)):
             if t.dtype not in (torch.int64, torch.int32):
                 raise ValueError(f"{name} must hold integer token ids (int64/int32), got {t.dtype}")
