@@ -6,9 +6,11 @@ Which family needs which adapter is its entry in zorro_core.models.registry; the
   multiplicity weights so that it equals the baseline's.
 - `linear_attention`: Qwen3-Next's gated DeltaNet layers: recurrent state and conv window carried
   from each prompt into its responses, chunk partition kept.
-- sliding-window attention (Mistral, Qwen2/Qwen3 `use_sliding_window`) needs no adapter: each
-  layer hands the hook its `sliding_window`, which the hook applies by absolute position (and the
-  padded baseline's route builds its mask per window).
+- sliding-window attention (Mistral, Qwen2/Qwen3 `use_sliding_window`, Gemma 3 and OLMo 3 with
+  sliding and full layers by `layer_types`) needs no adapter: each layer hands the hook its
+  `sliding_window` (None on full layers), which the hook applies by absolute position (and the
+  padded baseline's route builds its mask per window); a rope per layer type is computed by the
+  model from zorro's position ids.
 """
 
 from __future__ import annotations

@@ -84,6 +84,11 @@ def model_parts(model: nn.Module) -> ModelParts:
         raise ValueError(f"{type(model).__name__} is not a causal LM with a base model and a linear lm_head")
     if getattr(config, "final_logit_softcapping", None):
         raise UnsupportedModelError("final_logit_softcapping is not supported by the dedup log-prob path")
+    if getattr(config, "is_causal", True) is False:  # transformers' switch to bidirectional masks
+        raise UnsupportedModelError(
+            "config.is_causal=False (bidirectional attention) is not supported: the dedup plan lets a token see "
+            "only the tokens before it"
+        )
     for name in family.unsupported_features:
         if getattr(config, name, None):
             raise UnsupportedModelError(

@@ -9,6 +9,7 @@ published hyperparameters.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import warnings
 from typing import Any, Iterator, Optional
@@ -35,7 +36,8 @@ def preset_config(name: str, **overrides: Any):
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
     family, fields = PRESETS[name]
-    return _config_class(family)(**{**fields, **overrides})
+    # A copy: a config keeps the lists it is given (layer_types), which must not be the preset's own.
+    return _config_class(family)(**copy.deepcopy({**fields, **overrides}))
 
 
 def build_model(

@@ -67,12 +67,18 @@ def _linear_support(device: torch.device) -> str:
 
 
 _SLIDING = "ok (sliding window by absolute position)"
+_SLIDING_TYPES = "ok (sliding and full layers by layer_types, window by absolute position, a rope per layer type)"
+_GEMMA3_SUPPORT = "ok (sliding and global layers by layer_types, a rope per layer type; softcapping and bidirectional attention refused)"
 # One line per preset: the config fields that differ from the family's defaults.
 # fmt: off
 # `tiny-*` for tests, `small-*` for CPU benchmarks: small shapes of the same architectures.
 _QWEN3 = dict(rope_theta=1e6, rms_norm_eps=1e-6, head_dim=128, num_key_value_heads=8, vocab_size=151936, max_position_embeddings=40960)
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
 _SMALL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=4096)
+_GEMMA3 = dict(head_dim=256, query_pre_attn_scalar=256, rope_theta=1e6, rope_local_base_freq=1e4, rms_norm_eps=1e-6, vocab_size=262208, max_position_embeddings=131072)
+_GEMMA3_LONG = dict(sliding_window=1024, rope_scaling={"rope_type": "linear", "factor": 8.0})
+_OLMO3_YARN = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=8192, attention_factor=1.2079441541679836, beta_fast=32, beta_slow=1)
+_OLMO3 = dict(rope_theta=5e5, rms_norm_eps=1e-6, vocab_size=100278, max_position_embeddings=65536, sliding_window=4096, eos_token_id=100257, pad_token_id=100277, rope_scaling=_OLMO3_YARN)
 
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("qwen3", support=_line(_SLIDING), liger_function="apply_liger_kernel_to_qwen3", presets={
@@ -111,12 +117,48 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
         "tiny-qwen3-next": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, full_attention_interval=2, vocab_size=256),
         "small-qwen3-next": dict(_SMALL, intermediate_size=512, linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8, moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, full_attention_interval=4),
     }),
+    # Gemma 3 text: 5 sliding layers to 1 global (layer_types), a rope per layer type (rope_local_base_freq on
+    # sliding layers), scores scaled by query_pre_attn_scalar**-0.5 (the layer hands the hook `scaling`),
+    # embeddings scaled by sqrt(hidden_size) inside embed_tokens. Refused: final_logit_softcapping (the log-prob
+    # path runs base + lm_head, so it would be skipped), attn_logit_softcapping (the hook has no softcap; this
+    # transformers' Gemma3Attention does not even pass it on) and use_bidirectional_attention (not causal).
+    # The 4b/12b/27b entries are the text_config of those (multimodal) checkpoints.
+    ModelFamily("gemma3_text", support=_line(_GEMMA3_SUPPORT), liger_function="apply_liger_kernel_to_gemma3_text",
+                unsupported_features=UNSUPPORTED_ATTENTION_FEATURES + ("use_bidirectional_attention",), presets={
+        "google/gemma-3-1b-pt": dict(_GEMMA3, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, sliding_window=512, vocab_size=262144, max_position_embeddings=32768),
+        "google/gemma-3-4b-pt": dict(_GEMMA3, **_GEMMA3_LONG, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4),
+        "google/gemma-3-12b-pt": dict(_GEMMA3, **_GEMMA3_LONG, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8),
+        "google/gemma-3-27b-pt": dict(_GEMMA3, **_GEMMA3_LONG, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168),
+        # query_pre_attn_scalar != head_dim and a linear-scaled global rope, so a hook that ignored `scaling` or
+        # one rope for all layers would differ from the reference.
+        "tiny-gemma3": dict(_TINY, num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"], rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0}),
+        "small-gemma3": dict(_SMALL, query_pre_attn_scalar=64, sliding_window=128, layer_types=["sliding_attention"] * 3 + ["full_attention"], rope_theta=1e6, rope_local_base_freq=1e4),
+    }),
+    # OLMo 3: 3 sliding layers to 1 full (layer_types), YaRN on the full layers' rope; its q/k RMSNorms act on each
+    # token's whole projection (token-wise, so packing does not change them).
+    ModelFamily("olmo3", support=_line(_SLIDING_TYPES), liger_function="apply_liger_kernel_to_olmo3", presets={
+        "allenai/Olmo-3-1025-7B": dict(_OLMO3, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
+        "allenai/Olmo-3-1125-32B": dict(_OLMO3, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8),
+        "tiny-olmo3": dict(_TINY, num_hidden_layers=3, sliding_window=5, layer_types=["sliding_attention", "sliding_attention", "full_attention"], rope_theta=5e5, max_position_embeddings=65536, rope_scaling=_OLMO3_YARN, eos_token_id=2, pad_token_id=1),
+        "small-olmo3": dict(_SMALL, sliding_window=128, layer_types=["sliding_attention"] * 3 + ["full_attention"], rope_theta=5e5, eos_token_id=2, pad_token_id=1),
+    }),
 )}
 # fmt: on
 
 
+# Types refused with a reason more useful than "not supported" (what to load instead).
+REFUSED_TYPES = {
+    "gemma3": "Gemma3ForConditionalGeneration (the multimodal Gemma 3) runs vision tokens with bidirectional "
+    "attention outside the causal plan; load the text model instead (model_type gemma3_text, Gemma3ForCausalLM)",
+}
+
+
 def family_of(model_type: str | None) -> ModelFamily:
     """The registry entry of `model_type`, refusing a type the dedup path does not serve."""
+    if model_type in REFUSED_TYPES:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported by the dedup path: {REFUSED_TYPES[model_type]}"
+        )
     if model_type not in FAMILIES:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported by the dedup path (supported: {sorted(FAMILIES)}); "
