@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from reference import loss_of, max_rel_grad_error
 from test_checkpointing import checkpointing
 
-from zorro_core import DeduplicatedActor, RolloutBatch, create_dummy_batch
+from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
+from zorro_core.actor.microbatch import micro_batch_partition
 from zorro_core.plan.balance import GroupedLengths, partition_micro_batches, select_rows
 from zorro_core.plan.trie import build_trie_plan
 from zorro_core.plan.trie_balance import TrieLengths, partition_trie_micro_batches
@@ -97,7 +98,7 @@ def grads_of(model):
     return g
 
 
-@pytest.mark.parametrize("ckpt", [None, "non_reentrant"])
+@pytest.mark.parametrize("ckpt", [None, "non_reentrant", "reentrant"])
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("budget", list(BUDGETS))
 def test_trie_micro_batches_equal_full_batch_and_reference(tiny_models, reference, budget, split, ckpt):
@@ -107,7 +108,7 @@ def test_trie_micro_batches_equal_full_batch_and_reference(tiny_models, referenc
         model=model, use_split_attention=split, attn_implementation="sdpa", sharing="prefix", min_shared_tokens=1
     )
     loss_fn = weighted_loss(w)
-    with checkpointing(model, reentrant=False) if ckpt else contextlib.nullcontext():
+    with checkpointing(model, reentrant=ckpt == "reentrant") if ckpt else contextlib.nullcontext():
         model.zero_grad(set_to_none=True)
         full = actor.forward(batch, temperature=TEMPERATURE, calculate_entropy=True)
         loss_fn(full, torch.arange(batch.batch_size)).backward()
@@ -131,11 +132,22 @@ def test_prefix_forward_backward_partition_is_the_trie_one(tiny_models):
     res = actor.forward_backward(batch, lambda out, rows: out.log_probs.sum() * 0, max_tokens_per_micro_batch=28)
     actor.model.zero_grad(set_to_none=True)
     assert res.partition == partition_trie_micro_batches(TrieLengths.of(batch, 1), 28)
+    assert res.partition == micro_batch_partition(actor, batch, 28)
     assert res.partition.tokens == [
         build_trie_plan(select_rows(batch, p), None, 1).num_tokens for p in res.partition.parts
     ]
     prompt = partition_micro_batches(GroupedLengths.of(batch), 28)
     assert sum(res.partition.tokens) < sum(TrieLengths.of(batch, 1).tokens(p) for p in prompt.parts)
+
+
+def test_prompt_mode_and_baseline_partition_by_prompt_group(tiny_models):
+    """Only a prefix-sharing dedup actor cuts along the trie: prompt mode and the baseline (which
+    shares nothing, whatever its sharing option) partition as before."""
+    batch, model = system_batch(), tiny_models("tiny-qwen3")
+    prompt = partition_micro_batches(GroupedLengths.of(batch), 20, 0.01)
+    assert micro_batch_partition(DeduplicatedActor(model=model), batch, 20, 0.01) == prompt
+    baseline = partition_micro_batches(GroupedLengths.of(batch, dedup=False), 20)
+    assert micro_batch_partition(BaselineActor(model=model, sharing="prefix"), batch, 20) == baseline
 
 
 # ---------------------------------------------------------------- the balancer on random tries

@@ -72,7 +72,7 @@ def forward_backward(
     """
     batch.check_vocab(actor.vocab_size)  # before any backward: a bad id must not leave partial gradients
     batch = batch.to(actor.device)
-    part = _partition(actor, batch, max_tokens_per_micro_batch, attention_weight)
+    part = micro_batch_partition(actor, batch, max_tokens_per_micro_batch, attention_weight)
     b, r = batch.responses.shape
     log_probs = entropy = None
     total = 0.0
@@ -95,9 +95,12 @@ def forward_backward(
     return MicroBatchOutput(log_probs, entropy, total, part)
 
 
-def _partition(actor: LogProbActor, batch: RolloutBatch, max_tokens: Optional[int], attention_weight: float):
-    """sharing="prefix": cut along the trie, so a prefix shared by every group is computed once per
-    micro-batch, not once per group (zorro_core.plan.trie_balance); otherwise by prompt group."""
+def micro_batch_partition(
+    actor: LogProbActor, batch: RolloutBatch, max_tokens: Optional[int] = None, attention_weight: float = 0.0
+) -> Partition:
+    """The micro-batches `forward_backward` runs. sharing="prefix": cut along the trie, so a prefix
+    shared by every group is computed once per micro-batch, not once per group
+    (zorro_core.plan.trie_balance); otherwise by prompt group (zorro_core.plan.balance)."""
     if actor.dedup and actor.config.sharing == "prefix":
         work = TrieLengths.of(batch, actor.config.min_shared_tokens)
         return partition_trie_micro_batches(work, max_tokens, attention_weight)

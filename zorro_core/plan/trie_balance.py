@@ -20,7 +20,7 @@ run over it is cut again. The prompt-group partition (`partition_micro_batches`,
 `sharing="prompt"` runs) is costed the same way, and the cheaper of the two is returned, so the
 trie partition never costs more than grouping by prompt.
 
-Host-side Python on lengths only: the DP is O(B x rows per micro-batch).
+Host-side code on lengths only: the DP is O(B x rows per micro-batch), vectorised per row.
 """
 
 from __future__ import annotations
@@ -28,14 +28,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
+
 from zorro_core.plan.balance import GroupedLengths, Partition, partition_micro_batches
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.cost import ForwardWork, tree_workload
 from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, check_sharing, shared_depths, shared_nodes, sorted_rows
 
 
-def _tri(n: int) -> int:
-    """Pairs of n tokens at depths 0..n-1, each attending to its depth + 1 keys."""
+def _tri(n):
+    """Pairs of n tokens at depths 0..n-1, each attending to its depth + 1 keys (ints or arrays)."""
     return n * (n + 1) // 2
 
 
@@ -132,43 +134,36 @@ def _sorted(work: TrieLengths, rows: Sequence[int]) -> list[int]:
 
 def _cheapest_runs(work: TrieLengths, budget: int, attention_weight: float) -> list[list[int]]:
     """Runs of sorted positions: each within budget by the union of its paths in the whole batch's
-    trie (or a single row), minimising (summed cost, runs, largest cost)."""
+    trie (or a single row), minimising (summed cost, runs, largest cost); ties: the later cut."""
     b = len(work.lens)
-    # tok[i] / pairs[i]: what row i adds to a run holding row i - 1 (prefix sums over i).
-    tok_sum, pair_sum = [0] * b, [0] * b
-    for i in range(1, b):
-        s, n = work.shared[i - 1], work.lens[i]
-        tok_sum[i] = tok_sum[i - 1] + n - s
-        pair_sum[i] = pair_sum[i - 1] + _tri(n) - _tri(s)
-
-    def tokens(s: int, e: int) -> int:
-        return work.lens[s] + tok_sum[e] - tok_sum[s]
-
-    def cost(s: int, e: int) -> float:
-        t = tokens(s, e)
-        if not attention_weight:
-            return float(t)
-        return t + attention_weight * (_tri(work.lens[s]) + pair_sum[e] - pair_sum[s])
-
-    # best[e]: (summed cost, runs, largest cost, start of the last run) over positions 0..e-1.
-    best: list[tuple[float, int, float, int]] = [(0.0, 0, 0.0, 0)]
+    lens = np.asarray(work.lens, dtype=np.int64)
+    shared = np.asarray([0] + work.shared, dtype=np.int64)
+    # What row i adds to a run holding row i - 1, summed: run s..e = lens[s] + sum[e] - sum[s].
+    tok_sum = np.cumsum(np.where(np.arange(b) > 0, lens - shared, 0))
+    pair_sum = np.cumsum(np.where(np.arange(b) > 0, _tri(lens) - _tri(shared), 0))
+    first_tok, first_pairs = lens - tok_sum, _tri(lens) - pair_sum  # + sum[e]: the run s..e
+    # best_*[e]: the best cut of positions 0..e-1; cut[e]: where its last run starts.
+    best_sum, best_cnt, best_max = np.zeros(b + 1), np.zeros(b + 1, dtype=np.int64), np.zeros(b + 1)
+    cut = np.zeros(b + 1, dtype=np.int64)
+    lo = 0
     for e in range(b):
-        choice = None
-        for s in range(e, -1, -1):  # tokens(s, e) grows as s falls: stop at the first run over budget
-            if s < e and tokens(s, e) > budget:
-                break
-            c = cost(s, e)
-            prev = best[s]
-            key = (prev[0] + c, prev[1] + 1, max(prev[2], c), s)
-            if choice is None or key[:3] < choice[:3]:
-                choice = key
-        assert choice is not None  # s == e is always a run
-        best.append(choice)
+        while lo < e and first_tok[lo] + tok_sum[e] > budget:  # runs lo..e grow with e: lo only moves on
+            lo += 1
+        s = np.arange(lo, e + 1)
+        cost = (first_tok[s] + tok_sum[e]).astype(np.float64)
+        if attention_weight:
+            cost = cost + attention_weight * (first_pairs[s] + pair_sum[e])
+        key_sum, key_cnt, key_max = best_sum[s] + cost, best_cnt[s] + 1, np.maximum(best_max[s], cost)
+        tie = key_sum == key_sum.min()
+        tie &= key_cnt == key_cnt[tie].min()
+        tie &= key_max == key_max[tie].min()
+        j = int(np.flatnonzero(tie)[-1])
+        best_sum[e + 1], best_cnt[e + 1], best_max[e + 1], cut[e + 1] = key_sum[j], key_cnt[j], key_max[j], lo + j
     runs, e = [], b
     while e:
-        s = best[e][3]
-        runs.append(list(range(s, e)))
-        e = s
+        start = int(cut[e])
+        runs.append(list(range(start, e)))
+        e = start
     return runs[::-1]
 
 
