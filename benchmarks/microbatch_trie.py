@@ -8,7 +8,8 @@ Both arms run the same prefix-sharing actor and the same accumulation loop; only
 differs: "trie" is what `forward_backward` runs now (zorro_core.plan.trie_balance), "prompt" the
 prompt-group partition it ran before (zorro_core.plan.balance.partition_micro_batches). Prints
 each arm's micro-batches, computed tokens, the cost model's forward+backward FLOPs (and the ideal
-speedup they imply), and the forward+backward time: runs interleaved, median and min-max.
+speedup they imply), and the forward+backward time: runs interleaved, median and min-max, and the
+ratio of each round's two runs (robust to load that drifts between rounds).
 """
 
 from __future__ import annotations
@@ -88,10 +89,11 @@ def main() -> None:
             f"{arm:7s} {len(parts)} micro-batches  {tokens[arm]:6,} tokens  {fb[arm] / 1e9:7.2f} GFLOP fwd+bwd  "
             f"{med:6.3f} s (min {min(times[arm]):.3f}, max {max(times[arm]):.3f}, n={len(times[arm])})"
         )
+    paired = sorted(p / t for p, t in zip(times["prompt"], times["trie"]))  # each round's two runs, back to back
     print(
         f"trie vs prompt: tokens {tokens['prompt'] / tokens['trie']:.3f}x, ideal (cost model, fwd+bwd FLOPs) "
-        f"{fb['prompt'] / fb['trie']:.3f}x, measured (medians) "
-        f"{statistics.median(times['prompt']) / statistics.median(times['trie']):.3f}x"
+        f"{fb['prompt'] / fb['trie']:.3f}x, measured: medians {statistics.median(times['prompt']) / statistics.median(times['trie']):.3f}x, "
+        f"per round median {statistics.median(paired):.3f}x (min {paired[0]:.3f}, max {paired[-1]:.3f})"
     )
 
 

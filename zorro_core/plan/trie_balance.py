@@ -102,8 +102,11 @@ class TrieLengths:
 
     def cost(self, rows: Sequence[int], attention_weight: float = 0.0) -> float:
         """tokens(rows) plus attention_weight times its plan's attended pairs per layer."""
-        w = self.work(rows)
-        return float(w.tokens) + attention_weight * w.attended_pairs if attention_weight else float(w.tokens)
+        return _cost(self.work(rows), attention_weight)
+
+
+def _cost(work: ForwardWork, attention_weight: float) -> float:
+    return float(work.tokens) + attention_weight * work.attended_pairs if attention_weight else float(work.tokens)
 
 
 def partition_trie_micro_batches(
@@ -188,8 +191,7 @@ def _fit(work: TrieLengths, pos: list[int], budget: int) -> list[list[int]]:
 
 def _finish(work: TrieLengths, parts: list[list[int]], attention_weight: float, budget: Optional[int]) -> Partition:
     measured = [(sorted(p), work.work(p)) for p in parts if p]
-    weight = attention_weight or 0.0
-    cost = [float(w.tokens) + weight * w.attended_pairs if weight else float(w.tokens) for _, w in measured]
+    cost = [_cost(w, attention_weight) for _, w in measured]
     order = sorted(range(len(measured)), key=lambda i: (-cost[i], measured[i][0][0]))
     gor = work.groups.group_of_row
     holders: dict[int, int] = {}
