@@ -7,6 +7,11 @@ per-token (or per-row) terms scaled by constants of the FULL batch, e.g.
     loss_fn = lambda out, rows: -(adv[rows] * out.log_probs * mask[rows]).sum() / n
 (token-mean over the batch), or divide per-row sums by each row's length and by B
 (sequence-mean). A per-micro-batch mean would weight the micro-batches wrongly.
+
+Micro-batches: with sharing="prompt" (and the baseline) each prompt's rows stay together
+(zorro_core.plan.balance); with sharing="prefix" the batch is cut along its token trie, each
+micro-batch a run of rows in trie order costed by its own plan (zorro_core.plan.trie_balance).
+The budget is in computed tokens either way.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
+from zorro_core.actor.config import ActorConfig
 from zorro_core.plan.balance import GroupedLengths, Partition, partition_micro_batches, select_rows
 from zorro_core.plan.batch import RolloutBatch
+from zorro_core.plan.trie_balance import TrieLengths, partition_trie_micro_batches
 
 
 class LogProbActor(Protocol):
@@ -25,6 +32,7 @@ class LogProbActor(Protocol):
 
     dedup: bool
     device: torch.device
+    config: ActorConfig
 
     @property
     def vocab_size(self) -> int: ...
@@ -64,9 +72,7 @@ def forward_backward(
     """
     batch.check_vocab(actor.vocab_size)  # before any backward: a bad id must not leave partial gradients
     batch = batch.to(actor.device)
-    part = partition_micro_batches(
-        GroupedLengths.of(batch, dedup=actor.dedup), max_tokens_per_micro_batch, attention_weight
-    )
+    part = micro_batch_partition(actor, batch, max_tokens_per_micro_batch, attention_weight)
     b, r = batch.responses.shape
     log_probs = entropy = None
     total = 0.0
@@ -87,3 +93,15 @@ def forward_backward(
     if log_probs is None:  # unreachable: a validated batch has rows, so some micro-batch ran
         raise ValueError("the batch has no rows")
     return MicroBatchOutput(log_probs, entropy, total, part)
+
+
+def micro_batch_partition(
+    actor: LogProbActor, batch: RolloutBatch, max_tokens: Optional[int] = None, attention_weight: float = 0.0
+) -> Partition:
+    """The micro-batches `forward_backward` runs. sharing="prefix": cut along the trie, so a prefix
+    shared by every group is computed once per micro-batch, not once per group
+    (zorro_core.plan.trie_balance); otherwise by prompt group (zorro_core.plan.balance)."""
+    if actor.dedup and actor.config.sharing == "prefix":
+        work = TrieLengths.of(batch, actor.config.min_shared_tokens)
+        return partition_trie_micro_batches(work, max_tokens, attention_weight)
+    return partition_micro_batches(GroupedLengths.of(batch, dedup=actor.dedup), max_tokens, attention_weight)

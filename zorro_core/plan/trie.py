@@ -241,8 +241,8 @@ def _rows_on_host(batch: RolloutBatch) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return canon[:, :width].cpu().numpy(), lens.cpu().numpy(), plen.cpu().numpy()
 
 
-def _radix_tree(canon: np.ndarray, lens: np.ndarray):
-    """Nodes (depth start, depth end, parent) of the rows' radix tree and each row's end node."""
+def _sort_rows(canon: np.ndarray, lens: np.ndarray) -> tuple[list[int], list[int]]:
+    """(rows in token order, lcp[i] = tokens rows order[i] and order[i + 1] share)."""
     b = canon.shape[0]
     keys = [(canon[i, : lens[i]] + 1).astype(">u4").tobytes() for i in range(b)]
     order = sorted(range(b), key=keys.__getitem__)  # bytes order = token order; a prefix first
@@ -252,7 +252,33 @@ def _radix_tree(canon: np.ndarray, lens: np.ndarray):
         neq = srt[1:] != srt[:-1]
         lcp_a = np.where(neq.any(1), neq.argmax(1), srt.shape[1])
         lcp = np.minimum(lcp_a, np.minimum(lens[order][1:], lens[order][:-1])).tolist()
+    return order, lcp
+
+
+def _radix_tree(canon: np.ndarray, lens: np.ndarray):
+    """Nodes (depth start, depth end, parent) of the rows' radix tree and each row's end node."""
+    order, lcp = _sort_rows(canon, lens)
     return _radix_walk(order, lens, lcp)
+
+
+class SortedRows(NamedTuple):
+    """A batch's rows in token order (the trie's depth-first order: every subtree is a run of them)."""
+
+    order: list[int]
+    """Row of the batch at each sorted position."""
+    lens: list[int]
+    """Real tokens (prompt + response) of each sorted row."""
+    prompt_lens: list[int]
+    """Real prompt tokens of each sorted row."""
+    lcp: list[int]
+    """[B - 1] tokens sorted rows i and i + 1 have in common."""
+
+
+def sorted_rows(batch: RolloutBatch) -> SortedRows:
+    """The rows of `batch` in token order with their lengths and common prefixes (host lists)."""
+    canon, lens, plens = _rows_on_host(batch)
+    order, lcp = _sort_rows(canon, lens)
+    return SortedRows(order, [int(lens[r]) for r in order], [int(plens[r]) for r in order], lcp)
 
 
 def _radix_walk(order, lens, lcp):
@@ -292,6 +318,26 @@ def shared_nodes(lens, lcp, plens, min_shared_tokens: int = DEFAULT_MIN_SHARED_T
     keep = _prompt_closers(start, end, parent, row_node, plens)
     live = _merge_short(start, end, parent, row_node, min_shared_tokens, keep)
     return [start[n] for n in live], [end[n] - start[n] for n in live]
+
+
+def shared_depths(lens, lcp, plens, min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS) -> list[int]:
+    """[B - 1] tokens that sorted rows i and i + 1 share in the trie `build_trie_plan` builds (inputs
+    as `shared_nodes`'): where their deepest common node ends. Equals lcp[i] at min_shared_tokens=1;
+    smaller where a short common run is folded into (copied into) each child."""
+    check_sharing("prefix", min_shared_tokens)
+    start, end, parent, row_node = _radix_walk(range(len(lens)), lens, lcp)
+    keep = _prompt_closers(start, end, parent, row_node, plens)
+    _merge_short(start, end, parent, row_node, min_shared_tokens, keep)  # rows end in live nodes
+
+    def path(n: int) -> set[int]:  # live parents of live nodes are live (folded nodes hand theirs down)
+        out = set()
+        while n >= 0:
+            out.add(n)
+            n = parent[n]
+        return out
+
+    paths = [path(n) for n in row_node]
+    return [max((end[n] for n in paths[i] & paths[i + 1]), default=0) for i in range(len(lens) - 1)]
 
 
 def _prompt_closers(start, end, parent, row_node, plens) -> set[int]:
