@@ -27,7 +27,7 @@ TF_VERL=${TF_VERL:-5.10.4}
 TF_NEW=${TF_NEW:-5.24.0}
 PY=${PYTHON:-python3}
 TESTS=(tests/test_actor.py tests/test_trie_actor.py tests/test_families_checks.py tests/test_families_moe.py
-  tests/test_families_qwen3_next.py tests/test_families_sliding.py tests/test_flex_cpu.py tests/test_fla_device.py
+  tests/test_families_linear.py tests/test_families_sliding.py tests/test_flex_cpu.py tests/test_fla_device.py
   tests/test_version_gates.py)
 ENDS=("$@")
 [ ${#ENDS[@]} -eq 0 ] && ENDS=(tf-low tf-verl tf-new torch-high)

@@ -1,4 +1,4 @@
-"""Qwen3-Next's delta rule when flash-linear-attention is importable (issue 22).
+"""The gated DeltaNet families' delta rule (Qwen3-Next, Qwen3.5) when flash-linear-attention is importable (issue 22).
 
 transformers resolves its module-level `torch_chunk_gated_delta_rule` to fla's kernel at import
 whenever fla is importable, on every device (its fallback wrapper keeps the PyTorch function as
@@ -11,15 +11,30 @@ CPU if it looked at the device); test_fla_device.py checks zorro's own choice wi
 
 import functools
 import inspect
-import sys
 
 import torch
 
+KERNEL = "torch_chunk_gated_delta_rule"
+
+
+def family_module(preset: str = "tiny-qwen3-next"):
+    """transformers' modeling module of `preset`'s family (whose module-level kernel its layers call)."""
+    from zorro_core.models.presets import PRESETS
+    from zorro_core.verify.delta_rule import modeling_module
+
+    return modeling_module(PRESETS[preset][0])
+
 
 def qwen3_next_module():
-    import transformers.models.qwen3_next.modeling_qwen3_next  # noqa: F401 - registers the module
+    return family_module("tiny-qwen3-next")
 
-    return sys.modules["transformers.models.qwen3_next.modeling_qwen3_next"]
+
+def exact_kernels(monkeypatch) -> None:
+    """The float64 delta rule (zorro_core.verify.delta_rule) in every gated DeltaNet family's module."""
+    from zorro_core.verify.delta_rule import chunk_gated_delta_rule_exact, linear_family_modules
+
+    for mod in linear_family_modules():
+        monkeypatch.setattr(mod, KERNEL, chunk_gated_delta_rule_exact)
 
 
 def device_aware(kernel):
@@ -39,12 +54,13 @@ def device_aware(kernel):
 
 
 def pytorch_delta_rule_on_cpu(monkeypatch) -> None:
-    """Where fla is importable, give route-less CPU forwards of Qwen3-Next the PyTorch kernel (no-op otherwise)."""
+    """Where fla is importable, give route-less CPU forwards of the gated DeltaNet families the PyTorch kernel (no-op otherwise)."""
     from zorro_core.models.linear_attention import fla_available
+    from zorro_core.verify.delta_rule import linear_family_modules
 
     if fla_available() is None:
-        mod = qwen3_next_module()
-        monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule", device_aware(mod.torch_chunk_gated_delta_rule))
+        for mod in linear_family_modules():
+            monkeypatch.setattr(mod, KERNEL, device_aware(getattr(mod, KERNEL)))
 
 
 class FakeFla:
@@ -62,13 +78,13 @@ class FakeFla:
         raise AssertionError("a CUDA call in a CPU test")
 
 
-def simulate_fla(monkeypatch) -> FakeFla:
-    """fla importable and transformers' delta rule resolved to it, on a machine without fla."""
+def simulate_fla(monkeypatch, preset: str = "tiny-qwen3-next") -> FakeFla:
+    """fla importable and transformers' delta rule (of `preset`'s family) resolved to it, on a machine without fla."""
     from zorro_core.models import linear_attention
 
-    mod = qwen3_next_module()
-    fake = FakeFla(inspect.unwrap(mod.torch_chunk_gated_delta_rule))
-    monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule", fake)
+    mod = family_module(preset)
+    fake = FakeFla(inspect.unwrap(getattr(mod, KERNEL)))
+    monkeypatch.setattr(mod, KERNEL, fake)
     monkeypatch.setattr(linear_attention, "fla_available", lambda: None)
     return fake
 

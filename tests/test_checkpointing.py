@@ -53,7 +53,7 @@ def checkpointing(model, reentrant: bool):
 
 @pytest.fixture
 def exact_kernel(monkeypatch):
-    """Qwen3-Next: the float64 delta rule (transformers' kernel computes in float32; see test_families_qwen3_next)."""
+    """Qwen3-Next: the float64 delta rule (transformers' kernel computes in float32; see test_families_linear)."""
     qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     monkeypatch.setattr(qwen3_next, "torch_chunk_gated_delta_rule", chunk_gated_delta_rule_exact)
 

@@ -19,7 +19,7 @@ skip_module_without_qwen3_next_adapter()
 pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 FAMILY = "tiny-qwen3-next"
 # transformers' kernel computes in float32 inside a float64 model: gradients at its floor
-# (measured 1.2e-4 relative; test_families_qwen3_next.test_unmodified_float32_kernel).
+# (measured 1.2e-4 relative; test_families_linear.test_unmodified_float32_kernel).
 GRAD_FLOOR = 1e-3
 
 

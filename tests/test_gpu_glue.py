@@ -180,7 +180,7 @@ qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_
 
 
 def next_batch():
-    from test_families_qwen3_next import chunk_batch
+    from test_families_linear import chunk_batch
 
     return chunk_batch()  # prompts of 40-128 tokens: branches from zero and from carried states, tails replayed
 
@@ -191,7 +191,7 @@ def next_reference():
 
     saved = qwen3_next.torch_chunk_gated_delta_rule
     qwen3_next.torch_chunk_gated_delta_rule = (
-        chunk_gated_delta_rule_exact  # the float64 kernel, as in test_families_qwen3_next
+        chunk_gated_delta_rule_exact  # the float64 kernel, as in test_families_linear
     )
     try:
         m64 = build_model(preset_config("tiny-qwen3-next"), dtype=torch.float64, attn_implementation="eager", seed=0)

@@ -56,7 +56,12 @@ def build_model(
     (grouped_mm has no float64 kernel).
     """
     extra = {}
-    if experts_implementation is None and dtype == torch.float64 and getattr(config, "num_experts", None):
+    # A composite (multimodal) config builds its text model, whose config holds the experts.
+    if (
+        experts_implementation is None
+        and dtype == torch.float64
+        and getattr(config.get_text_config(), "num_experts", None)
+    ):
         experts_implementation = "eager"
     if experts_implementation is not None:
         extra["experts_implementation"] = experts_implementation

@@ -9,6 +9,7 @@ tests on a tiny preset, that every token-mixing layer goes through the hook or a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -54,7 +55,7 @@ def _line(text: str) -> Callable[[torch.device], str]:
     return lambda device: text
 
 
-def _linear_support(device: torch.device) -> str:
+def _linear_support(device: torch.device, moe: bool = True) -> str:
     if device.type == "cuda" and fla_available() is None:
         linear = "flash-linear-attention varlen kernel"
     else:
@@ -63,7 +64,7 @@ def _linear_support(device: torch.device) -> str:
             + ("fla needs CUDA" if fla_available() is None else "fla not installed")
             + ")"
         )
-    return f"ok (gated DeltaNet: {linear}; MoE aux loss as qwen3_moe)"
+    return f"ok (gated DeltaNet: {linear}" + ("; MoE aux loss as qwen3_moe)" if moe else ")")
 
 
 _SLIDING = "ok (sliding window by absolute position)"
@@ -79,6 +80,15 @@ _GEMMA3 = dict(head_dim=256, query_pre_attn_scalar=256, rope_theta=1e6, rope_loc
 _GEMMA3_LONG = dict(sliding_window=1024, rope_scaling={"rope_type": "linear", "factor": 8.0})
 _OLMO3_YARN = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=8192, attention_factor=1.2079441541679836, beta_fast=32, beta_slow=1)
 _OLMO3 = dict(rope_theta=5e5, rms_norm_eps=1e-6, vocab_size=100278, max_position_embeddings=65536, sliding_window=4096, eos_token_id=100257, pad_token_id=100277, rope_scaling=_OLMO3_YARN)
+
+# Qwen3.5: published shapes (the model cards; 0.8B/2B/4B the least certain), text positions through
+# the interleaved mRoPE, whose mrope_section splits rotary_dim/2 frequencies (tiny/small: sized to theirs).
+_QWEN3_5 = dict(vocab_size=248320, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[11, 11, 10], mrope_interleaved=True))
+_TINY_QWEN3_5 = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, full_attention_interval=2, vocab_size=256,
+                     rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5, mrope_section=[2, 1, 1], mrope_interleaved=True))
+_SMALL_QWEN3_5 = dict({k: v for k, v in _SMALL.items() if k != "intermediate_size"}, linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8, full_attention_interval=4,
+                      rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[3, 3, 2], mrope_interleaved=True))
 
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("qwen3", support=_line(_SLIDING), liger_function="apply_liger_kernel_to_qwen3", presets={
@@ -142,6 +152,27 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
         "tiny-olmo3": dict(_TINY, num_hidden_layers=3, sliding_window=5, layer_types=["sliding_attention", "sliding_attention", "full_attention"], rope_theta=5e5, max_position_embeddings=65536, rope_scaling=_OLMO3_YARN, eos_token_id=2, pad_token_id=1),
         "small-olmo3": dict(_SMALL, sliding_window=128, layer_types=["sliding_attention"] * 3 + ["full_attention"], rope_theta=5e5, eos_token_id=2, pad_token_id=1),
     }),
+    # Qwen3.5 (text models): Qwen3-Next's hybrid with separate in_proj_qkv/z/b/a projections, a token-wise
+    # sigmoid gate on the attention output, and the interleaved mRoPE (given 2-D text positions: the 1-D rope).
+    ModelFamily("qwen3_5_text", support=functools.partial(_linear_support, moe=False), liger_function="apply_liger_kernel_to_qwen3_5",
+                layer_types=("full_attention",) + LINEAR_LAYER_TYPES, adapters=(install_linear_attention,), presets={
+        "Qwen/Qwen3.5-27B": dict(_QWEN3_5, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48),
+        "Qwen/Qwen3.5-9B": dict(_QWEN3_5, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, linear_num_value_heads=32),
+        "Qwen/Qwen3.5-4B": dict(_QWEN3_5, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, linear_num_value_heads=32, tie_word_embeddings=True),
+        "Qwen/Qwen3.5-2B": dict(_QWEN3_5, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, linear_num_value_heads=16, tie_word_embeddings=True),
+        "Qwen/Qwen3.5-0.8B": dict(_QWEN3_5, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, linear_num_value_heads=16, tie_word_embeddings=True),
+        "tiny-qwen3.5": dict(_TINY_QWEN3_5, intermediate_size=64),
+        "small-qwen3.5": dict(_SMALL_QWEN3_5, intermediate_size=512),
+    }),
+    ModelFamily("qwen3_5_moe_text", support=_linear_support, liger_function="apply_liger_kernel_to_qwen3_5_moe",
+                layer_types=("full_attention",) + LINEAR_LAYER_TYPES, adapters=(install_linear_attention,),
+                router_aux_loss=True, presets={
+        "Qwen/Qwen3.5-397B-A17B": dict(_QWEN3_5, hidden_size=4096, num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=2, linear_num_value_heads=64, moe_intermediate_size=1024, shared_expert_intermediate_size=1024, num_experts=512, num_experts_per_tok=10),
+        "Qwen/Qwen3.5-122B-A10B": dict(_QWEN3_5, hidden_size=3072, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=2, linear_num_value_heads=64, moe_intermediate_size=1024, shared_expert_intermediate_size=1024, num_experts=256, num_experts_per_tok=8),
+        "Qwen/Qwen3.5-35B-A3B": dict(_QWEN3_5, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, linear_num_value_heads=32, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8),
+        "tiny-qwen3.5-moe": dict(_TINY_QWEN3_5, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
+        "small-qwen3.5-moe": dict(_SMALL_QWEN3_5, moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=8, num_experts_per_tok=2),
+    }),
 )}
 # fmt: on
 
@@ -150,6 +181,12 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
 REFUSED_TYPES = {
     "gemma3": "Gemma3ForConditionalGeneration (the multimodal Gemma 3) runs vision tokens with bidirectional "
     "attention outside the causal plan; load the text model instead (model_type gemma3_text, Gemma3ForCausalLM)",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration (the multimodal Qwen3.5): multimodal inputs are not served (its "
+    "vision tokens and 3-D mRoPE positions are outside the plan); load the text model instead (model_type "
+    "qwen3_5_text, Qwen3_5ForCausalLM: AutoModelForCausalLM loads it from the same checkpoint)",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration (the multimodal Qwen3.5-MoE): multimodal inputs are not "
+    "served (its vision tokens and 3-D mRoPE positions are outside the plan); load the text model instead "
+    "(model_type qwen3_5_moe_text, Qwen3_5MoeForCausalLM: AutoModelForCausalLM loads it from the same checkpoint)",
 }
 
 

@@ -16,15 +16,36 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+from types import ModuleType
 from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zorro_core.models.linear_attention import fla_available, linear_layers
+from zorro_core.models.linear_attention import LINEAR_LAYER_TYPES, fla_available, linear_layers
+from zorro_core.models.registry import FAMILIES
 
 _KERNEL = "torch_chunk_gated_delta_rule"
+
+
+def linear_modules(model: nn.Module) -> set[ModuleType]:
+    """transformers' modeling modules of `model`'s gated DeltaNet layers (each holds the kernel they call)."""
+    return {sys.modules[type(m).__module__] for m in linear_layers(model)}
+
+
+def modeling_module(model_type: str) -> ModuleType:
+    """transformers' modeling module of the causal LM of `model_type` (imported if it was not)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.for_model(model_type))]
+    return sys.modules[cls.__module__]
+
+
+def linear_family_modules() -> list[ModuleType]:
+    """The modeling module of every served family with gated DeltaNet layers (Qwen3-Next, Qwen3.5, ...)."""
+    return [modeling_module(t) for t, family in FAMILIES.items() if set(family.layer_types) & set(LINEAR_LAYER_TYPES)]
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -91,10 +112,9 @@ def exact_delta_rule(model: nn.Module) -> Iterator[None]:
     before or inside the block alike; the module's own kernel is put back on exit. A model
     without such layers is left as it is.
     """
-    modules = {sys.modules[type(m).__module__] for m in linear_layers(model)}
-    saved = {mod: getattr(mod, _KERNEL) for mod in modules}
+    saved = {mod: getattr(mod, _KERNEL) for mod in linear_modules(model)}
     try:
-        for mod in modules:
+        for mod in saved:
             setattr(mod, _KERNEL, chunk_gated_delta_rule_exact)
         yield
     finally:
@@ -112,8 +132,7 @@ def device_delta_rule(model: nn.Module) -> Iterator[None]:
     if fla_available() is not None:  # fla is not importable: transformers' kernel is PyTorch's
         yield
         return
-    modules = {sys.modules[type(m).__module__] for m in linear_layers(model)}
-    saved = {mod: getattr(mod, _KERNEL) for mod in modules}
+    saved = {mod: getattr(mod, _KERNEL) for mod in linear_modules(model)}
 
     def by_device(kernel):
         pytorch = inspect.unwrap(kernel)

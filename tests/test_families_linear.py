@@ -1,18 +1,20 @@
-"""Qwen3-Next (gated DeltaNet + full attention) against the per-sequence float64 reference.
+"""The gated DeltaNet + full attention families (Qwen3-Next; Qwen3.5 dense and MoE, text models)
+against the per-sequence float64 reference.
 
 transformers' PyTorch delta-rule kernel computes in float32 even in a float64 model, which puts
 float32 noise (measured ~1.2e-4 relative on A_log's gradient, dedup vs one-shot) on every
 gradient through it. The exactness tests therefore run both the reference and zorro with
-`chunk_gated_delta_rule_exact` (same algorithm, float64) installed as the model module's kernel;
+`chunk_gated_delta_rule_exact` (same algorithm, float64) installed as the family module's kernel;
 `test_unmodified_float32_kernel` runs transformers' own kernel at its measured floor.
 Prompts cover shorter than one chunk (40), exactly one (64), longer (100) and two chunks (128).
+Qwen3.5 also: text positions through its mRoPE, and the multimodal composite refused.
 """
 
 import os
 
 import pytest
 import torch
-from fla_devices import pytorch_delta_rule_on_cpu
+from fla_devices import KERNEL, exact_kernels, family_module, pytorch_delta_rule_on_cpu
 from helpers import GRAD_RTOL, LP_ATOL, check
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 from versions import skip_module_without_qwen3_next_adapter
@@ -30,8 +32,11 @@ from zorro_core.plan.build import build_dedup_plan
 from zorro_core.verify.delta_rule import chunk_gated_delta_rule_exact
 
 skip_module_without_qwen3_next_adapter()
-qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-FAMILY = "tiny-qwen3-next"
+pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+# Every registry family with gated DeltaNet layers, by its tiny preset.
+FAMILIES = ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
 
 
 @pytest.fixture(autouse=True)
@@ -77,23 +82,23 @@ MODES = [(True, "eager"), (True, "sdpa"), (False, "eager")]
 
 @pytest.fixture
 def exact_kernel(monkeypatch):
-    monkeypatch.setattr(qwen3_next, "torch_chunk_gated_delta_rule", chunk_gated_delta_rule_exact)
+    exact_kernels(monkeypatch)
 
 
 @pytest.fixture(scope="module")
 def exact_references(tiny_models, per_sequence_reference):
-    def get(batch_name):
-        saved = qwen3_next.torch_chunk_gated_delta_rule
-        qwen3_next.torch_chunk_gated_delta_rule = chunk_gated_delta_rule_exact
-        try:
-            return per_sequence_reference(batch_name, lambda: tiny_models(FAMILY), BATCHES[batch_name], 1.0, seed=2)
-        finally:
-            qwen3_next.torch_chunk_gated_delta_rule = saved
+    def get(family, batch_name):
+        with pytest.MonkeyPatch.context() as mp:
+            exact_kernels(mp)
+            return per_sequence_reference(
+                (family, batch_name), lambda: tiny_models(family), BATCHES[batch_name], 1.0, seed=2
+            )
 
     return get
 
 
-def test_exact_kernel_agrees_with_transformers_kernel():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_kernel_agrees_with_transformers_kernel(family):
     gen = torch.Generator().manual_seed(1)
     q, k = (torch.randn(2, 100, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
     v = torch.randn(2, 100, 4, 8, generator=gen, dtype=torch.float64)
@@ -103,7 +108,7 @@ def test_exact_kernel_agrees_with_transformers_kernel():
     )
     s0 = torch.randn(2, 4, 8, 8, generator=gen, dtype=torch.float64)
     kw = dict(g=g, beta=beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o_ref, s_ref = qwen3_next.torch_chunk_gated_delta_rule(q, k, v, **kw)
+    o_ref, s_ref = getattr(family_module(family), KERNEL)(q, k, v, **kw)
     o, s = chunk_gated_delta_rule_exact(q, k, v, **kw)
     assert o.dtype == torch.float64 and s.dtype == torch.float64
     assert (o - o_ref).abs().max() < 1e-5 and (s - s_ref).abs().max() < 1e-5  # float32 precision of the reference
@@ -112,21 +117,21 @@ def test_exact_kernel_agrees_with_transformers_kernel():
 @pytest.mark.parametrize("batch_name", list(BATCHES))
 @pytest.mark.parametrize("split,attn", MODES)
 @pytest.mark.parametrize("actor_cls", [DeduplicatedActor, BaselineActor])
-def test_qwen3_next_matches_per_sequence(
-    tiny_models, exact_references, exact_kernel, batch_name, split, attn, actor_cls
-):
-    batch, w, ref = exact_references(batch_name)
-    actor = actor_cls(model=tiny_models(FAMILY), use_split_attention=split, attn_implementation=attn)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_matches_per_sequence(tiny_models, exact_references, exact_kernel, family, batch_name, split, attn, actor_cls):
+    batch, w, ref = exact_references(family, batch_name)
+    actor = actor_cls(model=tiny_models(family), use_split_attention=split, attn_implementation=attn)
     out = check(actor, batch, w, ref, 1.0)
     if actor_cls is DeduplicatedActor:
         assert out.plan.num_groups < batch.batch_size
 
 
-def test_unmodified_float32_kernel(tiny_models):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unmodified_float32_kernel(tiny_models, family):
     """transformers' own kernel (float32 inside): log-probs at the float64 tolerance; gradients at
     that kernel's measured floor (1.2e-4 relative on A_log, asserted at 1e-3). A lost carried state
     or a wrong conv window is off by >1e-2 (test_carried_state_matters)."""
-    model = tiny_models(FAMILY)
+    model = tiny_models(family)
     batch = chunk_batch()
     w = token_weights(batch, seed=2)
     ref = per_sequence(model, batch, 1.0, w)
@@ -137,7 +142,8 @@ def test_unmodified_float32_kernel(tiny_models):
 
 
 @pytest.mark.parametrize("what", ["zero_state", "no_conv_carry", "fork_at_prompt_end"])
-def test_carried_state_matters(tiny_models, exact_references, exact_kernel, monkeypatch, what):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_carried_state_matters(tiny_models, exact_references, exact_kernel, monkeypatch, family, what):
     """Dropping the carried recurrent state or the carried conv inputs fails by orders of magnitude.
     Forking at the prompt's end (no tail replay, a layout chunk of 1) is the same math, so in float64
     it equals the reference too: the replay is about numerics, not correctness. (Measured in float32
@@ -166,8 +172,8 @@ def test_carried_state_matters(tiny_models, exact_references, exact_kernel, monk
         monkeypatch.setattr(la, "conv_sources", conv)
     else:
         monkeypatch.setattr(la, "build_linear_layout", lambda plan, chunk=64: real_layout(plan, 1))
-    batch, w, ref = exact_references("chunks_padded")
-    lp, ent, grads, _ = actor_run(DeduplicatedActor(model=tiny_models(FAMILY)), batch, 1.0, w)
+    batch, w, ref = exact_references(family, "chunks_padded")
+    lp, ent, grads, _ = actor_run(DeduplicatedActor(model=tiny_models(family)), batch, 1.0, w)
     lp_err = (lp - ref[0]).abs().max().item()
     g_err = max_rel_grad_error(grads, ref[2])[0]
     if what == "fork_at_prompt_end":
@@ -205,20 +211,22 @@ def test_conv_sources_reach_into_the_prompt():
     assert src[7].tolist() == [2, 5, 6, 7]
 
 
-def test_padded_baseline_is_refused(tiny_models):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_baseline_is_refused(tiny_models, family):
     from zorro_core.errors import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match="linear-attention"):
-        BaselineActor(model=tiny_models(FAMILY), padded=True).forward(chunk_batch())
+        BaselineActor(model=tiny_models(family), padded=True).forward(chunk_batch())
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.15)])
-def test_low_precision_close_to_baseline(dtype, atol):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_low_precision_close_to_baseline(family, dtype, atol):
     """transformers' own kernel in float32/bf16: dedup and the packed one-shot baseline agree to the
     dtype's noise (measured 4.8e-7 in float32, 0 in bf16)."""
     from zorro_core.models.presets import build_model, preset_config
 
-    model = build_model(preset_config(FAMILY), dtype=dtype, attn_implementation="sdpa")
+    model = build_model(preset_config(family), dtype=dtype, attn_implementation="sdpa")
     batch = chunk_batch()
     d = DeduplicatedActor(model=model).forward(batch).log_probs
     b = BaselineActor(model=model).forward(batch).log_probs
@@ -229,12 +237,13 @@ def test_low_precision_close_to_baseline(dtype, atol):
     not torch.cuda.is_available() or fla_available() is not None,
     reason="flash-linear-attention kernels need CUDA and the fla package",
 )
-def test_fla_varlen_matches_per_sequence_on_gpu():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fla_varlen_matches_per_sequence_on_gpu(family):
     """GPU: the varlen fla path (one initial state per response) against each sequence alone through
     the unmodified model (which uses fla too). bf16: some fla versions refuse float32."""
     from zorro_core.models.presets import build_model, preset_config
 
-    model = build_model(preset_config(FAMILY), dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
+    model = build_model(preset_config(family), dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
     batch = chunk_batch().to("cuda")
     ref_lp, _, _ = per_sequence(model, batch, 1.0)
     for actor in (DeduplicatedActor(model=model), BaselineActor(model=model)):
@@ -249,13 +258,14 @@ def test_layout_all_prompts_shorter_than_a_chunk():
     assert lay.branch.cu.numel() - 1 == plan.batch_size
 
 
-def test_adapters_installed_once_and_transparent_without_a_route():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adapters_installed_once_and_transparent_without_a_route(family):
     """The adapter gives each gated DeltaNet layer of the model the actor took its own forward, once
     (a second actor adds no layer of wrapping); a plain forward of the model, outside any actor,
     gives the same result as before."""
     from zorro_core.models.presets import build_model, preset_config
 
-    model = build_model(preset_config(FAMILY), dtype=torch.float64, attn_implementation="eager")
+    model = build_model(preset_config(family), dtype=torch.float64, attn_implementation="eager")
     ids = torch.randint(1, 256, (2, 70), generator=torch.Generator().manual_seed(3))
     before = model(input_ids=ids).logits
     DeduplicatedActor(model=model).forward(chunk_batch())
@@ -267,19 +277,21 @@ def test_adapters_installed_once_and_transparent_without_a_route():
     assert torch.equal(model(input_ids=ids).logits, before)
 
 
-def test_adapter_leaves_transformers_and_other_models_untouched():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adapter_leaves_transformers_and_other_models_untouched(family):
     """transformers' module functions are the originals after an actor took a model (nothing is
-    patched process-wide); a second Qwen3-Next model that no actor took keeps its class's forward
+    patched process-wide); a second model of the family that no actor took keeps its class's forward
     and runs transformers' code path as before; uninstalling gives the layers their class's forward back."""
     from zorro_core.models.presets import build_model, preset_config
 
-    conv, delta = qwen3_next.causal_conv1d_fn, qwen3_next.torch_chunk_gated_delta_rule
-    taken = build_model(preset_config(FAMILY), dtype=torch.float64, attn_implementation="eager")
-    plain = build_model(preset_config(FAMILY), dtype=torch.float64, attn_implementation="eager", seed=1)
+    mod = family_module(family)
+    conv, delta = mod.causal_conv1d_fn, mod.torch_chunk_gated_delta_rule
+    taken = build_model(preset_config(family), dtype=torch.float64, attn_implementation="eager")
+    plain = build_model(preset_config(family), dtype=torch.float64, attn_implementation="eager", seed=1)
     ids = torch.randint(1, 256, (2, 70), generator=torch.Generator().manual_seed(3))
     before = plain(input_ids=ids).logits
     DeduplicatedActor(model=taken).forward(chunk_batch())
-    assert qwen3_next.causal_conv1d_fn is conv and qwen3_next.torch_chunk_gated_delta_rule is delta
+    assert mod.causal_conv1d_fn is conv and mod.torch_chunk_gated_delta_rule is delta
     here = os.path.dirname(zorro_core.__file__)  # and none of them is zorro's (from an earlier actor)
     assert not any(f.__code__.co_filename.startswith(here) for f in (conv, delta))
     assert all("forward" not in layer.__dict__ for layer in linear_layers(plain))
@@ -289,12 +301,13 @@ def test_adapter_leaves_transformers_and_other_models_untouched():
     assert all("forward" not in layer.__dict__ for layer in linear_layers(taken))
 
 
-def test_adapter_runs_the_module_kernel_of_the_call(monkeypatch):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adapter_runs_the_module_kernel_of_the_call(monkeypatch, family):
     """The adapted forward looks the module's kernel up at each call: a kernel put into the module
     after the actor took the model is the one that runs (with a route and without)."""
     from zorro_core.models.presets import build_model, preset_config
 
-    model = build_model(preset_config(FAMILY), dtype=torch.float64, attn_implementation="eager")
+    model = build_model(preset_config(family), dtype=torch.float64, attn_implementation="eager")
     actor = DeduplicatedActor(model=model)
     calls = []
 
@@ -302,9 +315,101 @@ def test_adapter_runs_the_module_kernel_of_the_call(monkeypatch):
         calls.append(kwargs.get("cu_seqlens"))
         return chunk_gated_delta_rule_exact(*args, **kwargs)
 
-    monkeypatch.setattr(qwen3_next, "torch_chunk_gated_delta_rule", kernel)
+    monkeypatch.setattr(family_module(family), KERNEL, kernel)
     actor.forward(chunk_batch())
     n_routed = len(calls)
     assert n_routed >= len(linear_layers(model))  # head and branch calls of every layer
     model(input_ids=torch.ones(1, 5, dtype=torch.long))
     assert len(calls) == n_routed + len(linear_layers(model))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_micro_batches_match_per_sequence(tiny_models, exact_references, exact_kernel, family):
+    """forward_backward over micro-batches (a budget that splits groups, their prompt recomputed in
+    each part): log-probs, entropy and every accumulated gradient equal the per-sequence reference."""
+    batch, (w_lp, w_ent), ref = exact_references(family, "chunks_padded")
+    model = tiny_models(family)
+
+    def loss_fn(out, rows):
+        return (w_lp[rows] * out.log_probs).sum() + (w_ent[rows] * out.entropy).sum()
+
+    model.zero_grad(set_to_none=True)
+    res = DeduplicatedActor(model=model).forward_backward(
+        batch, loss_fn, max_tokens_per_micro_batch=150, calculate_entropy=True
+    )
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    assert len(res.partition.parts) > 1 and res.partition.split_groups
+    assert (res.log_probs - ref[0]).abs().max().item() < LP_ATOL
+    assert (res.entropy - ref[1]).abs().max().item() < LP_ATOL
+    g_err, g_name = max_rel_grad_error(grads, ref[2])
+    assert g_err < GRAD_RTOL, f"gradient of {g_name} off by {g_err:.2e} relative"
+
+
+# ---------------------------------------------------------------- Qwen3.5: mRoPE, multimodal composite
+
+
+def _rope_1d(rotary, pos: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain 1-D rope of positions `pos` [T] with the layer's frequencies (no mRoPE sections)."""
+    freqs = pos.double()[:, None] * rotary.inv_freq.double()[None, :]
+    emb = torch.cat([freqs, freqs], -1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen3.5", "tiny-qwen3.5-moe"])
+def test_text_positions_through_mrope_are_the_1d_rope(tiny_models, monkeypatch, family):
+    """The packed row passes 2-D position ids [1, T] restarting per segment: the text model expands
+    them to its three mRoPE rows (temporal, height, width) alike and builds none of its own (no
+    rope_deltas in the causal LM), so every section gets the same position and the rotary embedding
+    is exactly the 1-D rope of each sequence. Distinct height/width rows would change it (the tiny
+    preset's mrope_section covers all three), so the check is not vacuous."""
+    model = tiny_models(family)
+    rotary = model.model.rotary_emb
+    seen = []
+    real = type(rotary).forward
+
+    def spy(self, x, position_ids):
+        seen.append(position_ids.clone())
+        return real(self, x, position_ids)
+
+    monkeypatch.setattr(type(rotary), "forward", spy)
+    out = DeduplicatedActor(model=model).forward(chunk_batch())
+    pos = out.plan.position_ids
+    assert len(seen) == 1 and seen[0].shape == (3, 1, pos.numel())
+    assert all(torch.equal(row[0], pos) for row in seen[0])
+    assert pos.min() == 0 and (pos[1:] < pos[:-1]).any()  # positions restart per packed segment
+    x = torch.zeros(1, dtype=torch.float64)
+    cos, sin = real(rotary, x, seen[0])
+    ref_cos, ref_sin = _rope_1d(rotary, pos, torch.float64)
+    assert torch.allclose(cos[0], ref_cos, rtol=0, atol=1e-6) and torch.allclose(sin[0], ref_sin, rtol=0, atol=1e-6)
+    mixed = seen[0].clone()
+    mixed[1] += 7  # height positions differ from the text positions
+    assert (real(rotary, x, mixed)[0][0] - ref_cos).abs().max() > 1e-2
+
+
+def _tiny_composite(family: str):
+    from transformers import AutoConfig
+
+    from zorro_core.models.presets import preset_config
+
+    composite = {"tiny-qwen3.5": "qwen3_5", "tiny-qwen3.5-moe": "qwen3_5_moe"}[family]
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2)
+    return AutoConfig.for_model(composite, text_config=preset_config(family).to_dict(), vision_config=vision)
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen3.5", "tiny-qwen3.5-moe"])
+def test_multimodal_composite_is_refused_and_its_text_model_served(family):
+    """Qwen3.5's composite (image/video + text, ForConditionalGeneration) is refused, naming the text
+    model to load; AutoModelForCausalLM of the same config is that text model, which an actor takes."""
+    from transformers import AutoModelForImageTextToText
+
+    from zorro_core.errors import UnsupportedModelError
+    from zorro_core.models.presets import build_model
+
+    config = _tiny_composite(family)
+    composite = AutoModelForImageTextToText.from_config(config)
+    with pytest.raises(UnsupportedModelError, match="multimodal inputs are not served.*AutoModelForCausalLM"):
+        DeduplicatedActor(model=composite)
+    text = build_model(config, dtype=torch.float64)
+    assert text.config.model_type == f"{config.model_type}_text"
+    assert DeduplicatedActor(model=text).forward(chunk_batch()).log_probs.isfinite().all()
