@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from fla_devices import exact_kernels
 from helpers import check
 from reference import actor_run, per_sequence, token_weights
 from test_actor import BATCHES
@@ -20,7 +21,6 @@ from test_actor import BATCHES
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.models.parts import model_parts
 from zorro_core.models.presets import build_model, preset_config
-from zorro_core.verify.delta_rule import chunk_gated_delta_rule_exact
 
 FAMILIES = [
     "tiny-qwen3",
@@ -28,6 +28,8 @@ FAMILIES = [
     "tiny-qwen2",
     "tiny-qwen3-moe",
     "tiny-qwen3-next",
+    "tiny-qwen3.5",
+    "tiny-qwen3.5-moe",
     "tiny-mistral",
     "tiny-qwen2-sliding",
 ]
@@ -53,9 +55,8 @@ def checkpointing(model, reentrant: bool):
 
 @pytest.fixture
 def exact_kernel(monkeypatch):
-    """Qwen3-Next: the float64 delta rule (transformers' kernel computes in float32; see test_families_linear)."""
-    qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-    monkeypatch.setattr(qwen3_next, "torch_chunk_gated_delta_rule", chunk_gated_delta_rule_exact)
+    """Qwen3-Next, Qwen3.5: the float64 delta rule (transformers' kernel computes in float32; see test_families_linear)."""
+    exact_kernels(monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_checkpointed_actors_match_per_sequence(models, exact_kernel, family, la
         for s, a in ((True, "eager"), (True, "sdpa"), (False, "eager"))
     ]
     actors.append(lambda: BaselineActor(model=model, attn_implementation="sdpa"))
-    if family != "tiny-qwen3-next":  # the padded baseline refuses linear-attention layers
+    if not model_parts(model).num_linear_layers:  # the padded baseline refuses linear-attention layers
         actors.append(lambda: BaselineActor(model=model, attn_implementation="eager", padded=True))
     with checkpointing(model, reentrant):
         for make in actors:

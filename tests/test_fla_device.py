@@ -1,4 +1,4 @@
-"""Qwen3-Next on CPU where flash-linear-attention is importable: zorro's adapter runs the PyTorch
+"""Qwen3-Next and Qwen3.5 on CPU where flash-linear-attention is importable: zorro's adapter runs the PyTorch
 delta rule, chosen by the tensors' device, although transformers resolved its kernel to fla's at
 import without looking at the device (issue 22). Simulated (every run) and with fla installed."""
 
@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 import torch
-from fla_devices import assert_refuses_cpu, device_aware, qwen3_next_module, simulate_fla
+from fla_devices import KERNEL, assert_refuses_cpu, device_aware, family_module, qwen3_next_module, simulate_fla
 from helpers import LP_ATOL
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 from versions import skip_module_without_qwen3_next_adapter
@@ -17,7 +17,8 @@ from zorro_core.models.linear_attention import delta_rule_kernel, fla_available
 
 skip_module_without_qwen3_next_adapter()
 pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-FAMILY = "tiny-qwen3-next"
+pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+FAMILIES = ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
 # transformers' kernel computes in float32 inside a float64 model: gradients at its floor
 # (measured 1.2e-4 relative; test_families_linear.test_unmodified_float32_kernel).
 GRAD_FLOOR = 1e-3
@@ -32,17 +33,24 @@ def batch() -> RolloutBatch:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_models):
-    """Per-sequence reference through transformers' PyTorch kernel (the model's forward, no actor)."""
-    mod = qwen3_next_module()
-    saved = mod.torch_chunk_gated_delta_rule
-    mod.torch_chunk_gated_delta_rule = device_aware(saved)
-    try:
-        b = batch()
-        w = token_weights(b, seed=2)
-        return b, w, per_sequence(tiny_models(FAMILY), b, 1.0, w)
-    finally:
-        mod.torch_chunk_gated_delta_rule = saved
+def references(tiny_models):
+    """get(family): per-sequence reference through transformers' PyTorch kernel (the model's forward, no actor)."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            mod = family_module(family)
+            saved = getattr(mod, KERNEL)
+            setattr(mod, KERNEL, device_aware(saved))
+            try:
+                b = batch()
+                w = token_weights(b, seed=2)
+                cache[family] = b, w, per_sequence(tiny_models(family), b, 1.0, w)
+            finally:
+                setattr(mod, KERNEL, saved)
+        return cache[family]
+
+    return get
 
 
 def _check(actor, reference):
@@ -70,18 +78,20 @@ def test_kernel_untouched_without_fla(monkeypatch):
 
 
 @pytest.mark.parametrize("actor_cls", [DeduplicatedActor, BaselineActor])
-def test_simulated_fla_cpu_runs_the_pytorch_kernel(tiny_models, reference, monkeypatch, actor_cls):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_simulated_fla_cpu_runs_the_pytorch_kernel(tiny_models, references, monkeypatch, family, actor_cls):
     """Every run: transformers' kernel resolved to a stand-in of fla that refuses CPU tensors; the
     actors (both route their forward through the adapter) never call it and equal the reference."""
-    fake = simulate_fla(monkeypatch)
-    _check(actor_cls(model=tiny_models(FAMILY)), reference)
+    fake = simulate_fla(monkeypatch, family)
+    _check(actor_cls(model=tiny_models(family)), references(family))
     assert fake.calls == 0
 
 
 @pytest.mark.skipif(fla_available() is not None, reason=f"{fla_available()}")
 @pytest.mark.parametrize("actor_cls", [DeduplicatedActor, BaselineActor])
-def test_installed_fla_cpu_runs_the_pytorch_kernel(tiny_models, reference, actor_cls):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_installed_fla_cpu_runs_the_pytorch_kernel(tiny_models, references, family, actor_cls):
     """fla installed: transformers' module kernel is fla's (it fails on CPU tensors); the actors on
     CPU run the PyTorch kernel and equal the reference."""
-    assert_refuses_cpu(qwen3_next_module().torch_chunk_gated_delta_rule)
-    _check(actor_cls(model=tiny_models(FAMILY)), reference)
+    assert_refuses_cpu(getattr(family_module(family), KERNEL))
+    _check(actor_cls(model=tiny_models(family)), references(family))

@@ -22,9 +22,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GPU_REASON = liger_unavailable("qwen3", DEVICE)
 
 
+# Where liger names its patch function otherwise than apply_liger_kernel_to_<model_type>: liger-kernel
+# names its Qwen3.5 functions after the composite model types.
+LIGER_NAMES = {"qwen3_5_text": "apply_liger_kernel_to_qwen3_5", "qwen3_5_moe_text": "apply_liger_kernel_to_qwen3_5_moe"}
+
+
 def test_every_supported_family_has_its_liger_function():
     for name, family in FAMILIES.items():
-        assert family.liger_function == f"apply_liger_kernel_to_{name}"
+        assert family.liger_function == LIGER_NAMES.get(name, f"apply_liger_kernel_to_{name}")
 
 
 def test_refused_with_reason_on_cpu():

@@ -2,10 +2,11 @@
 
 Which family needs which adapter is its entry in zorro_core.models.registry; the adapters:
 
-- `moe`: Qwen3-MoE and Qwen3-Next's MoE blocks: token-wise; the router aux loss, with
-  multiplicity weights so that it equals the baseline's.
-- `linear_attention`: Qwen3-Next's gated DeltaNet layers: recurrent state and conv window carried
-  from each prompt into its responses, chunk partition kept.
+- `moe`: the MoE blocks of Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE (shared experts included):
+  token-wise; the router aux loss, with multiplicity weights so that it equals the baseline's.
+- `linear_attention`: the gated DeltaNet layers of Qwen3-Next and Qwen3.5: recurrent state and conv
+  window carried from each prompt into its responses, chunk partition kept. (Qwen3.5's mRoPE gets
+  the packed row's 2-D text positions, which it gives all three of its sections: the 1-D rope.)
 - sliding-window attention (Mistral, Qwen2/Qwen3 `use_sliding_window`, Gemma 3 and OLMo 3 with
   sliding and full layers by `layer_types`) needs no adapter: each layer hands the hook its
   `sliding_window` (None on full layers), which the hook applies by absolute position (and the

@@ -1,4 +1,4 @@
-"""Gated DeltaNet layers (Qwen3-Next's linear attention) over the packed row.
+"""Gated DeltaNet layers (the linear attention of Qwen3-Next and Qwen3.5) over the packed row.
 
 A linear-attention layer mixes tokens in two places, neither of them transformers' attention
 interface: a causal depthwise convolution over the pre-conv q/k/v (kernel K), and the chunked
@@ -261,7 +261,7 @@ def _dedup_delta_rule(
         )
     if not use_qk_l2norm_in_kernel:
         raise UnsupportedModelError(
-            "the dedup gated DeltaNet adapter expects use_qk_l2norm_in_kernel=True (Qwen3-Next)"
+            "the dedup gated DeltaNet adapter expects use_qk_l2norm_in_kernel=True (Qwen3-Next, Qwen3.5)"
         )
     if query.shape[0] != 1:
         raise ValueError(f"the packed row must have batch size 1, got {query.shape[0]}")
