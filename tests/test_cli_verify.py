@@ -36,6 +36,19 @@ def test_gradients_pass_with_a_table():
     assert res.output.count("pass") >= 4 and "4 passed, 0 failed" in res.output and "Worst offenders" in res.output
 
 
+@pytest.mark.parametrize("bug", [None, "wrong_prompt"])
+def test_gradients_of_the_linear_attention_families_in_float64(bug):
+    """Qwen3.5 dense and MoE (and Qwen3-Next), float64 at the float64 floor: the reference and the
+    actors run the dtype-preserving delta rule (transformers' float32 one alone measured 1.2e-5 on
+    tiny-qwen3.5's A_log, over the floor); a broken plan still fails."""
+    args = cases("tiny-qwen3.5,tiny-qwen3.5-moe,tiny-qwen3-next", "float64", attn="eager")
+    res = invoke("gradients", *args, "--mode", "split", *(["--inject-bug", bug] if bug else []))
+    if bug is None:
+        assert res.exit_code == 0 and "3 passed, 0 failed" in res.output, res.output
+    else:
+        assert res.exit_code == 1 and "0 passed, 3 failed" in res.output, res.output
+
+
 @pytest.mark.parametrize("bug", ["wrong_prompt", "positions_restart", "first_label_dropped"])
 def test_gradients_fail_on_a_broken_plan(bug):
     res = invoke("gradients", *SMALL, "--mode", "split", "--inject-bug", bug)

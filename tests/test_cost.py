@@ -66,6 +66,14 @@ def test_linear_params_per_layer_match_the_model(name):
     assert shape.vocab_size == model.lm_head.out_features
 
 
+def test_moe_without_a_dense_width_counts_the_experts_a_token_runs():
+    """Qwen3.5-MoE has no intermediate_size: the MLP width is its top-k experts' plus the shared expert's
+    (the FLOPs a token costs; the cost model is a per-token linear count, MoE storage aside)."""
+    config = preset_config("Qwen/Qwen3.5-35B-A3B")
+    assert ModelShape.from_config(config).intermediate_size == 8 * 512 + 512
+    assert ModelShape.from_config(preset_config("Qwen/Qwen3.5-27B")).intermediate_size == 17408
+
+
 def test_design_example():
     """10K prompt, 10 responses of 1K: 110K tokens, 20K unique; linear work 5.5x less."""
     shape = ModelShape.from_config(preset_config("Qwen/Qwen3-8B"))

@@ -49,7 +49,7 @@ class ModelShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(
             hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
+            intermediate_size=_mlp_width(config),
             num_layers=config.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
@@ -64,6 +64,16 @@ class ModelShape:
         attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2  # q, o ; k, v
         mlp = 3 * h * self.intermediate_size  # gate, up, down
         return attn + mlp
+
+
+def _mlp_width(config) -> int:
+    """The gated MLP width a token runs: the dense one, or (an MoE config without one, Qwen3.5-MoE)
+    its routed experts' together plus the shared expert's."""
+    dense = getattr(config, "intermediate_size", None)
+    if dense:
+        return dense
+    shared = getattr(config, "shared_expert_intermediate_size", None) or 0
+    return config.moe_intermediate_size * config.num_experts_per_tok + shared
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ This is the same algorithm and signature (chunked WY/UT form, chunk 64, qk l2-no
 computing in float64 for float64 inputs (float32 otherwise). The equivalence tests and
 `zorro verify training` (`exact_delta_rule`) install it in place of the model module's kernel for
 the reference, the baseline and the deduplicated run alike; a test checks it agrees with
-transformers' kernel to float32 precision. (`zorro verify gradients` runs transformers' kernel
-as it is, at its measured floor.)
+transformers' kernel to float32 precision. `zorro verify gradients` computes its float64 reference
+with it, and runs it in its float64 cases (on CPU); lower-precision cases run transformers' kernel.
 """
 
 from __future__ import annotations

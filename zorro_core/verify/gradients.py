@@ -26,6 +26,7 @@ from zorro_core.actor.config import ActorConfig
 from zorro_core.actor.logprobs import LOGITS_MODES
 from zorro_core.attention.backends import backend_unavailable, default_backend
 from zorro_core.errors import UnsupportedModelError
+from zorro_core.models.linear_attention import fla_available
 from zorro_core.models.parts import unwrap_adapters
 from zorro_core.models.presets import PRESETS, build_model, preset_config, seeded_rng
 from zorro_core.models.registry import FAMILIES
@@ -35,6 +36,7 @@ from zorro_core.plan.prompt import DedupPlan, build_prompt_plan
 from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, TriePlan, build_trie_plan
 from zorro_core.stack.checkpointing import checkpointed
 from zorro_core.stack.lora import LoraSettings, apply_lora
+from zorro_core.verify.delta_rule import exact_delta_rule
 from zorro_core.verify.reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
 
 # Measured float64 floor (transformers keeps RMSNorm, RoPE and eager softmax in float32 even in a
@@ -428,9 +430,20 @@ class Verifier:
             unwrap_adapters(m64).set_attn_implementation("eager")
             batch = verify_batch(layout, m64.config.vocab_size, seed=self.seed + 1).to(self.device)
             w = token_weights(batch, seed=self.seed + 2)
-            self._refs[key] = (batch, w, per_sequence(m64, batch, TEMPERATURE, w))
+            # ref64 is float64 throughout: gated DeltaNet layers get the dtype-preserving delta rule
+            # (transformers' computes in float32 whatever the dtype; a no-op for other models).
+            with exact_delta_rule(m64):
+                self._refs[key] = (batch, w, per_sequence(m64, batch, TEMPERATURE, w))
             del m64
         return self._refs[key]
+
+    def _float64_kernel(self, model, dtype: str):
+        """float64 cases: the actors' delta rule in float64 too (transformers' float32 one puts float32
+        noise on their gradients, measured 1.2e-5 relative on tiny-qwen3.5's A_log, over the float64
+        floor); not where fla's kernel serves the device (it has no float64, nor does the exact one
+        take its varlen call)."""
+        fla_here = torch.device(self.device).type == "cuda" and fla_available() is None
+        return exact_delta_rule(model) if dtype == "float64" and not fla_here else contextlib.nullcontext()
 
     def errors(self, actor, batch, w, ref) -> tuple[Errors, torch.Tensor]:
         lp, ent, grads, _ = actor_run(actor, batch, TEMPERATURE, w)
@@ -450,7 +463,7 @@ class Verifier:
                 actor = DeduplicatedActor(model=model, config=config)
             except UnsupportedModelError as e:  # refused with its reason (e.g. linear attention in prefix mode)
                 return CaseResult(case, "skip", str(e))
-            with checkpointed(model, self.checkpointing):
+            with checkpointed(model, self.checkpointing), self._float64_kernel(model, case.dtype):
                 base, base_lp = self.errors(BaselineActor(model=model, config=config), batch, w, ref)
                 with inject_bug(self.bug, actor):
                     dedup, dedup_lp = self.errors(actor, batch, w, ref)
