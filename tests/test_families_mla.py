@@ -366,3 +366,98 @@ def test_mla_through_the_cuda_backends_end_to_end(models, monkeypatch, backend, 
     _, check_name, failing = judge("bfloat16", dedup, base)
     assert not failing, f"{check_name}: {failing[:3]}"
     assert dedup.log_prob < 0.2
+
+
+# ---------------------------------------------------------------- cost model and memory guards
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tiny-deepseek-v3",
+        "small-deepseek-v3",
+        "tiny-glm4-moe",
+        "small-glm4-moe",
+        "tiny-qwen3-moe",
+        "deepseek-ai/DeepSeek-V3",
+        "moonshotai/Moonlight-16B-A3B",
+        "zai-org/GLM-4.5-Air",
+        "Qwen/Qwen3-30B-A3B",
+    ],
+)
+def test_parameter_count_equals_the_models_own(name):
+    """The cost model's weights (MLA's low-rank projections, every expert, routers, shared experts)
+    equal the model's own matrices, counted on the meta device (671B for DeepSeek-V3, nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    from zorro_core.bench.footprint import parameter_count
+    from zorro_core.plan.cost import ModelShape
+
+    config = preset_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2)  # norms and biases are 1-D
+    shape = ModelShape.from_config(config)
+    assert parameter_count(shape, bool(config.tie_word_embeddings)) == matrices
+    if shape.moe_layers < shape.num_layers:  # DeepSeek / GLM: the first layer is dense
+        dense = model.model.layers[0]
+        assert shape.linear_params_per_layer == sum(p.numel() for p in dense.parameters() if p.dim() >= 2)
+    moe = model.model.layers[-1].mlp
+    experts = moe.experts if hasattr(moe, "experts") else None
+    if experts is not None:  # active: the router, top-k of the routed experts, the shared ones
+        per_expert = sum(p.numel() for p in experts.parameters()) // shape.num_experts
+        idle = (shape.num_experts - shape.experts_per_token) * per_expert * shape.moe_layers
+        assert shape.linear_params(active=True) == shape.linear_params() - idle
+    if name == "deepseek-ai/DeepSeek-V3":  # the published figures: 671B total, 37B activated
+        embeddings = 2 * shape.vocab_size * shape.hidden_size
+        assert round(matrices / 1e9) == 671 and 36.5e9 < shape.linear_params(active=True) + embeddings < 37.9e9
+        assert (shape.head_dim, shape.value_head_dim, shape.moe_layers) == (192, 128, 58)
+
+
+def test_attention_flops_count_the_query_and_value_head_dims():
+    from zorro_core.plan.cost import ForwardWork, ModelShape, flops, shape_workloads
+
+    shape = ModelShape.from_config(preset_config("deepseek-ai/DeepSeek-V3"))
+    f = flops(shape, ForwardWork(tokens=10, attended_pairs=30, logit_positions=5))
+    assert f.attention == 2 * 128 * (192 + 128) * 61 * 30  # QK^T over 192 dims, PV over 128
+    assert f.linear == 2 * shape.linear_params(active=True) * 10
+    base, dedup = shape_workloads([1000], [8], [[100] * 8])
+    from zorro_core.plan.cost import compare
+
+    cmp = compare(shape, base, dedup)
+    assert cmp.component_speedup("linear") == pytest.approx(base.tokens / dedup.tokens)
+    assert 1 < cmp.ideal_speedup() < base.tokens / dedup.tokens
+
+
+def test_memory_guards_count_every_expert():
+    from zorro_core.bench.footprint import activation_widths, case_footprint
+    from zorro_core.bench.suite import Case
+    from zorro_core.plan.cost import ModelShape
+    from zorro_core.verify.guard import verify_too_large
+
+    why = verify_too_large(["deepseek-ai/DeepSeek-V3"], available=2**40)  # 1 TiB is not enough for 671B x 20 B
+    assert why is not None and "671B parameters" in why
+    assert verify_too_large(["tiny-deepseek-v3", "tiny-glm4-moe"], available=2**30) is None
+    case = Case(model="small-deepseek-v3", batch_size=8, num_unique_prompts=2, prompt_len=64, response_len=16)
+    config = preset_config(case.model)
+    shape = ModelShape.from_config(config)
+    in_flight, saved = activation_widths(shape)
+    h = shape.hidden_size
+    assert in_flight == min(h + 2 * shape.intermediate_size, h + 2 * shape.shared_intermediate_size)
+    assert saved == (h + 2 * shape.intermediate_size) + 3 * (
+        h + 2 * shape.shared_intermediate_size + 2 * shape.experts_per_token * shape.moe_intermediate_size
+    )
+    fwd = case_footprint(case, config, ("forward",))
+    both = case_footprint(case, config, ("forward", "forward_backward"))
+    assert fwd.activations == 8 * 80 * in_flight * 4 and both.activations == 8 * 80 * saved * 4
+    model = build_model(config)
+    assert fwd.weights == 4 * sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+
+
+@pytest.mark.parametrize("name", ["small-deepseek-v3", "small-glm4-moe"])
+def test_small_bench_presets_run(name):
+    """The CPU-bench shapes (suites/families.toml) build and run through the actor, as the bench runs them."""
+    model = build_model(preset_config(name), dtype=torch.float32)
+    with torch.no_grad():
+        out = DeduplicatedActor(model=model).forward(mixed_batch())
+    assert torch.isfinite(out.log_probs).all() and out.aux_loss is None
