@@ -35,8 +35,9 @@ from varlen_standins import (
 )
 
 from zorro_core import BaselineActor, DeduplicatedActor
-from zorro_core.attention.backends import BACKENDS
+from zorro_core.attention.backends import BACKENDS, backend_unavailable
 from zorro_core.attention.head_dims import crop, same_head_dim
+from zorro_core.attention.padded import cpu_flash_unavailable
 from zorro_core.models.moe import is_moe, routed_experts
 from zorro_core.models.parts import model_parts
 from zorro_core.models.presets import build_model, preset_config
@@ -107,6 +108,12 @@ def test_tiny_presets_have_the_features_under_test(models):
         assert routed_experts(m.config) == m.config.n_routed_experts and not is_moe(m.config)
         assert not model_parts(m).moe  # no aux loss to weight
     assert glm.config.use_qk_norm and glm.config.attention_bias
+    # the router's correction bias is a buffer in this transformers (no gradient to compare), its weight a parameter
+    for m in (ds, glm):
+        names = dict(m.named_parameters())
+        assert "model.layers.1.mlp.gate.weight" in names and "model.layers.1.mlp.gate.e_score_correction_bias" in dict(
+            m.named_buffers()
+        )
     assert glm.config.rope_parameters["partial_rotary_factor"] == 0.5
 
 
@@ -162,14 +169,26 @@ def test_prefix_sharing_matches_per_sequence(models, references, family, batch_n
     assert out.plan.sharing == "prefix" and out.plan.depth >= 2
 
 
-def test_moonlight_shape_without_q_lora_and_plain_rope(models, references):
-    """Moonlight-16B's variant of the family: q_proj instead of q_lora, default rope, one expert group."""
-    kw = dict(q_lora_rank=None, n_group=1, topk_group=1, rope_parameters={"rope_type": "default", "rope_theta": 5e4})
-    model = models("tiny-deepseek-v3", **kw)
-    assert model.model.layers[0].self_attn.q_proj is not None
-    for split, attn in [(True, "sdpa"), (False, "eager")]:
-        batch, w, ref = references("tiny-deepseek-v3", "dummy_padded", **kw)
-        check(DeduplicatedActor(model=model, use_split_attention=split, attn_implementation=attn), batch, w, ref, 0.8)
+VARIANTS = {
+    # Moonlight-16B's variant of DeepSeek-V3: q_proj instead of q_lora, default rope, one expert group
+    "tiny-deepseek-v3": dict(
+        q_lora_rank=None, n_group=1, topk_group=1, rope_parameters={"rope_type": "default", "rope_theta": 5e4}
+    ),
+    # GLM-4.5-Air's: no qk-norm; and no attention bias
+    "tiny-glm4-moe": dict(use_qk_norm=False, attention_bias=False),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_published_variants(models, references, family):
+    kw = VARIANTS[family]
+    model = models(family, **kw)
+    attn = model.model.layers[0].self_attn
+    assert (attn.q_proj is not None) if family == "tiny-deepseek-v3" else not hasattr(attn, "q_norm")
+    for split, attn_impl in [(True, "sdpa"), (False, "eager")]:
+        batch, w, ref = references(family, "dummy_padded", **kw)
+        actor = DeduplicatedActor(model=model, use_split_attention=split, attn_implementation=attn_impl)
+        check(actor, batch, w, ref, TEMPERATURE)
 
 
 def test_a_hook_that_drops_the_layer_scaling_is_caught(models, references, monkeypatch):
@@ -248,13 +267,13 @@ def test_micro_batches_equal_full_batch(models, family, actor_kind, budget):
 # ---------------------------------------------------------------- backends with Dv != Dq
 
 
-def _segments(lens_q, lens_k, q_start=0):
+def _segments(lens_q, lens_k, device="cpu"):
     lq, lk = torch.tensor(lens_q), torch.tensor(lens_k)
     return Segments(
-        q_start,
-        torch.arange(int(lk.sum())),
-        cu_seqlens(lq),
-        cu_seqlens(lk),
+        0,
+        torch.arange(int(lk.sum()), device=device),
+        cu_seqlens(lq).to(device),
+        cu_seqlens(lk).to(device),
         max(lens_q),
         max(lens_k),
         lens_q == lens_k,
@@ -314,6 +333,7 @@ def test_sdpa_backend_causal_and_cross_with_unequal_head_dims(dq, dv, dtype):
         outs[name] = out
         grads[name] = torch.autograd.grad(out, (q, k, v), g)
     tol = 1e-12 if dtype == torch.float64 else 2e-5
+    assert cpu_flash_unavailable(dtype) is None  # the cross call above went through the CPU flash op
     assert outs["sdpa"].shape == (t, 4, dv)
     assert (outs["sdpa"] - outs["reference"]).abs().max().item() < tol
     for a, b in zip(grads["sdpa"], grads["reference"]):
@@ -338,6 +358,20 @@ def test_cuda_varlen_glue_pads_unequal_head_dims(monkeypatch, install, fn, dq, d
     out = BACKENDS[fn].varlen(q, k, v, seg, 0.3)
     ref = BACKENDS["reference"].varlen(q.double(), k.double(), v.double(), seg, 0.3)
     assert calls.n == 1 and out.shape == ref.shape == (15, 4, dv)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen", "sdpa"])
+def test_cuda_kernels_with_unequal_head_dims(backend):
+    """On a GPU, the real kernels with MLA's head dims (192 / 128) against the reference backend."""
+    why = backend_unavailable(backend, "cuda") if torch.cuda.is_available() else "needs a CUDA device"
+    if why:
+        pytest.skip(f"{backend} with Dv != Dq: {why} (the glue is covered on CPU by the stand-in tests)")
+    q, k, v = (x.cuda() for x in _qkv(15, 192, 128, torch.bfloat16))
+    seg = _segments([5, 10], [5, 10], "cuda")
+    out = BACKENDS[backend].varlen(q, k, v, seg, 192**-0.5)
+    ref = BACKENDS["reference"].varlen(q.double(), k.double(), v.double(), seg, 192**-0.5)
+    assert out.shape == ref.shape == (15, 4, 128)
     assert (out.double() - ref).abs().max().item() < 2e-2
 
 
