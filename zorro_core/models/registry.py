@@ -85,7 +85,7 @@ _SMALL_NO_HEAD_DIM = {k: v for k, v in _SMALL.items() if k != "head_dim"}
 _YARN = dict(rope_type="yarn", rope_theta=1e4, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
 _DEEPSEEK_V3 = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=3, norm_topk_prob=True, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280, max_position_embeddings=163840, rms_norm_eps=1e-6, rope_parameters=dict(_YARN, factor=40.0, original_max_position_embeddings=4096))
 _GLM45 = dict(num_attention_heads=96, num_key_value_heads=8, head_dim=128, partial_rotary_factor=0.5, attention_bias=True, n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1, norm_topk_prob=True, vocab_size=151552, max_position_embeddings=131072, rope_theta=1e6, rms_norm_eps=1e-5)
-_MOE_NO_AUX = "MoE routing token-wise (sigmoid, group-limited top-k, shared experts); transformers computes no router aux loss for it"
+_MOE_NO_AUX = "MoE routing token-wise (sigmoid, group-limited top-k, shared experts); transformers computes no router aux loss for it; liger-kernel has no patch for it"
 _MLA = f"ok (MLA: value head dim != query head dim, V zero-padded where a kernel needs one head dim; {_MOE_NO_AUX})"
 _GLM_MOE = f"ok (partial rotary; {_MOE_NO_AUX})"
 
