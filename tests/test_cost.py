@@ -67,10 +67,13 @@ def test_linear_params_per_layer_match_the_model(name):
 
 
 def test_moe_without_a_dense_width_counts_the_experts_a_token_runs():
-    """Qwen3.5-MoE has no intermediate_size: the MLP width is its top-k experts' plus the shared expert's
-    (the FLOPs a token costs; the cost model is a per-token linear count, MoE storage aside)."""
+    """Qwen3.5-MoE has no intermediate_size: every layer is MoE, and a token's MLP parameters are the
+    router, its top-k experts' and the shared expert's (what its FLOPs count)."""
     config = preset_config("Qwen/Qwen3.5-35B-A3B")
-    assert ModelShape.from_config(config).intermediate_size == 8 * 512 + 512
+    shape = ModelShape.from_config(config)
+    assert shape.moe_layers == config.num_hidden_layers and shape.intermediate_size == 0
+    h = config.hidden_size
+    assert shape.moe_mlp_params(active=True) == h * 256 + 3 * h * (8 * 512 + 512)
     assert ModelShape.from_config(preset_config("Qwen/Qwen3.5-27B")).intermediate_size == 17408
 
 

@@ -8,7 +8,6 @@ import torch
 from fla_devices import pytorch_delta_rule_on_cpu
 from helpers import LP_ATOL, mixed_batch
 from reference import sequence_forward
-from versions import QWEN3_NEXT_ADAPTABLE, QWEN3_NEXT_REASON
 
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.attention.hook import Route, route_mask
@@ -79,11 +78,7 @@ def test_dropout_in_training_mode(where):
     actor.forward(mixed_batch())  # inference mode: dropout is off, so it runs
 
 
-# Qwen3.5 below transformers 5.15: refused before any cache check (tests/test_version_gates.py).
-QWEN3_5 = pytest.param("tiny-qwen3.5", marks=pytest.mark.skipif(not QWEN3_NEXT_ADAPTABLE, reason=QWEN3_NEXT_REASON))
-
-
-@pytest.mark.parametrize("family", ["tiny-qwen3", "tiny-qwen3-next", QWEN3_5])
+@pytest.mark.parametrize("family", ["tiny-qwen3", "tiny-qwen3-next"])
 def test_kv_cache(family, monkeypatch):
     """A forward with a filled cache: attention keys outnumber queries / the recurrence has a prior state."""
     from transformers import DynamicCache
@@ -109,10 +104,7 @@ def test_kv_cache(family, monkeypatch):
         )
 
 
-@pytest.mark.parametrize(
-    "family,layer_attr",
-    [("tiny-qwen3", "self_attn"), ("tiny-qwen3-next", "linear_attn"), ("tiny-qwen3.5", "linear_attn")],
-)
+@pytest.mark.parametrize("family,layer_attr", [("tiny-qwen3", "self_attn"), ("tiny-qwen3-next", "linear_attn")])
 def test_layer_that_bypasses_the_hooks(family, layer_attr):
     """A token-mixing layer that never reaches the hook or its adapter is caught by the call count."""
     model = fresh(family)
@@ -126,39 +118,15 @@ def test_layer_that_bypasses_the_hooks(family, layer_attr):
 
 
 def test_every_preset_is_a_supported_family():
+    from zorro_core.models.registry import FAMILIES
+
     for name in PRESETS:
         cfg = preset_config(name)
-        assert cfg.model_type in {
-            "qwen3",
-            "llama",
-            "qwen2",
-            "mistral",
-            "qwen3_moe",
-            "qwen3_next",
-            "gemma3_text",
-            "olmo3",
-            "qwen3_5_text",
-            "qwen3_5_moe_text",
-        }
+        assert cfg.model_type in FAMILIES and name in FAMILIES[cfg.model_type].presets
     assert preset_config("Qwen/Qwen3-30B-A3B").num_experts == 128
     assert preset_config("Qwen/Qwen3-Next-80B-A3B-Instruct").layer_types[:4] == ["linear_attention"] * 3 + [
         "full_attention"
     ]
-    assert preset_config("Qwen/Qwen3.5-397B-A17B").layer_types[-4:] == ["linear_attention"] * 3 + ["full_attention"]
-    for name in ("tiny-qwen3.5", "tiny-qwen3.5-moe", "small-qwen3.5", "Qwen/Qwen3.5-27B"):
-        # mRoPE: the sections split the rotary frequencies (head_dim * partial_rotary_factor / 2) exactly
-        cfg = preset_config(name)
-        rope = cfg.rope_parameters
-        assert sum(rope["mrope_section"]) * 2 == int(cfg.head_dim * rope["partial_rotary_factor"])
-        assert {"linear_attention", "full_attention"} <= set(cfg.layer_types)
-
-
-@pytest.mark.parametrize("model_type,text_type", [("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text")])
-def test_multimodal_composite_types_are_refused_with_the_text_model_named(model_type, text_type):
-    from zorro_core.models.registry import family_of
-
-    with pytest.raises(UnsupportedModelError, match=f"multimodal inputs are not served.*{text_type}"):
-        family_of(model_type)
 
 
 def test_padded_baseline_still_runs_for_attention_models():
@@ -177,8 +145,6 @@ def test_family_support_lists_every_supported_type(monkeypatch):
     support = registry.family_support("cpu")
     assert set(support) == set(registry.FAMILIES)
     assert "PyTorch fallback" in support["qwen3_next"]  # on CPU whether fla is installed or not
-    assert "gated DeltaNet" in support["qwen3_5_text"] and "MoE" not in support["qwen3_5_text"]
-    assert "MoE aux loss" in support["qwen3_5_moe_text"]
     # On CUDA the line follows fla's availability (the device is only named, never used here).
     monkeypatch.setattr(registry, "fla_available", lambda: None)
     assert "flash-linear-attention varlen kernel" in registry.family_support("cuda")["qwen3_next"]

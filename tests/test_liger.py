@@ -29,7 +29,19 @@ LIGER_NAMES = {"qwen3_5_text": "apply_liger_kernel_to_qwen3_5", "qwen3_5_moe_tex
 
 def test_every_supported_family_has_its_liger_function():
     for name, family in FAMILIES.items():
-        assert family.liger_function == LIGER_NAMES.get(name, f"apply_liger_kernel_to_{name}")
+        assert family.liger_function in (LIGER_NAMES.get(name, f"apply_liger_kernel_to_{name}"), None)
+
+
+@pytest.mark.parametrize("family,preset", [("deepseek_v3", "tiny-deepseek-v3"), ("glm4_moe", "tiny-glm4-moe")])
+def test_a_family_liger_has_no_patch_for_is_refused_with_that_reason(family, preset, monkeypatch):
+    """liger-kernel has no DeepSeek-V3 or GLM-4-MoE patch: refused (anywhere, installed or not) with that reason."""
+    assert FAMILIES[family].liger_function is None
+    model = build_model(preset_config(preset))
+    monkeypatch.setattr(liger_mod.importlib.util, "find_spec", lambda name: object())
+    for device in ("cpu", "cuda"):
+        assert "no patch function for model type" in liger_unavailable(family, device)
+    with pytest.raises(ValueError, match="no patch function"):
+        apply_liger(model)
 
 
 def test_refused_with_reason_on_cpu():

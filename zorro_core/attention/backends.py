@@ -10,7 +10,7 @@ for the padded backends, the plan's cross layout) picks each segment's keys. Bot
 bottom-right: query i of a segment with Lq queries and Lk keys sees keys 0..i + Lk - Lq
 (flash-attn's convention; SDPA's `is_causal` aligns top-left, which is wrong when Lq != Lk).
 `window` (if set) also hides keys more than window - 1 positions behind the query. GQA: Hq must
-be a multiple of Hkv.
+be a multiple of Hkv. v's head dim may differ from q's and k's (MLA): out is [Tq, Hq, Dv].
 
 - `reference`: explicit softmax(QK^T)V over a padded batch of segments, softmax in float32
   (float64 for float64 inputs). Exact, runs anywhere; the oracle for the others.
@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from zorro_core.attention.head_dims import crop, same_head_dim
 from zorro_core.attention.padded import attend, cross_attention, from_padded, to_padded
 from zorro_core.plan.segments import Segments
 
@@ -110,7 +111,18 @@ def _seqlens(seg: Segments, device: torch.device) -> tuple:
 
 
 class CudaVarlenBackend(AttentionBackend):
-    """A cu_seqlens kernel that runs on CUDA only; `missing` says what this install lacks for it."""
+    """A cu_seqlens kernel that runs on CUDA only; `missing` says what this install lacks for it.
+
+    Both kernels take one head dim for q, k and v: with MLA's Dv != Dq they get them zero-padded to
+    one and the output is cropped to Dv (exact: zorro_core.attention.head_dims)."""
+
+    def varlen(self, q, k, v, seg, scale, window=None):
+        q, k, v, dv = same_head_dim(q, k, v)
+        return crop(self.kernel(q, k, v, seg, scale, window), dv)
+
+    def kernel(self, q, k, v, seg: Segments, scale: float, window: Optional[int]) -> torch.Tensor:
+        """The kernel's call on q, k, v of one head dim."""
+        raise NotImplementedError
 
     def missing(self) -> Optional[str]:
         """Why the kernel is not importable here, or None."""
@@ -127,7 +139,7 @@ class TorchVarlenBackend(CudaVarlenBackend):
 
     name = "torch_varlen"
 
-    def varlen(self, q, k, v, seg, scale, window=None):
+    def kernel(self, q, k, v, seg, scale, window):
         # lazy: not every torch has it (see _varlen_attn_takes)
         from torch.nn.attention.varlen import varlen_attn
 
@@ -161,7 +173,7 @@ class FlashAttnBackend(CudaVarlenBackend):
 
     name = "flash_attn"
 
-    def varlen(self, q, k, v, seg, scale, window=None):
+    def kernel(self, q, k, v, seg, scale, window):
         # lazy: flash-attn is an optional package (unavailable() checks it)
         from flash_attn import flash_attn_varlen_func
 

@@ -14,6 +14,8 @@ On CPU the non-exact cross call goes through PyTorch's private CPU flash kernel 
 called with positional arguments: before its first use per dtype, a tiny call of its forward and
 backward is checked against float64 softmax attention (cpu_flash_unavailable, cached); when that
 fails, the cross call runs the public path (`attend`, F.scaled_dot_product_attention) instead.
+The op takes one head dim for q, k and v: with MLA's Dv != Dq it gets them zero-padded to one and
+its output cropped (zorro_core.attention.head_dims); `attend` takes unequal dims as they are.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from zorro_core.attention.head_dims import crop, same_head_dim
 from zorro_core.plan.layouts import CrossLayout, PaddedLayout
 from zorro_core.plan.segments import Segments
 
@@ -217,7 +220,8 @@ def cross_blocks_attention(
     """The cross call over `lay`: on CPU, non-exact, through the CPU flash kernel when its probe
     passed for q's dtype (cpu_flash_unavailable); otherwise `attend` over the [prompt | own] blocks."""
     if not exact and q.device.type == "cpu" and cpu_flash_unavailable(q.dtype) is None:
-        return _FlashCross.apply(q, k, v, seg, lay, scale, lay.mask(window, q.dtype))
+        qf, kf, vf, dv = same_head_dim(q, k, v)  # the op takes one head dim (MLA: zorro_core.attention.head_dims)
+        return crop(_FlashCross.apply(qf, kf, vf, seg, lay, scale, lay.mask(window, q.dtype)), dv)
     qp, kp, vp = _cross_blocks(q, k, v, seg, lay)
     return from_padded(attend(qp, kp, vp, lay, window, scale, exact), lay)
 

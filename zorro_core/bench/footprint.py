@@ -6,13 +6,14 @@ smallest size, so a refusal is never a false alarm (a case under the bound can s
 of memory: the case process's watchdog, runner.run_isolated, turns that into a status=oom
 row). Per case, in bytes:
 
-- weights: embedding + lm_head (once if tied) + every layer's projections and MLP
-  (cost.ModelShape), at the model dtype; gradients as much again when a phase has a backward;
+- weights: embedding + lm_head (once if tied) + every layer's projections and MLP, all
+  experts of a MoE layer (cost.ModelShape), at the model dtype; gradients as much again when a phase has a backward;
 - batch: four [B, P] / [B, R] tensors (ids and masks, int64 and at least a byte);
 - plan: two int64 per packed token of the arm (input ids and positions): B x (P + R) for the
   baseline, U x P + B x R for dedup;
 - activations: forward under no_grad keeps one layer's MLP in flight (hidden + 2 x
-  intermediate per token); forward+backward saves at least that much for every layer;
+  intermediate per token; a MoE layer: its shared experts'); forward+backward saves at least
+  that much for every layer, and each token's top-k experts in a MoE layer (activation_widths);
 - logits: float32 logits of the positions that get them (every packed position with
   logits_mode "none", the response tokens otherwise; "memory" mode: one chunk, its budget).
 """
@@ -63,9 +64,24 @@ def _gib(n: int) -> str:
 
 
 def parameter_count(shape: ModelShape, tied: bool) -> int:
-    """Embedding, lm_head (unless tied to the embedding) and every layer's linear weights."""
+    """Embedding, lm_head (unless tied to the embedding) and every layer's linear weights (all
+    experts of a MoE layer)."""
     embed = shape.vocab_size * shape.hidden_size
-    return embed * (1 if tied else 2) + shape.num_layers * shape.linear_params_per_layer
+    return embed * (1 if tied else 2) + shape.linear_params()
+
+
+def activation_widths(shape: ModelShape) -> tuple[int, int]:
+    """Per token: (what one layer's MLP surely holds at once, what all layers save for backward).
+
+    A dense layer: hidden + 2 x intermediate (gate and up). A MoE layer: hidden + 2 x the shared
+    experts' width at once (the routed experts may run a few tokens at a time); for backward,
+    each token's top-k routed experts' gate and up are saved as well."""
+    h, dense, moe = shape.hidden_size, shape.num_layers - shape.moe_layers, shape.moe_layers
+    dense_w = h + 2 * shape.intermediate_size
+    moe_w = h + 2 * shape.shared_intermediate_size
+    in_flight = min(w for w, n in ((dense_w, dense), (moe_w, moe)) if n)
+    saved = dense * dense_w + moe * (moe_w + 2 * shape.experts_per_token * shape.moe_intermediate_size)
+    return in_flight, saved
 
 
 def case_footprint(case: Case, config, phases: tuple[str, ...], arm: str = "baseline") -> Footprint:
@@ -79,8 +95,8 @@ def case_footprint(case: Case, config, phases: tuple[str, ...], arm: str = "base
     b, u = case.batch_size, case.unique_prompts
     p, r = (max(1, case.prompt_len // 2), 1) if case.padding else (case.prompt_len, case.response_len)
     tokens = b * (p + r) if arm == "baseline" else u * p + b * r  # the arm's packed row
-    per_token = shape.hidden_size + 2 * shape.intermediate_size
-    activations = tokens * per_token * width * (shape.num_layers if backward else 1)
+    in_flight, saved = activation_widths(shape)
+    activations = tokens * (saved if backward else in_flight) * width
     positions = tokens if case.logits_mode == "none" else b * r
     logits = positions * shape.vocab_size * 4
     if case.logits_mode == "memory":

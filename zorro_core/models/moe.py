@@ -1,4 +1,4 @@
-"""Mixture-of-experts (Qwen3-MoE, the MoE blocks of Qwen3-Next): token-wise, so dedup just works.
+"""Mixture-of-experts (Qwen3-MoE, Qwen3-Next, DeepSeek-V3, GLM-4-MoE): token-wise, so dedup just works.
 
 Routing and experts act on one token at a time, so a prompt token computed once gets the same
 experts and the same output as each of its N copies in the baseline. What changes is the
@@ -24,8 +24,16 @@ from zorro_core.plan.protocol import Plan
 AUX_WEIGHTINGS = ("multiplicity", "unique")
 
 
+def routed_experts(config) -> int:
+    """Routed experts per MoE layer (0 for a dense model): Qwen's `num_experts`, DeepSeek's and
+    GLM-4-MoE's `n_routed_experts`."""
+    return int(getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or 0)
+
+
 def is_moe(config) -> bool:
-    """Whether the model routes tokens to experts (has a router aux loss)."""
+    """Whether the model has the Qwen-style (softmax router, Switch aux loss) MoE blocks whose aux
+    loss zorro weights. Keyed on `num_experts`: DeepSeek-V3 / GLM-4-MoE (`n_routed_experts`, sigmoid
+    router) compute no aux loss in transformers, and their families say so (router_aux_loss=False)."""
     return bool(getattr(config, "num_experts", 0)) and hasattr(config, "num_experts_per_tok")
 
 

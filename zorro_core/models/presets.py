@@ -19,6 +19,7 @@ from huggingface_hub import snapshot_download
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from zorro_core.models.moe import routed_experts
 from zorro_core.models.registry import FAMILIES
 
 # Every preset of every family: name -> (model type, config fields).
@@ -57,11 +58,7 @@ def build_model(
     """
     extra = {}
     # A composite (multimodal) config builds its text model, whose config holds the experts.
-    if (
-        experts_implementation is None
-        and dtype == torch.float64
-        and getattr(config.get_text_config(), "num_experts", None)
-    ):
+    if experts_implementation is None and dtype == torch.float64 and routed_experts(config.get_text_config()):
         experts_implementation = "eager"
     if experts_implementation is not None:
         extra["experts_implementation"] = experts_implementation

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -39,8 +39,8 @@ class ModelFamily:
     """Preset name -> config fields that differ from the family's defaults."""
     support: Callable[[torch.device], str]
     """How the family runs on a device (a line of `zorro env`)."""
-    liger_function: str
-    """liger_kernel.transformers' patch function for the family."""
+    liger_function: Optional[str] = None
+    """liger_kernel.transformers' patch function for the family; None where liger has none (refused with that reason)."""
     layer_types: tuple[str, ...] = ATTENTION_LAYER_TYPES
     """Token mixers a model of the family may contain; any other layer type is refused."""
     unsupported_features: tuple[str, ...] = UNSUPPORTED_ATTENTION_FEATURES
@@ -80,6 +80,15 @@ _GEMMA3 = dict(head_dim=256, query_pre_attn_scalar=256, rope_theta=1e6, rope_loc
 _GEMMA3_LONG = dict(sliding_window=1024, rope_scaling={"rope_type": "linear", "factor": 8.0})
 _OLMO3_YARN = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=8192, attention_factor=1.2079441541679836, beta_fast=32, beta_slow=1)
 _OLMO3 = dict(rope_theta=5e5, rms_norm_eps=1e-6, vocab_size=100278, max_position_embeddings=65536, sliding_window=4096, eos_token_id=100257, pad_token_id=100277, rope_scaling=_OLMO3_YARN)
+# DeepSeek-V3's config sets head_dim to qk_rope_head_dim itself (the rope's width): an explicit one would override it.
+_SMALL_NO_HEAD_DIM = {k: v for k, v in _SMALL.items() if k != "head_dim"}
+# DeepSeek-V3 and V3.1 (671B) share one config.json; yarn x40 over a 4K original context.
+_YARN = dict(rope_type="yarn", rope_theta=1e4, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
+_DEEPSEEK_V3 = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=3, norm_topk_prob=True, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280, max_position_embeddings=163840, rms_norm_eps=1e-6, rope_parameters=dict(_YARN, factor=40.0, original_max_position_embeddings=4096))
+_GLM45 = dict(num_attention_heads=96, num_key_value_heads=8, head_dim=128, partial_rotary_factor=0.5, attention_bias=True, n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1, norm_topk_prob=True, vocab_size=151552, max_position_embeddings=131072, rope_theta=1e6, rms_norm_eps=1e-5)
+_MOE_NO_AUX = "MoE routing token-wise (sigmoid, group-limited top-k, shared experts); transformers computes no router aux loss for it; liger-kernel has no patch for it"
+_MLA = f"ok (MLA: value head dim != query head dim, V zero-padded where a kernel needs one head dim; {_MOE_NO_AUX})"
+_GLM_MOE = f"ok (partial rotary; {_MOE_NO_AUX})"
 
 # Qwen3.5: published shapes (the model cards; 0.8B/2B/4B the least certain), text positions through
 # the interleaved mRoPE, whose mrope_section splits rotary_dim/2 frequencies (tiny/small: sized to theirs).
@@ -172,6 +181,21 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
         "Qwen/Qwen3.5-35B-A3B": dict(_QWEN3_5, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, linear_num_value_heads=32, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8),
         "tiny-qwen3.5-moe": dict(_TINY_QWEN3_5, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
         "small-qwen3.5-moe": dict(_SMALL_QWEN3_5, moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=8, num_experts_per_tok=2),
+    }),
+    ModelFamily("deepseek_v3", support=_line(_MLA), presets={
+        "deepseek-ai/DeepSeek-V3": dict(_DEEPSEEK_V3),
+        "deepseek-ai/DeepSeek-V3.1": dict(_DEEPSEEK_V3),
+        "moonshotai/Moonlight-16B-A3B": dict(hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1, routed_scaling_factor=2.446, first_k_dense_replace=1, norm_topk_prob=True, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 5e4}),
+        # Dq = 16 + 8 = 24 != Dv = 12; layer 0 dense, layer 1 MoE (8 experts in 2 groups); yarn's mscale changes the scaling
+        "tiny-deepseek-v3": dict(_TINY, num_key_value_heads=4, moe_intermediate_size=32, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=256, rope_parameters=dict(_YARN, factor=4.0, original_max_position_embeddings=64)),
+        "small-deepseek-v3": dict(_SMALL_NO_HEAD_DIM, num_key_value_heads=4, moe_intermediate_size=128, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
+    }),
+    ModelFamily("glm4_moe", support=_line(_GLM_MOE), presets={
+        "zai-org/GLM-4.5": dict(_GLM45, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=92, n_routed_experts=160, first_k_dense_replace=3, routed_scaling_factor=2.5, use_qk_norm=True),
+        "zai-org/GLM-4.5-Air": dict(_GLM45, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=46, n_routed_experts=128, first_k_dense_replace=1, routed_scaling_factor=1.0, use_qk_norm=False),
+        # heads x head_dim (4 x 24) != hidden (64), as GLM-4.5's 96 x 128 != 5120; layer 0 dense, layer 1 MoE
+        "tiny-glm4-moe": dict(_TINY, head_dim=24, moe_intermediate_size=32, first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True),
+        "small-glm4-moe": dict(_SMALL, moe_intermediate_size=128, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, partial_rotary_factor=0.5, attention_bias=True),
     }),
 )}
 # fmt: on

@@ -2,8 +2,10 @@
 
 Counted analytically because torch's FlopCounterMode does not see flash-attn or flex ops.
 Per forward, per layer:
-- linear layers (q/k/v/o projections, gated MLP): 2 x their parameters per token;
-- attention: 4 x heads x head_dim per attended query-key pair (QK^T and PV, 2 FLOPs a MAC);
+- linear layers (q/k/v/o projections or MLA's low-rank ones, gated MLP): 2 x the parameters a
+  token goes through (a MoE layer: router, its top-k routed experts and the shared experts);
+- attention: 2 x heads x (qk head dim + v head dim) per attended query-key pair (QK^T and PV,
+  2 FLOPs a MAC; MLA's value heads are narrower than its query/key heads);
 - lm_head: 2 x hidden x vocab per position that gets logits (all packed positions with
   logits_mode "none", only the positions that predict a response token otherwise).
 Backward is 2 x forward; logits_mode "memory" recomputes the lm_head forward once more.
@@ -25,12 +27,12 @@ COMPONENTS = ("linear", "attention", "lm_head")
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a decoder-only transformer that its FLOPs depend on."""
+    """The sizes of a decoder-only transformer that its FLOPs and parameter count depend on."""
 
     hidden_size: int
     """Width of the residual stream."""
     intermediate_size: int
-    """Width of the gated MLP."""
+    """Width of the gated MLP of a dense layer."""
     num_layers: int
     """Decoder layers."""
     num_heads: int
@@ -38,42 +40,107 @@ class ModelShape:
     num_kv_heads: int
     """Key/value heads (GQA)."""
     head_dim: int
-    """Width of one head."""
+    """Width of one query/key head."""
     vocab_size: int
     """Rows of lm_head."""
+    v_head_dim: int = 0
+    """Width of one value head when it differs from head_dim (MLA); 0: head_dim."""
+    attention_params: int = 0
+    """One layer's attention projection parameters when they are not q/k/v/o of the head dims
+    (MLA's low-rank projections); 0: that formula."""
+    moe_layers: int = 0
+    """Layers whose MLP is a mixture of experts (the others are dense)."""
+    num_experts: int = 0
+    """Routed experts of a MoE layer."""
+    experts_per_token: int = 0
+    """Routed experts each token goes through (top-k)."""
+    moe_intermediate_size: int = 0
+    """Width of one routed expert's gated MLP."""
+    shared_intermediate_size: int = 0
+    """Total width of a MoE layer's shared expert(s), which every token goes through."""
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
-        """Read the shape from a transformers config (Qwen3/Llama/Qwen2/Mistral field names)."""
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        """Read the shape from a transformers config: Qwen3/Llama/Qwen2/Mistral field names, MoE
+        (Qwen's `num_experts`, DeepSeek's and GLM's `n_routed_experts`) and DeepSeek's MLA."""
+        heads, h = config.num_attention_heads, config.hidden_size
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        v_dim = attention = 0
+        if getattr(config, "kv_lora_rank", None):  # MLA: k and v expanded per head from a latent
+            nope, rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+            head_dim, v_dim, kv_heads = nope + rope, config.v_head_dim, heads
+            q_rank = getattr(config, "q_lora_rank", None)
+            q = h * q_rank + q_rank * heads * head_dim if q_rank else h * heads * head_dim
+            kv = h * (config.kv_lora_rank + rope) + config.kv_lora_rank * heads * (nope + v_dim)
+            attention = q + kv + heads * v_dim * h  # ... + o
+        else:  # config.head_dim, where set, is the attention's own (GLM-4.5: 96 x 128 heads, hidden 5120)
+            head_dim = getattr(config, "head_dim", None) or h // heads
+        experts = int(getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or 0)
+        moe_inter = getattr(config, "moe_intermediate_size", 0) or 0
+        shared = getattr(config, "shared_expert_intermediate_size", None) or (
+            (getattr(config, "n_shared_experts", None) or 0) * moe_inter
+        )
         return cls(
-            hidden_size=config.hidden_size,
-            intermediate_size=_mlp_width(config),
+            hidden_size=h,
+            # Qwen3.5-MoE has no dense MLP width: every layer is MoE, so no dense layer reads it.
+            intermediate_size=getattr(config, "intermediate_size", None) or 0,
             num_layers=config.num_hidden_layers,
             num_heads=heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
             vocab_size=config.vocab_size,
+            v_head_dim=v_dim,
+            attention_params=attention,
+            moe_layers=_moe_layers(config, experts),
+            num_experts=experts,
+            experts_per_token=(getattr(config, "num_experts_per_tok", 0) or 0) if experts else 0,
+            moe_intermediate_size=moe_inter if experts else 0,
+            shared_intermediate_size=shared if experts else 0,
         )
 
     @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def attention_params_per_layer(self) -> int:
+        """One layer's attention projections."""
+        if self.attention_params:
+            return self.attention_params
+        h, d, dv = self.hidden_size, self.head_dim, self.value_head_dim
+        return h * self.num_heads * (d + dv) + h * self.num_kv_heads * (d + dv)  # q, o ; k, v
+
+    @property
     def linear_params_per_layer(self) -> int:
-        """Parameters of one layer's projections and MLP (norms excluded)."""
-        h, d = self.hidden_size, self.head_dim
-        attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2  # q, o ; k, v
-        mlp = 3 * h * self.intermediate_size  # gate, up, down
-        return attn + mlp
+        """Parameters of one dense layer's projections and MLP (norms and biases excluded)."""
+        return self.attention_params_per_layer + 3 * self.hidden_size * self.intermediate_size
+
+    def moe_mlp_params(self, active: bool) -> int:
+        """One MoE layer's MLP: router, the routed experts (each token's top-k with `active`, all
+        of them otherwise) and the shared expert(s)."""
+        h = self.hidden_size
+        routed = self.experts_per_token if active else self.num_experts
+        return h * self.num_experts + 3 * h * (routed * self.moe_intermediate_size + self.shared_intermediate_size)
+
+    def linear_params(self, active: bool = False) -> int:
+        """Every layer's projections and MLPs: all the parameters, or (`active`) those one token goes
+        through, which is what its FLOPs count (2 per parameter)."""
+        dense = self.num_layers - self.moe_layers
+        moe = self.moe_layers * (self.attention_params_per_layer + self.moe_mlp_params(active))
+        return dense * self.linear_params_per_layer + moe
 
 
-def _mlp_width(config) -> int:
-    """The gated MLP width a token runs: the dense one, or (an MoE config without one, Qwen3.5-MoE)
-    its routed experts' together plus the shared expert's."""
-    dense = getattr(config, "intermediate_size", None)
-    if dense:
-        return dense
-    shared = getattr(config, "shared_expert_intermediate_size", None) or 0
-    return config.moe_intermediate_size * config.num_experts_per_tok + shared
+def _moe_layers(config, experts: int) -> int:
+    """How many layers have a MoE MLP, by each family's rule (transformers' decoder layers)."""
+    n = config.num_hidden_layers
+    if not experts:
+        return 0
+    first_dense = getattr(config, "first_k_dense_replace", None)
+    if first_dense is not None:  # DeepSeek-V3, GLM-4-MoE: the first k layers are dense
+        return max(0, n - first_dense)
+    only_mlp = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", None) or 1  # Qwen3-MoE, Qwen3-Next
+    return sum(i not in only_mlp and (i + 1) % step == 0 for i in range(n))
 
 
 @dataclass(frozen=True)
@@ -116,9 +183,10 @@ class Flops:
 
 def flops(shape: ModelShape, work: ForwardWork, logits_mode: str = "compute") -> Flops:
     """FLOPs of one forward of `work` through a model of `shape`."""
+    per_pair = 2.0 * shape.num_heads * (shape.head_dim + shape.value_head_dim) * shape.num_layers
     return Flops(
-        linear=2.0 * shape.linear_params_per_layer * shape.num_layers * work.tokens,
-        attention=4.0 * shape.num_heads * shape.head_dim * shape.num_layers * work.attended_pairs,
+        linear=2.0 * shape.linear_params(active=True) * work.tokens,
+        attention=per_pair * work.attended_pairs,
         lm_head=2.0 * shape.hidden_size * shape.vocab_size * work.logit_positions,
         lm_head_recompute=logits_mode == "memory",
     )

@@ -84,6 +84,11 @@ class LigerResult:
 def liger_unavailable(model: nn.Module | str, device: str | torch.device | None = None) -> Optional[str]:
     """Why Liger cannot be applied to `model` (or a model type) here, or None when it can."""
     mtype = model if isinstance(model, str) else getattr(unwrap_adapters(model).config, "model_type", None)
+    if mtype in FAMILIES and FAMILIES[mtype].liger_function is None:
+        return (
+            f"liger-kernel has no patch function for model type {mtype!r} (its transformers integration "
+            "covers other families); run this model without Liger"
+        )
     if device is None:
         device = next(model.parameters()).device if isinstance(model, nn.Module) else "cpu"
     device = torch.device(device)
@@ -97,8 +102,9 @@ def liger_unavailable(model: nn.Module | str, device: str | torch.device | None 
         import liger_kernel.transformers as lt
     except Exception as e:  # installed but broken (e.g. a Triton that does not match torch)
         return f"liger_kernel.transformers does not import: {e}"
-    if not hasattr(lt, FAMILIES[mtype].liger_function):
-        return f"this liger-kernel has no {FAMILIES[mtype].liger_function} (upgrade liger-kernel)"
+    function = FAMILIES[mtype].liger_function
+    if function is None or not hasattr(lt, function):
+        return f"this liger-kernel has no {function} (upgrade liger-kernel)"
     return None
 
 
@@ -112,7 +118,7 @@ def apply_liger(model: nn.Module, settings: Optional[LigerSettings] = None) -> L
 
     model = unwrap_adapters(model)  # liger walks model.<base_model_prefix>.layers of the causal LM
     mtype = model.config.model_type
-    fn = getattr(lt, FAMILIES[mtype].liger_function)
+    fn = getattr(lt, str(FAMILIES[mtype].liger_function))  # not None: liger_unavailable refused that
     accepted = inspect.signature(fn).parameters
     wanted = {
         "rope": settings.rope,
