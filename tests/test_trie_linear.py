@@ -277,3 +277,17 @@ def test_layout_of_a_small_trie():
     assert src[13].tolist() == [4, 5, 6, 13]
     assert src[7].tolist() == [3, 4, 5, 7]
     assert src[0].tolist() == [plan.num_tokens] * 3 + [0]
+
+
+@pytest.mark.parametrize("batch_name", list(BATCHES))
+@pytest.mark.parametrize("sharing,min_shared", [("prompt", 1), ("prefix", 1), ("prefix", 16)])
+def test_cost_model_counts_the_tokens_the_layout_runs(batch_name, sharing, min_shared):
+    """plan_workload's replayed tokens are exactly what the delta-rule layout runs beyond the packed row."""
+    from zorro_core.plan.cost import DELTA_RULE_CHUNK, plan_workload
+
+    plan = build_dedup_plan(BATCHES[batch_name](), sharing=sharing, min_shared_tokens=min_shared)
+    lay = build_linear_layout(plan, DELTA_RULE_CHUNK)
+    work = plan_workload(plan)
+    assert sum(step.calls.index.numel() for step in lay.steps) == work.tokens + work.replayed_tokens
+    # The boundary tree's only shared prompt (64 tokens) ends on a chunk boundary: nothing to replay.
+    assert (work.replayed_tokens > 0) == (sharing == "prefix" or batch_name != "boundaries")

@@ -184,22 +184,6 @@ def _path_packed(plan: TriePlan, node: torch.Tensor, d: torch.Tensor) -> torch.T
     return plan.node_start[cur] + d - plan.node_depth[cur]
 
 
-def _trie_segments(plan: TriePlan, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """([M] c, [M] f, [M] first child or -1): each node's delta-rule segment [c, f) and its first child."""
-    m, dev = plan.num_nodes, plan.device
-    end = plan.node_depth + plan.node_len
-    parent = plan.node_parent
-    kids = (parent >= 0).nonzero().flatten()
-    # Nodes are numbered in packed order: a parent's first child is its lowest-numbered one.
-    first_child = torch.full((m,), m, dtype=torch.long, device=dev).scatter_reduce(
-        0, parent[kids], kids, "amin", include_self=True
-    )
-    has_child = first_child < m
-    f = torch.where(has_child, end // chunk * chunk, end)
-    c = torch.where(parent >= 0, f[parent.clamp(min=0)], 0)
-    return c, f, torch.where(has_child, first_child, -1)
-
-
 @conv_sources.register
 def _(plan: TriePlan, kernel_size: int) -> torch.Tensor:
     t = plan.num_tokens
@@ -214,7 +198,7 @@ def _(plan: TriePlan, kernel_size: int) -> torch.Tensor:
 @build_linear_layout.register
 def _(plan: TriePlan, chunk: int = DEFAULT_CHUNK) -> LinearLayout:
     dev, t = plan.device, plan.num_tokens
-    c, f, first_child = _trie_segments(plan, chunk)
+    c, f, first_child = plan.chunk_segments(chunk)
     seg_len = f - c
     parent, level = plan.node_parent, plan.node_level
     # Each node's state source: the nearest ancestor with a non-empty segment (-1: zeros), level by level.
