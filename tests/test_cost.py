@@ -169,4 +169,5 @@ def test_shape_workloads_count_the_replayed_tails(p):
     batch = create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=p, response_len=3, vocab_size=128, seed=1)
     base, dedup = shape_workloads([p] * 2, [3, 3], [[3] * 3] * 2)
     assert base.replayed_tokens == 0 and dedup.replayed_tokens == 2 * 2 * (p % 64)
-    assert dedup == plan_workload(build_dedup_plan(batch))
+    plan_work = plan_workload(build_dedup_plan(batch))
+    assert dedup == plan_work and dedup.replayed_tokens == plan_work.replayed_tokens
