@@ -9,7 +9,7 @@ layers and a `tiny-*` preset is covered.
 
 import pytest
 import torch
-from helpers import GRAD_RTOL, LP_ATOL, check
+from helpers import GRAD_RTOL, LP_ATOL, MODES, check
 from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 from test_checkpointing import checkpointing
 from versions import skip_module_without_qwen3_next_adapter
@@ -30,7 +30,6 @@ LINEAR_FAMILIES = [
     if name.startswith("tiny-") and any(t in LINEAR_LAYER_TYPES for t in FAMILIES[family].layer_types)
 ]
 TEMPERATURE = 0.8
-MODES = [(True, "eager"), (True, "sdpa"), (False, "eager")]
 
 
 def tree_rows(spec, seed: int) -> RolloutBatch:
@@ -77,6 +76,9 @@ BOUNDARY_TREE = {
         "Z2": ("Z", 66),
         "Z111": ("Z11", 80),
         "Z112": ("Z11", 140),
+        "Y": (None, 65),
+        "Y1": ("Y", 66),
+        "Y2": ("Y", 100),
         "L": (None, 70),
     },
     "rows": [
@@ -95,6 +97,8 @@ BOUNDARY_TREE = {
         ("Z2", 63),
         ("Z11", 64),  # ends at an inner node of one token
         ("Z1", 30),  # ends at an inner node of one token, on a chunk boundary
+        ("Y1", 30),
+        ("Y2", 65),
         ("L", 40),  # one-member
     ],
 }
@@ -172,8 +176,8 @@ def test_boundary_tree_is_the_tree_it_claims():
     """The boundary batch's trie has the node ends the test is about (at min_shared_tokens=1)."""
     plan = build_dedup_plan(BATCHES["boundaries"](), sharing="prefix", min_shared_tokens=1)
     ends = {(int(lv), int(e)) for lv, e in zip(plan.node_level, plan.node_depth + plan.node_len)}
-    assert {(0, 63), (0, 64), (1, 64), (2, 65)} <= ends  # level 0 either side, a short node on it and after it
-    for level, boundary in ((1, 128), (2, 192), (3, 256)):
+    assert {(1, 64), (2, 65)} <= ends  # short nodes on a boundary and just after it
+    for level, boundary in ((0, 64), (1, 128), (2, 192), (3, 256)):
         assert {(level, boundary - 1), (level, boundary), (level, boundary + 1)} <= ends
     assert plan.depth == 4 and int(plan.node_len.min()) == 1
 
