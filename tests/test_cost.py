@@ -154,3 +154,33 @@ def test_analyze_refuses_a_workload_too_large_for_floats():
 
     with pytest.raises(ValueError, match="too large"):
         workload_report(prompt_len=10**160, responses=10, response_len=10, model="tiny-qwen3")
+
+
+def test_linear_attention_layers_are_counted_as_such():
+    """Qwen3-Next: gated DeltaNet layers have their own projections and no attended pairs; their
+    delta rule costs per token it runs, the replayed partial chunks included."""
+    config = preset_config("tiny-qwen3-next")
+    shape = ModelShape.from_config(config)
+    assert (shape.num_layers, shape.num_linear_layers) == (2, 1)
+    model = build_model(config)
+    gdn = next(layer.linear_attn for layer in model.model.layers if hasattr(layer, "linear_attn"))
+    projections = sum(m.weight.numel() for m in gdn.modules() if isinstance(m, torch.nn.Linear))
+    assert shape.delta_net_params_per_layer == projections
+    assert shape.moe_layers == 2  # Qwen3-Next's MLPs are all MoE: a token runs the router, top-k and shared experts
+    work = ForwardWork(tokens=100, attended_pairs=3000, logit_positions=10, replayed_tokens=7)
+    f = flops(shape, work)
+    assert f.attention == 4 * shape.num_heads * shape.head_dim * 3000 + shape.delta_rule_flops_per_token * 107
+    mixers = shape.attention_params_per_layer + shape.delta_net_params_per_layer
+    assert f.linear == 2 * (mixers + 2 * shape.moe_mlp_params(active=True)) * 100
+    assert ModelShape.from_config(preset_config("tiny-qwen3")).num_linear_layers == 0
+
+
+@pytest.mark.parametrize("p", [10, 64, 70, 130])
+def test_shape_workloads_count_the_replayed_tails(p):
+    """The prompt plan replays a shared prompt's tail past its last chunk boundary once per extra
+    response; the closed forms and the plan agree."""
+    batch = create_dummy_batch(batch_size=6, num_unique_prompts=2, prompt_len=p, response_len=3, vocab_size=128, seed=1)
+    base, dedup = shape_workloads([p] * 2, [3, 3], [[3] * 3] * 2)
+    assert base.replayed_tokens == 0 and dedup.replayed_tokens == 2 * 2 * (p % 64)
+    plan_work = plan_workload(build_dedup_plan(batch))
+    assert dedup == plan_work and dedup.replayed_tokens == plan_work.replayed_tokens

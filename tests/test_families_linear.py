@@ -156,7 +156,8 @@ def test_carried_state_matters(tiny_models, exact_references, exact_kernel, monk
 
         def layout(plan, chunk=64):
             lay = real_layout(plan, chunk)
-            lay.branch_state = torch.zeros_like(lay.branch_state)
+            branch = lay.steps[-1]
+            branch.state = torch.zeros_like(branch.state)
             return lay
 
         monkeypatch.setattr(la, "build_linear_layout", layout)
@@ -187,13 +188,15 @@ def test_layout_forks_at_the_last_chunk_boundary():
     plan = build_dedup_plan(batch)
     lay = build_linear_layout(plan, chunk=4)
     # Packed: prompt A (10) @0, [B + resp1] (3+1) @10, [C + resp3] (8+1) @14, then resp0 (2) @23, resp2 (3) @25.
-    assert lay.head.cu.tolist() == [0, 8, 12, 21]  # A up to 8; lone B+r1 and C+r3 whole
-    assert lay.head.index[:8].tolist() == list(range(8))
-    assert lay.branch.cu.tolist() == [0, 4, 9]  # tail [8,10) + response, per row of A
-    assert lay.branch.index.tolist() == [8, 9, 23, 24, 8, 9, 25, 26, 27]
-    assert lay.branch_state.tolist() == [1, 1]  # both start from head segment 0's state
+    head, branch = lay.steps
+    assert head.state is None  # from zeros
+    assert head.calls.cu.tolist() == [0, 8, 12, 21]  # A up to 8; lone B+r1 and C+r3 whole
+    assert head.calls.index[:8].tolist() == list(range(8))
+    assert branch.calls.cu.tolist() == [0, 4, 9]  # tail [8,10) + response, per row of A
+    assert branch.calls.index.tolist() == [8, 9, 23, 24, 8, 9, 25, 26, 27]
+    assert branch.state.tolist() == [1, 1]  # both start from head segment 0's state
     # Every packed token takes its output from exactly one place; A's tail from its first row's branch.
-    n_head = lay.head.index.numel()
+    n_head = head.calls.index.numel()
     assert sorted(lay.out_index.tolist()) == sorted(set(lay.out_index.tolist()))
     assert lay.out_index[8:10].tolist() == [n_head + 0, n_head + 1]
     assert lay.out_index[25:28].tolist() == [n_head + 6, n_head + 7, n_head + 8]
@@ -254,8 +257,9 @@ def test_fla_varlen_matches_per_sequence_on_gpu(family):
 def test_layout_all_prompts_shorter_than_a_chunk():
     plan = build_dedup_plan(BATCHES["all_short_shared"]())
     lay = build_linear_layout(plan)
-    assert lay.head.index.numel() == 0 and torch.all(lay.branch_state == 0)  # every branch starts from zeros
-    assert lay.branch.cu.numel() - 1 == plan.batch_size
+    (branch,) = lay.steps  # no head: every branch starts from zeros
+    assert torch.all(branch.state == 0)
+    assert branch.calls.cu.numel() - 1 == plan.batch_size
 
 
 @pytest.mark.parametrize("family", FAMILIES)

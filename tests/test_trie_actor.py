@@ -7,7 +7,6 @@ from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 from test_trie import tree_batch
 
 from zorro_core import BaselineActor, DeduplicatedActor, create_dummy_batch
-from zorro_core.errors import UnsupportedModelError
 
 BATCHES = {
     "tree": tree_batch,  # depth 4 at min_shared_tokens=1: a prefix row, identical rows, runs ending in responses
@@ -92,11 +91,6 @@ def test_moe_matches_and_aux_loss_equals_baseline(tiny_models, references, split
     out = check(prefix_actor(model, split, attn), batch, w, ref, TEMPERATURE)
     base = BaselineActor(model=model, attn_implementation="eager", padded=True).forward(batch).aux_loss
     assert abs(out.aux_loss.item() - base.item()) < 1e-7 * base.item()
-
-
-def test_linear_attention_is_refused(tiny_models):
-    with pytest.raises(UnsupportedModelError, match="linear-attention"):
-        prefix_actor(tiny_models("tiny-qwen3-next"))
 
 
 def test_default_min_shared_is_exact(tiny_models, references):

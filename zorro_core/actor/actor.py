@@ -22,7 +22,6 @@ from zorro_core.attention.backends import default_backend, get_backend
 from zorro_core.attention.flex import flex_unavailable
 from zorro_core.attention.hook import Route, RouteSpec, route_mask
 from zorro_core.attention.registration import install_attention
-from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.families import aux_loss_of, forward_kwargs, install_family_adapters
 from zorro_core.models.parts import check_layers_served, check_trainable_state, model_parts
 from zorro_core.models.presets import load_model
@@ -59,11 +58,6 @@ class _Actor:
         attn = auto_choice.implementation if auto_choice else requested.attn_implementation
         self.model = self._place_model(model, model_name_or_path, device, compute_dtype, attn)
         self.parts = model_parts(self.model)
-        if self.dedup and requested.sharing == "prefix" and self.parts.num_linear_layers:
-            raise UnsupportedModelError(
-                "sharing='prefix' does not support linear-attention layers yet (a trie node would have to start "
-                "from its parent's recurrent state and conv window at an arbitrary depth); use sharing='prompt'"
-            )
         first = next(self.model.parameters())
         self.device = first.device
         # Backends, the "auto" choice and the batch's device follow from these: checked every call.

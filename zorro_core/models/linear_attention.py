@@ -24,6 +24,11 @@ one that runs), so the model is unchanged outside the actor. Everything else in 
           tokens) so that its chunk holds the same tokens as in the one-shot run; the prompt's
           own tail outputs are taken from its first response's branch.
   Gradients reach the prompt through the carried state, the replayed tail and the conv window.
+- The prefix tree (`TriePlan`, sharing="prefix") is the same idea at any depth: each node's
+  segment starts at its parent's last chunk boundary from the parent's final state, replaying
+  the parent's partial last chunk (one call per tree level); a token's conv window is its own
+  path's. Both layouts (which segments, from which state, each token's output) are in
+  zorro_core.models.linear_layout, dispatched on the plan type; the adapter runs any of them.
 - Backends: flash-linear-attention's chunk_gated_delta_rule when transformers resolved to it
   and the tensors are on CUDA (varlen with cu_seqlens, one initial state per segment);
   otherwise (no fla, or CPU tensors, which fla's kernel cannot take) transformers' PyTorch
@@ -37,7 +42,6 @@ import functools
 import inspect
 import sys
 import types
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -45,123 +49,19 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.plan.prompt import DedupPlan
-from zorro_core.plan.segments import concat_ranges, cu_seqlens
+from zorro_core.models.linear_layout import (  # noqa: F401 - LinearLayout re-exported with the builders
+    DEFAULT_CHUNK,
+    Calls,
+    LinearLayout,
+    build_linear_layout,
+    conv_sources,
+)
+from zorro_core.plan.protocol import Plan
 
 # transformers' layer type of a gated DeltaNet layer.
 LINEAR_LAYER_TYPES = ("linear_attention",)
-DEFAULT_CHUNK = 64
 _CONV_FN = "causal_conv1d_fn"
 _DELTA_FN = "torch_chunk_gated_delta_rule"
-
-
-@dataclass
-class _Calls:
-    """Varlen segments of one delta-rule call: packed positions back to back, cu_seqlens."""
-
-    index: torch.Tensor
-    """[N] packed positions of the segments' tokens."""
-    cu: torch.Tensor
-    """[n+1] int32 cumulative lengths."""
-    max_len: int
-    """Longest segment."""
-    padded: torch.Tensor
-    """[n, max_len] packed positions as a right-padded batch; T (a zero row) at padding."""
-    valid: torch.Tensor
-    """[n, max_len] real entries of `padded`."""
-
-
-@dataclass
-class LinearLayout:
-    """What every gated DeltaNet layer of one forward needs; built once per plan."""
-
-    head: _Calls
-    """Shared prompts up to their last chunk boundary, and whole one-member sequences."""
-    head_group: torch.Tensor
-    """[n_head] group of each head segment."""
-    branch: Optional[_Calls]
-    """Per response of a shared prompt: prompt tail + response. None when nothing is shared."""
-    branch_state: Optional[torch.Tensor]
-    """[n_branch] which initial state each branch starts from: 0 = zeros, 1 + i = head segment i's final state."""
-    out_index: torch.Tensor
-    """[T] position in cat(head outputs, branch outputs) of each packed token's output."""
-
-
-def _segments(pieces_start: torch.Tensor, pieces_len: torch.Tensor, pieces_per_segment: int, t: int) -> _Calls:
-    dev = pieces_start.device
-    n_tot = int(pieces_len.sum())
-    index = concat_ranges(pieces_start, pieces_len, n_tot)
-    seg_len = pieces_len.view(-1, pieces_per_segment).sum(1)
-    max_len = int(seg_len.max()) if seg_len.numel() else 0
-    cu = cu_seqlens(seg_len)
-    a = torch.arange(max_len, device=dev)
-    valid = a[None, :] < seg_len[:, None]
-    flat = torch.where(valid, cu[:-1, None].long() + a[None, :], 0)
-    padded = torch.where(valid, index[flat] if n_tot else flat, t)
-    return _Calls(index, cu, max_len, padded, valid)
-
-
-def conv_sources(plan: DedupPlan, kernel_size: int) -> torch.Tensor:
-    """[T, K] packed position of each token's conv inputs, oldest first (itself last); T where none (zero)."""
-    dev = plan.device
-    t = plan.num_tokens
-    # Conv inputs: the d-th predecessor of a response token inside its response is t - d, before
-    # it the prompt's position pos - d; of a prompt token, its prompt's position pos - d.
-    pos = plan.position_ids
-    grp = plan.token_group
-    is_resp = plan.token_segment >= plan.num_groups
-    offset = pos - plan.prompt_lens[grp]
-    tok = torch.arange(t, device=dev)
-    d = torch.arange(kernel_size - 1, -1, -1, device=dev)[None, :]  # oldest first
-    src = torch.where(
-        is_resp[:, None] & (offset[:, None] >= d), tok[:, None] - d, plan.prompt_start[grp][:, None] + pos[:, None] - d
-    )
-    return torch.where(pos[:, None] >= d, src, t)
-
-
-def build_linear_layout(plan: DedupPlan, chunk: int = DEFAULT_CHUNK) -> LinearLayout:
-    """The head/branch segments of `plan` (see the module docstring)."""
-    dev = plan.device
-    t = plan.num_tokens
-    g_count = plan.num_groups
-    plen = plan.prompt_lens
-    shared = plan.group_size > 1
-
-    # Head: shared prompts up to the fork (maybe empty: then the branches start from zeros), and
-    # the whole [prompt][response] of one-member groups (contiguous in the packed row).
-    lone_len = torch.zeros(g_count, dtype=torch.long, device=dev).index_add(
-        0, plan.group_of_row, torch.where(shared[plan.group_of_row], 0, plan.response_lens)
-    )
-    fork = torch.where(shared, plen // chunk * chunk, plen)
-    head_len = fork + lone_len
-    keep = (head_len > 0).nonzero().flatten()
-    head = _segments(plan.prompt_start[keep], head_len[keep], 1, t)
-    seg_of_group = torch.full((g_count,), -1, dtype=torch.long, device=dev)
-    seg_of_group[keep] = torch.arange(keep.numel(), device=dev)
-
-    merge = torch.empty(t, dtype=torch.long, device=dev)
-    merge[head.index] = torch.arange(head.index.numel(), device=dev)
-    branch = branch_state = None
-    rows = (shared[plan.group_of_row]).nonzero().flatten()
-    if rows.numel():
-        rows = rows[torch.argsort(plan.response_start[rows])]
-        g = plan.group_of_row[rows]
-        tail_start = plan.prompt_start[g] + fork[g]
-        tail_len = plen[g] - fork[g]
-        starts = torch.stack([tail_start, plan.response_start[rows]], 1).flatten()
-        lens = torch.stack([tail_len, plan.response_lens[rows]], 1).flatten()
-        branch = _segments(starts, lens, 2, t)
-        branch_state = seg_of_group[g] + 1
-        # Every response token from its own branch; a prompt's tail from its first row's branch.
-        n_b = branch.index.numel()
-        seg_len = tail_len + plan.response_lens[rows]
-        in_tail = torch.arange(n_b, device=dev) - torch.repeat_interleave(
-            branch.cu[:-1].long(), seg_len, output_size=n_b
-        ) < torch.repeat_interleave(tail_len, seg_len, output_size=n_b)
-        first_row = torch.repeat_interleave(plan.group_rep_row[g] == rows, seg_len, output_size=n_b)
-        use = ~in_tail | first_row
-        merge[branch.index[use]] = head.index.numel() + torch.arange(n_b, device=dev)[use]
-    return LinearLayout(head, keep, branch, branch_state, merge)
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,9 +96,7 @@ def delta_rule_kernel(module_kernel, x: torch.Tensor):
     return module_kernel, False
 
 
-def _delta_varlen(
-    kernel, calls: _Calls, x: tuple, init: Optional[torch.Tensor], chunk: int, final: bool, use_fla: bool
-):
+def _delta_varlen(kernel, calls: Calls, x: tuple, init: Optional[torch.Tensor], chunk: int, final: bool, use_fla: bool):
     """Run the delta rule over the segments of `calls`; returns ([N, Hv, Dv] outputs in segment order, final states)."""
     if use_fla:
         args = [a[calls.index][None] for a in x]
@@ -270,18 +168,19 @@ def _dedup_delta_rule(
     # fla's kernel (CUDA) takes cu_seqlens (true varlen), the PyTorch fallback does not.
     kernel, use_fla = delta_rule_kernel(original, query)
     x = tuple(a[0] for a in (query, key, value, g, beta))
-    outs, head_state = [], None
-    if lay.head.index.numel():
-        head_out, head_state = _delta_varlen(kernel, lay.head, x, None, chunk_size, lay.branch is not None, use_fla)
-        outs.append(head_out)
-    if lay.branch is not None:
-        hv, dk, dv = value.shape[2], key.shape[3], value.shape[3]
-        zero = torch.zeros(
-            1, hv, dk, dv, dtype=torch.float32 if head_state is None else head_state.dtype, device=query.device
-        )
-        states = zero if head_state is None else torch.cat([zero, head_state])
-        branch_out, _ = _delta_varlen(kernel, lay.branch, x, states[lay.branch_state], chunk_size, False, use_fla)
-        outs.append(branch_out)
+    outs: list[torch.Tensor] = []
+    finals: list[torch.Tensor] = []
+    for i, step in enumerate(lay.steps):
+        init = None
+        if step.state is not None:
+            hv, dk, dv = value.shape[2], key.shape[3], value.shape[3]
+            zero = torch.zeros(1, hv, dk, dv, dtype=finals[0].dtype if finals else torch.float32, device=query.device)
+            init = torch.cat([zero, *finals])[step.state]
+        last = i == len(lay.steps) - 1
+        out, state = _delta_varlen(kernel, step.calls, x, init, chunk_size, not last, use_fla)
+        outs.append(out)
+        if not last:
+            finals.append(state)
     route.count_adapter_call("linear_attention")
     return torch.cat(outs)[lay.out_index][None], None
 
@@ -319,7 +218,7 @@ def _dedup_conv(original, hidden_states, weight, bias=None, activation=None, **k
     return out
 
 
-def _conv_fixes(plan: DedupPlan, kernel_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _conv_fixes(plan: Plan, kernel_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """conv_sources, and the packed positions whose sources differ from the packed row's own window."""
     src = conv_sources(plan, kernel_size)
     t = plan.num_tokens

@@ -11,18 +11,29 @@ Per forward, per layer:
 Backward is 2 x forward; logits_mode "memory" recomputes the lm_head forward once more.
 Norms, RoPE, softmax and the embedding lookup are ignored (a few percent at most).
 Sliding windows are ignored (the count is an upper bound for windowed layers).
+Linear-attention (gated DeltaNet) layers: their projections (q/k/v/z, b/a, out) and MLP per token
+as above, no attended pairs; their token mixing, the chunked delta rule, costs per token it runs
+(`ModelShape.delta_rule_flops_per_token`), and it runs the packed tokens plus the partial chunks
+the dedup layouts replay (`ForwardWork.replayed_tokens`: per extra response of a shared prompt
+its tail past the last chunk boundary; per trie node the part of its parent's last chunk it
+starts from). The causal conv (2 x kernel FLOPs per channel and token) is ignored.
 A prefix tree (sharing="prefix") counts tokens by node and attended pairs by each node's
 ancestors plus its causal self (`tree_workload`, `TriePlan.attended_pairs`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Sequence
 
+from zorro_core.plan.prompt import DedupPlan
 from zorro_core.plan.protocol import Plan
+from zorro_core.plan.trie import TriePlan
 
 COMPONENTS = ("linear", "attention", "lm_head")
+DELTA_RULE_CHUNK = 64
+"""Chunk of the gated delta rule (transformers' PyTorch kernel and fla's; the dedup layouts align to it)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,17 @@ class ModelShape:
     shared_intermediate_size: int = 0
     """Total width of a MoE layer's shared expert(s), which every token goes through."""
 
+    num_linear_layers: int = 0
+    """Of num_layers, the linear-attention (gated DeltaNet) layers; the others are softmax attention."""
+    linear_key_heads: int = 0
+    """Gated DeltaNet key heads."""
+    linear_value_heads: int = 0
+    """Gated DeltaNet value heads (the delta rule runs one state per value head)."""
+    linear_key_dim: int = 0
+    """Width of a gated DeltaNet key head."""
+    linear_value_dim: int = 0
+    """Width of a gated DeltaNet value head."""
+
     @classmethod
     def from_config(cls, config) -> "ModelShape":
         """Read the shape from a transformers config: Qwen3/Llama/Qwen2/Mistral field names, MoE
@@ -80,6 +102,7 @@ class ModelShape:
         shared = getattr(config, "shared_expert_intermediate_size", None) or (
             (getattr(config, "n_shared_experts", None) or 0) * moe_inter
         )
+        layer_types = getattr(config, "layer_types", None) or ()
         return cls(
             hidden_size=h,
             # Qwen3.5-MoE has no dense MLP width: every layer is MoE, so no dense layer reads it.
@@ -96,6 +119,11 @@ class ModelShape:
             experts_per_token=(getattr(config, "num_experts_per_tok", 0) or 0) if experts else 0,
             moe_intermediate_size=moe_inter if experts else 0,
             shared_intermediate_size=shared if experts else 0,
+            num_linear_layers=sum(t == "linear_attention" for t in layer_types),
+            linear_key_heads=getattr(config, "linear_num_key_heads", 0) or 0,
+            linear_value_heads=getattr(config, "linear_num_value_heads", 0) or 0,
+            linear_key_dim=getattr(config, "linear_key_head_dim", 0) or 0,
+            linear_value_dim=getattr(config, "linear_value_head_dim", 0) or 0,
         )
 
     @property
@@ -122,12 +150,35 @@ class ModelShape:
         routed = self.experts_per_token if active else self.num_experts
         return h * self.num_experts + 3 * h * (routed * self.moe_intermediate_size + self.shared_intermediate_size)
 
+    @property
+    def delta_net_params_per_layer(self) -> int:
+        """One gated DeltaNet layer's projections: q/k/v/z in, the b/a gates, out."""
+        h = self.hidden_size
+        qk, v = self.linear_key_heads * self.linear_key_dim, self.linear_value_heads * self.linear_value_dim
+        return h * (2 * qk + 2 * v) + h * 2 * self.linear_value_heads + v * h
+
     def linear_params(self, active: bool = False) -> int:
         """Every layer's projections and MLPs: all the parameters, or (`active`) those one token goes
-        through, which is what its FLOPs count (2 per parameter)."""
+        through, which is what its FLOPs count (2 per parameter). Token mixers by layer type
+        (softmax attention or gated DeltaNet), MLPs by kind (dense or MoE)."""
+        softmax = self.num_layers - self.num_linear_layers
+        mixers = softmax * self.attention_params_per_layer + self.num_linear_layers * self.delta_net_params_per_layer
         dense = self.num_layers - self.moe_layers
-        moe = self.moe_layers * (self.attention_params_per_layer + self.moe_mlp_params(active))
-        return dense * self.linear_params_per_layer + moe
+        mlps = dense * 3 * self.hidden_size * self.intermediate_size + self.moe_layers * self.moe_mlp_params(active)
+        return mixers + mlps
+
+    @property
+    def linear_attention_params_per_layer(self) -> int:
+        """Parameters of one dense gated DeltaNet layer: its projections and a dense MLP."""
+        return self.delta_net_params_per_layer + 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def delta_rule_flops_per_token(self) -> int:
+        """FLOPs of the chunked delta rule per token of one layer (chunk C, dense chunk blocks as the
+        PyTorch kernel computes them): per value head the in-chunk products and triangular solves,
+        C x (5 dk + 3 dv), and the three state products (read, correct, update), 6 dk dv."""
+        c, dk, dv = DELTA_RULE_CHUNK, self.linear_key_dim, self.linear_value_dim
+        return self.linear_value_heads * (c * (5 * dk + 3 * dv) + 6 * dk * dv)
 
 
 def _moe_layers(config, experts: int) -> int:
@@ -153,6 +204,11 @@ class ForwardWork:
     """Query-key pairs attention computes, summed over segments (per layer, per head)."""
     logit_positions: int
     """Positions that go through lm_head."""
+    replayed_tokens: int = field(default=0, compare=False)
+    """Tokens the delta rule of a linear-attention layer runs beyond `tokens` (replayed partial chunks).
+    Left out of equality: `zorro analyze`'s closed forms from lengths (tree_workload,
+    shared_prefix_workload, bench.workload_sim) do not count it, so they equal the plans'
+    workloads in everything else; tests compare it explicitly."""
 
 
 @dataclass(frozen=True)
@@ -183,10 +239,12 @@ class Flops:
 
 def flops(shape: ModelShape, work: ForwardWork, logits_mode: str = "compute") -> Flops:
     """FLOPs of one forward of `work` through a model of `shape`."""
-    per_pair = 2.0 * shape.num_heads * (shape.head_dim + shape.value_head_dim) * shape.num_layers
+    softmax_layers = shape.num_layers - shape.num_linear_layers
+    per_pair = 2.0 * shape.num_heads * (shape.head_dim + shape.value_head_dim) * softmax_layers
+    delta = shape.num_linear_layers * shape.delta_rule_flops_per_token * (work.tokens + work.replayed_tokens)
     return Flops(
         linear=2.0 * shape.linear_params(active=True) * work.tokens,
-        attention=per_pair * work.attended_pairs,
+        attention=per_pair * work.attended_pairs + float(delta),
         lm_head=2.0 * shape.hidden_size * shape.vocab_size * work.logit_positions,
         lm_head_recompute=logits_mode == "memory",
     )
@@ -202,7 +260,28 @@ def causal_pairs(q_len: int, k_len: int) -> int:
 def plan_workload(plan: Plan, logits_mode: str = "compute") -> ForwardWork:
     """The workload a plan runs (the baseline's is `build_plain_plan(batch)`'s)."""
     logits = plan.num_tokens if logits_mode == "none" else int(plan.logit_index.numel())
-    return ForwardWork(plan.num_tokens, plan.attended_pairs(), logits)
+    return ForwardWork(plan.num_tokens, plan.attended_pairs(), logits, replayed_tokens(plan))
+
+
+@functools.singledispatch
+def replayed_tokens(plan: Plan, chunk: int = DELTA_RULE_CHUNK) -> int:
+    """Tokens a linear-attention layer's delta rule runs beyond the plan's packed tokens: the partial
+    chunks its layout (zorro_core.models.linear_layout) replays so that every sequence keeps a
+    one-shot run's chunk partition."""
+    raise NotImplementedError(f"no delta-rule layout for a {type(plan).__name__}")
+
+
+@replayed_tokens.register
+def _(plan: DedupPlan, chunk: int = DELTA_RULE_CHUNK) -> int:
+    # Every response of a shared prompt but the first replays the prompt's tail past its last boundary.
+    extra = (plan.group_size - 1).clamp(min=0) * (plan.prompt_lens % chunk)
+    return int(extra.sum())
+
+
+@replayed_tokens.register
+def _(plan: TriePlan, chunk: int = DELTA_RULE_CHUNK) -> int:
+    c, f, _ = plan.chunk_segments(chunk)
+    return int((f - c).sum()) - plan.num_tokens
 
 
 def shape_workloads(
@@ -215,7 +294,7 @@ def shape_workloads(
     tokens shared by group_sizes[g] responses of response_lens[g][i] tokens."""
     if not (len(prompt_lens) == len(group_sizes) == len(response_lens)):
         raise ValueError("prompt_lens, group_sizes and response_lens need one entry per group")
-    b_tok = b_pairs = d_tok = d_pairs = n_resp = 0
+    b_tok = b_pairs = d_tok = d_pairs = n_resp = d_replay = 0
     for p, n, rs in zip(prompt_lens, group_sizes, response_lens):
         if len(rs) != n:
             raise ValueError(f"group of size {n} has {len(rs)} response lengths")
@@ -230,14 +309,17 @@ def shape_workloads(
             d_pairs += causal_pairs(p + rs[0], p + rs[0])
         else:
             d_pairs += causal_pairs(p, p) + sum(causal_pairs(r, p + r) for r in rs)
+            d_replay += (n - 1) * (p % DELTA_RULE_CHUNK)
     logit_b = b_tok if logits_mode == "none" else n_resp
     logit_d = d_tok if logits_mode == "none" else n_resp
-    return ForwardWork(b_tok, b_pairs, logit_b), ForwardWork(d_tok, d_pairs, logit_d)
+    return ForwardWork(b_tok, b_pairs, logit_b), ForwardWork(d_tok, d_pairs, logit_d, d_replay)
 
 
 def tree_workload(nodes: Sequence[tuple[int, int]], logit_positions: int) -> ForwardWork:
     """Workload of a token trie given as (depth, length) per node: each node's tokens are computed
-    once and attend to their ancestors' `depth` tokens and causally to themselves."""
+    once and attend to their ancestors' `depth` tokens and causally to themselves. The delta rule's
+    replayed partial chunks (< 64 tokens per node) are not counted: which nodes have children is
+    not in the input (`plan_workload` of a TriePlan counts them)."""
     tok = pairs = 0
     for depth, length in nodes:
         if depth < 0 or length < 1:
@@ -292,9 +374,10 @@ def uniform_workloads(
         d_pairs = prompts * causal_pairs(p + r, p + r)
     else:
         d_pairs = prompts * (causal_pairs(p, p) + responses * causal_pairs(r, p + r))
+    d_replay = prompts * (responses - 1) * (p % DELTA_RULE_CHUNK)
     none = logits_mode == "none"
     return ForwardWork(b_tok, b_pairs, b_tok if none else n_resp), ForwardWork(
-        d_tok, d_pairs, d_tok if none else n_resp
+        d_tok, d_pairs, d_tok if none else n_resp, d_replay
     )
 
 

@@ -218,6 +218,24 @@ class TriePlan(PackedPlan):
         n, a = self.node_len.double(), self.node_depth.double()
         return int((n * a + n * (n + 1) / 2).sum().item())
 
+    def chunk_segments(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """([M] c, [M] f, [M] first child or -1): the span [c, f) of path positions a chunked
+        recurrent layer (gated DeltaNet, zorro_core.models.linear_layout) runs for each node, so that
+        every span starts on a multiple of `chunk`: f = the node's end for a leaf, the last multiple
+        of `chunk` within it for a node with children (whose children replay [f, end)); c = its
+        parent's f (0 at a root). A node's first child is its lowest-numbered (packed order)."""
+        m, dev = self.num_nodes, self.device
+        end = self.node_depth + self.node_len
+        parent = self.node_parent
+        kids = (parent >= 0).nonzero().flatten()
+        first_child = torch.full((m,), m, dtype=torch.long, device=dev).scatter_reduce(
+            0, parent[kids], kids, "amin", include_self=True
+        )
+        has_child = first_child < m
+        f = torch.where(has_child, end // chunk * chunk, end)
+        c = torch.where(parent >= 0, f[parent.clamp(min=0)], 0)
+        return c, f, torch.where(has_child, first_child, -1)
+
 
 def check_sharing(sharing: str, min_shared_tokens: int) -> None:
     if sharing not in SHARINGS:
