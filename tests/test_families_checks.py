@@ -150,3 +150,32 @@ def test_family_support_lists_every_supported_type(monkeypatch):
     assert "flash-linear-attention varlen kernel" in registry.family_support("cuda")["qwen3_next"]
     monkeypatch.setattr(registry, "fla_available", lambda: "not importable")
     assert "fla not installed" in registry.family_support("cuda")["qwen3_next"]
+
+
+# How the README's family list names each model type `zorro env` lists.
+README_NAMES = {
+    "qwen3": "Qwen3",
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "mistral": "Mistral",
+    "gemma3_text": "Gemma 3",
+    "olmo3": "OLMo 3",
+    "qwen3_moe": "Qwen3-MoE",
+    "deepseek_v3": "DeepSeek-V3",
+    "glm4_moe": "GLM-4 MoE",
+    "qwen3_next": "Qwen3-Next",
+    "qwen3_5_text": "Qwen3.5",
+    "qwen3_5_moe_text": "Qwen3.5 dense/MoE",
+}
+
+
+def test_the_readme_lists_every_family_zorro_env_lists():
+    from pathlib import Path
+
+    from zorro_core.models.registry import family_support
+
+    readme = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
+    families = " ".join(readme[readme.index("- Families:") :].split("\n\n")[0].split())
+    assert set(family_support("cpu")) == set(README_NAMES), "a family was added or removed: name it in the README"
+    missing = [name for name in README_NAMES.values() if name not in families]
+    assert not missing, f"README's family list lacks {missing}"

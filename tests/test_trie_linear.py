@@ -10,7 +10,7 @@ layers and a `tiny-*` preset is covered.
 import pytest
 import torch
 from helpers import GRAD_RTOL, LP_ATOL, MODES, check
-from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
+from reference import actor_run, loss_of, max_rel_grad_error, per_sequence, token_weights
 from test_checkpointing import checkpointing
 from versions import skip_module_without_qwen3_next_adapter
 
@@ -295,3 +295,29 @@ def test_cost_model_counts_the_tokens_the_layout_runs(batch_name, sharing, min_s
     assert sum(step.calls.index.numel() for step in lay.steps) == work.tokens + work.replayed_tokens
     # The boundary tree's only shared prompt (64 tokens) ends on a chunk boundary: nothing to replay.
     assert (work.replayed_tokens > 0) == (sharing == "prefix" or batch_name != "boundaries")
+
+
+@pytest.mark.parametrize("family", LINEAR_FAMILIES)
+@pytest.mark.parametrize("budget", [300, 1])
+def test_trie_micro_batches_through_linear_layers_match(tiny_models, references, family, budget):
+    """forward_backward's micro-batches cut along the trie (a shared node computed in each micro-batch
+    that needs it, each from its own carried states): log-probs, entropy and every gradient equal the
+    per-sequence reference, with a budget that splits shared nodes and with one row per micro-batch."""
+    batch, (w_lp, w_ent), (ref_lp, ref_ent, ref_grads) = references(family, "turns")
+    model = tiny_models(family)
+
+    def loss_fn(out, rows):  # a sum over rows: the micro-batches' losses add up to the batch's
+        return loss_of(out.log_probs, out.entropy, (w_lp[rows.cpu()], w_ent[rows.cpu()]))
+
+    model.zero_grad(set_to_none=True)
+    with exact_delta_rule(model):
+        res = prefix_actor(model).forward_backward(
+            batch, loss_fn, max_tokens_per_micro_batch=budget, temperature=TEMPERATURE, calculate_entropy=True
+        )
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    assert len(res.partition.parts) > 1
+    assert (res.log_probs - ref_lp).abs().max().item() < LP_ATOL
+    assert (res.entropy - ref_ent).abs().max().item() < LP_ATOL
+    err, name = max_rel_grad_error(grads, ref_grads)
+    assert err < GRAD_RTOL, f"gradient of {name} off by {err:.2e}"
