@@ -31,6 +31,27 @@ def grads_of(model):
     return g
 
 
+def check_micro_batches(actor, model, batch, budget):
+    """Assert `actor.forward_backward` under `budget` gives one full-batch pass's log-probs, entropy,
+    loss and every gradient; returns its result."""
+    loss_fn = token_mean_loss(batch, token_weights(batch, seed=3))
+    model.zero_grad(set_to_none=True)
+    full = actor.forward(batch, temperature=0.7, calculate_entropy=True)
+    full_loss = loss_fn(full, torch.arange(batch.batch_size))
+    full_loss.backward()
+    ref = grads_of(model)
+    res = actor.forward_backward(
+        batch, loss_fn, max_tokens_per_micro_batch=budget, temperature=0.7, calculate_entropy=True
+    )
+    got = grads_of(model)
+    assert (res.log_probs - full.log_probs.detach()).abs().max().item() < LP_ATOL
+    assert (res.entropy - full.entropy.detach()).abs().max().item() < LP_ATOL
+    assert abs(res.loss - full_loss.item()) < LP_ATOL
+    err, name = max_rel_grad_error(got, ref)
+    assert err < GRAD_RTOL, f"gradient of {name} off by {err:.2e}"
+    return res
+
+
 # Budget 12 splits the 17-token group (prompt 7 + responses 4, 5, 1) in two; 1 puts every row
 # alone (each over budget); None is one micro-batch.
 @pytest.mark.parametrize("budget", [None, 12, 20, 1])
@@ -44,22 +65,7 @@ def test_micro_batches_equal_full_batch(tiny_models, budget, actor_kind):
         "baseline-padded": lambda: BaselineActor(model=model, padded=True),
     }[actor_kind]()
     batch = mixed_batch()
-    loss_fn = token_mean_loss(batch, token_weights(batch, seed=3))
-    model.zero_grad(set_to_none=True)
-    full = actor.forward(batch, temperature=0.7, calculate_entropy=True)
-    full_loss = loss_fn(full, torch.arange(batch.batch_size))
-    full_loss.backward()
-    ref = grads_of(model)
-
-    res = actor.forward_backward(
-        batch, loss_fn, max_tokens_per_micro_batch=budget, temperature=0.7, calculate_entropy=True
-    )
-    got = grads_of(model)
-    assert (res.log_probs - full.log_probs.detach()).abs().max().item() < LP_ATOL
-    assert (res.entropy - full.entropy.detach()).abs().max().item() < LP_ATOL
-    assert abs(res.loss - full_loss.item()) < LP_ATOL
-    err, name = max_rel_grad_error(got, ref)
-    assert err < GRAD_RTOL, f"gradient of {name} off by {err:.2e}"
+    res = check_micro_batches(actor, model, batch, budget)
     parts = res.partition
     if budget is None:
         assert len(parts.parts) == 1
