@@ -184,3 +184,14 @@ def test_shape_workloads_count_the_replayed_tails(p):
     assert base.replayed_tokens == 0 and dedup.replayed_tokens == 2 * 2 * (p % 64)
     plan_work = plan_workload(build_dedup_plan(batch))
     assert dedup == plan_work and dedup.replayed_tokens == plan_work.replayed_tokens
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3", "tiny-gemma3", "tiny-olmo3"])
+def test_softmax_attention_params_are_the_models_own(preset):
+    """A softmax attention layer's projections as counted equal the model's own weight matrices
+    (Qwen3-Next and Qwen3.5: q_proj twice as wide, for the output gate)."""
+    config = preset_config(preset)
+    model = build_model(config)
+    attn = next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn"))
+    counted = sum(m.weight.numel() for m in attn.modules() if isinstance(m, torch.nn.Linear))
+    assert ModelShape.from_config(config).attention_params_per_layer == counted

@@ -337,3 +337,23 @@ def test_import_zorro_core_does_not_import_trl():
         "import sys, zorro_core; assert 'trl' not in sys.modules and 'zorro_core.integrations.trl' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_aux_loss_for_a_family_without_one_falls_back_with_the_reason(tmp_path):
+    """DeepSeek-V3: transformers computes no router aux loss for it, so a call asking for one is
+    handed to TRL's own code with that reason (TRL enables the aux loss for any config with
+    output_router_logits; set router_aux_loss_coef=0 for these models)."""
+    path = tmp_path / "tiny_dsv3"
+    build_model(preset_config("tiny-deepseek-v3", eos_token_id=1, pad_token_id=0), seed=0).save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    trainer = _trainer(DedupGRPOTrainer, str(path), tmp_path, beta=0.0)
+    ids, mask, keep = _aux_inputs()
+    with (
+        torch.no_grad(),
+        pytest.warns(ZorroFallbackWarning, match="deepseek_v3 model, but its family has no router aux"),
+    ):
+        try:
+            trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep, compute_aux_loss=True)
+        except AttributeError as e:  # TRL 1.16's own aux-loss code reads config.num_experts, which DeepSeek lacks
+            assert "num_experts" in str(e)
+    assert trainer.zorro_calls["fallback"] == 1

@@ -36,6 +36,10 @@ DELTA_RULE_CHUNK = 64
 """Chunk of the gated delta rule (transformers' PyTorch kernel and fla's; the dedup layouts align to it)."""
 
 
+# Model types whose softmax attention gates its output from a second half of q_proj (no config field says so).
+GATED_ATTENTION = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes of a decoder-only transformer that its FLOPs and parameter count depend on."""
@@ -97,6 +101,8 @@ class ModelShape:
             attention = q + kv + heads * v_dim * h  # ... + o
         else:  # config.head_dim, where set, is the attention's own (GLM-4.5: 96 x 128 heads, hidden 5120)
             head_dim = getattr(config, "head_dim", None) or h // heads
+            if config.model_type in GATED_ATTENTION:  # q_proj also computes the output gate: q, k, v, o + gate
+                attention = h * heads * head_dim * 3 + 2 * h * kv_heads * head_dim
         experts = int(getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or 0)
         moe_inter = getattr(config, "moe_intermediate_size", 0) or 0
         shared = getattr(config, "shared_expert_intermediate_size", None) or (
