@@ -203,7 +203,11 @@ class DedupGRPOTrainer(GRPOTrainer):
             return actor, None, None
         if compute_aux_loss and not actor.parts.moe:
             family = actor.parts.family
-            why = "its family has no router aux loss in transformers" if not family.router_aux_loss else "it has no experts"
+            why = (
+                "its family has no router aux loss in transformers"
+                if not family.router_aux_loss
+                else "it has no experts"
+            )
             return f"the aux loss was requested for a {family.model_type} model, but {why}", None, None
         try:
             check_trainable_state(wrapped.inner)  # before any collective: a refusal mid-call could not fall back
