@@ -57,6 +57,38 @@ def timed(trainer):
     return trainer
 
 
+def checkpoint(config, path: str, prompt_len: int) -> tuple[PreTrainedTokenizerFast, list[str]]:
+    """Save a seeded random model of `config` and its tokenizer at `path` (a path, so that GRPOTrainer
+    can build its reference model for beta > 0); returns the tokenizer and 8 prompts of `prompt_len` words."""
+    model = build_model(config, dtype=torch.float32, seed=0)
+    # A random model rarely samples one given stop token: 1 in 10 ids stops, so completions end at varied lengths.
+    model.generation_config.eos_token_id = list(range(1, config.vocab_size // 10))
+    model.save_pretrained(path)
+    tok = tokenizer(config.vocab_size)
+    tok.save_pretrained(path)
+    rng = random.Random(0)
+    return tok, [" ".join(f"w{rng.randrange(2, config.vocab_size)}" for _ in range(prompt_len)) for _ in range(8)]
+
+
+def train_timed(cls, path: str, grpo: GRPOConfig, prompts: list[str], tok, **extra):
+    """One `train()` of trainer class `cls` with its log-prob method timed (`timed`); returns the
+    trainer and the seconds train() took."""
+    trainer = timed(
+        cls(
+            model=path,
+            reward_funcs=reward_short,
+            args=grpo,
+            train_dataset=Dataset.from_dict({"prompt": prompts}),
+            processing_class=tok,
+            **extra,
+        )
+    )
+    trainer.remove_callback(PrinterCallback)
+    start = time.perf_counter()
+    trainer.train()
+    return trainer, time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
@@ -69,14 +101,7 @@ def main() -> None:
 
     config = preset_config("small-qwen3", eos_token_id=1, pad_token_id=0)
     path = tempfile.mkdtemp(prefix="zorro_trl_")
-    model = build_model(config, dtype=torch.float32, seed=0)
-    # A random model rarely samples one given stop token: 1 in 10 ids stops, so completions end at varied lengths.
-    model.generation_config.eos_token_id = list(range(1, config.vocab_size // 10))
-    model.save_pretrained(path)  # a path, so that GRPOTrainer can build its reference model (beta > 0)
-    tok = tokenizer(config.vocab_size)
-    tok.save_pretrained(path)
-    rng = random.Random(0)
-    prompts = [" ".join(f"w{rng.randrange(2, config.vocab_size)}" for _ in range(args.prompt_len)) for _ in range(8)]
+    tok, prompts = checkpoint(config, path, args.prompt_len)
 
     arms = {"TRL": GRPOTrainer, "TRL + zorro": DedupGRPOTrainer}
     results: dict[str, list[float]] = {name: [] for name in arms}
@@ -102,19 +127,7 @@ def main() -> None:
                     disable_tqdm=True,
                     seed=0,
                 )
-                trainer = timed(
-                    cls(
-                        model=path,
-                        reward_funcs=reward_short,
-                        args=grpo,
-                        train_dataset=Dataset.from_dict({"prompt": prompts}),
-                        processing_class=tok,
-                    )
-                )
-                trainer.remove_callback(PrinterCallback)
-                start = time.perf_counter()
-                trainer.train()
-            total = time.perf_counter() - start
+                trainer, total = train_timed(cls, path, grpo, prompts, tok)
             seconds = trainer.logprob_seconds
             results[name].append(sum(seconds))
             losses = [round(h["loss"], 5) for h in trainer.state.log_history if "loss" in h]

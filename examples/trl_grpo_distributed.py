@@ -23,24 +23,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import tempfile
-import time
 import warnings
 
 import torch
 import torch.distributed as dist
-from datasets import Dataset
-from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer
 
 # The one-process example's pieces (the same tokenizer, reward and timer); this folder is on sys.path
 # when the example runs as a script.
-from trl_grpo import reward_short, timed, tokenizer  # noqa: E402
+from trl_grpo import checkpoint, train_timed  # noqa: E402
 
 from zorro_core.integrations.trl import DedupGRPOTrainer
-from zorro_core.models.presets import build_model, preset_config
+from zorro_core.models.presets import preset_config
 
 
 def main() -> None:
@@ -59,13 +55,7 @@ def main() -> None:
     config = preset_config("small-qwen3", eos_token_id=1, pad_token_id=0)
     # every rank saves the same seeded checkpoint in its own directory (nothing to synchronise)
     path = tempfile.mkdtemp(prefix=f"zorro_trl_dist_rank{os.environ.get('RANK', '0')}_")
-    tok = tokenizer(config.vocab_size)
-    model = build_model(config, dtype=torch.float32, seed=0)
-    model.generation_config.eos_token_id = list(range(1, config.vocab_size // 10))
-    model.save_pretrained(path)  # a path, so that GRPOTrainer can build its reference model (beta > 0)
-    tok.save_pretrained(path)
-    rng = random.Random(0)
-    prompts = [" ".join(f"w{rng.randrange(2, config.vocab_size)}" for _ in range(args.prompt_len)) for _ in range(8)]
+    tok, prompts = checkpoint(config, path, args.prompt_len)
 
     arms = {
         "TRL": (GRPOTrainer, {}),
@@ -94,22 +84,10 @@ def main() -> None:
                 disable_tqdm=True,
                 seed=0,
             )
-            trainer = timed(
-                cls(
-                    model=path,
-                    reward_funcs=reward_short,
-                    args=grpo,
-                    train_dataset=Dataset.from_dict({"prompt": prompts}),
-                    processing_class=tok,
-                    **extra,
-                )
-            )
-            trainer.remove_callback(PrinterCallback)
-            start = time.perf_counter()
-            trainer.train()
+            trainer, train_seconds = train_timed(cls, path, grpo, prompts, tok, **extra)
         mine = {
             "seconds": trainer.logprob_seconds,
-            "train": time.perf_counter() - start,
+            "train": train_seconds,
             "losses": [round(h["loss"], 5) for h in trainer.state.log_history if "loss" in h],
             "calls": getattr(trainer, "zorro_calls", None),
             "log": getattr(trainer, "zorro_log", []),

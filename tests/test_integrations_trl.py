@@ -64,14 +64,19 @@ def checkpoint(tmp_path_factory):
     return str(path), {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _trainer(cls, path, tmp_path, dtype=torch.float32, attn="sdpa", seed=0, seen=None, **overrides):
+def make_grpo_trainer(
+    cls, path, out_dir, dtype=torch.float32, attn="sdpa", seed=0, seen=None, trainer_kwargs=None, **overrides
+):
+    """A TRL GRPO trainer (`cls`) of the tiny model at `path`: 2 prompts x 4 completions per generation
+    batch, 3 steps, a length reward (completions appended to `seen`); the one- and two-process tests' setup."""
+
     def reward(completions, **kwargs):
         if seen is not None:
             seen.extend(completions)
         return [float(len(c.split())) for c in completions]
 
     settings = dict(
-        output_dir=str(tmp_path / "out"),
+        output_dir=str(out_dir),
         per_device_train_batch_size=4,
         num_generations=4,
         steps_per_generation=2,  # generation batch of 2 prompts x 4, shuffled and split: groups arrive cut
@@ -97,7 +102,12 @@ def _trainer(cls, path, tmp_path, dtype=torch.float32, attn="sdpa", seed=0, seen
         args=GRPOConfig(**settings),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=_tokenizer(),
+        **(trainer_kwargs or {}),
     )
+
+
+def _trainer(cls, path, tmp_path, dtype=torch.float32, attn="sdpa", seed=0, seen=None, **overrides):
+    return make_grpo_trainer(cls, path, tmp_path / "out", dtype, attn, seed, seen, **overrides)
 
 
 def _joined_inputs():

@@ -228,44 +228,9 @@ def _float64_variant(path: str, variant: str) -> dict:
 
 
 def _make_trainer(cls, path, out_dir, dtype, seed=0, seen=None, trainer_kwargs=None, **overrides):
-    from datasets import Dataset
-    from test_integrations_trl import PROMPTS, _tokenizer
-    from trl import GRPOConfig
+    from test_integrations_trl import make_grpo_trainer
 
-    def reward(completions, **kwargs):
-        if seen is not None:
-            seen.extend(completions)
-        return [float(len(c.split())) for c in completions]
-
-    settings = dict(
-        output_dir=out_dir,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        steps_per_generation=2,
-        max_completion_length=8,
-        gradient_checkpointing=False,
-        bf16=False,
-        beta=0.1,
-        temperature=0.7,
-        max_steps=3,
-        learning_rate=1e-3,
-        report_to=[],
-        logging_steps=1,
-        disable_tqdm=True,
-        use_cpu=True,
-        save_strategy="no",
-        seed=seed,
-        model_init_kwargs={"dtype": dtype, "attn_implementation": "sdpa"},
-    )
-    settings.update(overrides)
-    return cls(
-        model=path,
-        reward_funcs=reward,
-        args=GRPOConfig(**settings),
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-        processing_class=_tokenizer(),
-        **(trainer_kwargs or {}),
-    )
+    return make_grpo_trainer(cls, path, out_dir, dtype, "sdpa", seed, seen, trainer_kwargs, **overrides)
 
 
 def train_rank(path: str, wrapper: str, arms: list[tuple[str, str]], seed: int = 0, **overrides) -> dict:
