@@ -7,6 +7,7 @@ import torch
 from reference import actor_run, max_rel_grad_error
 
 from zorro_core import RolloutBatch, create_dummy_batch
+from zorro_core.models.presets import PRESETS
 
 # Measured floor in float64: transformers runs RMSNorm and eager softmax in float32 even in a
 # float64 model, so the reference itself carries ~1e-8 relative noise (observed max: log-probs
@@ -56,3 +57,7 @@ ACTOR_BATCHES = {
         batch_size=4, num_unique_prompts=1, prompt_len=9, response_len=5, vocab_size=256, seed=4
     ),
 }
+
+
+# Every test shape of every family the registry serves (a family added there is tested here too).
+TINY_PRESETS = [name for name in PRESETS if name.startswith("tiny-")]

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 from fla_devices import exact_kernels
-from helpers import check
+from helpers import TINY_PRESETS, check
 from reference import actor_run, per_sequence, token_weights
 from test_actor import BATCHES
 
@@ -22,17 +22,7 @@ from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.models.parts import model_parts
 from zorro_core.models.presets import build_model, preset_config
 
-FAMILIES = [
-    "tiny-qwen3",
-    "tiny-llama",
-    "tiny-qwen2",
-    "tiny-qwen3-moe",
-    "tiny-qwen3-next",
-    "tiny-qwen3.5",
-    "tiny-qwen3.5-moe",
-    "tiny-mistral",
-    "tiny-qwen2-sliding",
-]
+FAMILIES = TINY_PRESETS
 LAYOUTS = ["dummy_padded", "dummy_unpadded"]
 TEMPERATURE = 0.8
 

@@ -321,16 +321,6 @@ def _place(parts, rows_per_rank, n):
     return t
 
 
-def _place(parts, rows_per_rank, n):
-    t = None
-    for part, rows in zip(parts, rows_per_rank):
-        if t is None:
-            t = part.new_zeros((n,) + tuple(part.shape[1:]))
-        width = min(part.shape[1], t.shape[1])
-        t[torch.as_tensor(rows), :width] = part[:, :width]
-    return t
-
-
 @pytest.fixture(scope="module")
 def distributed(saved_model):
     """verl's own engine in one process on the whole batch; zorro's engine on two ranks."""

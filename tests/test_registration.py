@@ -5,23 +5,14 @@ import copy
 import pytest
 import torch
 from fla_devices import pytorch_delta_rule_on_cpu
-from helpers import mixed_batch
+from helpers import TINY_PRESETS, mixed_batch
 
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.attention.registration import install_attention, is_installed, original_attention
 from zorro_core.models.parts import model_parts
 from zorro_core.models.presets import build_model, preset_config
 
-FAMILIES = [
-    "tiny-qwen3",
-    "tiny-llama",
-    "tiny-qwen3-moe",
-    "tiny-qwen3-next",
-    "tiny-qwen3.5",
-    "tiny-qwen3.5-moe",
-    "tiny-mistral",
-    "tiny-qwen2-sliding",
-]
+FAMILIES = TINY_PRESETS
 
 
 def _plain(model, ids, mask):
