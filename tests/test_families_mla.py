@@ -118,17 +118,20 @@ def test_tiny_presets_have_the_features_under_test(models):
 
 
 def test_the_router_bias_decides_routes(models):
-    """The bias set by the fixture changes which experts tokens go to (so the tests exercise it)."""
+    """The bias set by the fixture changes which experts tokens go to (so the tests exercise it): the
+    MoE block's output moves when it is zeroed (read through the block, whose router API differs
+    between transformers releases)."""
     for family in FAMILIES:
-        gate = models(family).model.layers[1].mlp.gate
-        h = torch.randn(64, gate.hidden_dim, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        mlp = models(family).model.layers[1].mlp
+        gate = mlp.gate
+        h = torch.randn(1, 64, gate.weight.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
         with torch.no_grad():
-            chosen = gate(h)[2].sort(-1).values
+            chosen = mlp(h)
             bias = gate.e_score_correction_bias.clone()
             gate.e_score_correction_bias.zero_()
-            unbiased = gate(h)[2].sort(-1).values
+            unbiased = mlp(h)
             gate.e_score_correction_bias.copy_(bias)
-        assert not torch.equal(chosen, unbiased), family
+        assert not torch.allclose(chosen, unbiased), family
 
 
 # ---------------------------------------------------------------- equivalence
@@ -211,7 +214,8 @@ def test_no_aux_loss_even_with_output_router_logits(family):
     model = build_model(preset_config(family, output_router_logits=True), dtype=torch.float64)
     ids = torch.randint(1, 256, (2, 7), generator=torch.Generator().manual_seed(0))
     out = model(input_ids=ids, output_router_logits=True)
-    assert out.aux_loss is None and out.router_logits  # logits recorded, no loss built from them
+    # no loss built (5.24 records the router logits without one; 5.6's outputs have neither field)
+    assert getattr(out, "aux_loss", None) is None
     for actor in (DeduplicatedActor(model=model), BaselineActor(model=model, padded=True)):
         assert actor.forward(mixed_batch()).aux_loss is None
 
