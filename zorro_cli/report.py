@@ -12,7 +12,15 @@ import typer
 from rich.table import Table
 from typer.core import TyperGroup
 
-from zorro_core.bench.report import compare_frames, compared_count, load_results, pivot_frame, pivots, plot
+from zorro_core.bench.report import (
+    compare_frames,
+    compared_count,
+    load_results,
+    pivot_frame,
+    pivots,
+    plot,
+    spreadsheet_frame,
+)
 
 from .choices import Metric, Phase
 from .console import console, escape, fail
@@ -111,7 +119,7 @@ def show(
             typer.echo(line) if markdown else console.print(escape(line))
     if csv_out is not None:
         csv_out.parent.mkdir(parents=True, exist_ok=True)
-        pivot_frame(tables, value).to_csv(csv_out, index=False)
+        spreadsheet_frame(pivot_frame(tables, value)).to_csv(csv_out, index=False)
         console.print(f"pivot written to {csv_out}")
     if plots is not None:
         for p in plot(df, plots):

@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from zorro_core.bench.report import load_results
+from zorro_core.bench.report import load_results, spreadsheet_frame
 from zorro_core.bench.stack_table import WORKLOAD, missing_configs, stack_needs, stack_report
 
 from .choices import Phase
@@ -128,5 +128,5 @@ def stack(
             console.print(f"  note: {escape(n)}")
     if csv_out is not None:
         csv_out.parent.mkdir(parents=True, exist_ok=True)
-        table.to_csv(csv_out, index=False)
+        spreadsheet_frame(table).to_csv(csv_out, index=False)
         console.print(f"stack table written to {csv_out}")

@@ -9,7 +9,13 @@ import re
 from pathlib import Path
 
 from zorro_core.bench.measure import format_speedup
-from zorro_core.bench.results import SETUP_COLUMNS, check_fields, read_results_text
+from zorro_core.bench.results import (
+    SETUP_COLUMNS,
+    check_fields,
+    from_spreadsheet_cell,
+    read_results_text,
+    spreadsheet_cell,
+)
 
 # Columns that define a configuration: one pivot table (and one plot) per combination.
 GROUP_COLUMNS = [
@@ -40,6 +46,7 @@ def load_results(paths: list[Path]):
         missing = [c for c in KEY + ["status"] if c not in df.columns]
         if missing:
             raise ValueError(f"{p} is not a zorro results CSV (missing columns {missing})")
+        unquote_cells(df)
         check_values(df, p)
         frames.append(df)
     df = pd.concat(frames, ignore_index=True)
@@ -49,6 +56,29 @@ def load_results(paths: list[Path]):
             df[col] = ""
     df[GROUP_COLUMNS] = df[GROUP_COLUMNS].fillna("")
     return df
+
+
+def _text_columns(df) -> list:
+    import pandas as pd
+
+    return [c for c in df.columns if df[c].dtype == object or pd.api.types.is_string_dtype(df[c])]
+
+
+def unquote_cells(df) -> None:
+    """In place: the text cells as they were before results.spreadsheet_cell quoted them."""
+    for col in _text_columns(df):
+        s = df[col]
+        quoted = s.str.match(r"'[=+\-@\t\r']", na=False)
+        if quoted.any():
+            df[col] = s.where(~quoted, s[quoted].map(from_spreadsheet_cell))
+
+
+def spreadsheet_frame(df):
+    """A copy of `df` whose text cells are spreadsheet-safe (results.spreadsheet_cell; numbers as they are)."""
+    out = df.copy()
+    for col in _text_columns(out):
+        out[col] = out[col].map(lambda v: spreadsheet_cell(v) if isinstance(v, str) else v)
+    return out
 
 
 # Numeric columns of an ok row, and the least each may be: times, rates and speedups are > 0.

@@ -17,6 +17,11 @@
   or a name whose sidecar would be the file itself (`x.json`) is refused with the reason.
 - A write that fails (disk full, read-only) is a ResultsWriteError naming the file and the
   cause; a row is written whole or not at all (a failed append is cut back off).
+- Spreadsheet-safe: a text cell starting with = + - @ or a tab (which a spreadsheet would run
+  as a formula: a model directory named `=HYPERLINK(...)`) is written with a leading single
+  quote, as is one starting with a quote (so that reading back is exact); numbers (-1.5) are
+  written as they are. Every reader here removes that quote (from_spreadsheet_cell), so a
+  resumed sweep, a report and a compare see the cell as it was.
 A resumed sweep skips every (case_id, phase) that already has a finished row. A CSV may hold
 several rows of one key (a failed case run again); readers keep the last.
 """
@@ -29,6 +34,7 @@ import fcntl
 import io
 import json
 import os
+import re
 import stat
 import sys
 from pathlib import Path
@@ -104,6 +110,26 @@ COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS + DISTRIBUTED_COLUMNS
 
 # A row with one of these statuses is done: --resume does not run it again.
 DONE_STATUSES = ("ok", "oom")
+
+
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+"""What a spreadsheet reads as the start of a formula (OWASP's list for CSV injection)."""
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:inf|infinity|nan)", re.IGNORECASE)
+
+
+def spreadsheet_cell(text: str) -> str:
+    """`text` as a spreadsheet shows it as text: a leading single quote before a formula start
+    (and before a quote, so that from_spreadsheet_cell is exact); a number is left as it is."""
+    if text and (text[0] in FORMULA_START or text[0] == "'") and not _NUMBER.fullmatch(text):
+        return "'" + text
+    return text
+
+
+def from_spreadsheet_cell(text: str) -> str:
+    """The cell spreadsheet_cell was given."""
+    if len(text) > 1 and text[0] == "'" and (text[1] in FORMULA_START or text[1] == "'"):
+        return text[1:]
+    return text
 
 
 def sidecar_path(csv_path: str | Path) -> Path:
@@ -262,7 +288,13 @@ def read_results_text(path: str | Path, drop_cut_line: bool = False) -> str:
 def check_fields(path: str | Path, text: str) -> None:
     """ValueError naming the file and the line when a row's fields do not match the header (no rows built)."""
     reader = csv.reader(io.StringIO(text, newline=""))
-    n = len(next(reader, None) or [])
+    header = next(reader, None) or []
+    n = len(header)
+    seen: set[str] = set()
+    for col in header:
+        if col in seen:
+            raise ValueError(f"{path}: the header names the column {col!r} twice; not a zorro results CSV")
+        seen.add(col)
     for row in reader:
         if len(row) != n:
             raise ValueError(
@@ -277,7 +309,7 @@ def parse_results(path: str | Path, drop_cut_line: bool = False, text: Optional[
     check_fields(path, text)
     reader = csv.reader(io.StringIO(text, newline=""))
     header = next(reader, None) or []
-    return [dict(zip(header, row)) for row in reader]
+    return [dict(zip(header, map(from_spreadsheet_cell, row))) for row in reader]
 
 
 def _header(path: Path) -> list[str] | None:
@@ -306,7 +338,9 @@ def _drop_partial_line(path: Path) -> None:
 def _line(values: list[Any]) -> bytes:
     """One CSV line; newlines inside a value become spaces, so that a line is a row."""
     buf = io.StringIO(newline="")
-    csv.writer(buf).writerow(["" if v is None else str(v).replace("\r", " ").replace("\n", " ") for v in values])
+    csv.writer(buf).writerow(
+        ["" if v is None else spreadsheet_cell(str(v).replace("\r", " ").replace("\n", " ")) for v in values]
+    )
     return buf.getvalue().encode()
 
 
