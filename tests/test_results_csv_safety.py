@@ -7,9 +7,9 @@ import csv
 from pathlib import Path
 
 import pytest
+from test_cli_report import row, write
 from typer.testing import CliRunner
 
-from test_cli_report import row, write
 from zorro_cli.main import app
 from zorro_core.bench.report import load_results
 from zorro_core.bench.results import COLUMNS, ResultWriter, done_keys, read_rows
