@@ -23,7 +23,7 @@ from zorro_core.bench.report import (
 )
 
 from .choices import Metric, Phase
-from .console import console, escape, fail
+from .console import console, escape, fail, refuse_writing_onto_inputs, write_or_fail
 from .report_stack import stack
 
 
@@ -88,6 +88,11 @@ def show(
         fail(f"--plots {plots} is a file; it takes a directory to write the PNGs into")
     if csv_out is not None and csv_out.is_dir():
         fail(f"--csv {csv_out} is a directory; it takes a CSV file path")
+    if csv_out is not None:
+        refuse_writing_onto_inputs("--csv", csv_out, results)
+        write_or_fail("--csv", csv_out, lambda: csv_out.parent.mkdir(parents=True, exist_ok=True))
+    if plots is not None:
+        write_or_fail("--plots", plots, lambda: plots.mkdir(parents=True, exist_ok=True))
     try:
         df = load_results(results)
     except ValueError as e:
@@ -118,12 +123,12 @@ def show(
             line = f"  {r['case_id']} {r['phase']}: {r['status']} {r.get('error', '') or ''}"
             typer.echo(line) if markdown else console.print(escape(line))
     if csv_out is not None:
-        csv_out.parent.mkdir(parents=True, exist_ok=True)
-        spreadsheet_frame(pivot_frame(tables, value)).to_csv(csv_out, index=False)
-        console.print(f"pivot written to {csv_out}")
+        frame = spreadsheet_frame(pivot_frame(tables, value))
+        write_or_fail("--csv", csv_out, lambda: frame.to_csv(csv_out, index=False))
+        console.print(f"pivot written to {escape(str(csv_out))}")
     if plots is not None:
-        for p in plot(df, plots):
-            console.print(f"plot written to {p}")
+        for p in write_or_fail("--plots", plots, lambda: plot(df, plots)):
+            console.print(f"plot written to {escape(str(p))}")
 
 
 @report_app.command("compare")
