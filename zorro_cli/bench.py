@@ -21,7 +21,7 @@ from zorro_core.plan.dtypes import DTYPES
 from zorro_core.verify.guard import ranks_too_many
 
 from .choices import Attn, Baseline, DType, LogitsMode, Phase
-from .console import console, escape, fail, warn
+from .console import console, escape, fail, resolve_device, warn
 
 MAX_MEMORY_HELP = (
     "Memory a case may take, as 16GiB (default: what the machine has available). A case estimated "
@@ -175,6 +175,8 @@ def sweep(
     max_memory: Optional[str] = typer.Option(None, "--max-memory", help=MAX_MEMORY_HELP),
 ) -> None:
     """Run every case of a suite, each in its own process, appending one row per case and phase."""
+    if device:
+        resolve_device(device)  # asked for explicitly: a device that is not here is an error, not skipped rows
     try:
         suite = load_suite(suite_file)
         if device:
@@ -259,6 +261,7 @@ def run(
     max_memory: Optional[str] = typer.Option(None, "--max-memory", help=MAX_MEMORY_HELP),
 ) -> None:
     """One case from flags."""
+    resolve_device(device)  # given explicitly: a device that is not here is an error, not a skipped row
     if unique_prompts is None and dedup_ratio is None:
         unique_prompts = 1
     try:

@@ -21,6 +21,7 @@ import difflib
 import fnmatch
 import itertools
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass, field, fields, replace
@@ -115,6 +116,11 @@ class Case:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("baseline", self.baseline, BASELINES)
         _check_choice("sharing", self.sharing, SHARINGS)
+        # The counts first: a prompt_len of 0 is what is wrong, not the shared prefix it bounds.
+        for name in ("batch_size", "prompt_len", "response_len", "nproc"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if (
             not isinstance(self.shared_prefix_len, int)
             or isinstance(self.shared_prefix_len, bool)
@@ -130,10 +136,6 @@ class Case:
         for name in ("split_attention", "padding", "liger", "checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("batch_size", "prompt_len", "response_len", "nproc"):
-            v = getattr(self, name)
-            if not _is_int(v) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if not _is_int(self.seed) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
         for name in ("model", "device"):
@@ -230,6 +232,13 @@ class Measure:
             v = getattr(self, name)
             if not _is_int(v) or v < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {v!r}")
+        cores = os.cpu_count() or 1
+        if self.threads > cores:
+            # More threads than cores only oversubscribes (and past OpenMP's limit fails in the case).
+            raise ValueError(
+                f"threads {self.threads} is more than the {cores} CPU core(s) here; use at most {cores} "
+                "(0: torch's default)"
+            )
         if not isinstance(self.memory, bool):
             raise ValueError(f"memory must be true or false, got {self.memory!r}")
         if not (_is_number(self.timeout_s) and self.timeout_s > 0):
