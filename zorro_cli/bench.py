@@ -4,6 +4,7 @@ The sweep itself is zorro_core.bench.sweep; this module parses arguments and pri
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 from typing import Optional
@@ -12,7 +13,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from zorro_core.bench.measure import format_speedup
+from zorro_core.bench.measure import LARGE, format_speedup
 from zorro_core.bench.results import sidecar_path
 from zorro_core.bench.runner import ARMS, case_rows, model_config, refused_arms
 from zorro_core.bench.suite import Case, Measure, Suite, load_suite
@@ -35,9 +36,10 @@ def _cell(row: dict, key: str, fmt: str = "{:.2f}") -> str:
     if v in (None, ""):
         return "-"
     try:
-        return fmt.format(float(v))
+        x = float(v)
     except (TypeError, ValueError):
         return str(v)
+    return f"{x:.3g}" if math.isfinite(x) and abs(x) >= LARGE else fmt.format(x)
 
 
 def _speedup(row: dict) -> str:

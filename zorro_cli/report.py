@@ -12,6 +12,7 @@ import typer
 from rich.table import Table
 from typer.core import TyperGroup
 
+from zorro_core.bench.measure import format_number
 from zorro_core.bench.report import (
     compare_frames,
     compared_count,
@@ -170,8 +171,8 @@ def compare(
         t.add_row(
             escape(str(case)),
             str(phase),
-            "" if vo is None else f"{vo:.3f}",
-            "" if vn is None else f"{vn:.3f}",
+            "" if vo is None else format_number(vo, 3),
+            "" if vn is None else format_number(vn, 3),
             "" if change is None else f"{change:+.1%}",
             f"[{style}]{verdict}[/]" if style else verdict,
         )
