@@ -20,6 +20,7 @@ from zorro_core.bench.report import (
     pivot_frame,
     pivots,
     plot,
+    run_differences,
     spreadsheet_frame,
 )
 
@@ -154,6 +155,11 @@ def compare(
             f"nothing compared: {old} and {new} share no (case, phase) that is ok in {old}"
             + ("" if any(v != "missing in new" for *_, v in rows) else f" ({new} has none of its rows)")
             + "; a gate that compares nothing fails"
+        )
+    differ = run_differences(old, new)
+    if differ:
+        console.print(
+            escape(f"note: the two runs differ ({'; '.join(differ)}); their times compare only as far as that allows")
         )
     counts: dict[str, int] = {}
     for *_, verdict in rows:

@@ -14,6 +14,8 @@ from zorro_core.bench.results import (
     check_fields,
     from_spreadsheet_cell,
     read_results_text,
+    read_sidecar,
+    sidecar_path,
     spreadsheet_cell,
 )
 
@@ -327,3 +329,48 @@ COMPARED = ("REGRESSION", "worse, within noise", "improved", "same")
 def compared_count(rows: list[tuple]) -> int:
     """How many rows of compare_frames compared something: a gate that compares nothing fails."""
     return sum(1 for *_, v in rows if v in COMPARED or v.startswith("REGRESSION"))
+
+
+# What two runs' sidecars must agree on for their times to compare: the machine and the versions
+# (environment), the code, and the settings that change what a time means.
+RUN_FACTS = {
+    "environment": ("platform", "cpu", "python", "torch", "transformers", "cuda", "gpus", "flash_attn", "liger_kernel"),
+    "run": ("cpu_count", "git_sha", "git_dirty"),
+    "measure": ("warmup", "repeats", "threads"),
+}
+
+
+def _run_facts(path: Path) -> tuple[dict | None, str]:
+    """The facts (RUN_FACTS) of the last run recorded in `path`'s sidecar, or (None, why not)."""
+    side = sidecar_path(path)
+    if not side.exists():
+        return None, f"{path} has no sidecar ({side.name}): its machine and versions are unknown"
+    try:
+        runs = read_sidecar(side)["runs"]
+    except ValueError as e:
+        return None, f"{e}: the machine and versions of {path} are unknown"
+    if not runs or not isinstance(runs[-1], dict):
+        return None, f"{side} records no run: the machine and versions of {path} are unknown"
+    last = runs[-1]
+    facts = {}
+    for where, keys in RUN_FACTS.items():
+        table = last if where == "run" else last.get(where)
+        table = table if isinstance(table, dict) else {}
+        for k in keys:
+            if k in table:
+                facts[k if where != "measure" else f"measure.{k}"] = table[k]
+    return facts, ""
+
+
+def run_differences(old: Path, new: Path) -> list[str]:
+    """Notes on how the runs behind two results files differ (machine, versions, code, timing
+    settings, from their sidecars), or that a sidecar is missing: times from different machines
+    or versions compare only loosely."""
+    (fo, why_o), (fn, why_n) = _run_facts(Path(old)), _run_facts(Path(new))
+    notes = [w for w in (why_o, why_n) if w]
+    if fo is None or fn is None:
+        return notes
+    for k in dict.fromkeys([*fo, *fn]):
+        if k in fo and k in fn and fo[k] != fn[k]:
+            notes.append(f"{k}: {fo[k]!r} -> {fn[k]!r}")
+    return notes
