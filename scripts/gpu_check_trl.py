@@ -67,7 +67,7 @@ def main() -> int:
     weights = torch.rand(ids.shape[0], keep, device="cuda", generator=torch.Generator("cuda").manual_seed(1)) + 0.5
     # The float64 copy is loaded from the checkpoint (TRL's patched forward would not survive a deepcopy).
     ref_model = AutoModelForCausalLM.from_pretrained(
-        root / "ckpt", dtype=torch.float64, attn_implementation="sdpa"
+        root / "ckpt", dtype=torch.float64, attn_implementation="sdpa", local_files_only=True, trust_remote_code=False
     ).cuda()
     ref = _run(_plain_float64, ref_model, ids, mask, keep, None, weights.double())
     own = _run(_trl_logps(trainer), policy, ids, mask, keep, None, weights)

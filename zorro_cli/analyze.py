@@ -4,12 +4,14 @@ With --data FILE the workload is a dataset's (zorro_cli.analyze_data, zorro_core
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import typer
 from rich.table import Table
 
 from zorro_core.bench.analysis import workload_report
+from zorro_core.models.local_files import hub_offline, refuse_remote_code
 
 from . import analyze_data
 from .choices import Batching, LogitsMode
@@ -97,6 +99,11 @@ def analyze(
 ) -> None:
     """Total, unique and redundant tokens of a workload and the ideal speedup of each kind of work."""
     if data is not None:
+        if tokenizer is not None and os.path.isdir(tokenizer):
+            try:
+                refuse_remote_code(tokenizer, "--tokenizer")
+            except ValueError as e:
+                fail(str(e))
         analyze_data.run(
             analyze_data.DataArgs(
                 data=data,
@@ -204,4 +211,7 @@ def _prefix_table(prefix: dict) -> Table:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("analyze", help="Redundancy and ideal speedup of a workload, before anything runs.")(analyze)
+    # Offline throughout: a --model or --tokenizer name not in the local cache costs no request.
+    app.command("analyze", help="Redundancy and ideal speedup of a workload, before anything runs.")(
+        hub_offline()(analyze)
+    )

@@ -4,6 +4,7 @@ The sweep itself is zorro_core.bench.sweep; this module parses arguments and pri
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 from typing import Optional
@@ -12,7 +13,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from zorro_core.bench.measure import format_speedup
+from zorro_core.bench.measure import LARGE, format_speedup
 from zorro_core.bench.results import sidecar_path
 from zorro_core.bench.runner import ARMS, case_rows, model_config, refused_arms
 from zorro_core.bench.suite import Case, Measure, Suite, load_suite
@@ -21,7 +22,7 @@ from zorro_core.plan.dtypes import DTYPES
 from zorro_core.verify.guard import ranks_too_many
 
 from .choices import Attn, Baseline, DType, LogitsMode, Phase
-from .console import console, escape, fail, warn
+from .console import console, escape, fail, resolve_device, warn
 
 MAX_MEMORY_HELP = (
     "Memory a case may take, as 16GiB (default: what the machine has available). A case estimated "
@@ -35,9 +36,10 @@ def _cell(row: dict, key: str, fmt: str = "{:.2f}") -> str:
     if v in (None, ""):
         return "-"
     try:
-        return fmt.format(float(v))
+        x = float(v)
     except (TypeError, ValueError):
         return str(v)
+    return f"{x:.3g}" if math.isfinite(x) and abs(x) >= LARGE else fmt.format(x)
 
 
 def _speedup(row: dict) -> str:
@@ -175,6 +177,8 @@ def sweep(
     max_memory: Optional[str] = typer.Option(None, "--max-memory", help=MAX_MEMORY_HELP),
 ) -> None:
     """Run every case of a suite, each in its own process, appending one row per case and phase."""
+    if device:
+        resolve_device(device)  # asked for explicitly: a device that is not here is an error, not skipped rows
     try:
         suite = load_suite(suite_file)
         if device:
@@ -259,6 +263,7 @@ def run(
     max_memory: Optional[str] = typer.Option(None, "--max-memory", help=MAX_MEMORY_HELP),
 ) -> None:
     """One case from flags."""
+    resolve_device(device)  # given explicitly: a device that is not here is an error, not a skipped row
     if unique_prompts is None and dedup_ratio is None:
         unique_prompts = 1
     try:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
-from typing import Any, NoReturn, Optional
+from pathlib import Path
+from typing import Any, NoReturn, Optional, Sequence
 
 import torch
 import typer
@@ -32,6 +34,33 @@ def fail(reason: str, code: int = EXIT_USAGE) -> NoReturn:
     """Print `error: <reason>` (plain text, markup escaped) on stderr and exit with `code`."""
     err_console.print(f"[red]error:[/] {escape(str(reason))}")
     raise typer.Exit(code)
+
+
+def refuse_writing_onto_inputs(option: str, out: Path, inputs: Sequence[Path]) -> None:
+    """fail when `out` is (the same file as) one of `inputs` or an input's JSON sidecar: writing
+    there would replace what the command reads."""
+    from zorro_core.bench.results import sidecar_path
+
+    if not out.exists():
+        return
+    for p in inputs:
+        for q, what in ((p, "an input of this command"), (sidecar_path(p), f"the sidecar of the input {p}")):
+            try:
+                same = os.path.samefile(out, q)
+            except OSError:
+                continue
+            if same:
+                fail(f"{option} {out} is {what}: writing there would replace it; write to another file")
+
+
+def write_or_fail(option: str, path: Path, write: Any) -> Any:
+    """`write()`'s result; an OSError (a path that cannot be created, a full or read-only disk) is
+    one line naming the option and the path, exit 2."""
+    try:
+        return write()
+    except OSError as e:
+        where = e.filename if isinstance(e.filename, str) else str(path)
+        fail(f"{option} {path}: cannot write {where} ({e.strerror or e})")
 
 
 def print_json(report: Any) -> None:
@@ -99,6 +128,8 @@ __all__ = [
     "escape",
     "fail",
     "print_json",
+    "refuse_writing_onto_inputs",
+    "write_or_fail",
     "warn",
     "EXIT_USAGE",
     "STATUS_STYLE",

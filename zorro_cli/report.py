@@ -12,10 +12,20 @@ import typer
 from rich.table import Table
 from typer.core import TyperGroup
 
-from zorro_core.bench.report import compare_frames, compared_count, load_results, pivot_frame, pivots, plot
+from zorro_core.bench.measure import format_number
+from zorro_core.bench.report import (
+    compare_frames,
+    compared_count,
+    load_results,
+    pivot_frame,
+    pivots,
+    plot,
+    run_differences,
+    spreadsheet_frame,
+)
 
 from .choices import Metric, Phase
-from .console import console, escape, fail
+from .console import console, escape, fail, refuse_writing_onto_inputs, write_or_fail
 from .report_stack import stack
 
 
@@ -80,6 +90,11 @@ def show(
         fail(f"--plots {plots} is a file; it takes a directory to write the PNGs into")
     if csv_out is not None and csv_out.is_dir():
         fail(f"--csv {csv_out} is a directory; it takes a CSV file path")
+    if csv_out is not None:
+        refuse_writing_onto_inputs("--csv", csv_out, results)
+        write_or_fail("--csv", csv_out, lambda: csv_out.parent.mkdir(parents=True, exist_ok=True))
+    if plots is not None:
+        write_or_fail("--plots", plots, lambda: plots.mkdir(parents=True, exist_ok=True))
     try:
         df = load_results(results)
     except ValueError as e:
@@ -110,12 +125,12 @@ def show(
             line = f"  {r['case_id']} {r['phase']}: {r['status']} {r.get('error', '') or ''}"
             typer.echo(line) if markdown else console.print(escape(line))
     if csv_out is not None:
-        csv_out.parent.mkdir(parents=True, exist_ok=True)
-        pivot_frame(tables, value).to_csv(csv_out, index=False)
-        console.print(f"pivot written to {csv_out}")
+        frame = spreadsheet_frame(pivot_frame(tables, value))
+        write_or_fail("--csv", csv_out, lambda: frame.to_csv(csv_out, index=False))
+        console.print(f"pivot written to {escape(str(csv_out))}")
     if plots is not None:
-        for p in plot(df, plots):
-            console.print(f"plot written to {p}")
+        for p in write_or_fail("--plots", plots, lambda: plot(df, plots)):
+            console.print(f"plot written to {escape(str(p))}")
 
 
 @report_app.command("compare")
@@ -141,6 +156,11 @@ def compare(
             + ("" if any(v != "missing in new" for *_, v in rows) else f" ({new} has none of its rows)")
             + "; a gate that compares nothing fails"
         )
+    differ = run_differences(old, new)
+    if differ:
+        console.print(
+            escape(f"note: the two runs differ ({'; '.join(differ)}); their times compare only as far as that allows")
+        )
     counts: dict[str, int] = {}
     for *_, verdict in rows:
         counts[verdict] = counts.get(verdict, 0) + 1
@@ -157,8 +177,8 @@ def compare(
         t.add_row(
             escape(str(case)),
             str(phase),
-            "" if vo is None else f"{vo:.3f}",
-            "" if vn is None else f"{vn:.3f}",
+            "" if vo is None else format_number(vo, 3),
+            "" if vn is None else format_number(vn, 3),
             "" if change is None else f"{change:+.1%}",
             f"[{style}]{verdict}[/]" if style else verdict,
         )

@@ -14,11 +14,11 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from zorro_core.bench.report import load_results
+from zorro_core.bench.report import load_results, spreadsheet_frame
 from zorro_core.bench.stack_table import WORKLOAD, missing_configs, stack_needs, stack_report
 
 from .choices import Phase
-from .console import console, escape, fail
+from .console import console, escape, fail, refuse_writing_onto_inputs, write_or_fail
 
 COLUMNS = ("config", "tokens/s", "peak MiB", "step", "step MiB", "total", "total MiB", "status", "from")
 
@@ -93,6 +93,11 @@ def stack(
     csv_out: Optional[Path] = typer.Option(None, "--csv", help="Write the stack tables to this CSV."),
 ) -> None:
     """The cumulative table: baseline, + flash attention, + liger, + dedup, + split attention (see suites/stack.toml)."""
+    if csv_out is not None:
+        if csv_out.is_dir():
+            fail(f"--csv {csv_out} is a directory; it takes a CSV file path")
+        refuse_writing_onto_inputs("--csv", csv_out, results)
+        write_or_fail("--csv", csv_out, lambda: csv_out.parent.mkdir(parents=True, exist_ok=True))
     try:
         df = load_results(results)
         if phase is not None:
@@ -127,6 +132,6 @@ def stack(
         for n in notes:
             console.print(f"  note: {escape(n)}")
     if csv_out is not None:
-        csv_out.parent.mkdir(parents=True, exist_ok=True)
-        table.to_csv(csv_out, index=False)
-        console.print(f"stack table written to {csv_out}")
+        frame = spreadsheet_frame(table)
+        write_or_fail("--csv", csv_out, lambda: frame.to_csv(csv_out, index=False))
+        console.print(f"stack table written to {escape(str(csv_out))}")

@@ -7,17 +7,28 @@ import sys
 import time
 from typing import Optional
 
+import torch.distributed as dist
 import typer
 from rich.table import Table
 
-from zorro_core.distributed.launch import under_torchrun
+from zorro_core.distributed.launch import RANK_VARIABLES, set_by_torchrun, under_torchrun
 from zorro_core.models.presets import PRESETS
 from zorro_core.verify.distributed import BUGS, RULE, DistributedConfig, VariantResult, verify_distributed
 from zorro_core.verify.gradients import VerifyCase, case_unavailable
 from zorro_core.verify.guard import ranks_too_many, verify_too_large
 
 from .choices import LogitsMode, VerifyAttn
-from .console import STATUS_STYLE, console, error_cell, escape, fail, parameter_cell, print_json, resolve_device
+from .console import (
+    STATUS_STYLE,
+    console,
+    err_console,
+    error_cell,
+    escape,
+    fail,
+    parameter_cell,
+    print_json,
+    resolve_device,
+)
 
 _BUG_HELP = "Hidden, for testing the verifier: plant a bug (" + ", ".join(BUGS) + ")."
 HELP = (
@@ -63,6 +74,12 @@ def distributed(
         help="Also run every planted bug in the same ranks: passes when the clean run passes and every bug fails.",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    join_timeout: float = typer.Option(
+        300.0,
+        "--join-timeout",
+        min=1.0,
+        help="Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): seconds to wait for the other ranks.",
+    ),
     inject_bug: Optional[str] = typer.Option(None, "--inject-bug", hidden=True, help=_BUG_HELP),
 ) -> None:
     if inject_bug is not None and inject_bug not in BUGS:
@@ -86,8 +103,28 @@ def distributed(
         seed=seed,
         bugs=(None, *BUGS) if self_test else (inject_bug,),
     )
+    joining = under_torchrun()
+    if joining and not set_by_torchrun():
+        given = ", ".join(f"{k}={os.environ[k]}" for k in RANK_VARIABLES)
+        err_console.print(
+            escape(
+                f"note: {given} are set, but not by torchrun (no TORCHELASTIC_RUN_ID): joining that process group, "
+                f"waiting up to {join_timeout:g} s for its other ranks; unset these variables to let zorro start "
+                "its own ranks (--nproc)"
+            )
+        )
     t0 = time.perf_counter()
-    results = verify_distributed(cfg, nproc)
+    try:
+        results = verify_distributed(cfg, nproc, join_timeout_s=join_timeout)
+    except Exception as e:
+        if not joining or dist.is_initialized():
+            raise
+        fail(
+            f"could not join the process group of RANK={os.environ['RANK']} WORLD_SIZE={os.environ['WORLD_SIZE']} "
+            f"at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {join_timeout:g} s "
+            f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
+            "if these variables are left over from an earlier run, unset them"
+        )
     seconds = time.perf_counter() - t0
     ok = _passed(results, self_test)
     if under_torchrun() and int(os.environ["RANK"]) != 0:

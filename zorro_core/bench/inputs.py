@@ -9,21 +9,27 @@ from __future__ import annotations
 from transformers import AutoConfig
 
 from zorro_core.bench.suite import Case
+from zorro_core.models.local_files import hub_offline, local_checkpoint
 from zorro_core.models.presets import PRESETS, preset_config
 from zorro_core.plan.batch import create_dummy_batch
 
 
 def model_config(name: str):
-    """The config of a preset, a local checkpoint or a model in the local HF cache (no download)."""
+    """The config of a preset, a local checkpoint or a model in the local HF cache (no download, no
+    code from the checkpoint: zorro_core.models.local_files)."""
     if name in PRESETS:
         return preset_config(name)
-    try:
-        return AutoConfig.from_pretrained(name, local_files_only=True)
-    except Exception as e:
+    path = local_checkpoint(name)
+    if path is None:
         raise ValueError(
             f"cannot resolve model {name!r} (not a preset, a local checkpoint or in the local HF cache; "
             f"nothing is downloaded). Presets: {', '.join(PRESETS)}"
-        ) from e
+        )
+    try:
+        with hub_offline():
+            return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as e:
+        raise ValueError(f"cannot read the config of model {name!r} in {path} ({type(e).__name__}: {e})") from e
 
 
 def make_batch(case: Case, vocab_size: int, device: str = "cpu"):

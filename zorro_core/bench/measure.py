@@ -74,13 +74,26 @@ class Speedup:
         return format_speedup(self.value, self.err)
 
 
+LARGE = 1e6
+"""From this magnitude on, figures are printed in scientific notation (a fixed-point 1e308 has 309 digits)."""
+
+
+def format_number(value: float, digits: int = 2) -> str:
+    """`value` with `digits` decimals, or in scientific notation (digits + 1 significant) when large."""
+    if math.isfinite(value) and abs(value) >= LARGE:
+        return f"{value:.{digits + 1}g}"
+    return f"{value:.{digits}f}"
+
+
 def format_speedup(value: float, err: float) -> str:
     if not math.isfinite(value):
         return "-"
+    if abs(value) >= LARGE:
+        return format_number(value) + (f" ± {err:.2g}x" if math.isfinite(err) else "x")
     if not math.isfinite(err):
         return f"{value:.2f}x"
     digits = 2 if err == 0 else max(2, min(4, -int(math.floor(math.log10(err)))))
-    return f"{value:.{digits}f} ± {err:.{digits}f}x"
+    return f"{value:.{digits}f} ± {format_number(err, digits)}x"
 
 
 # p20..p80 of a normal spans 2 x 0.8416 sigma; the median's standard error is 1.2533 sigma / sqrt(n).

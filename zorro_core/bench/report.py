@@ -9,7 +9,15 @@ import re
 from pathlib import Path
 
 from zorro_core.bench.measure import format_speedup
-from zorro_core.bench.results import SETUP_COLUMNS, check_fields, read_results_text
+from zorro_core.bench.results import (
+    SETUP_COLUMNS,
+    check_fields,
+    from_spreadsheet_cell,
+    read_results_text,
+    read_sidecar,
+    sidecar_path,
+    spreadsheet_cell,
+)
 
 # Columns that define a configuration: one pivot table (and one plot) per combination.
 GROUP_COLUMNS = [
@@ -40,6 +48,7 @@ def load_results(paths: list[Path]):
         missing = [c for c in KEY + ["status"] if c not in df.columns]
         if missing:
             raise ValueError(f"{p} is not a zorro results CSV (missing columns {missing})")
+        unquote_cells(df)
         check_values(df, p)
         frames.append(df)
     df = pd.concat(frames, ignore_index=True)
@@ -49,6 +58,29 @@ def load_results(paths: list[Path]):
             df[col] = ""
     df[GROUP_COLUMNS] = df[GROUP_COLUMNS].fillna("")
     return df
+
+
+def _text_columns(df) -> list:
+    import pandas as pd
+
+    return [c for c in df.columns if df[c].dtype == object or pd.api.types.is_string_dtype(df[c])]
+
+
+def unquote_cells(df) -> None:
+    """In place: the text cells as they were before results.spreadsheet_cell quoted them."""
+    for col in _text_columns(df):
+        s = df[col]
+        quoted = s.str.match(r"'[=+\-@\t\r']", na=False)
+        if quoted.any():
+            df[col] = s.where(~quoted, s[quoted].map(from_spreadsheet_cell))
+
+
+def spreadsheet_frame(df):
+    """A copy of `df` whose text cells are spreadsheet-safe (results.spreadsheet_cell; numbers as they are)."""
+    out = df.copy()
+    for col in _text_columns(out):
+        out[col] = out[col].map(lambda v: spreadsheet_cell(v) if isinstance(v, str) else v)
+    return out
 
 
 # Numeric columns of an ok row, and the least each may be: times, rates and speedups are > 0.
@@ -297,3 +329,48 @@ COMPARED = ("REGRESSION", "worse, within noise", "improved", "same")
 def compared_count(rows: list[tuple]) -> int:
     """How many rows of compare_frames compared something: a gate that compares nothing fails."""
     return sum(1 for *_, v in rows if v in COMPARED or v.startswith("REGRESSION"))
+
+
+# What two runs' sidecars must agree on for their times to compare: the machine and the versions
+# (environment), the code, and the settings that change what a time means.
+RUN_FACTS = {
+    "environment": ("platform", "cpu", "python", "torch", "transformers", "cuda", "gpus", "flash_attn", "liger_kernel"),
+    "run": ("cpu_count", "git_sha", "git_dirty"),
+    "measure": ("warmup", "repeats", "threads"),
+}
+
+
+def _run_facts(path: Path) -> tuple[dict | None, str]:
+    """The facts (RUN_FACTS) of the last run recorded in `path`'s sidecar, or (None, why not)."""
+    side = sidecar_path(path)
+    if not side.exists():
+        return None, f"{path} has no sidecar ({side.name}): its machine and versions are unknown"
+    try:
+        runs = read_sidecar(side)["runs"]
+    except ValueError as e:
+        return None, f"{e}: the machine and versions of {path} are unknown"
+    if not runs or not isinstance(runs[-1], dict):
+        return None, f"{side} records no run: the machine and versions of {path} are unknown"
+    last = runs[-1]
+    facts = {}
+    for where, keys in RUN_FACTS.items():
+        table = last if where == "run" else last.get(where)
+        table = table if isinstance(table, dict) else {}
+        for k in keys:
+            if k in table:
+                facts[k if where != "measure" else f"measure.{k}"] = table[k]
+    return facts, ""
+
+
+def run_differences(old: Path, new: Path) -> list[str]:
+    """Notes on how the runs behind two results files differ (machine, versions, code, timing
+    settings, from their sidecars), or that a sidecar is missing: times from different machines
+    or versions compare only loosely."""
+    (fo, why_o), (fn, why_n) = _run_facts(Path(old)), _run_facts(Path(new))
+    notes = [w for w in (why_o, why_n) if w]
+    if fo is None or fn is None:
+        return notes
+    for k in dict.fromkeys([*fo, *fn]):
+        if k in fo and k in fn and fo[k] != fn[k]:
+            notes.append(f"{k}: {fo[k]!r} -> {fn[k]!r}")
+    return notes

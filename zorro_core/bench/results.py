@@ -4,11 +4,15 @@
   the whole line on an O_APPEND descriptor and fsynced, so a kill at any moment leaves every
   earlier row intact and at most a cut last line, which readers detect: a resumed sweep drops
   it (that row never finished and runs again), a report refuses the file and says so.
-- One writer: a sweep holds an exclusive lock (flock on `<csv>.lock`) for its whole run; a
-  second one is refused with the holder's pid and command. The kernel releases the lock when
-  its holder dies, however it dies.
+- One writer: a sweep holds an exclusive lock (flock on `<json>.lock`, the sidecar's: results
+  files that share a sidecar, x.csv and x.tsv, share the lock) for its whole run; a second one
+  is refused with the holder's pid and command. The kernel releases the lock when its holder
+  dies, however it dies.
 - Backups never overwrite: starting a file afresh renames it to the first free
   `<csv>.<n>.bak` (its sidecar to `<json>.<n>.bak`).
+- Only a zorro sidecar is rewritten: it carries the field `zorro_sidecar` (one written before
+  that field existed has a "runs" table); any other JSON table of that name is the user's, left
+  alone, and the sweep is refused naming it (check_out).
 - The sidecar is replaced atomically (written beside, then renamed; the `.tmp` is removed when
   the write fails). A damaged sidecar (not JSON, not UTF-8, not a {"runs": [...]} table) is kept
   as a numbered backup before a new one is started, and the caller is told.
@@ -17,6 +21,11 @@
   or a name whose sidecar would be the file itself (`x.json`) is refused with the reason.
 - A write that fails (disk full, read-only) is a ResultsWriteError naming the file and the
   cause; a row is written whole or not at all (a failed append is cut back off).
+- Spreadsheet-safe: a text cell starting with = + - @ or a tab (which a spreadsheet would run
+  as a formula: a model directory named `=HYPERLINK(...)`) is written with a leading single
+  quote, as is one starting with a quote (so that reading back is exact); numbers (-1.5) are
+  written as they are. Every reader here removes that quote (from_spreadsheet_cell), so a
+  resumed sweep, a report and a compare see the cell as it was.
 A resumed sweep skips every (case_id, phase) that already has a finished row. A CSV may hold
 several rows of one key (a failed case run again); readers keep the last.
 """
@@ -29,6 +38,7 @@ import fcntl
 import io
 import json
 import os
+import re
 import stat
 import sys
 from pathlib import Path
@@ -105,6 +115,31 @@ COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS + DISTRIBUTED_COLUMNS
 # A row with one of these statuses is done: --resume does not run it again.
 DONE_STATUSES = ("ok", "oom")
 
+SIDECAR_MARKER = "zorro_sidecar"
+"""The field that makes a JSON file a zorro sidecar (its value: the format's version, 1). A sidecar
+written before the marker existed is recognised by its "runs" table."""
+SIDECAR_FORMAT = 1
+
+
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+"""What a spreadsheet reads as the start of a formula (OWASP's list for CSV injection)."""
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:inf|infinity|nan)", re.IGNORECASE)
+
+
+def spreadsheet_cell(text: str) -> str:
+    """`text` as a spreadsheet shows it as text: a leading single quote before a formula start
+    (and before a quote, so that from_spreadsheet_cell is exact); a number is left as it is."""
+    if text and (text[0] in FORMULA_START or text[0] == "'") and not _NUMBER.fullmatch(text):
+        return "'" + text
+    return text
+
+
+def from_spreadsheet_cell(text: str) -> str:
+    """The cell spreadsheet_cell was given."""
+    if len(text) > 1 and text[0] == "'" and (text[1] in FORMULA_START or text[1] == "'"):
+        return text[1:]
+    return text
+
 
 def sidecar_path(csv_path: str | Path) -> Path:
     """results/x.csv -> results/x.json."""
@@ -112,9 +147,10 @@ def sidecar_path(csv_path: str | Path) -> Path:
 
 
 def lock_path(csv_path: str | Path) -> Path:
-    """results/x.csv -> results/x.csv.lock."""
-    p = Path(csv_path)
-    return p.with_name(p.name + ".lock")
+    """results/x.csv -> results/x.json.lock: the sidecar's lock, so that results files sharing a
+    sidecar (x.csv and x.tsv both have x.json) are locked together."""
+    side = sidecar_path(csv_path)
+    return side.with_name(side.name + ".lock")
 
 
 class ResultsBusy(ValueError):
@@ -123,6 +159,10 @@ class ResultsBusy(ValueError):
 
 class ResultsWriteError(ValueError):
     """A results file or its sidecar could not be written (the message names the file and the cause)."""
+
+
+class NotASidecar(ValueError):
+    """A JSON file where a sidecar would go that is not a zorro sidecar: it is never touched."""
 
 
 def _kind(mode: int) -> str:
@@ -163,11 +203,26 @@ def check_out(out: str | Path, mode: str, protect: tuple[str | Path, ...] = ()) 
             raise ValueError(f"{what} {p}: cannot read it ({e.strerror})") from None
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{what} {p} is {_kind(st.st_mode)}, not a results file; --out takes a CSV file path")
+    check_sidecar_is_ours(side, out)
     if not out.exists():
         return
     for q in protect:
         if q and Path(q).exists() and os.path.samefile(out, q):
             raise ValueError(f"--out {out} is the suite file itself; write the results to another file")
+
+
+def check_sidecar_is_ours(side: Path, out: Path) -> None:
+    """NotASidecar when `side` is a JSON table that is not a zorro sidecar (no marker, no "runs"
+    table): a file of the user's that happens to have the sidecar's name. A damaged file (not
+    JSON, not UTF-8, not a table) is left to write_sidecar, which keeps it as a backup."""
+    try:
+        read_sidecar(side)
+    except NotASidecar as e:
+        raise NotASidecar(
+            f"--out {out}: {e}; it is left alone. Move it away, or write the results to another --out"
+        ) from None
+    except ValueError:
+        pass
 
 
 def check_is_results(out: str | Path, mode: str) -> None:
@@ -262,7 +317,13 @@ def read_results_text(path: str | Path, drop_cut_line: bool = False) -> str:
 def check_fields(path: str | Path, text: str) -> None:
     """ValueError naming the file and the line when a row's fields do not match the header (no rows built)."""
     reader = csv.reader(io.StringIO(text, newline=""))
-    n = len(next(reader, None) or [])
+    header = next(reader, None) or []
+    n = len(header)
+    seen: set[str] = set()
+    for col in header:
+        if col in seen:
+            raise ValueError(f"{path}: the header names the column {col!r} twice; not a zorro results CSV")
+        seen.add(col)
     for row in reader:
         if len(row) != n:
             raise ValueError(
@@ -277,7 +338,7 @@ def parse_results(path: str | Path, drop_cut_line: bool = False, text: Optional[
     check_fields(path, text)
     reader = csv.reader(io.StringIO(text, newline=""))
     header = next(reader, None) or []
-    return [dict(zip(header, row)) for row in reader]
+    return [dict(zip(header, map(from_spreadsheet_cell, row))) for row in reader]
 
 
 def _header(path: Path) -> list[str] | None:
@@ -306,7 +367,9 @@ def _drop_partial_line(path: Path) -> None:
 def _line(values: list[Any]) -> bytes:
     """One CSV line; newlines inside a value become spaces, so that a line is a row."""
     buf = io.StringIO(newline="")
-    csv.writer(buf).writerow(["" if v is None else str(v).replace("\r", " ").replace("\n", " ") for v in values])
+    csv.writer(buf).writerow(
+        ["" if v is None else spreadsheet_cell(str(v).replace("\r", " ").replace("\n", " ")) for v in values]
+    )
     return buf.getvalue().encode()
 
 
@@ -404,6 +467,10 @@ def read_sidecar(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"sidecar {path} is not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"sidecar {path} is not valid JSON ({e.msg}, line {e.lineno})") from None
+    if isinstance(data, dict) and SIDECAR_MARKER not in data and "runs" not in data:
+        raise NotASidecar(
+            f'{path} is a JSON file but not a zorro sidecar (it has neither a "{SIDECAR_MARKER}" field nor a "runs" table)'
+        )
     if not isinstance(data, dict) or not isinstance(data.get("runs", []), list):
         raise ValueError(f'sidecar {path} is not a zorro sidecar (a JSON table with a "runs" list)')
     data.setdefault("runs", [])
@@ -418,6 +485,8 @@ def write_sidecar(path: str | Path, run: dict[str, Any]) -> tuple[Optional[Path]
     kept, why = None, ""
     try:
         data = read_sidecar(path)
+    except NotASidecar:
+        raise
     except ValueError as e:
         why = str(e)
         n = 1
@@ -430,7 +499,7 @@ def write_sidecar(path: str | Path, run: dict[str, Any]) -> tuple[Optional[Path]
             raise ResultsWriteError(f"cannot move the damaged sidecar {path} aside: {err.strerror or err}") from None
         data = {"runs": []}
     data["runs"].append(run)
-    _write_json(path, data)
+    _write_json(path, {SIDECAR_MARKER: SIDECAR_FORMAT, **data})
     return kept, why
 
 

@@ -21,6 +21,8 @@ import difflib
 import fnmatch
 import itertools
 import math
+import os
+import re
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -39,6 +41,10 @@ from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, SHARINGS
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "auto")
 BASELINES = ("packed", "padded", "prompt")
 PHASES = ("forward", "forward_backward")
+MAX_CASES = 10_000
+"""The most cases a suite may expand to (counted before any is built): at a few seconds a case, a
+sweep of more runs for days, and a mistyped axis must not make `--list` hang while memory grows."""
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,11 @@ class Case:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("baseline", self.baseline, BASELINES)
         _check_choice("sharing", self.sharing, SHARINGS)
+        # The counts first: a prompt_len of 0 is what is wrong, not the shared prefix it bounds.
+        for name in ("batch_size", "prompt_len", "response_len", "nproc"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if (
             not isinstance(self.shared_prefix_len, int)
             or isinstance(self.shared_prefix_len, bool)
@@ -125,10 +136,6 @@ class Case:
         for name in ("split_attention", "padding", "liger", "checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("batch_size", "prompt_len", "response_len", "nproc"):
-            v = getattr(self, name)
-            if not _is_int(v) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if not _is_int(self.seed) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
         for name in ("model", "device"):
@@ -225,6 +232,13 @@ class Measure:
             v = getattr(self, name)
             if not _is_int(v) or v < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {v!r}")
+        cores = os.cpu_count() or 1
+        if self.threads > cores:
+            # More threads than cores only oversubscribes (and past OpenMP's limit fails in the case).
+            raise ValueError(
+                f"threads {self.threads} is more than the {cores} CPU core(s) here; use at most {cores} "
+                "(0: torch's default)"
+            )
         if not isinstance(self.memory, bool):
             raise ValueError(f"memory must be true or false, got {self.memory!r}")
         if not (_is_number(self.timeout_s) and self.timeout_s > 0):
@@ -253,6 +267,9 @@ class Suite:
     source: Optional[str] = None
     """Path of the TOML file, if any."""
 
+    def __post_init__(self) -> None:
+        check_suite_name(self.name)
+
     def filtered(self, exprs: Iterable[str]) -> "Suite":
         """Only the cases matching every expression (see `case_matches`)."""
         exprs = list(exprs)
@@ -260,6 +277,17 @@ class Suite:
 
     def on_device(self, device: str) -> "Suite":
         return replace(self, device=device, cases=[replace(c, device=device) for c in self.cases])
+
+
+def check_suite_name(name: Any) -> None:
+    """ValueError unless `name` is a plain name: it picks the default results path
+    (results/<name>.csv, .json, .lock), so it must not be a path or hold odd characters."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(
+            f"suite name {name!r} is not a plain name: use 1 to 100 letters, digits, '_', '-' and '.', "
+            "starting with a letter, a digit or '_' (no path separators, no '..'; the name picks "
+            "results/<name>.csv, and --out writes anywhere else)"
+        )
 
 
 def case_matches(case: Case, expr: str) -> bool:
@@ -311,14 +339,24 @@ _MEASURE = tuple(f.name for f in fields(Measure))
 
 
 def expand(defaults: dict[str, Any], grids: list[dict[str, Any]]) -> list[Case]:
-    """Cases of the product of each grid's axes over the defaults, in order, duplicates dropped."""
+    """Cases of the product of each grid's axes over the defaults, in order, duplicates dropped.
+    ValueError when the products add up to more than MAX_CASES (counted before any case is built)."""
     cases: list[Case] = []
     seen: set[str] = set()
-    for grid in grids or [{}]:
-        axes = {k: (v if isinstance(v, list) else [v]) for k, v in grid.items()}
+    all_axes = [{k: (v if isinstance(v, list) else [v]) for k, v in grid.items()} for grid in grids or [{}]]
+    for axes in all_axes:
         for k, v in axes.items():
             if not v:
                 raise ValueError(f"axis {k!r} is an empty list")
+    sizes = [math.prod(len(v) for v in axes.values()) for axes in all_axes]
+    if sum(sizes) > MAX_CASES:
+        biggest = max(range(len(sizes)), key=sizes.__getitem__)
+        shape = " x ".join(f"{len(v)} {k}" for k, v in all_axes[biggest].items())
+        raise ValueError(
+            f"the suite expands to {sum(sizes):,} cases (grid #{biggest + 1}: {shape}), over the cap of "
+            f"{MAX_CASES:,} cases a suite may have; split it into smaller suites or fewer values per axis"
+        )
+    for axes in all_axes:
         keys = list(axes)
         for combo in itertools.product(*(axes[k] for k in keys)):
             values = dict(zip(keys, combo))
@@ -363,6 +401,10 @@ def parse_suite(data: dict[str, Any], source: Optional[str] = None, name: Option
     defaults.setdefault("seed", seed)
     if "prompt_dedup_ratio" not in defaults:
         defaults.setdefault("num_unique_prompts", 1)
+    if "name" in data:
+        check_suite_name(data["name"])
+    elif name is not None and not _NAME.fullmatch(name):
+        raise ValueError(f'the file name gives the suite no plain name ({name!r}): set name = "..." in it')
     return Suite(
         name=data.get("name") or name or "suite",
         cases=expand(defaults, grids),

@@ -49,6 +49,15 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def set_by_torchrun() -> bool:
+    """Whether torchrun's agent started this process (it sets TORCHELASTIC_RUN_ID): rank
+    variables without it may be stale ones exported in a shell, naming ranks that never come."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def init_from_env(backend: str, timeout_s: float = 300.0) -> None:
     """Join the process group torchrun describes in the environment (no-op if already joined)."""
     check_fsdp_backend(backend)

@@ -15,10 +15,10 @@ import warnings
 from typing import Any, Iterator, Optional
 
 import torch
-from huggingface_hub import snapshot_download
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from zorro_core.models.local_files import hub_offline, local_checkpoint
 from zorro_core.models.moe import routed_experts
 from zorro_core.models.registry import FAMILIES
 
@@ -85,13 +85,6 @@ def seeded_rng(seed: int) -> Iterator[None]:
         yield
 
 
-def _hf_cache_path(name: str) -> Optional[str]:
-    try:
-        return snapshot_download(name, local_files_only=True)
-    except Exception:
-        return None
-
-
 def load_model(
     name_or_path: str,
     device: str | torch.device = "cpu",
@@ -99,7 +92,8 @@ def load_model(
     attn_implementation: str = "sdpa",
     seed: int = 0,
 ) -> PreTrainedModel:
-    """A local checkpoint, a model in the local HF cache, or a preset (random weights). Never downloads."""
+    """A local checkpoint, a model in the local HF cache, or a preset (random weights). Never downloads,
+    never runs code from the checkpoint (zorro_core.models.local_files)."""
     if os.path.isdir(name_or_path) and name_or_path in PRESETS:
         # A local directory wins, as in transformers, but a preset name must not be shadowed unseen.
         if not os.path.isfile(os.path.join(name_or_path, "config.json")):
@@ -112,11 +106,16 @@ def load_model(
             f"{name_or_path!r} (a local directory shadows a preset of the same name)",
             stacklevel=2,
         )
-    path = name_or_path if os.path.isdir(name_or_path) else _hf_cache_path(name_or_path)
+    path = local_checkpoint(name_or_path)
     if path is not None:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
-        )
+        with hub_offline():
+            model = AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=dtype,
+                attn_implementation=attn_implementation,
+                local_files_only=True,
+                trust_remote_code=False,
+            )
         nn.Module.to(model, device)  # in place
         return model
     if name_or_path in PRESETS:

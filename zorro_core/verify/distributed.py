@@ -306,14 +306,15 @@ def judge(per_rank: list[list[dict]]) -> list[VariantResult]:
     return results
 
 
-def verify_distributed(cfg: DistributedConfig, nproc: int = 2) -> list[VariantResult]:
-    """Spawn `nproc` ranks (or, under torchrun, join its ranks), run every variant, judge on every rank."""
+def verify_distributed(cfg: DistributedConfig, nproc: int = 2, join_timeout_s: float = 300.0) -> list[VariantResult]:
+    """Spawn `nproc` ranks (or, under torchrun, join its ranks, waiting at most `join_timeout_s`
+    for them), run every variant, judge on every rank."""
 
     unknown = [b for b in cfg.bugs if b is not None and b not in BUGS]
     if unknown:
         raise ValueError(f"unknown bug(s) {unknown}; choose from {sorted(BUGS)}")
     if under_torchrun():
-        init_from_env(default_backend(cfg.device))
+        init_from_env(default_backend(cfg.device), timeout_s=join_timeout_s)
         mine = verify_rank(cfg)
         per_rank: list = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, mine)

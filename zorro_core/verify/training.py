@@ -186,6 +186,19 @@ def _drift(params: dict, ref: dict, start: dict) -> tuple[float, str]:
     return (diff / moved if moved > 0 else diff), worst
 
 
+def _non_finite(losses: dict[str, float], weights: dict[str, dict]) -> dict[str, str]:
+    """{run: "loss nan" or "weights (first non-finite parameter)"} for each run that has one."""
+    out = {}
+    for name, params in weights.items():
+        if not math.isfinite(losses[name]):
+            out[name] = f"loss {losses[name]}"
+            continue
+        worst = next((n for n, p in params.items() if not torch.isfinite(p).all()), None)
+        if worst is not None:
+            out[name] = f"weights ({worst})"
+    return out
+
+
 def verify_training(
     cfg: TrainConfig,
     device: str = "cpu",
@@ -292,6 +305,23 @@ def _train_steps(
             if name == "dedup":
                 frac = f
         ref, base, dedup = (runs[k].snapshot() for k in ("ref", "baseline", "dedup"))
+        bad = _non_finite(losses, {"ref": ref, "baseline": base, "dedup": dedup})
+        if bad:
+            # Drift over non-finite weights is nan on both sides of the rule: say what went wrong.
+            if result.status == "pass":
+                what = "; ".join(f"{name}'s {v}" for name, v in bad.items())
+                if set(bad) == {"dedup"}:
+                    result.status = "fail"
+                    result.reason = (
+                        f"step {step}: {what} not finite, while the float64 reference's and the baseline's are"
+                    )
+                else:
+                    result.status = "error"
+                    result.reason = (
+                        f"step {step}: training diverged with these settings (lr {cfg.lr:g}): {what} not finite; "
+                        "nothing left to compare (a smaller --lr trains)"
+                    )
+            return
         d_base, _ = _drift(base, ref, start)
         d_dedup, worst = _drift(dedup, ref, start)
         d_db, _ = _drift(dedup, base, start)

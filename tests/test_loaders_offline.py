@@ -1,0 +1,97 @@
+"""zorro's loaders run with the Hugging Face hub offline: a name that is neither a preset, a local
+directory nor in the local cache is refused at once with zorro's message, and no connection (not
+even a DNS look-up) is attempted; the hub's offline switch is put back afterwards."""
+
+import os
+import socket
+
+import pytest
+from typer.testing import CliRunner
+
+from zorro_cli.main import app
+
+runner = CliRunner()
+NAME = "someorg/not-in-any-cache"
+
+
+@pytest.fixture
+def no_network(monkeypatch, tmp_path):
+    """Every connection and name look-up is recorded and fails; the hub's one-time requests
+    (an agent registry fetched on first use) are made fresh, with an empty cache."""
+    import huggingface_hub.constants as hub
+
+    attempts: list[tuple] = []
+
+    def connect(self, address):
+        attempts.append(("connect", address))
+        raise OSError("the test has no network")
+
+    def getaddrinfo(host, *args, **kwargs):
+        attempts.append(("getaddrinfo", host))
+        raise OSError("the test has no network")
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket.socket, "connect_ex", connect)
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    if hasattr(hub, "AGENT_HARNESSES_PATH"):
+        monkeypatch.setattr(hub, "AGENT_HARNESSES_PATH", str(tmp_path / "agents.json"))
+    try:
+        import huggingface_hub.utils._detect_agent as agent
+
+        monkeypatch.setattr(agent, "_registry", None, raising=False)
+    except ImportError:
+        pass
+    return attempts
+
+
+def _hub_state() -> tuple:
+    import huggingface_hub.constants as hub
+
+    return hub.HF_HUB_OFFLINE, os.environ.get("HF_HUB_OFFLINE")
+
+
+def test_model_config_of_an_uncached_name_is_refused_without_a_request(no_network):
+    from zorro_core.bench.inputs import model_config
+
+    before = _hub_state()
+    with pytest.raises(ValueError, match="nothing is downloaded") as e:
+        model_config(NAME)
+    assert NAME in str(e.value)
+    assert no_network == []
+    assert _hub_state() == before
+
+
+def test_load_model_of_an_uncached_name_is_refused_without_a_request(no_network):
+    from zorro_core.models.presets import load_model
+
+    before = _hub_state()
+    with pytest.raises(ValueError, match="nothing is downloaded"):
+        load_model(NAME)
+    assert no_network == []
+    assert _hub_state() == before
+
+
+def test_analyze_of_an_uncached_name_is_refused_without_a_request(no_network):
+    res = runner.invoke(app, ["analyze", "-p", "8", "-n", "2", "-r", "2", "--model", NAME])
+    assert res.exit_code == 2, res.output
+    assert NAME in res.output and "nothing is downloaded" in " ".join(res.output.split())
+    assert no_network == []
+
+
+def test_hub_offline_nests_and_restores(monkeypatch):
+    import huggingface_hub.constants as hub
+
+    from zorro_core.models.local_files import hub_offline
+
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with hub_offline():
+        assert hub.HF_HUB_OFFLINE is True and os.environ["HF_HUB_OFFLINE"] == "1"
+        with hub_offline():
+            assert hub.is_offline_mode()
+        assert hub.HF_HUB_OFFLINE is True
+    assert hub.HF_HUB_OFFLINE is False and "HF_HUB_OFFLINE" not in os.environ
