@@ -48,7 +48,7 @@ def _batch(seed: int):
     return padded_batch(prompts, responses, seed=seed)
 
 
-def _engine(cls_name: str, path: str, sp: int):
+def _engine(cls_name: str, path: str, sp: int, gradient_checkpointing: bool = False):
     from zorro_core.integrations.verl_cpu import build_engine, use_cpu_platform
 
     use_cpu_platform()
@@ -57,7 +57,13 @@ def _engine(cls_name: str, path: str, sp: int):
     from zorro_core.integrations.verl_engine import ZorroFSDPEngine
 
     cls = ZorroFSDPEngine if cls_name == "zorro" else FSDPEngineWithLMHead
-    return build_engine(cls, path, use_remove_padding=True, ulysses_sequence_parallel_size=sp)
+    return build_engine(
+        cls,
+        path,
+        use_remove_padding=True,
+        ulysses_sequence_parallel_size=sp,
+        gradient_checkpointing=gradient_checkpointing,
+    )
 
 
 def reference_case(path: str, seed: int) -> dict:
@@ -74,8 +80,8 @@ def reference_case(path: str, seed: int) -> dict:
 
 
 def sp_case(path: str, seed: int) -> dict:
-    """Each of the 2 ranks (one SP group): zorro's engine at SP=2 on the whole batch; then a planted
-    off-by-one slice, a fallback (mask mode, refused under SP), and verl's own engine at SP=2."""
+    """Each of the 2 ranks (one SP group): zorro's engine at SP=2 on the whole batch, also with
+    gradient checkpointing; then a planted off-by-one slice, a fallback (mask mode, refused under SP), and verl's own engine at SP=2."""
     import warnings
 
     from test_ulysses import OffByOne
@@ -98,6 +104,11 @@ def sp_case(path: str, seed: int) -> dict:
                 meta = dict(META, use_dynamic_bsz=dyn)
                 out[f"dyn={dyn} train={train}"] = _run(zorro, padded, rows, train, **meta)[:3]
     out["served_notes"] = [str(w.message) for w in caught if issubclass(w.category, ZorroFallbackWarning)]
+
+    # verl's default: the recompute in backward runs the all-to-alls again
+    checkpointed = _engine("zorro", path, 2, gradient_checkpointing=True)
+    out["checkpointed train=True"] = _run(checkpointed, padded, rows, True, **dict(META))[:3]
+    del checkpointed
 
     original = verl_engine.SequenceParallel
     verl_engine.SequenceParallel = OffByOne
@@ -193,6 +204,14 @@ def test_sp2_dp2_on_four_ranks_equals_verl_sp1(results, sp_dp, train):
         assert e["lp"] <= LP_TOL and e["ent"] <= LP_TOL, (key, e)
         if train:
             assert e["n_grads"] > 20 and e["grad"] <= GRAD_TOL, (key, e)
+
+
+def test_sp2_with_gradient_checkpointing_equals_verl_sp1(results):
+    ref, ranks = results
+    for rank in ranks:
+        e = _errors(rank["checkpointed train=True"], ref["dyn=False train=True"], _mask())
+        print(f"SP=2 gradient checkpointing: {e}")
+        assert e["lp"] <= LP_TOL and e["ent"] <= LP_TOL and e["n_grads"] > 20 and e["grad"] <= GRAD_TOL, e
 
 
 def test_planted_off_by_one_slice_fails(results):
