@@ -22,7 +22,9 @@ from zorro_core.attention.backends import default_backend, get_backend
 from zorro_core.attention.flex import flex_unavailable
 from zorro_core.attention.hook import Route, RouteSpec, route_mask
 from zorro_core.attention.registration import install_attention
-from zorro_core.models.families import aux_loss_of, forward_kwargs, install_family_adapters
+from zorro_core.distributed.ulysses import SequenceParallel
+from zorro_core.errors import UnsupportedModelError
+from zorro_core.models.families import aux_loss_of, forward_kwargs, install_family_adapters, wants_router_logits
 from zorro_core.models.parts import check_layers_served, check_trainable_state, model_parts
 from zorro_core.models.presets import load_model
 from zorro_core.plan.batch import RolloutBatch
@@ -161,23 +163,61 @@ class _Actor:
                 f"{now[1]}); build a new actor for it"
             )
 
-    def forward(self, batch: RolloutBatch, temperature: float = 1.0, calculate_entropy: bool = False) -> ActorOutput:
-        """Log-probs (and optionally entropy) of every response token, differentiable."""
+    def forward(
+        self,
+        batch: RolloutBatch,
+        temperature: float = 1.0,
+        calculate_entropy: bool = False,
+        sequence_parallel: Optional[SequenceParallel] = None,
+    ) -> ActorOutput:
+        """Log-probs (and optionally entropy) of every response token, differentiable.
+
+        `sequence_parallel`: a Ulysses group (zorro_core.distributed.ulysses) whose every rank calls
+        this with the same batch; each runs its slice of the packed row and all get every log-prob."""
         self.check_call(temperature)
         check_trainable_state(self.model)
+        if sequence_parallel is not None and sequence_parallel.size == 1:
+            sequence_parallel = None
+        if sequence_parallel is not None:
+            self.check_sequence_parallel(sequence_parallel)
         self.install_hooks()  # a no-op unless something reset the model's attention since
         plan = self.plan(batch)  # token ids checked against the vocabulary (the batch was validated when built)
-        route = Route(self.route_spec, plan)
+        route = Route(self.route_spec, plan, sequence_parallel=sequence_parallel)
         # Through the FSDP2 root's hooks when the model is sharded with fully_shard (zorro_core.actor.fsdp).
         lp, ent, aux = as_root_forward(self.model, lambda: self._compute(plan, route, temperature, calculate_entropy))
         return ActorOutput(
             plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan, aux
         )
 
+    def check_sequence_parallel(self, sp: SequenceParallel) -> None:
+        """Refuse, before any collective (every rank refuses alike), what Ulysses does not serve:
+        mask mode, layers that mix tokens outside the attention hook, the router aux loss (its
+        statistics would cover one slice), head counts the all-to-all cannot split."""
+        if self.route_spec.mode != "split":
+            raise UnsupportedModelError("Ulysses sequence parallelism runs split mode only (use_split_attention=True)")
+        if self.parts.num_linear_layers:
+            raise UnsupportedModelError(
+                "Ulysses sequence parallelism: linear-attention layers carry state along the sequence"
+            )
+        if wants_router_logits(self.parts, self.model.config):
+            raise UnsupportedModelError(
+                "Ulysses sequence parallelism: the MoE router aux loss (output_router_logits) is not sharded"
+            )
+        cfg = self.model.config
+        cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+        heads = getattr(cfg, "num_attention_heads", None)
+        if heads is None:
+            raise UnsupportedModelError("Ulysses sequence parallelism: the model config names no num_attention_heads")
+        sp.check_heads(int(heads), int(getattr(cfg, "num_key_value_heads", None) or heads))
+
     def _compute(self, plan: Plan, route: Route, temperature: float, calculate_entropy: bool):
+        sp = route.sequence_parallel
+        input_ids, position_ids = plan.input_ids, plan.position_ids
+        if sp is not None:
+            input_ids, position_ids = sp.slice_row(input_ids), sp.slice_row(position_ids)
         outputs = self.parts.base(
-            input_ids=plan.input_ids[None],
-            position_ids=plan.position_ids[None],
+            input_ids=input_ids[None],
+            position_ids=position_ids[None],
             attention_mask=route_mask(self.device),
             use_cache=False,
             zorro_route=route,
@@ -188,7 +228,15 @@ class _Actor:
         # hooks again with the same route, and those calls are not part of this count.
         check_layers_served(self.parts, route)
         aux = aux_loss_of(self.parts, self.model.config, outputs, plan, self.config.router_aux_weighting)
-        lp, ent = self.logprobs_at(hidden, plan.logit_index, plan.labels, temperature, calculate_entropy)
+        if sp is None:
+            lp, ent = self.logprobs_at(hidden, plan.logit_index, plan.labels, temperature, calculate_entropy)
+            return lp, ent, aux
+        # Each rank computes the log-probs predicted inside its slice; all ranks get them all.
+        mine, local = sp.owned(plan.logit_index, plan.num_tokens)
+        lp, ent = self.logprobs_at(hidden, local, plan.labels[mine], temperature, calculate_entropy)
+        total = plan.logit_index.numel()
+        lp = sp.gather_owned(lp, mine, total)
+        ent = sp.gather_owned(ent, mine, total) if ent is not None else None
         return lp, ent, aux
 
     __call__ = forward
@@ -237,9 +285,17 @@ class BaselineActor(_Actor):
         super().__init__(*args, **kwargs)
         self.padded = padded
 
-    def forward(self, batch: RolloutBatch, temperature: float = 1.0, calculate_entropy: bool = False) -> ActorOutput:
+    def forward(
+        self,
+        batch: RolloutBatch,
+        temperature: float = 1.0,
+        calculate_entropy: bool = False,
+        sequence_parallel: Optional[SequenceParallel] = None,
+    ) -> ActorOutput:
         if not self.padded:
-            return super().forward(batch, temperature, calculate_entropy)
+            return super().forward(batch, temperature, calculate_entropy, sequence_parallel)
+        if sequence_parallel is not None and sequence_parallel.size > 1:
+            raise UnsupportedModelError("the padded baseline does not run under Ulysses sequence parallelism")
         return padded_forward(self, batch, temperature, calculate_entropy)
 
     __call__ = forward

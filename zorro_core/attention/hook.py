@@ -29,6 +29,7 @@ from zorro_core.attention.backends import BACKENDS
 from zorro_core.attention.flex import block_mask as flex_block_mask
 from zorro_core.attention.flex import flex_packed_attention
 from zorro_core.attention.tree import tree_block_mask, tree_split_attention
+from zorro_core.distributed.ulysses import SequenceParallel
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.plan.prompt import DedupPlan
 from zorro_core.plan.protocol import Plan
@@ -55,11 +56,19 @@ class Route:
     Passed to every attention layer through the forward kwargs (`zorro_route`); a new Route per
     forward, so nothing of one forward leaks into the next."""
 
-    def __init__(self, spec: RouteSpec, plan: Optional[Plan], mask_of: Optional[Callable] = None) -> None:
+    def __init__(
+        self,
+        spec: RouteSpec,
+        plan: Optional[Plan],
+        mask_of: Optional[Callable] = None,
+        sequence_parallel: Optional[SequenceParallel] = None,
+    ) -> None:
         self.spec = spec
         self.plan = plan
         self.mask_of = mask_of
         """Plain mode: window (None: full attention) -> the attention mask of the layers with that window."""
+        self.sequence_parallel = sequence_parallel
+        """Split mode under Ulysses: q/k/v are this rank's slice of the packed row (zorro_core.distributed.ulysses)."""
         self.calls = 0
         """Attention layers served so far in this forward."""
         self.adapter_calls: dict[str, int] = {}
@@ -191,6 +200,8 @@ def zorro_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     route.calls += 1
     if route.mode == "mask":
+        if route.sequence_parallel is not None:
+            raise UnsupportedModelError("mask mode under Ulysses sequence parallelism (split mode serves it)")
         return _mask_mode(module, route, query, key, value, scale, sliding_window)
     return _split_mode(route, query, key, value, scale, sliding_window)
 
@@ -276,6 +287,17 @@ def _split_mode(
     """The plan's varlen calls over the packed row, by plan type: q/k/v [1, H, T, D] -> [1, T, H, D]."""
     if route.plan is None:
         raise RuntimeError("split mode needs a plan")
+    plan = route.plan
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
-    out = split_attention(route.plan, q, k, v, scale, sliding_window, route.spec.backend)
+    sp = route.sequence_parallel
+    if sp is None:
+        out = split_attention(plan, q, k, v, scale, sliding_window, route.spec.backend)
+    else:
+        out = sp.attention(
+            lambda q, k, v: split_attention(plan, q, k, v, scale, sliding_window, route.spec.backend),
+            q,
+            k,
+            v,
+            plan.num_tokens,
+        )
     return out.unsqueeze(0), None

@@ -114,6 +114,7 @@ def build_engine(
     forward_only: bool = False,
     attn_implementation: str = "sdpa",
     gradient_checkpointing: bool = False,
+    ulysses_sequence_parallel_size: int = 1,
 ):
     """`engine_cls(model_config, engine_config, optimizer_config, checkpoint_config)` initialised as
     verl's TrainingWorker does (FSDP2 over the default process group), on CPU."""
@@ -135,6 +136,7 @@ def build_engine(
         mixed_precision={"param_dtype": precision, "reduce_dtype": precision, "buffer_dtype": precision},
         use_torch_compile=False,
         forward_only=forward_only,
+        ulysses_sequence_parallel_size=ulysses_sequence_parallel_size,
     )
     engine_config.use_remove_padding = use_remove_padding  # as TrainingWorker sets it from the model config
     engine = engine_cls(

@@ -35,8 +35,17 @@ batching. With dynamic batch sizes verl's `rearrange_micro_batches` chooses micr
 and the order is left alone. Groups split across data-parallel ranks (the V1 trainer balances rows
 by length without uids) are computed per rank: each rank shares what it holds.
 
+Ulysses sequence parallelism (`ulysses_sequence_parallel_size > 1`) is served: every rank of the SP
+group holds the same micro-batch and builds the same plan; the deduplicated packed row is padded to a
+multiple of the SP size and sliced across the group as verl's `ulysses_pad_and_slice_inputs` slices
+its own, each rank runs its slice, the head/sequence all-to-all around zorro's attention gives it
+the whole row for its share of the heads, and the log-probs (entropy) are gathered onto every rank
+with the gradient convention of verl's `gather_outputs_and_unpad` (zorro_core.distributed.ulysses).
+Under SP the actor refuses, and verl's forward serves with the reason, mask mode, linear-attention
+layers, the MoE router aux loss and head counts the all-to-all cannot split.
+
 Served by verl's own forward, with a one-time `ZorroFallbackWarning` naming the reason (never
-computed wrong): Ulysses sequence parallelism, multi-modal inputs or 3-D (mrope) position ids,
+computed wrong): multi-modal inputs or 3-D (mrope) position ids,
 position ids other than 0..len-1 per row, fused kernels, `calculate_sum_pi_squared`, top-k
 distillation, routed-experts replay, an FSDP1 module (`strategy=fsdp`), a micro-batch without a
 prompt/response split (SFT data), per-row temperatures that differ, a micro-batch where every
@@ -71,11 +80,20 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
+from zorro_core.distributed.ulysses import SequenceParallel
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.integrations.layout import ZorroFallbackWarning
 from zorro_core.plan.batch import RolloutBatch
 
-__all__ = ["TESTED_VERL", "ZorroFSDPEngine", "ZorroFallbackWarning", "install", "rows_of", "unserved_reason"]
+__all__ = [
+    "TESTED_VERL",
+    "ZorroFSDPEngine",
+    "ZorroFallbackWarning",
+    "install",
+    "rows_of",
+    "sequence_parallel_of",
+    "unserved_reason",
+]
 
 TESTED_VERL = ("0.9",)
 """verl minor versions whose `FSDPEngineWithLMHead.forward_step` this module reproduces."""
@@ -189,8 +207,8 @@ def _flag(micro_batch, key: str) -> bool:
 
 def unserved_reason(engine, micro_batch) -> Optional[str]:
     """Why verl's own forward must serve this micro-batch (None when zorro serves it)."""
-    if getattr(engine, "use_ulysses_sp", False):
-        return "Ulysses sequence parallelism shards the sequence"
+    if getattr(engine, "use_ulysses_sp", False) and getattr(engine, "ulysses_parallel_group", None) is None:
+        return "Ulysses sequence parallelism without the engine's SP process group"
     if _flag(micro_batch, "use_fused_kernels") or getattr(engine.model_config, "use_fused_kernels", False):
         return "use_fused_kernels"
     if _flag(micro_batch, "calculate_sum_pi_squared"):
@@ -210,6 +228,15 @@ def unserved_reason(engine, micro_batch) -> Optional[str]:
     if fsdp_version(engine.module) == 1:
         return "an FSDP1 module (strategy=fsdp): its root forward gathers the parameters; use strategy=fsdp2"
     return None
+
+
+def sequence_parallel_of(engine) -> Optional[SequenceParallel]:
+    """The engine's Ulysses group (None without SP). Every rank of it holds the same micro-batch (verl
+    dispatches data by data-parallel rank); the gather's backward scales by the SP size, as verl's
+    `gather_outputs_and_unpad` does, so FSDP's average over dp x sp ranks gives verl's gradients."""
+    if not getattr(engine, "use_ulysses_sp", False):
+        return None
+    return SequenceParallel.of(engine.ulysses_parallel_group)
 
 
 def _temperature(micro_batch) -> float | str:
@@ -265,8 +292,11 @@ class ZorroFSDPEngine(FSDPEngineWithLMHead):
 
     def _zorro_forward_step(self, actor, rows: VerlRows, temperature, micro_batch, loss_function, forward_only):
         calculate_entropy = _flag(micro_batch, "calculate_entropy")
+        sp = sequence_parallel_of(self)
         with self._autocast():
-            out = actor.forward(rows.batch, temperature=temperature, calculate_entropy=calculate_entropy)
+            out = actor.forward(
+                rows.batch, temperature=temperature, calculate_entropy=calculate_entropy, sequence_parallel=sp
+            )
             model_output = {"log_probs": rows.to_nested(out.log_probs)}
             if calculate_entropy:
                 model_output["entropy"] = rows.to_nested(out.entropy)

@@ -1,0 +1,193 @@
+"""verl's engine step under Ulysses sequence parallelism (SP=2 on 2 gloo ranks), with and without
+zorro, on CPU: inference (old log-probs + entropy) and training (verl's ppo_loss, backward),
+against the cost model's ideal speedup.
+
+    PYTHONPATH=. /work/main/.venv-verl/bin/python benchmarks/verl_ulysses.py [--prompts 2 --responses 8
+        --prompt-len 256 --response-len 32 --preset small-qwen3 --repeats 5 --out results/verl_ulysses.csv]
+
+Both arms are verl 0.9.x's FSDP2 engine built by verl's own code with
+`ulysses_sequence_parallel_size=2` (float32, no autocast, sdpa, remove-padding on, as verl requires
+under SP), each rank one thread, both ranks holding the whole batch (data-parallel size 1):
+`FSDPEngineWithLMHead` and zorro's `ZorroFSDPEngine`. What the baseline arm computes is not verl's
+GPU computation: verl's Ulysses patch wraps flash attention only, so with sdpa on CPU each rank's
+attention covers its own slice of the packed row (tokens of the other slice are never attended, no
+all-to-all runs), which is less work than the real thing; its time is a lower bound of verl's SP
+step here and the speedup an underestimate. zorro's arm is exact (tests/test_integrations_verl_ulysses.py).
+One micro-batch holds the whole batch. Runs alternate baseline / zorro after one warm-up of each;
+times are rank 0's (the ranks wait for each other in every collective).
+
+Ideal (zorro_core.plan.cost): as benchmarks/verl_engine.py (verl computes logits at every token,
+zorro only where a response token is predicted; training = 3 x forward); SP divides both arms'
+work by the same 2, so the ideal is the single-rank one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import functools
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from verl_engine import quantile  # noqa: E402
+
+
+def make_rows(vocab: int, args) -> tuple[list[list[int]], list[list[int]]]:
+    g = torch.Generator().manual_seed(args.seed)
+    prompts, responses = [], []
+    for _ in range(args.prompts):
+        prompt = torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist()
+        for _ in range(args.responses):
+            n = int(torch.randint(args.response_len // 2, args.response_len + 1, (1,), generator=g))
+            prompts.append(prompt)
+            responses.append(torch.randint(2, vocab, (n,), generator=g).tolist())
+    order = torch.randperm(len(prompts), generator=g).tolist()  # rows arrive shuffled
+    return [prompts[i] for i in order], [responses[i] for i in order]
+
+
+def rank_main(path: str, args) -> dict:
+    from zorro_core.integrations.verl_cpu import build_engine, engine_batch, padded_batch, use_cpu_platform
+
+    use_cpu_platform()
+    from verl.workers.config import FSDPActorConfig
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.utils.losses import ppo_loss
+
+    from zorro_core.integrations.verl_engine import ZorroFSDPEngine
+    from zorro_core.models.presets import preset_config
+
+    prompts, responses = make_rows(preset_config(args.preset).vocab_size, args)
+    padded = padded_batch(prompts, responses, seed=args.seed)
+    rows = len(prompts)
+    engines = {
+        name: build_engine(cls, path, precision="fp32", use_remove_padding=True, ulysses_sequence_parallel_size=2)
+        for name, cls in (("verl", FSDPEngineWithLMHead), ("zorro", ZorroFSDPEngine))
+    }
+    loss_fn = functools.partial(
+        ppo_loss,
+        config=FSDPActorConfig(
+            strategy="fsdp2", rollout_n=args.responses, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=rows
+        ),
+    )
+
+    def step(arm: str, phase: str) -> float:
+        engine = engines[arm]
+        data = engine_batch(
+            padded, temperature=1.0, calculate_entropy=True, use_remove_padding=True, micro_batch_size_per_gpu=rows
+        )
+        t0 = time.perf_counter()
+        if phase == "infer":
+            with engine.eval_mode(disable_auto_offload=True):
+                engine.infer_batch(data)
+        else:
+            engine.optimizer_zero_grad()
+            with engine.train_mode(disable_auto_offload=True):
+                engine.forward_backward_batch(data, loss_fn, forward_only=False)
+        return time.perf_counter() - t0
+
+    samples: dict[str, list[float]] = {}
+    for phase in ("infer", "train"):
+        for arm in ("verl", "zorro"):
+            step(arm, phase)  # warm-up
+        for _ in range(args.repeats):
+            for arm in ("verl", "zorro"):
+                samples.setdefault(f"{phase} {arm}", []).append(step(arm, phase))
+    return samples
+
+
+def ideal_speedups(config, prompts, responses, args) -> dict[str, float]:
+    from zorro_core.plan.cost import ForwardWork, ModelShape, flops, shape_workloads
+
+    shape = ModelShape.from_config(config)
+    base_w, dedup_w = shape_workloads(
+        [args.prompt_len] * args.prompts,
+        [args.responses] * args.prompts,
+        [[len(r) for p, r in zip(prompts, responses) if tuple(p) == q] for q in dict.fromkeys(map(tuple, prompts))],
+    )
+    base_all = ForwardWork(base_w.tokens, base_w.attended_pairs, base_w.tokens)  # verl: logits at every token
+    return {
+        "infer": flops(shape, base_all, "none").forward / flops(shape, dedup_w, "compute").forward,
+        "train": flops(shape, base_all, "none").forward_backward / flops(shape, dedup_w, "compute").forward_backward,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small-qwen3")
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--responses", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--response-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results/verl_ulysses.csv")
+    args = ap.parse_args()
+
+    import verl
+
+    from zorro_core.distributed.launch import launch
+    from zorro_core.integrations.verl_cpu import save_model
+    from zorro_core.models.presets import build_model, preset_config
+
+    config = preset_config(args.preset)
+    path = f"/tmp/zorro_verl_bench_{args.preset}"
+    if not os.path.isdir(path):
+        save_model(build_model(config, dtype=torch.float32, attn_implementation="sdpa", seed=0), path)
+    samples = launch(rank_main, 2, path, args, threads=1, timeout_s=3000)[0]
+    prompts, responses = make_rows(config.vocab_size, args)
+    ideal = ideal_speedups(config, prompts, responses, args)
+
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    meta = {
+        "verl": verl.__version__,
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "ranks": "2 (SP=2, DP=1), 1 thread each",
+        "preset": args.preset,
+        "shape": f"{args.prompts}x{args.responses} P={args.prompt_len} R<={args.response_len}",
+        "time": stamp,
+    }
+    with open(args.out, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["kind", "phase", "arm", "value", "p20", "p80", "n", *meta])
+        print(f"verl {verl.__version__}, Ulysses SP=2 on 2 ranks, {meta['shape']}, {args.preset}")
+        for phase in ("infer", "train"):
+            b, z = samples[f"{phase} verl"], samples[f"{phase} zorro"]
+            for i, (tb, tz) in enumerate(zip(b, z)):
+                w.writerow(["sample", phase, "verl", f"{tb:.4f}", "", "", i, *meta.values()])
+                w.writerow(["sample", phase, "zorro", f"{tz:.4f}", "", "", i, *meta.values()])
+            for arm, xs in (("verl", b), ("zorro", z)):
+                med, lo, hi = statistics.median(xs), quantile(xs, 0.2), quantile(xs, 0.8)
+                w.writerow(["median_s", phase, arm, f"{med:.4f}", f"{lo:.4f}", f"{hi:.4f}", len(xs), *meta.values()])
+            ratios = [tb / tz for tb, tz in zip(b, z)]
+            speedup = statistics.median(b) / statistics.median(z)
+            r_lo, r_hi = quantile(ratios, 0.2), quantile(ratios, 0.8)
+            w.writerow(
+                [
+                    "speedup",
+                    phase,
+                    "zorro/verl",
+                    f"{speedup:.3f}",
+                    f"{r_lo:.3f}",
+                    f"{r_hi:.3f}",
+                    len(ratios),
+                    *meta.values(),
+                ]
+            )
+            w.writerow(["ideal", phase, "cost model", f"{ideal[phase]:.3f}", "", "", "", *meta.values()])
+            print(
+                f"{phase}: verl {statistics.median(b):.3f} s, zorro {statistics.median(z):.3f} s; speedup "
+                f"{speedup:.2f}x (pairs p20-p80 {r_lo:.2f}-{r_hi:.2f}), ideal {ideal[phase]:.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    main()
