@@ -17,26 +17,6 @@ import torch
 from verl.plugin.platform.platform_cuda import PlatformCUDA
 
 
-class _CPUDeviceModule:
-    """`torch.cpu` plus the memory counters verl's workers log (`max_memory_allocated`, ...), which a
-    CPU has none of: they read 0."""
-
-    def __getattr__(self, name: str):
-        return getattr(torch.cpu, name)
-
-    def max_memory_allocated(self, device=None) -> int:
-        return 0
-
-    def max_memory_reserved(self, device=None) -> int:
-        return 0
-
-    def memory_allocated(self, device=None) -> int:
-        return 0
-
-    def memory_reserved(self, device=None) -> int:
-        return 0
-
-
 class PlatformCPU(PlatformCUDA):
     """verl's CUDA platform with every device call answered for the CPU."""
 
@@ -50,7 +30,7 @@ class PlatformCPU(PlatformCUDA):
 
     @property
     def device_module(self):
-        return _CPUDeviceModule()
+        return torch.cpu
 
     def is_available(self) -> bool:
         return True
