@@ -288,9 +288,8 @@ def _metrics_through_verl(engine, out):
 
     from verl.utils.metric import reduce_metrics
     from verl.utils.py_functional import rename_dict
-    from verl.workers.engine_workers import TrainingWorker
-
     from verl.workers import engine_workers
+    from verl.workers.engine_workers import TrainingWorker
 
     class Counters:  # torch.cpu keeps no memory counters; the worker logs them
         def __getattr__(self, name):
