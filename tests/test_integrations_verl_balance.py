@@ -226,6 +226,34 @@ def test_uneven_sizes_split_at_most_one_group_per_boundary(case):
         assert d >= batch - (slots_of_rank + 1) * plen_max / logical - 0.05, (r, d, batch)
 
 
+def test_rows_without_verls_keys_are_grouped_by_prompt(monkeypatch):
+    """A custom agent loop's keys: the trainer reads the rows' prompts from TransferQueue (the call
+    verl's trainer makes, `kv_batch_get(keys, partition_id, select_fields)`) and groups by content."""
+    KVBatchMeta, _, ZorroPPOTrainerSync = _trainer_modules()
+    import transfer_queue as tq
+    from tensordict import TensorDict
+
+    keys, tags, group = grpo_rows(8, 4, seed=4)
+    plain = [f"sample-{i}" for i in range(len(keys))]
+    prompts = [torch.full((tags[i]["prompt_len"],), 3 + group[i]) for i in range(len(keys))]
+    asked = []
+
+    def kv_batch_get(keys, partition_id, select_fields):
+        asked.append((list(keys), partition_id, select_fields))
+        nested = torch.nested.as_nested_tensor([prompts[plain.index(k)] for k in keys], layout=torch.jagged)
+        return TensorDict({"prompts": nested}, batch_size=len(keys))
+
+    monkeypatch.setattr(tq, "kv_batch_get", kv_batch_get)
+    metrics = {}
+    batch = KVBatchMeta(keys=plain, tags=tags, partition_id="train")
+    out = _trainer(ZorroPPOTrainerSync, 2, len(plain), n=4)._balance_batch(batch, metrics)
+    assert asked and asked[0][1:] == ("train", ["prompts"])
+    index = {k: i for i, k in enumerate(plain)}
+    order = [index[k] for k in out.keys]
+    halves = [{group[i] for i in order[:16]}, {group[i] for i in order[16:]}]
+    assert not (halves[0] & halves[1]) and metrics["zorro/balance/prompt_dedup_rank_min"] == 0.75
+
+
 def test_balance_rows_refuses_what_verl_would_not_dispatch():
     with pytest.raises(ValueError, match="cannot be shared equally"):
         balance_rows([0, 0, 1], [5, 5, 3], [1, 2, 3], 2)

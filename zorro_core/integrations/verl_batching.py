@@ -32,7 +32,7 @@ from verl.utils.device import get_device_name
 from zorro_core.integrations.verl_balance import ATTENTION_WEIGHT
 from zorro_core.plan.balance import GroupedLengths, Partition, partition_micro_batches
 
-__all__ = ["MAX_ROUNDS", "micro_batch_work", "swap_prepare_micro_batches", "zorro_micro_batches"]
+__all__ = ["MAX_ROUNDS", "micro_batch_work", "serves_whole_batch", "swap_prepare_micro_batches", "zorro_micro_batches"]
 
 MAX_ROUNDS = 4
 """Rounds of agreeing on one micro-batch count across ranks before verl's own micro-batching is used."""
@@ -59,6 +59,28 @@ def micro_batch_work(data) -> Optional[GroupedLengths]:
         prompt_of[g] = plen[i] if rlen[i] > 0 else plen[i] + rlen[i] - 1
     # A row whose response is empty costs its own length (prompt_of + the 1 below).
     return GroupedLengths(group, [max(1, p) for p in prompt_of], [max(1, r) for r in rlen])
+
+
+def serves_whole_batch(engine, data) -> bool:
+    """Whether zorro's forward would serve every micro-batch of `data` (what its forward step checks,
+    on the whole batch, and the actor built): else a micro-batch of zorro's size could reach verl's
+    forward above verl's budget."""
+    from zorro_core.errors import UnsupportedModelError
+    from zorro_core.integrations.verl_engine import _temperature, unserved_reason
+
+    if tu.get_non_tensor_data(data=data, key="force_group_size", default=1) != 1:
+        return False
+    if not data["input_ids"].is_nested or unserved_reason(engine, data) is not None:
+        return False
+    if "temperature" in data.keys() and isinstance(_temperature(data), str):
+        return False
+    if any(reason.startswith("the dedup path refuses the model") for reason in engine._warned):
+        return False
+    try:
+        engine._zorro_actor()
+    except UnsupportedModelError:
+        return False
+    return True
 
 
 def _exactly(work: GroupedLengths, part: Partition, k: int) -> list[list[int]]:
@@ -94,15 +116,10 @@ def zorro_micro_batches(
 ) -> Optional[tuple[list, list[list[int]]]]:
     """(micro-batches, their row indices) under the budget in computed tokens, or None where verl's
     own micro-batching must run (decided alike on every rank when the counts are synchronised)."""
-    from zorro_core.integrations.verl_engine import unserved_reason
-
     sync = dist.is_initialized() and same_micro_num_in_dp and dp_group is not None
     sp_size = tu.get_non_tensor_data(data=data, key="sp_size", default=1)
     budget = int(data["max_token_len_per_gpu"]) * int(sp_size)
-    force_group = tu.get_non_tensor_data(data=data, key="force_group_size", default=1)
-    work = None
-    if force_group == 1 and unserved_reason(engine, data) is None and data["input_ids"].is_nested:
-        work = micro_batch_work(data)
+    work = micro_batch_work(data) if serves_whole_batch(engine, data) else None
     n = len(data)
     floor = max(1, min_num_micro_batch or 1)
     part = partition_micro_batches(work, budget, ATTENTION_WEIGHT, floor) if work is not None else None

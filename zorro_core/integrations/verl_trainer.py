@@ -91,6 +91,18 @@ class ZorroPPOTrainerSync(PPOTrainerSync):
             worker_group._dispatch_info[role] = worker_group._query_dispatch_info(role)
         return max(worker_group._dispatch_info[role]) + 1
 
+    def _prompts_for_grouping(self, batch) -> Optional[list[list[int]]]:
+        """The rows' prompt token ids when some key is not verl's `{uid}_{session_id}_{index}` (a custom
+        agent loop): those rows are grouped by prompt content. None when every key names its uid."""
+        if all(split_key(k) is not None for k in batch.keys):
+            return None
+        import transfer_queue as tq
+
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["prompts"])
+        prompts = data["prompts"]
+        rows = prompts.unbind() if prompts.is_nested else list(prompts)
+        return [row.tolist() for row in rows]
+
     def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
         dp_size = self._actor_dp_size()
         batch = upsample_batch_to_divisible_size(
@@ -98,7 +110,7 @@ class ZorroPPOTrainerSync(PPOTrainerSync):
         )
         updates_actor = self.config.trainer.critic_warmup <= self.global_steps
         rows = mini_batch_rows(self.config, dp_size, self.use_critic, updates_actor)
-        balance = balance_tags(batch.keys, batch.tags, dp_size, rows)
+        balance = balance_tags(batch.keys, batch.tags, dp_size, rows, prompts=self._prompts_for_grouping(batch))
         keys = list(batch.keys)
         seqlen = [tag["seq_len"] for tag in batch.tags]
         batch.reorder(balance.order)
