@@ -308,6 +308,15 @@ def _step_rows(seed: int):
     return prompts, responses, keys, tags
 
 
+def _workers_importable() -> bool:
+    """verl's workers module imports its rollout server's packages (verl's "verl-core" extra)."""
+    try:
+        import verl.workers.engine_workers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _metrics_through_verl(engine, out):
     """The pass's metrics as verl's worker and trainer reduce them: `TrainingWorker._postprocess_output`
     (all-gather over the data-parallel ranks), the flattening `train_mini_batch` applies to list
@@ -382,7 +391,7 @@ def balance_case(path: str, seed: int, which: str, dyn: bool) -> dict:
         lp, ent, grads, _ = _run(engine, padded, rows, True, global_batch_size=2 * mini_rows, **dict(meta))
         out["train"].append((rows, grads))
         if which == "zorro" and k == 0:
-            out["metrics"] = _metrics_through_verl(engine, captured[-1])
+            out["metrics"] = _metrics_through_verl(engine, captured[-1]) if _workers_importable() else None
     if which == "zorro" and world > 1:
         out["verl_micro_batches"] = _verl_micro_batch_count(padded, infer_rows, meta) if dyn else None
         # planted: rank 1's rows of a group split across the ranks replaced by the group's rows on
@@ -504,6 +513,8 @@ def test_two_ranks_planted_split_bug_fails(two_ranks):
 def test_metrics_reach_verls_reduced_metrics(two_ranks):
     _, two, dyn = two_ranks
     m = two[0]["metrics"]
+    if m is None:
+        pytest.skip("verl.workers.engine_workers needs uvicorn, fastapi, cachetools (.ci/verl_tests installs them)")
     assert two[1]["metrics"] == m  # every rank reduces the same all-gathered figures
     assert m["actor/zorro/served_fraction"] == 1.0, m
     assert (
