@@ -31,9 +31,13 @@ Rows of a prompt then share a micro-batch wherever they fit one. verl's losses a
 normalised by global counts (`batch_num_tokens`, `global_batch_size`, `dp_size`), so the gradient
 does not depend on which rows share a micro-batch; per-micro-batch metrics (e.g. clip fractions,
 averaged over micro-batches) can differ in the last digits, as they do under verl's own dynamic
-batching. With dynamic batch sizes verl's `rearrange_micro_batches` chooses micro-batches by length
-and the order is left alone. Groups split across data-parallel ranks (the V1 trainer balances rows
-by length without uids) are computed per rank: each rank shares what it holds.
+batching. With dynamic batch sizes (`use_dynamic_bsz=True`) zorro chooses the micro-batches under verl's
+token budget counted in the tokens it computes, groups whole where they fit
+(`zorro_core.integrations.verl_batching`), so fewer micro-batches run. Each pass adds what zorro
+saved to verl's metrics under "zorro/..." (`zorro_core.integrations.verl_metrics`). Groups split
+across data-parallel ranks (verl's V1 trainer balances rows by length without uids) are computed
+per rank: each rank shares what it holds; the "zorro_sync" trainer
+(`zorro_core.integrations.verl_trainer`) gives each rank whole groups.
 
 Ulysses sequence parallelism (`ulysses_sequence_parallel_size > 1`) is served: every rank of the SP
 group holds the same micro-batch and builds the same plan; the deduplicated packed row is padded to a
@@ -270,10 +274,13 @@ class ZorroFSDPEngine(FSDPEngineWithLMHead):
         if reason is None:
             try:
                 actor = self._zorro_actor()
-                return self._zorro_forward_step(actor, rows, temperature, micro_batch, loss_function, forward_only)
+                result = self._zorro_forward_step(actor, rows, temperature, micro_batch, loss_function, forward_only)
+                self._zorro_record(micro_batch, rows)
+                return result
             except UnsupportedModelError as e:
                 reason = f"the dedup path refuses the model: {e}"
         self._warn_once(reason)
+        self._zorro_record(micro_batch, None)
         return super().forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
 
     def _zorro_actor(self) -> DeduplicatedActor:
@@ -312,10 +319,26 @@ class ZorroFSDPEngine(FSDPEngineWithLMHead):
 
         return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
 
-    # -- micro-batching: rows of a prompt next to each other --------------------------------------
+    # -- micro-batching: rows of a prompt together; what zorro saved, in verl's metrics ------------
     def forward_backward_batch(self, data, loss_function, forward_only=False):
+        from zorro_core.integrations.verl_batching import swap_prepare_micro_batches
+        from zorro_core.integrations.verl_metrics import add_metrics
+
+        self._zorro_stats = []
         if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
-            return super().forward_backward_batch(data, loss_function, forward_only)
+            with swap_prepare_micro_batches(self):
+                output = super().forward_backward_batch(data, loss_function, forward_only)
+        else:
+            output = self._fixed_size_batch(data, loss_function, forward_only)
+        return add_metrics(output, self._zorro_stats)
+
+    def _zorro_record(self, micro_batch, rows) -> None:
+        from zorro_core.integrations.verl_metrics import stats_of
+
+        stats = self.__dict__.setdefault("_zorro_stats", [])
+        stats.append(stats_of(micro_batch, rows))
+
+    def _fixed_size_batch(self, data, loss_function, forward_only):
         order = prompt_order(data)
         if order is None:
             return super().forward_backward_batch(data, loss_function, forward_only)

@@ -261,9 +261,17 @@ def _first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]
 
 
 def partition_ranks(
-    work: GroupedLengths, world_size: int, attention_weight: float = 0.0, balance: str = "kk"
+    work: GroupedLengths,
+    world_size: int,
+    attention_weight: float = 0.0,
+    balance: str = "kk",
+    bounded_splits: bool = False,
 ) -> Partition:
     """Rows for each of `world_size` ranks, the same number each, balanced by cost.
+
+    `bounded_splits`: the prompts recomputed because of splits stay at most world_size - 1 (each
+    boundary between ranks cuts at most one group); the equal-chunks candidate is then taken
+    only when it splits no more than that.
 
     Two candidates, the one with the lower maximum cost wins:
     - equal chunks: units of u consecutive rows of a group, u the largest divisor of the gcd
@@ -272,6 +280,8 @@ def partition_ranks(
     - whole groups first: heaviest group first into the least-loaded rank with room for all
       its rows; groups that fit nowhere are cut into the largest rooms left (the prompt then
       recomputed on each rank holding a piece).
+      Each piece but a group's last fills its room, so at most world_size - 1 prompts are
+      recomputed.
     """
     b = len(work.group_of_row)
     if world_size < 1:
@@ -289,7 +299,14 @@ def partition_ranks(
     if not chunks.split_groups:
         return chunks
     whole = _finish(work, _whole_groups_first(work, world_size, attention_weight), attention_weight, None)
+    if bounded_splits and extra_pieces(work, chunks) > world_size - 1:
+        return whole
     return min((chunks, whole), key=lambda p: (max(p.costs), p.recomputed_prompt_tokens))
+
+
+def extra_pieces(work: GroupedLengths, partition: Partition) -> int:
+    """Prompts computed more than once because their group is split: sum of (parts holding it - 1)."""
+    return sum(len({work.group_of_row[r] for r in p}) for p in partition.parts) - len(work.prompt_lens)
 
 
 def _whole_groups_first(work: GroupedLengths, world_size: int, attention_weight: float) -> list[list[int]]:
