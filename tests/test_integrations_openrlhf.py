@@ -129,6 +129,22 @@ def test_sharing_prefix_equals(ckpt):
     assert max_rel_grad_error(grads, ref_grads)[0] <= GRAD_RTOL
 
 
+def test_gradient_checkpointing_equals(ckpt):
+    """Actor.gradient_checkpointing_enable (OpenRLHF's default for training) on both sides: the same values."""
+    seq, att, act = LAYOUTS["right_padded"](samples())
+    ref = make_actor(Actor, ckpt, temperature=TEMPERATURE)
+    ded = make_actor(zo.DedupActor, ckpt, temperature=TEMPERATURE)
+    for a in (ref, ded):
+        a.gradient_checkpointing_enable()
+        a.train()
+    ref_lp, ref_ent, ref_grads = run(ref, seq, att, act, True)
+    lp, ent, grads = run(ded, seq, att, act, True)
+    assert ded.zorro_calls == {"dedup": 1, "fallback": 0}
+    assert (lp - ref_lp).abs().max().item() <= LP_ATOL
+    assert (ent - ref_ent).abs().max().item() <= LP_ATOL
+    assert max_rel_grad_error(grads, ref_grads)[0] <= GRAD_RTOL
+
+
 def test_lora_equals(ckpt):
     """OpenRLHF's own LoRA (lora_rank > 0: a peft model, adapters on q/v): served, equal, adapter gradients included."""
     seq, att, act = LAYOUTS["right_padded"](samples())
