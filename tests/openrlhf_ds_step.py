@@ -111,6 +111,11 @@ def main() -> None:
         engine = actor.model
         names = [n for n, _ in engine.module.named_parameters()]
 
+        actor.eval()  # the old/reference log-prob call, as PolicyModelActor.forward makes it
+        with torch.no_grad():
+            infer_lp = actor(seq, act, att, ring_attn_group=strategy.ring_attn_group)
+        infer = [None] * world
+        dist.all_gather_object(infer, infer_lp)
         actor.train()
         info = get_loss_batch_info(strategy, act)
         lp, output = actor(
@@ -140,6 +145,7 @@ def main() -> None:
         params = {n: safe_get_full_fp32_param(prm).detach().clone() for n, prm in engine.module.named_parameters()}
         results[arm] = dict(
             loss=losses,
+            infer=infer,
             grad_norm=status["grad_norm"],
             grads=grads,
             params=params,

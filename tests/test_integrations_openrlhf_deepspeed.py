@@ -3,7 +3,7 @@
 One PPO training step per arm (tests/openrlhf_ds_step.py: OpenRLHF's DeepspeedStrategy.prepare and the
 loss of its ActorPPOTrainer.training_step), float32. The float32 floor is measured in the same run: OpenRLHF
 with eager attention against OpenRLHF with sdpa. zorro must be within 10x of it on every figure (the TRL
-tests' margin): each rank's loss, every parameter's full gradient (relative), the grad norm, the weights
+tests' margin): each rank's no-grad eval log-probs (the old/reference call), each rank's loss, every parameter's full gradient (relative), the grad norm, the weights
 after the AdamW step (whose first step amplifies rounding on near-zero gradients: the floor there is ~1e-4).
 """
 
@@ -37,6 +37,7 @@ def grad_rel(a: dict, b: dict) -> float:
 def figures(a: dict, b: dict) -> dict:
     return {
         "loss": max(abs(x - y) for x, y in zip(a["loss"], b["loss"])),
+        "infer": max((x - y).abs().max().item() for x, y in zip(a["infer"], b["infer"])),
         "grad": grad_rel(a["grads"], b["grads"]),
         "grad_norm": abs(a["grad_norm"] - b["grad_norm"]),
         "params": max((a["params"][n].double() - b["params"][n].double()).abs().max().item() for n in a["params"]),
@@ -60,7 +61,7 @@ def test_training_step_equals_openrlhf(ckpt, tmp_path, stage):
     for arm in r.values():
         assert arm["engine"] == "DeepSpeedEngine" and arm["zero_stage"] == stage
         assert arm["partitioned"] == (stage == 3)
-    assert r["zorro"]["zorro_calls"] == {"dedup": 1, "fallback": 0}
+    assert r["zorro"]["zorro_calls"] == {"dedup": 2, "fallback": 0}
     floor = figures(r["openrlhf"], r["openrlhf_sdpa"])
     got = figures(r["openrlhf"], r["zorro"])
     print(f"ZeRO-{stage} floor (OpenRLHF eager vs sdpa): {floor}\nZeRO-{stage} zorro vs OpenRLHF: {got}")
@@ -68,6 +69,7 @@ def test_training_step_equals_openrlhf(ckpt, tmp_path, stage):
     # A floor that happens to be exactly 0 is one float32 rounding of the value instead.
     scale = {
         "loss": EPS32 * max(abs(x) for x in r["openrlhf"]["loss"]),
+        "infer": EPS32 * max(x.abs().max().item() for x in r["openrlhf"]["infer"]),
         "grad": EPS32,
         "grad_norm": EPS32 * r["openrlhf"]["grad_norm"],
         "params": EPS32,

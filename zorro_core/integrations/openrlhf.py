@@ -107,10 +107,11 @@ _NEWER = check_openrlhf(_installed_version(), Actor.forward, Actor.__init__)
 _WARNED: set[str] = set()
 
 
-def _note(reason: str) -> None:
+def _note(reason: str, fallback: bool = True) -> None:
     if reason not in _WARNED:
         _WARNED.add(reason)
-        warnings.warn(f"zorro: {reason}; OpenRLHF's own Actor.forward serves it", ZorroFallbackWarning, stacklevel=3)
+        text = f"zorro: {reason}; OpenRLHF's own Actor.forward serves it" if fallback else f"zorro: {reason}"
+        warnings.warn(text, ZorroFallbackWarning, stacklevel=3)
 
 
 class DedupActor(Actor):
@@ -136,7 +137,7 @@ class DedupActor(Actor):
         self._zorro_actor: Optional[tuple[tuple[int, torch.device, torch.dtype], Any]] = None
         self.zorro_calls = {"dedup": 0, "fallback": 0}
         if _NEWER:
-            _note(_NEWER)
+            _note(_NEWER, fallback=False)
 
     def _actor_for(self, inner: torch.nn.Module) -> Any:
         """The cached DeduplicatedActor of `inner`, or the text of why the dedup path refuses it."""
@@ -151,7 +152,7 @@ class DedupActor(Actor):
         return self._zorro_actor[1]
 
     def _refusal(
-        self, sequences, action_mask, attention_mask, ring_attn_group, mm_inputs
+        self, action_mask, attention_mask, ring_attn_group, mm_inputs
     ) -> tuple[Optional[str], Optional[Wrapped], Any]:
         if ring_attn_group is not None:
             return "ring attention (ring_attn_group) is not served by the dedup path", None, None
@@ -190,7 +191,7 @@ class DedupActor(Actor):
         **mm_inputs,
     ):
         """OpenRLHF's `Actor.forward` contract: action log-probs `[B, A]` (and the output when asked)."""
-        reason, wrapped, actor = self._refusal(sequences, action_mask, attention_mask, ring_attn_group, mm_inputs)
+        reason, wrapped, actor = self._refusal(action_mask, attention_mask, ring_attn_group, mm_inputs)
         if reason is None:
             assert wrapped is not None and action_mask is not None and attention_mask is not None
             split = split_rows(attention_mask, action_mask)
@@ -200,11 +201,12 @@ class DedupActor(Actor):
                 if return_entropy:
                     assert return_output  # OpenRLHF's own contract
                 try:
-                    lp, ent = wrapped.run(lambda: self._compute(actor, sequences, split, return_entropy))
+                    results = wrapped.run(lambda: self._compute(actor, sequences, split, return_entropy))
                 except UnsupportedModelError as e:
                     reason = f"the dedup path refuses this call: {e}"
                 else:
                     self.zorro_calls["dedup"] += 1
+                    lp, ent = results if return_entropy else (results[0], None)
                     action_log_probs = lp[:, -action_mask.shape[1] :] * action_mask.float()
                     if not return_output:
                         return action_log_probs
@@ -231,10 +233,10 @@ class DedupActor(Actor):
     def _compute(self, actor, sequences: torch.Tensor, split: "RowSplit", calculate_entropy: bool):
         batch = split.batch(sequences)
         out = actor.forward(batch, temperature=float(self.temperature), calculate_entropy=calculate_entropy)
-        lp = split.place(out.log_probs)
-        ent = split.place(out.entropy) if calculate_entropy else None
-        # DeepSpeed's engine (like DDP) finds the outputs its backward waits on among the returned tensors.
-        return lp, ent
+        # A tuple of tensors only: DeepSpeed's engine (like DDP) looks for the outputs its backward waits on in it.
+        if calculate_entropy:
+            return split.place(out.log_probs), split.place(out.entropy)
+        return (split.place(out.log_probs),)
 
 
 class _Output(dict):
