@@ -76,8 +76,12 @@ def test_intra_package_imports_are_acyclic():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-# Modules of an optional trainer that is installed only in its own environment (.ci/verl_tests).
-OPTIONAL = {"verl": ("zorro_core.integrations.verl_engine", "zorro_core.integrations.verl_cpu")}
+# Modules of an optional trainer that is installed only in its own environment (.ci/verl_tests,
+# .ci/openrlhf_tests).
+OPTIONAL = {
+    "verl": ("zorro_core.integrations.verl_engine", "zorro_core.integrations.verl_cpu"),
+    "openrlhf": ("zorro_core.integrations.openrlhf",),
+}
 
 
 def test_every_module_imports_in_a_fresh_interpreter_and_zorro_core_stays_light():

@@ -76,8 +76,14 @@ def serves_whole_batch(engine, data) -> bool:
         return False
     if any(reason.startswith("the dedup path refuses the model") for reason in engine._warned):
         return False
+    from zorro_core.integrations.verl_engine import sequence_parallel_of
+
     try:
-        engine._zorro_actor()
+        actor = engine._zorro_actor()
+        sp = sequence_parallel_of(engine)
+        if sp is not None and sp.size > 1:
+            # Refused under Ulysses (mask mode, linear attention, ...): verl's forward will serve it.
+            actor.check_sequence_parallel(sp)
     except UnsupportedModelError:
         return False
     return True

@@ -1,0 +1,339 @@
+"""OpenRLHF: `DedupActor`, a drop-in `openrlhf.models.Actor` whose log-probs go through zorro.
+
+    from zorro_core.integrations.openrlhf import DedupActor
+    actor = DedupActor(pretrain, ...Actor's arguments..., zorro_config=ActorConfig())   # was: Actor(pretrain, ...)
+
+or, for OpenRLHF's own Ray launcher (`openrlhf.cli.train_ppo_ray`), `install()` rebinds the `Actor` name its
+trainer modules build the policy and the reference model with (`trainer/ray/ppo_actor.py`, `trainer/ray/launcher.py`),
+in the process that calls it; it must run in every Ray worker (docs/trainers.md).
+
+OpenRLHF computes every policy, old and reference log-prob in `Actor.forward(sequences, action_mask,
+attention_mask, ...)`. In 0.11 a micro-batch holds one row per sample, prompt + response (or a multi-turn
+observation) right-padded, `attention_mask` 1 on real tokens, and `action_mask` `[B, A]` over the last `A`
+log-prob columns (column j scores token j + 1; 0.11's samples have A = T - 1). `DedupActor.forward` splits each
+row at its first scored token: the tokens before it are the row's prompt, the rest of the real tokens its
+response. Rows are grouped by prompt content (siblings arrive adjacent; the actor groups by content anyway, so
+any order is served), run through a `DeduplicatedActor`, and the per-token results are put back in OpenRLHF's
+layout: action log-probs `[B, A]` times `action_mask`, entropy `[B, T - 1]`. Returned, as OpenRLHF does, in
+float32 (OpenRLHF casts the logits to float32; a float64 model's softmax runs in float64 here, then rounds).
+
+Differences on positions nothing reads: entropy is 0 at prompt and padding positions (OpenRLHF computes
+the prompt tokens' entropy; its trainer reads `output.entropy[:, -A:]` times `action_mask`), log-probs of
+response tokens outside `action_mask` (observation tokens of a multi-turn sample) are computed and then
+multiplied by 0, as OpenRLHF does. `output` (with `return_output=True`) carries `entropy` and `aux_loss`
+(None: MoE models are not served yet), never `logits`.
+
+Under DeepSpeed `Actor.model` is the engine (`DeepspeedStrategy.prepare` replaces it): the deduplicated
+forward runs inside the engine's forward (zorro_core.integrations.wrappers), ZeRO-3's parameter hooks
+gather as in OpenRLHF's forward (one call of each module per forward on every rank).
+
+Served by OpenRLHF's own forward, with a one-time `ZorroFallbackWarning` naming the reason: ring attention
+(`ring_attn_group`), vision inputs, a call without `action_mask` (full logits or every position's log-prob),
+MoE models (the router aux loss in `output` is not served yet), a layout other than one contiguous run of real
+tokens per row whose scored tokens are real and follow at least one token, a call with no scored token, a
+wrapper the dedup path does not serve (FSDP1, torch.compile), and whatever the actor refuses
+(`UnsupportedModelError`: an unsupported model type, dropout in training mode, an adapter on lm_head).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import warnings
+from typing import Any, Optional
+
+import torch
+from openrlhf.models import Actor
+from packaging.version import Version
+
+from zorro_core.actor.actor import DeduplicatedActor
+from zorro_core.actor.config import ActorConfig
+from zorro_core.errors import UnsupportedModelError
+from zorro_core.integrations.layout import ZorroFallbackWarning
+from zorro_core.integrations.wrappers import Wrapped, unwrap
+from zorro_core.plan.batch import RolloutBatch
+
+TESTED_OPENRLHF = ("0.11",)
+"""OpenRLHF minor versions whose `Actor.forward` this module reproduces (0.11.2 tested)."""
+
+_FORWARD = (
+    "self",
+    "sequences",
+    "action_mask",
+    "attention_mask",
+    "return_output",
+    "allgather_logits",
+    "return_logprobs",
+    "ring_attn_group",
+    "packed_seq_lens",
+    "return_entropy",
+    "mm_inputs",
+)
+"""`Actor.forward`'s parameters in the tested version (the contract `DedupActor.forward` keeps)."""
+_INSTANCE_ATTRIBUTES = ("model", "temperature")
+"""What `DedupActor` reads of the `Actor` its constructor built (OpenRLHF sets both in `Actor.__init__`)."""
+
+
+def check_openrlhf(version: str, forward=None, init=None) -> Optional[str]:
+    """Refuse an OpenRLHF whose `Actor` this module does not reproduce; a warning text for an untested newer one."""
+    v = Version(version)
+    tested = " or ".join(TESTED_OPENRLHF)
+    names = tuple(inspect.signature(forward).parameters) if forward is not None else _FORWARD
+    if names != _FORWARD:
+        raise ImportError(
+            f"OpenRLHF {version}: Actor.forward has parameters {names}, not {_FORWARD} as in the tested OpenRLHF "
+            f"{tested} (0.11.2); DedupActor cannot keep its contract"
+        )
+    if init is not None and "pretrain_or_model" not in inspect.signature(init).parameters:
+        raise ImportError(f"OpenRLHF {version}: Actor.__init__ takes no pretrain_or_model (tested: {tested})")
+    if f"{v.major}.{v.minor}" in TESTED_OPENRLHF:
+        return None
+    if v < Version(TESTED_OPENRLHF[0]):
+        raise ImportError(
+            f"zorro_core.integrations.openrlhf needs OpenRLHF {tested} (found {version}): older releases hold "
+            "micro-batches in another layout (left-padded prompts, a separate packing path)"
+        )
+    return f"OpenRLHF {version} is newer than the tested {tested}; its Actor.forward keeps the tested signature"
+
+
+def _installed_version() -> str:
+    from importlib.metadata import version
+
+    return version("openrlhf")
+
+
+_NEWER = check_openrlhf(_installed_version(), Actor.forward, Actor.__init__)
+
+_WARNED: set[str] = set()
+
+
+def _note(reason: str, fallback: bool = True) -> None:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        text = f"zorro: {reason}; OpenRLHF's own Actor.forward serves it" if fallback else f"zorro: {reason}"
+        warnings.warn(text, ZorroFallbackWarning, stacklevel=3)
+
+
+class DedupActor(Actor):
+    """`openrlhf.models.Actor` computing action log-probs and entropy with prompt deduplication.
+
+    Same constructor as `Actor`, plus (keyword only) `zorro_config`, the `ActorConfig` of the
+    `DeduplicatedActor` built on the model (built on first use, rebuilt when the model object, device
+    or dtype changes: DeepSpeed replaces `self.model` by its engine). `zorro_calls` counts the calls
+    served by zorro ("dedup") and by OpenRLHF ("fallback").
+    """
+
+    def __init__(self, *args: Any, zorro_config: Optional[ActorConfig] = None, **kwargs: Any) -> None:
+        if zorro_config is not None and not isinstance(zorro_config, ActorConfig):
+            raise TypeError(f"zorro_config must be a zorro_core.ActorConfig, got {type(zorro_config).__name__}")
+        super().__init__(*args, **kwargs)
+        missing = [a for a in _INSTANCE_ATTRIBUTES if not hasattr(self, a)]
+        if missing:
+            raise TypeError(
+                f"OpenRLHF's Actor.__init__ set no {', '.join(missing)} (read by DedupActor; tested OpenRLHF "
+                f"{' or '.join(TESTED_OPENRLHF)})"
+            )
+        self._zorro_config = zorro_config or ActorConfig()
+        self._zorro_actor: Optional[tuple[tuple[int, torch.device, torch.dtype], Any]] = None
+        self.zorro_calls = {"dedup": 0, "fallback": 0}
+        if _NEWER:
+            _note(_NEWER, fallback=False)
+
+    def _actor_for(self, inner: torch.nn.Module) -> Any:
+        """The cached DeduplicatedActor of `inner`, or the text of why the dedup path refuses it."""
+        p = next(inner.parameters())
+        key = (id(inner), p.device, p.dtype)
+        if self._zorro_actor is None or self._zorro_actor[0] != key:
+            try:
+                actor: Any = DeduplicatedActor(model=inner, config=self._zorro_config)
+            except UnsupportedModelError as e:
+                actor = f"the dedup path refuses this model: {e}"
+            self._zorro_actor = (key, actor)
+        return self._zorro_actor[1]
+
+    def _refusal(
+        self, action_mask, attention_mask, ring_attn_group, mm_inputs
+    ) -> tuple[Optional[str], Optional[Wrapped], Any]:
+        if ring_attn_group is not None:
+            return "ring attention (ring_attn_group) is not served by the dedup path", None, None
+        if mm_inputs or getattr(self, "is_vlm", False):
+            return "vision/multimodal inputs are not served by the dedup path", None, None
+        if action_mask is None:
+            return "a call without action_mask (full logits, or every position's log-prob) is not served", None, None
+        if attention_mask is None:
+            return "a call without attention_mask is not served", None, None
+        wrapped = unwrap(self.model, self._zorro_config.logits_mode)
+        if isinstance(wrapped, str):
+            return wrapped, None, None
+        config = getattr(wrapped.inner, "config", None)
+        if getattr(config, "output_router_logits", False):
+            return (
+                "MoE models (output_router_logits: the router aux loss in OpenRLHF's output) are not served",
+                None,
+                None,
+            )
+        actor = self._actor_for(wrapped.inner)
+        if isinstance(actor, str):
+            return actor, None, None
+        return None, wrapped, actor
+
+    def forward(
+        self,
+        sequences: torch.LongTensor,
+        action_mask: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        return_output=False,
+        allgather_logits=False,
+        return_logprobs=False,
+        ring_attn_group=None,
+        packed_seq_lens: Optional[list[int]] = None,
+        return_entropy=False,
+        **mm_inputs,
+    ):
+        """OpenRLHF's `Actor.forward` contract: action log-probs `[B, A]` (and the output when asked)."""
+        reason, wrapped, actor = self._refusal(action_mask, attention_mask, ring_attn_group, mm_inputs)
+        if reason is None:
+            assert wrapped is not None and action_mask is not None and attention_mask is not None
+            split = split_rows(attention_mask, action_mask)
+            if isinstance(split, str):
+                reason = f"layout not served: {split}"
+            else:
+                if return_entropy:
+                    assert return_output  # OpenRLHF's own contract
+                try:
+                    results = wrapped.run(lambda: self._compute(actor, sequences, split, return_entropy))
+                except UnsupportedModelError as e:
+                    reason = f"the dedup path refuses this call: {e}"
+                else:
+                    self.zorro_calls["dedup"] += 1
+                    lp, ent = results if return_entropy else (results[0], None)
+                    action_log_probs = lp[:, -action_mask.shape[1] :] * action_mask.float()
+                    if not return_output:
+                        return action_log_probs
+                    output = _Output(aux_loss=None)
+                    if return_entropy:
+                        output.entropy = ent
+                    return action_log_probs, output
+        assert reason is not None
+        _note(reason)
+        self.zorro_calls["fallback"] += 1
+        return super().forward(
+            sequences,
+            action_mask,
+            attention_mask,
+            return_output=return_output,
+            allgather_logits=allgather_logits,
+            return_logprobs=return_logprobs,
+            ring_attn_group=ring_attn_group,
+            packed_seq_lens=packed_seq_lens,
+            return_entropy=return_entropy,
+            **mm_inputs,
+        )
+
+    def _compute(self, actor, sequences: torch.Tensor, split: "RowSplit", calculate_entropy: bool):
+        batch = split.batch(sequences)
+        out = actor.forward(batch, temperature=float(self.temperature), calculate_entropy=calculate_entropy)
+        # A tuple of tensors only: DeepSpeed's engine (like DDP) looks for the outputs its backward waits on in it.
+        if calculate_entropy:
+            return split.place(out.log_probs), split.place(out.entropy)
+        return (split.place(out.log_probs),)
+
+
+class _Output(dict):
+    """What `Actor.forward` returns with `return_output=True`, less the logits: `entropy`, `aux_loss`."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(
+                f"DedupActor's output has no {name!r} (zorro computes no full logits); available: {sorted(self)}"
+            ) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self[name] = value
+
+
+class RowSplit:
+    """Where each row of OpenRLHF's micro-batch splits into zorro's prompt and response.
+
+    `live` are the rows with at least one scored token; for those, `start` is the first real token,
+    `first` the first scored token (the response starts there), `end` one past the last real token.
+    """
+
+    def __init__(self, live, start, first, end, rows: int, width: int) -> None:
+        self.live, self.start, self.first, self.end = live, start, first, end
+        self.rows, self.width = rows, width
+        self.plen, self.rlen = first - start, end - first
+
+    def batch(self, sequences: torch.Tensor) -> RolloutBatch:
+        seq = sequences[self.live]
+        dev = seq.device
+        pw, rw = int(self.plen.max()), int(self.rlen.max())
+        pcol = torch.arange(pw, device=dev)[None]
+        pmask = pcol >= (pw - self.plen)[:, None]
+        psrc = (self.start[:, None] + pcol - (pw - self.plen)[:, None]).clamp(0, seq.shape[1] - 1)
+        rcol = torch.arange(rw, device=dev)[None]
+        rmask = rcol < self.rlen[:, None]
+        rsrc = (self.first[:, None] + rcol).clamp(max=seq.shape[1] - 1)
+        prompts = torch.where(pmask, seq.gather(1, psrc), 0)
+        responses = torch.where(rmask, seq.gather(1, rsrc), 0)
+        return RolloutBatch(prompts, pmask.long(), responses, rmask.long())
+
+    def place(self, values: torch.Tensor) -> torch.Tensor:
+        """`[live, R]` per-response-token values -> OpenRLHF's `[B, T - 1]` log-prob columns, float32, 0 elsewhere."""
+        rows = self.live[:, None].expand_as(values)
+        cols = self.first[:, None] - 1 + torch.arange(values.shape[1], device=values.device)[None]
+        keep = torch.arange(values.shape[1], device=values.device)[None] < self.rlen[:, None]
+        out = values.new_zeros((self.rows, self.width - 1))
+        # index_put keeps the values differentiable; positions left out stay exactly 0.
+        return out.index_put((rows[keep], cols[keep]), values[keep]).float()
+
+
+def split_rows(attention_mask: torch.Tensor, action_mask: torch.Tensor) -> "RowSplit | str":
+    """The RowSplit of a micro-batch, or why its layout is not served."""
+    if attention_mask.dim() != 2 or action_mask.dim() != 2:
+        return (
+            f"attention_mask and action_mask must be 2-D, got {tuple(attention_mask.shape)}, {tuple(action_mask.shape)}"
+        )
+    b, t = attention_mask.shape
+    a = action_mask.shape[1]
+    if action_mask.shape[0] != b or not 0 < a <= t - 1:
+        return f"action_mask {tuple(action_mask.shape)} does not fit sequences of shape {(b, t)}"
+    mask = attention_mask.bool()
+    scored = torch.zeros((b, t - 1), dtype=torch.bool, device=mask.device)
+    scored[:, t - 1 - a :] = action_mask.bool()
+    lengths = mask.sum(1)
+    start = mask.long().argmax(1)
+    end = start + lengths
+    cols = torch.arange(t, device=mask.device)[None]
+    if bool((mask != ((cols >= start[:, None]) & (cols < end[:, None]))).any()):
+        return "a row's real tokens (attention_mask 1) are not one contiguous run"
+    # Column j scores token j + 1: a scored padding token would get OpenRLHF's padded-forward value.
+    if bool((scored & ~mask[:, 1:]).any()):
+        return "action_mask marks a padding token (attention_mask 0)"
+    has = scored.any(1)
+    live = has.nonzero().flatten()
+    if live.numel() == 0:
+        return "no token of the call is scored (action_mask is 0 everywhere)"
+    first = scored.long().argmax(1) + 1
+    if bool((first[live] <= start[live]).any()):
+        return "a row's first real token is scored (nothing precedes it)"
+    return RowSplit(live, start[live], first[live], end[live], b, t)
+
+
+def install() -> None:
+    """Make OpenRLHF's Ray trainer build `DedupActor` for the policy and the reference model, in this process.
+
+    Rebinds the name `Actor` in `openrlhf.trainer.ray.ppo_actor` and `openrlhf.trainer.ray.launcher` (the
+    modules whose `init_model_from_pretrained` builds them); OpenRLHF's strategy still recognises the class
+    (`isinstance(model, Actor)` holds for the subclass). Ray workers are separate processes: pass this
+    function as Ray's `worker_process_setup_hook` (docs/trainers.md).
+    """
+    import importlib
+
+    for name in ("openrlhf.trainer.ray.ppo_actor", "openrlhf.trainer.ray.launcher"):
+        module = sys.modules.get(name) or importlib.import_module(name)
+        if getattr(module, "Actor", None) is not Actor and getattr(module, "Actor", None) is not DedupActor:
+            raise ImportError(f"{name}.Actor is {module.Actor!r}, not OpenRLHF's Actor: something else replaced it")
+        module.Actor = DedupActor  # type: ignore[attr-defined]
