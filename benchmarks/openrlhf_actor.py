@@ -34,14 +34,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from verl_engine import quantile  # noqa: E402  (stdlib and torch only at import)
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
-def quantile(xs, q):
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def main() -> None:

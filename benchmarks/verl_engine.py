@@ -39,6 +39,29 @@ def quantile(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def engine_step(engine, padded, rows: int, loss_fn, phase: str, use_remove_padding: bool) -> float:
+    """Seconds of one verl engine pass over the whole batch in one micro-batch: "infer" (log-probs +
+    entropy) or "train" (forward, verl's loss, backward)."""
+    from zorro_core.integrations.verl_cpu import engine_batch
+
+    data = engine_batch(
+        padded,
+        temperature=1.0,
+        calculate_entropy=True,
+        use_remove_padding=use_remove_padding,
+        micro_batch_size_per_gpu=rows,
+    )
+    t0 = time.perf_counter()
+    if phase == "infer":
+        with engine.eval_mode(disable_auto_offload=True):
+            engine.infer_batch(data)
+    else:
+        engine.optimizer_zero_grad()
+        with engine.train_mode(disable_auto_offload=True):
+            engine.forward_backward_batch(data, loss_fn, forward_only=False)
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small-qwen3")
@@ -59,7 +82,7 @@ def main() -> None:
 
     dist.init_process_group("gloo", rank=0, world_size=1)
 
-    from zorro_core.integrations.verl_cpu import build_engine, engine_batch, padded_batch, save_model, use_cpu_platform
+    from zorro_core.integrations.verl_cpu import build_engine, padded_batch, save_model, use_cpu_platform
 
     use_cpu_platform()
     import verl
@@ -101,19 +124,7 @@ def main() -> None:
     )
 
     def step(arm: str, phase: str) -> float:
-        engine = engines[arm]
-        data = engine_batch(
-            padded, temperature=1.0, calculate_entropy=True, use_remove_padding=False, micro_batch_size_per_gpu=rows
-        )
-        t0 = time.perf_counter()
-        if phase == "infer":
-            with engine.eval_mode(disable_auto_offload=True):
-                engine.infer_batch(data)
-        else:
-            engine.optimizer_zero_grad()
-            with engine.train_mode(disable_auto_offload=True):
-                engine.forward_backward_batch(data, loss_fn, forward_only=False)
-        return time.perf_counter() - t0
+        return engine_step(engines[arm], padded, rows, loss_fn, phase, use_remove_padding=False)
 
     shape = ModelShape.from_config(config)
     base_w, dedup_w = shape_workloads(

@@ -31,12 +31,11 @@ import os
 import platform
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from verl_engine import quantile  # noqa: E402
+from verl_engine import engine_step, quantile  # noqa: E402
 
 
 def make_rows(vocab: int, args) -> tuple[list[list[int]], list[list[int]]]:
@@ -53,7 +52,7 @@ def make_rows(vocab: int, args) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def rank_main(path: str, args) -> dict:
-    from zorro_core.integrations.verl_cpu import build_engine, engine_batch, padded_batch, use_cpu_platform
+    from zorro_core.integrations.verl_cpu import build_engine, padded_batch, use_cpu_platform
 
     use_cpu_platform()
     from verl.workers.config import FSDPActorConfig
@@ -78,19 +77,7 @@ def rank_main(path: str, args) -> dict:
     )
 
     def step(arm: str, phase: str) -> float:
-        engine = engines[arm]
-        data = engine_batch(
-            padded, temperature=1.0, calculate_entropy=True, use_remove_padding=True, micro_batch_size_per_gpu=rows
-        )
-        t0 = time.perf_counter()
-        if phase == "infer":
-            with engine.eval_mode(disable_auto_offload=True):
-                engine.infer_batch(data)
-        else:
-            engine.optimizer_zero_grad()
-            with engine.train_mode(disable_auto_offload=True):
-                engine.forward_backward_batch(data, loss_fn, forward_only=False)
-        return time.perf_counter() - t0
+        return engine_step(engines[arm], padded, rows, loss_fn, phase, use_remove_padding=True)
 
     samples: dict[str, list[float]] = {}
     for phase in ("infer", "train"):
