@@ -197,7 +197,7 @@ def _id_row(row: object, what: str, i: int) -> torch.Tensor:
     for x in ids:
         if isinstance(x, bool) or not isinstance(x, numbers.Integral):
             raise ValueError(f"{where} holds {type(x).__name__} {x!r}: token ids must be integers")
-        if not -(2**63) <= x < 2**63:
+        if not -(2**63) <= int(x) < 2**63:
             raise ValueError(f"{where} holds token id {int(x)}, beyond int64")
     return torch.tensor(ids, dtype=torch.long)
 
