@@ -113,7 +113,7 @@ def analyze(
                 completion_column=completion_column,
                 batching=batching.value,
                 batch_size=batch_size,
-                group_size=group_size or responses or 8,
+                group_size=group_size if group_size is not None else (responses if responses is not None else 8),
                 generation_batch_size=generation_batch_size,
                 response_len=response_len,
                 rollouts=rollouts,

@@ -12,7 +12,7 @@ from typing import Optional
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from zorro_core.bench.dataset import DatasetError, load_dataset
+from zorro_core.bench.dataset import MAX_TEMPLATE_CHARS, DatasetError, load_dataset
 from zorro_core.bench.inputs import model_config
 from zorro_core.bench.workload_sim import data_report
 from zorro_core.plan.cost import ModelShape
@@ -42,20 +42,49 @@ class DataArgs:
     plots: Optional[str]
 
 
+MAX_TEMPLATE_BYTES = MAX_TEMPLATE_CHARS
+"""The largest chat-template file read (checked before reading it)."""
+MAX_SIMULATED_ROWS = 100_000_000
+"""The most rows the batching simulation holds (a few int64 arrays of that many rows)."""
+
+
 def _template(path: Optional[str]) -> Optional[str]:
     if path is None:
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        size = os.stat(path).st_size
+        if size > MAX_TEMPLATE_BYTES:
+            fail(f"{path}: the chat template is {size:,} bytes, over the {MAX_TEMPLATE_BYTES:,} zorro reads")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TEMPLATE_BYTES + 1)
     except OSError as e:
         fail(f"{path}: cannot read the chat template ({e.strerror})")
+    if len(raw) > MAX_TEMPLATE_BYTES:  # a pipe or device: its size was not known before reading
+        fail(f"{path}: the chat template is over the {MAX_TEMPLATE_BYTES:,} bytes zorro reads")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        fail(f"{path}: the chat template is not UTF-8 (byte {e.start + 1}: {e.reason})")
+
+
+def _check_counts(a: DataArgs) -> None:
+    """Every count option >= 1 (0 is not "the default"), and no simulation too large to hold."""
+    for flag, value in (
+        ("--batch-size", a.batch_size),
+        ("--group-size", a.group_size),
+        ("--generation-batch-size", a.generation_batch_size),
+        ("--response-len", a.response_len),
+        ("--max-len", a.max_len),
+    ):
+        if value is not None and value < 1:
+            fail(f"{flag} must be >= 1, got {value}")
+    if a.group_size > MAX_SIMULATED_ROWS:
+        fail(f"--group-size {a.group_size:,} is over the {MAX_SIMULATED_ROWS:,} rows the simulation holds")
 
 
 def run(a: DataArgs, as_json: bool) -> None:
     """Analyse a.data and print the report (tables, or JSON with as_json); exit 2 on bad input."""
-    if min(a.batch_size, a.group_size) < 1 or (a.response_len is not None and a.response_len < 1):
-        fail("--batch-size, --group-size and --response-len must be >= 1")
+    _check_counts(a)
     t0 = time.perf_counter()
     try:
         config = model_config(a.model)
@@ -80,7 +109,15 @@ def run(a: DataArgs, as_json: bool) -> None:
                 _template(a.chat_template),
                 progress,
                 completions="all" if a.rollouts else "sample",
+                vocab_size=getattr(config, "vocab_size", None),
+                chat_template_name=a.chat_template,
             )
+            simulated = data.rows * a.group_size
+            if not a.rollouts and simulated > MAX_SIMULATED_ROWS:
+                fail(
+                    f"--group-size {a.group_size:,} x {data.rows:,} prompts is {simulated:,} rows, over the "
+                    f"{MAX_SIMULATED_ROWS:,} the simulation holds (a smaller --group-size, or a sample of the file)"
+                )
             t_read = time.perf_counter() - t0
             report = data_report(
                 data,

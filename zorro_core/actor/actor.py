@@ -38,6 +38,7 @@ __all__ = ["ActorConfig", "ActorOutput", "BaselineActor", "DeduplicatedActor"]
 
 class _Actor:
     dedup: bool = True
+    _model: nn.Module
 
     def __init__(
         self,
@@ -80,6 +81,20 @@ class _Actor:
             backend=self.config.varlen_backend or "reference",
             attention=self.attn_implementation,
         )
+
+    @property
+    def model(self) -> nn.Module:
+        """The model the actor took (its attention hooks, backends and checks were set up for it)."""
+        return self._model
+
+    @model.setter
+    def model(self, value: nn.Module) -> None:
+        if "_model" in self.__dict__ and value is not self._model:
+            raise AttributeError(
+                "actor.model cannot be reassigned: the actor's hooks, backends and checks were set up for the "
+                "model it was built with; build a new actor for the new model"
+            )
+        self._model = value
 
     @staticmethod
     def _auto_attention(model, config: ActorConfig, device, dtype) -> Optional[AttentionChoice]:

@@ -16,6 +16,7 @@ The budget is in computed tokens either way.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
@@ -70,29 +71,78 @@ def forward_backward(
     `rows`, a 1-D long tensor of indices into the full batch) and returns a scalar (see the
     module doc for normalisation). `.grad` is accumulated, not reset: zero it before.
     """
+    check_budget(max_tokens_per_micro_batch)
+    if not torch.is_grad_enabled():
+        raise ValueError(
+            "forward_backward needs gradients: it was called under torch.no_grad() or torch.inference_mode() "
+            "(use actor.forward there)"
+        )
     batch.check_vocab(actor.vocab_size)  # before any backward: a bad id must not leave partial gradients
     batch = batch.to(actor.device)
     part = micro_batch_partition(actor, batch, max_tokens_per_micro_batch, attention_weight)
     b, r = batch.responses.shape
     log_probs = entropy = None
     total = 0.0
-    for rows in part.parts:
-        idx = torch.tensor(rows, dtype=torch.long, device=batch.device)
-        out = actor.forward(select_rows(batch, idx), temperature=temperature, calculate_entropy=calculate_entropy)
-        loss = loss_fn(out, idx)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise ValueError("loss_fn must return a scalar tensor")
-        loss.backward()
-        total += float(loss.detach())
-        if log_probs is None:
-            log_probs = out.log_probs.new_zeros(b, r)
-            entropy = out.log_probs.new_zeros(b, r) if out.entropy is not None else None
-        log_probs[idx] = out.log_probs.detach()
-        if entropy is not None:
-            entropy[idx] = out.entropy.detach()
+    # Parameters without a gradient before the call get none back if a micro-batch fails (free: no
+    # copy); existing gradients would need a copy as large as them, so the error says what they hold.
+    fresh = [p for p in _parameters(actor) if p.grad is None]
+    done = 0
+    try:
+        for rows in part.parts:
+            idx = torch.tensor(rows, dtype=torch.long, device=batch.device)
+            out = actor.forward(select_rows(batch, idx), temperature=temperature, calculate_entropy=calculate_entropy)
+            loss = loss_fn(out, idx)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise ValueError("loss_fn must return a scalar tensor")
+            if not loss.requires_grad:
+                raise ValueError(
+                    "loss_fn returned a loss that does not require grad (detached, or computed without the "
+                    "output's log-probs or entropy)"
+                )
+            loss.backward()
+            done += 1
+            total += float(loss.detach())
+            if log_probs is None:
+                log_probs = out.log_probs.new_zeros(b, r)
+                entropy = out.log_probs.new_zeros(b, r) if out.entropy is not None else None
+            log_probs[idx] = out.log_probs.detach()
+            if entropy is not None:
+                entropy[idx] = out.entropy.detach()
+    except BaseException as e:
+        _undo(e, fresh, done, len(part.parts), actor)
+        raise
     if log_probs is None:  # unreachable: a validated batch has rows, so some micro-batch ran
         raise ValueError("the batch has no rows")
     return MicroBatchOutput(log_probs, entropy, total, part)
+
+
+def check_budget(max_tokens: object) -> None:
+    """Refuse a micro-batch budget that is not None or an int >= 1 (a bool, a float, a string)."""
+    if max_tokens is None:
+        return
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 1:
+        raise ValueError(
+            f"max_tokens_per_micro_batch must be an int >= 1 or None, got {type(max_tokens).__name__} {max_tokens!r}"
+        )
+
+
+def _parameters(actor: LogProbActor) -> list[torch.Tensor]:
+    model = getattr(actor, "model", None)
+    return list(model.parameters()) if model is not None else []
+
+
+def _undo(error: BaseException, fresh: list[torch.Tensor], done: int, parts: int, actor: LogProbActor) -> None:
+    """After a failed micro-batch: parameters that had no gradient get none back; the error says
+    what the others hold."""
+    for p in fresh:
+        p.grad = None
+    kept = [p for p in _parameters(actor) if p.grad is not None]
+    if kept and done and hasattr(error, "add_note"):
+        error.add_note(
+            f"zorro: forward_backward failed in micro-batch {done + 1} of {parts}; the gradients that existed "
+            f"before the call now also hold micro-batch {'1' if done == 1 else f'1..{done}'}'s (model.zero_grad() "
+            "before retrying)"
+        )
 
 
 def micro_batch_partition(

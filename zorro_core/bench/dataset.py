@@ -24,11 +24,13 @@ Errors are `DatasetError` (a ValueError) whose message starts with the file's na
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import numpy as np
 
@@ -41,6 +43,26 @@ SPLIT_CHECK_ROWS = 256
 COMPLETION_SAMPLE = 10_000
 """`load_dataset(completions="sample")` tokenizes this many completions (a seeded random sample): where
 only their length distribution is needed, that is enough, and it halves the tokenizer's work."""
+
+MAX_LINE_BYTES = 64 * 2**20
+"""The longest JSON line read (a row): a line is parsed whole, and Python's objects for it take ~10x its size."""
+RENDER_SECONDS = 10.0
+"""The longest one row's chat-template rendering may take (a template's loops are otherwise unbounded)."""
+MAX_RENDER_CHARS = 64 * 2**20
+"""The longest text one row's chat-template rendering may produce."""
+MAX_TEMPLATE_CHARS = 2**20
+"""The longest chat template compiled (real ones are a few KB; compiling takes memory in proportion)."""
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+"""Files of which a tokenizer directory holds at least one."""
+COLUMNS_READ = frozenset(PROMPT_ID_COLUMNS + COMPLETION_ID_COLUMNS + PROMPT_COLUMNS + COMPLETION_COLUMNS)
+"""The columns kept by default when reading (others are only named): memory follows what is analysed."""
 
 Progress = Optional[Callable[[str, int, int], None]]
 """progress(stage, done, total), called as work advances (the CLI draws a bar)."""
@@ -68,10 +90,12 @@ class Ragged:
         return self.flat[self.offsets[i] : self.offsets[i + 1]]
 
     @classmethod
-    def from_lists(cls, rows: Sequence[Sequence[int]]) -> "Ragged":
+    def from_lists(cls, rows: Sequence[Sequence[int]] | Sequence[np.ndarray]) -> "Ragged":
         lens = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(lens, out=offsets[1:])
+        if rows and all(isinstance(r, np.ndarray) for r in rows):
+            return cls(np.concatenate(rows).astype(np.int64, copy=False), offsets)
         flat = np.fromiter((t for r in rows for t in r), dtype=np.int64, count=int(offsets[-1]))
         return cls(flat, offsets)
 
@@ -124,52 +148,112 @@ class TokenizedData:
 # -- reading ---------------------------------------------------------------------------------------
 
 
-def read_columns(path: str) -> tuple[str, dict[str, list]]:
-    """(format, {column: values}) of a parquet or JSON-lines file; DatasetError names what is wrong."""
+def read_columns(path: str, keep: Optional[Collection[str]] = None) -> tuple[str, dict[str, Any]]:
+    """(format, {column: values}) of a parquet or JSON-lines file; DatasetError names what is wrong.
+
+    Every column of the file is named; only those in `keep` (default COLUMNS_READ) hold values, the
+    others None. A JSON-lines file's columns are those of any row (a row without one holds None there)."""
+    keep = COLUMNS_READ if keep is None else frozenset(keep)
     name = os.path.basename(path)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise DatasetError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise DatasetError(f"{path}: a directory, not a data file (.parquet or .jsonl)")
+    regular = os.path.isfile(path)
     lower = name.lower()
     if lower.endswith(".parquet"):
-        return "parquet", _read_parquet(path)
-    if lower.endswith((".jsonl", ".json", ".ndjson")):
-        return "jsonl", _read_jsonl(path)
+        if not regular:
+            raise DatasetError(
+                f"{path}: parquet is read from a regular file, not a pipe or device (write it to a file)"
+            )
+        return "parquet", _read_parquet(path, keep)
+    if lower.endswith((".jsonl", ".json", ".ndjson")) or not regular:  # a pipe (`<(...)`) is read as JSON lines
+        return "jsonl", _read_jsonl(path, keep)
     raise DatasetError(f"{path}: unknown format (expected .parquet or .jsonl)")
 
 
-def _read_parquet(path: str) -> dict[str, list]:
+def _read_parquet(path: str, keep: frozenset) -> dict[str, Any]:
     try:
         import pyarrow.parquet as pq
     except ModuleNotFoundError as e:  # pragma: no cover - pyarrow is in the cli extra
         raise DatasetError(f"{path}: reading parquet needs pyarrow (pip install 'zorro[cli]')") from e
     try:
-        table = pq.read_table(path)
+        names = pq.read_schema(path).names
+        table = pq.read_table(path, columns=[c for c in names if c in keep])
+        rows = pq.ParquetFile(path).metadata.num_rows
     except Exception as e:
         raise DatasetError(f"{path}: not a readable parquet file ({e})") from e
-    if table.num_rows == 0:
+    if rows == 0:
         raise DatasetError(f"{path}: empty file (no rows)")
-    return {c: table.column(c) for c in table.column_names}  # columns converted lazily (to_pylist)
+    # Columns stay arrow arrays: token ids are checked and flattened there, text converted when used.
+    return {c: (table.column(c) if c in keep else None) for c in names}
 
 
-def _read_jsonl(path: str) -> dict[str, list]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+def _read_jsonl(path: str, keep: frozenset) -> dict[str, Any]:
+    names: dict[str, None] = {}
+    kept: dict[str, list] = {}
+    rows = 0
+    with open(path, "rb") as f:
+        n = 0
+        while True:
+            raw = f.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                break
+            n += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise DatasetError(
+                    f"{path}: line {n} is over {MAX_LINE_BYTES:,} bytes (one row a line, each at most that)"
+                )
+            if n == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{path}: line {n} is not UTF-8 (byte {e.start + 1}: {e.reason})") from None
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}: line {n} is not JSON ({e.msg})") from e
-            if not isinstance(obj, dict):
-                raise DatasetError(f"{path}: line {n} is not a JSON object")
-            rows.append(obj)
+            if not rows and line.lstrip().startswith("["):
+                raise DatasetError(
+                    f"{path}: line {n} starts a JSON array; zorro reads JSON lines, one JSON object per line"
+                )
+            obj = _json_line(path, n, line)
+            for k, v in obj.items():
+                if k not in names:
+                    names[k] = None
+                if k in keep:
+                    col = kept.get(k)
+                    if col is None:
+                        col = kept[k] = [None] * rows
+                    col.append(_compact(v))
+            rows += 1
+            for col in kept.values():
+                if len(col) < rows:
+                    col.append(None)
     if not rows:
         raise DatasetError(f"{path}: empty file (no rows)")
-    columns: dict[str, list] = {}
-    for k in rows[0]:
-        columns[k] = [r.get(k) for r in rows]
-    return columns
+    return {k: kept.get(k) for k in names}
+
+
+def _json_line(path: str, n: int, line: str) -> dict:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{path}: line {n} is not JSON ({e.msg})") from None
+    except RecursionError:
+        raise DatasetError(f"{path}: line {n} is not JSON zorro reads (nested too deep)") from None
+    except ValueError as e:  # Python's limit on the digits of an integer
+        raise DatasetError(f"{path}: line {n} is not JSON zorro reads ({e})") from None
+    if not isinstance(obj, dict):
+        raise DatasetError(f"{path}: line {n} is not a JSON object")
+    return obj
+
+
+def _compact(v: Any) -> Any:
+    """A list of int64-range ints as an int64 array (8 bytes an id instead of a Python int's ~36);
+    anything else as it is (checked, with its row, when its column is used)."""
+    if isinstance(v, list) and v and set(map(type, v)) == {int} and -(2**63) <= min(v) and max(v) < 2**63:
+        return np.array(v, dtype=np.int64)
+    return v
 
 
 def _values(col) -> list:
@@ -184,26 +268,81 @@ def _pick(path: str, columns: dict, given: Optional[str], candidates: Sequence[s
     return next((c for c in candidates if c in columns), None)
 
 
-def _value_kind(path: str, column: str, values: list) -> str:
-    """token_ids, text or chat, from the column's values (every row must have one)."""
-    missing = [i for i, v in enumerate(values) if v is None]
-    if missing:
-        raise DatasetError(f"{path}: column {column!r} is empty in {len(missing)} row(s) (first: row {missing[0]})")
-    v = values[0]
+def _is_arrow(col: Any) -> bool:
+    return hasattr(col, "type") and hasattr(col, "combine_chunks")
+
+
+def _arrow_int_lists(col: Any) -> bool:
+    import pyarrow as pa
+
+    t = col.type
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
+
+
+def _row_kind(v: Any) -> str:
+    """What one row's value is: token_ids, text, chat, or a description of what it is instead."""
     if isinstance(v, str):
         return "text"
-    if isinstance(v, (list, tuple)) or hasattr(v, "tolist"):
-        v = list(v)
-        if not v:
-            raise DatasetError(f"{path}: column {column!r} row 0 is an empty list")
-        if all(isinstance(t, (int, np.integer)) for t in v[:16]):
-            return "token_ids"
-        if all(isinstance(m, dict) and "role" in m and "content" in m for m in v):
+    if isinstance(v, np.ndarray):
+        return "token_ids"
+    if isinstance(v, (list, tuple)):
+        if v and all(isinstance(m, dict) for m in v):
             return "chat"
+        if v and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in v):
+            return "token_ids"
+        return f"a list of {', '.join(sorted({type(x).__name__ for x in v})) or 'nothing'}"
+    return type(v).__name__
+
+
+def _value_kind(path: str, column: str, values: Any) -> str:
+    """token_ids, text or chat, from the column's first row (every row is checked by _check_rows)."""
+    if _is_arrow(values):
+        if _arrow_int_lists(values):
+            return "token_ids"
+        values = values.slice(0, 1).to_pylist()
+    v = values[0]
+    if v is None:
+        raise DatasetError(f"{path}: column {column!r} is empty in row 0")
+    kind = _row_kind(v)
+    if kind in ("token_ids", "text", "chat"):
+        return kind
+    if isinstance(v, (list, tuple)) and not v:
+        raise DatasetError(f"{path}: column {column!r} row 0 is an empty list")
     raise DatasetError(
-        f"{path}: column {column!r} holds neither text, chat messages ({{role, content}}) nor token ids "
-        f"(row 0: {type(values[0]).__name__})"
+        f"{path}: column {column!r} holds neither text, chat messages ({{role, content}}) nor token ids (row 0: {kind})"
     )
+
+
+def _bad_id(v: list) -> Optional[str]:
+    """Why a list is not token ids (its first bad element), or None."""
+    for x in v:
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            return f"holds {type(x).__name__} {x!r}, not an integer token id"
+        if not 0 <= x < 2**63:
+            return f"holds token id {int(x)}" + (", negative" if x < 0 else ", beyond int64")
+    return None
+
+
+def _check_rows(path: str, column: str, values: list, kind: str) -> None:
+    """Every row of `column` holds a `kind` value; else the first row that does not, with what it holds."""
+    for i, v in enumerate(values):
+        where = f"{path}: row {i} of column {column!r}"
+        if v is None:
+            missing = sum(x is None for x in values)
+            raise DatasetError(f"{path}: column {column!r} is empty in {missing} row(s) (first: row {i})")
+        got = _row_kind(v)
+        if kind == "token_ids" and isinstance(v, (list, tuple)):
+            if not v:
+                raise DatasetError(f"{where} is an empty list")
+            why = _bad_id(list(v))
+            if why:
+                raise DatasetError(f"{where} {why}")
+        elif kind == "chat" and got == "chat":
+            bad = next((m for m in v if "role" not in m or "content" not in m), None)
+            if bad is not None:
+                raise DatasetError(f"{where} holds a message without role and content ({sorted(bad)})")
+        elif got != kind:
+            raise DatasetError(f"{where} holds {got}, not {kind.replace('_', ' ')} like row 0")
 
 
 # -- tokenizers ------------------------------------------------------------------------------------
@@ -212,11 +351,15 @@ def _value_kind(path: str, column: str, values: list) -> str:
 class LocalTokenizer:
     """A local tokenizer (a directory, or a tokenizer.json) with its chat template, if it has one."""
 
-    def __init__(self, path: str, chat_template: Optional[str] = None):
+    def __init__(self, path: str, chat_template: Optional[str] = None, chat_template_name: Optional[str] = None):
         self.path = path
         self.hf = None
         self.specials: dict[str, Any] = {}
         if os.path.isdir(path):
+            if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+                raise DatasetError(
+                    f"{path}: no tokenizer files in the directory (looked for {', '.join(TOKENIZER_FILES)})"
+                )
             try:
                 from transformers import AutoTokenizer
 
@@ -237,6 +380,9 @@ class LocalTokenizer:
         else:
             raise DatasetError(f"{path}: no such tokenizer (a local directory or a tokenizer.json)")
         self.chat_template = template
+        self.template_name = chat_template_name or (
+            f"the chat template of {path}" if chat_template is None else "the chat template given"
+        )
         self._compiled: Any = None
 
     def encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
@@ -258,21 +404,75 @@ class LocalTokenizer:
                 f"{data_path}: the rows are chat messages but the tokenizer {self.path} has no chat template "
                 "(give --chat-template FILE)"
             )
+        name = self.template_name
         if self._compiled is None:
+            if len(self.chat_template) > MAX_TEMPLATE_CHARS:
+                raise DatasetError(
+                    f"{name}: {len(self.chat_template):,} characters, over the {MAX_TEMPLATE_CHARS:,} zorro compiles"
+                )
             try:
                 from transformers.utils.chat_template_utils import _compile_jinja_template
 
                 self._compiled = _compile_jinja_template(self.chat_template)
             except Exception as e:
-                raise DatasetError(f"{self.path}: the chat template does not compile ({e})") from e
+                raise DatasetError(f"{name}: the chat template does not compile ({type(e).__name__}: {e})") from e
         extra = {k: v for k, v in self.specials.items() if v is not None}
-        compiled = self._compiled
-        try:
-            return [
-                compiled.render(messages=c, add_generation_prompt=add_generation_prompt, **extra) for c in conversations
-            ]
-        except Exception as e:
-            raise DatasetError(f"{data_path}: the chat template fails on a row ({type(e).__name__}: {e})") from e
+        out = []
+        for i, c in enumerate(conversations):
+            try:
+                out.append(
+                    _render_limited(
+                        self._compiled, name, messages=c, add_generation_prompt=add_generation_prompt, **extra
+                    )
+                )
+            except DatasetError as e:
+                raise DatasetError(f"{e} (rendering row {i} of {data_path})") from None
+            except Exception as e:
+                raise DatasetError(f"{data_path}: {name} fails on row {i} ({type(e).__name__}: {e})") from e
+        return out
+
+
+class _TimedRange:
+    """The sandbox's range, checking the rendering's deadline as it is iterated: a template's loops
+    are its only unbounded work (the sandbox caps each range's length, not their nesting)."""
+
+    def __init__(self, r: range, deadline: float, name: str) -> None:
+        self.r, self.deadline, self.name = r, deadline, name
+
+    def __len__(self) -> int:
+        return len(self.r)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.r[i]
+
+    def __iter__(self):
+        deadline = self.deadline
+        for i, x in enumerate(self.r):
+            if not i & 1023 and time.monotonic() > deadline:
+                raise DatasetError(f"{self.name}: rendering one row took over {RENDER_SECONDS:g} seconds (a loop?)")
+            yield x
+
+
+def _render_limited(compiled: Any, name: str, **variables: Any) -> str:
+    """compiled.render(**variables), stopped past RENDER_SECONDS or MAX_RENDER_CHARS characters."""
+    from jinja2.sandbox import safe_range
+
+    deadline = time.monotonic() + RENDER_SECONDS
+
+    def timed_range(*args: int) -> _TimedRange:
+        if time.monotonic() > deadline:
+            raise DatasetError(f"{name}: rendering one row took over {RENDER_SECONDS:g} seconds (a loop?)")
+        return _TimedRange(safe_range(*args), deadline, name)
+
+    parts, size = [], 0
+    for chunk in compiled.generate(range=timed_range, **variables):
+        size += len(chunk)
+        if size > MAX_RENDER_CHARS:
+            raise DatasetError(f"{name}: one row renders to over {MAX_RENDER_CHARS:,} characters")
+        if time.monotonic() > deadline:
+            raise DatasetError(f"{name}: rendering one row took over {RENDER_SECONDS:g} seconds (a loop?)")
+        parts.append(chunk)
+    return "".join(parts)
 
 
 def _sibling_template(path: str, specials: dict) -> Optional[str]:
@@ -355,15 +555,55 @@ def encode_texts(
 # -- the dataset -----------------------------------------------------------------------------------
 
 
-def _ids_column(path: str, column: str, values: list) -> Ragged:
-    rows = [list(v) for v in values]
-    empty = [i for i, r in enumerate(rows) if not r]
-    if empty:
-        raise DatasetError(f"{path}: column {column!r} is an empty list in {len(empty)} row(s) (first: row {empty[0]})")
-    ids = Ragged.from_lists(rows)
-    if ids.flat.size and int(ids.flat.min()) < 0:
-        raise DatasetError(f"{path}: column {column!r} holds negative token ids")
+def _ids_column(path: str, column: str, values: Any) -> Ragged:
+    """A token-id column as a Ragged, every row checked (integers in [0, 2**63), none empty)."""
+    if _is_arrow(values):
+        ids = _arrow_ids(path, column, values)
+    else:
+        _check_rows(path, column, values, "token_ids")
+        ids = Ragged.from_lists([v if isinstance(v, np.ndarray) else np.asarray(list(v), np.int64) for v in values])
+    neg = np.flatnonzero(ids.flat < 0)
+    if neg.size:
+        row = int(np.searchsorted(ids.offsets, neg[0], side="right")) - 1
+        raise DatasetError(f"{path}: row {row} of column {column!r} holds token id {int(ids.flat[neg[0]])}, negative")
     return ids
+
+
+def _arrow_ids(path: str, column: str, col: Any) -> Ragged:
+    """A parquet list<integer> column, checked and flattened in arrow (no Python objects per id)."""
+    if not _arrow_int_lists(col):
+        raise DatasetError(f"{path}: column {column!r} holds {col.type}, not lists of integer token ids")
+    arr = col.combine_chunks()
+    if arr.null_count:
+        row = int(np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[0])
+        raise DatasetError(f"{path}: column {column!r} is empty in {arr.null_count} row(s) (first: row {row})")
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    offsets = offsets - offsets[0]
+    values = arr.flatten()
+    if values.null_count:
+        at = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
+        row = int(np.searchsorted(offsets, at, side="right")) - 1
+        raise DatasetError(f"{path}: row {row} of column {column!r} holds a null token id")
+    flat = values.to_numpy()
+    empty = np.flatnonzero(np.diff(offsets) == 0)
+    if empty.size:
+        raise DatasetError(f"{path}: row {int(empty[0])} of column {column!r} is an empty list")
+    if flat.dtype == np.uint64 and flat.size and int(flat.max()) >= 2**63:
+        at = int(np.argmax(flat >= 2**63))
+        row = int(np.searchsorted(offsets, at, side="right")) - 1
+        raise DatasetError(f"{path}: row {row} of column {column!r} holds token id {int(flat[at])}, beyond int64")
+    return Ragged(flat.astype(np.int64), offsets)
+
+
+def check_vocab(path: str, column: str, ids: Ragged, vocab_size: int) -> None:
+    """Refuse a token id >= vocab_size, naming its row and value."""
+    over = np.flatnonzero(ids.flat >= vocab_size)
+    if over.size:
+        row = int(np.searchsorted(ids.offsets, over[0], side="right")) - 1
+        raise DatasetError(
+            f"{path}: row {row} of column {column!r} holds token id {int(ids.flat[over[0]])}, "
+            f"outside the model's vocabulary ({vocab_size} ids)"
+        )
 
 
 def _split_messages(path: str, convs: list) -> tuple[list, list]:
@@ -387,20 +627,24 @@ def load_dataset(
     chat_template: Optional[str] = None,
     progress: Progress = None,
     completions: str = "all",
+    vocab_size: Optional[int] = None,
+    chat_template_name: Optional[str] = None,
 ) -> TokenizedData:
     """Read `path` and tokenize its prompts (and completions: "all", or "sample" for a random
-    COMPLETION_SAMPLE of them, enough for their length distribution); see the module docstring."""
+    COMPLETION_SAMPLE of them, enough for their length distribution); see the module docstring.
+    Every row is checked; with `vocab_size`, every token id against it. `chat_template_name` names
+    `chat_template` in errors (its file)."""
     if completions not in ("all", "sample"):
         raise ValueError(f"completions must be 'all' or 'sample', got {completions!r}")
-    fmt, columns = read_columns(path)
+    fmt, columns = read_columns(path, COLUMNS_READ | {c for c in (prompt_column, completion_column) if c})
     pcol = _pick(path, columns, prompt_column, PROMPT_ID_COLUMNS + PROMPT_COLUMNS, "prompt")
     if pcol is None:
         raise DatasetError(
             f"{path}: no prompt column (looked for {', '.join(PROMPT_ID_COLUMNS + PROMPT_COLUMNS)}; "
             f"columns: {', '.join(columns)}; give --prompt-column)"
         )
-    pvals = _values(columns[pcol])
-    kind = _value_kind(path, pcol, pvals)
+    pcolumn = columns[pcol]
+    kind = _value_kind(path, pcol, pcolumn)
     ccol = _pick(
         path,
         columns,
@@ -408,21 +652,30 @@ def load_dataset(
         COMPLETION_ID_COLUMNS if kind == "token_ids" else COMPLETION_COLUMNS,
         "completion",
     )
-    cvals = _values(columns[ccol]) if ccol else None
     if kind == "token_ids":
-        prompts = _ids_column(path, pcol, pvals)
+        prompts = _ids_column(path, pcol, pcolumn)
         ids = None
-        if cvals is not None:
-            if _value_kind(path, ccol, cvals) != "token_ids":  # type: ignore[arg-type]
+        if ccol is not None:
+            if _value_kind(path, ccol, columns[ccol]) != "token_ids":
                 raise DatasetError(f"{path}: prompt column {pcol!r} holds token ids but {ccol!r} does not")
-            ids = _ids_column(path, ccol, cvals)  # type: ignore[arg-type]
-        return TokenizedData(path, fmt, kind, pcol, ccol, prompts, ids)
+            ids = _ids_column(path, ccol, columns[ccol])
+        data = TokenizedData(path, fmt, kind, pcol, ccol, prompts, ids)
+        _check_data_vocab(data, vocab_size)
+        return data
+    pvals = _values(pcolumn)
+    _check_rows(path, pcol, pvals, kind)
+    cvals = _values(columns[ccol]) if ccol else None
     if tokenizer is None:
         raise DatasetError(f"{path}: column {pcol!r} holds {kind}, not token ids: give --tokenizer PATH (local)")
-    tok = LocalTokenizer(tokenizer, chat_template)
+    tok = LocalTokenizer(tokenizer, chat_template, chat_template_name)
     if kind == "chat" and pcol == "messages" and ccol is None:
         pvals, cvals = _split_messages(path, pvals)
         ccol = "messages"
+    elif cvals is not None:
+        ckind = _value_kind(path, ccol, cvals)  # type: ignore[arg-type]
+        if ckind != "text" and not (kind == "chat" and ckind == "chat"):
+            raise DatasetError(f"{path}: prompt column {pcol!r} holds {kind} but {ccol!r} holds {ckind}")
+        _check_rows(path, ccol, cvals, ckind)  # type: ignore[arg-type]
     sample = np.arange(len(pvals))
     if cvals is not None and completions == "sample" and len(cvals) > COMPLETION_SAMPLE:
         sample = np.sort(np.random.default_rng(0).choice(len(pvals), COMPLETION_SAMPLE, replace=False))
@@ -431,10 +684,10 @@ def load_dataset(
         prompts, split = encode_texts(tok, pvals, True, progress)
         comp = None
         if cvals is not None:
-            if _value_kind(path, ccol, cvals) != "text":  # type: ignore[arg-type]
-                raise DatasetError(f"{path}: prompt column {pcol!r} holds text but {ccol!r} does not")
             comp, _ = encode_texts(tok, cvals, False, progress)
-        return TokenizedData(path, fmt, kind, pcol, ccol, prompts, comp, split, sample.size < len(pvals))
+        data = TokenizedData(path, fmt, kind, pcol, ccol, prompts, comp, split, sample.size < len(pvals))
+        _check_data_vocab(data, vocab_size)
+        return data
     convs = [list(c) for c in pvals]
     cache: dict[str, list[int]] = {}
     prompts, split = encode_texts(tok, tok.render(path, convs, True), False, progress, cache)
@@ -447,7 +700,17 @@ def load_dataset(
             full = [c + list(x) for c, x in zip(picked, cvals)]
         whole, _ = encode_texts(tok, tok.render(path, full, False), False, progress, cache)
         comp = _suffix(path, whole, _take(prompts, sample))
-    return TokenizedData(path, fmt, kind, pcol, ccol, prompts, comp, split, sample.size < len(pvals))
+    data = TokenizedData(path, fmt, kind, pcol, ccol, prompts, comp, split, sample.size < len(pvals))
+    _check_data_vocab(data, vocab_size)
+    return data
+
+
+def _check_data_vocab(data: TokenizedData, vocab_size: Optional[int]) -> None:
+    if vocab_size is None:
+        return
+    check_vocab(data.path, data.prompt_column, data.prompts, vocab_size)
+    if data.completions is not None and data.completion_column is not None:
+        check_vocab(data.path, data.completion_column, data.completions, vocab_size)
 
 
 def _take(r: Ragged, rows: np.ndarray) -> Ragged:

@@ -96,8 +96,11 @@ class PrefixIndex:
 
     @classmethod
     def build(cls, seqs: Ragged) -> "PrefixIndex":
-        big = seqs.flat.astype(">u4").tobytes()
-        off = (seqs.offsets * 4).tolist()
+        # Big-endian keys sort as the id sequences do; 4 bytes an id where every id fits (ids of 2**32
+        # and above would wrap onto small ones), else 8.
+        width = 4 if not seqs.flat.size or (seqs.flat.min() >= 0 and seqs.flat.max() < 2**32) else 8
+        big = seqs.flat.astype(f">u{width}").tobytes()
+        off = (seqs.offsets * width).tolist()
         keys = [big[a:b] for a, b in zip(off[:-1], off[1:])]
         order = sorted(range(len(keys)), key=keys.__getitem__)
         new = np.ones(len(order), dtype=bool)

@@ -200,20 +200,24 @@ def _dedup_conv(original, hidden_states, weight, bias=None, activation=None, **k
             "a conv cache is in use; the dedup path runs a full forward without cache"
         )
     src, fix = plan.derived(("linear_conv", k), lambda: _conv_fixes(plan, k))
+    if not fix.numel():
+        route.count_adapter_call("linear_conv")
+        return original(hidden_states, weight, bias, activation=activation, **kwargs)
     # The model's own conv over the packed row is right wherever a token's window lies inside its
-    # own packed segment; only the first K-1 tokens of a segment see the wrong neighbours.
-    out = original(hidden_states, weight, bias, activation=activation, **kwargs)
-    if fix.numel():
-        x = hidden_states[0].t()  # [T, C]
-        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        xz = torch.cat([x, x.new_zeros(1, x.shape[1])]).to(acc)
-        rows = torch.einsum("nkc,ck->nc", xz[src[fix]], weight.to(acc))
-        if bias is not None:
-            rows = rows + bias.to(acc)
-        rows = rows.to(weight.dtype)
-        if activation is not None:
-            rows = ACT2FN[activation](rows)
-        out = out[0].t().index_copy(0, fix, rows.to(out.dtype)).t()[None]
+    # own packed segment; only the first K-1 tokens of a segment see the wrong neighbours. Their
+    # rows are replaced before the activation, not after: the activation's backward at a replaced
+    # row would multiply its zero gradient by the derivative at the wrong window's value, NaN when
+    # that window held another sequence's non-finite input (0 x NaN), and carry it into this one.
+    out = original(hidden_states, weight, bias, activation=None, **kwargs)
+    x = hidden_states[0].t()  # [T, C]
+    acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    xz = torch.cat([x, x.new_zeros(1, x.shape[1])]).to(acc)
+    rows = torch.einsum("nkc,ck->nc", xz[src[fix]], weight.to(acc))
+    if bias is not None:
+        rows = rows + bias.to(acc)
+    out = out[0].t().index_copy(0, fix, rows.to(weight.dtype).to(out.dtype)).t()[None]
+    if activation is not None:
+        out = ACT2FN[activation](out)
     route.count_adapter_call("linear_conv")
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -131,7 +132,14 @@ class RolloutBatch:
         pad_token_id: int = 0,
         device: str | torch.device = "cpu",
     ) -> "RolloutBatch":
-        """Build a batch from unpadded token lists: prompts are left-padded, responses right-padded."""
+        """Build a batch from unpadded token lists: prompts are left-padded, responses right-padded.
+
+        Each row is a sequence of integer token ids (ints, numpy integers, an integer array or
+        tensor); anything else (a float, a bool, a string) is refused naming the row, never cast."""
+        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral):
+            raise ValueError(f"pad_token_id must be an int, got {type(pad_token_id).__name__} {pad_token_id!r}")
+        prompts = [_id_row(pl, "prompt", i) for i, pl in enumerate(prompts)]
+        responses = [_id_row(rl, "response", i) for i, rl in enumerate(responses)]
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         if len(prompts) == 0:
@@ -149,9 +157,9 @@ class RolloutBatch:
         r = torch.full((b, rmax), pad_token_id, dtype=torch.long)
         rm = torch.zeros((b, rmax), dtype=torch.long)
         for i, (pl, rl) in enumerate(zip(prompts, responses)):
-            p[i, pmax - len(pl) :] = torch.as_tensor(list(pl), dtype=torch.long)
+            p[i, pmax - len(pl) :] = pl
             pm[i, pmax - len(pl) :] = 1
-            r[i, : len(rl)] = torch.as_tensor(list(rl), dtype=torch.long)
+            r[i, : len(rl)] = rl
             rm[i, : len(rl)] = 1
         return cls(p.to(device), pm.to(device), r.to(device), rm.to(device))
 
@@ -160,6 +168,38 @@ class RolloutBatch:
         ps = [row[m.bool()].tolist() for row, m in zip(self.prompts.cpu(), self.prompt_mask.cpu())]
         rs = [row[m.bool()].tolist() for row, m in zip(self.responses.cpu(), self.response_mask.cpu())]
         return ps, rs
+
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _id_row(row: object, what: str, i: int) -> torch.Tensor:
+    """One row of `from_lists` as an int64 tensor; a non-integer id is refused naming the row and value."""
+    where = f"{what} of row {i}"
+    if isinstance(row, (str, bytes)) or not hasattr(row, "__len__"):
+        raise ValueError(f"{where} must be a sequence of token ids, got {type(row).__name__}")
+    if isinstance(row, torch.Tensor) or hasattr(row, "__array__"):
+        t = torch.as_tensor(row)
+        if t.dim() != 1:
+            raise ValueError(f"{where} must be 1-D, got shape {tuple(t.shape)}")
+        if t.dtype not in _INT_DTYPES:
+            kind = (
+                f"a {t.dtype} tensor" if isinstance(row, torch.Tensor) else f"a {getattr(row, 'dtype', t.dtype)} array"
+            )
+            raise ValueError(f"{where} is {kind}: token ids must be integers")
+        return t.to(torch.long)
+    ids = list(row)  # type: ignore[call-overload]  # any sized iterable: a list, a tuple, a range
+    if set(map(type, ids)) <= {int}:  # the common case, checked at C speed (bool is not int here)
+        if ids and not (-(2**63) <= min(ids) and max(ids) < 2**63):
+            big = min(ids) if min(ids) < -(2**63) else max(ids)
+            raise ValueError(f"{where} holds token id {big}, beyond int64")
+        return torch.tensor(ids, dtype=torch.long)
+    for x in ids:
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise ValueError(f"{where} holds {type(x).__name__} {x!r}: token ids must be integers")
+        if not -(2**63) <= int(x) < 2**63:
+            raise ValueError(f"{where} holds token id {int(x)}, beyond int64")
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def create_dummy_batch(

@@ -19,6 +19,15 @@ from typing import Optional
 import torch
 
 
+def _slots(cu: torch.Tensor, arange: torch.Tensor, valid: torch.Tensor, total: int) -> torch.Tensor:
+    """[n * L] packed row of each padded slot: segment i's own rows, its padding slots pointing at
+    its first row. Never a row of another segment: a masked slot still enters the products (a
+    probability 0 times its value), and 0 x inf or NaN is NaN, so a padding slot that held another
+    row's token would carry that row's non-finite value into this segment."""
+    own = cu[:-1, None] + arange[None, :]
+    return torch.where(valid, own, cu[:-1, None].clamp(max=max(total - 1, 0))).flatten()
+
+
 @dataclass
 class PaddedLayout:
     """Segments as a padded batch: segment i's queries at [i, :len_q], its keys at [i, :len_k]."""
@@ -34,9 +43,9 @@ class PaddedLayout:
     uniform_k: bool
     """Every key segment has len_k keys."""
     idx_q: torch.Tensor
-    """[n * len_q] row of each padded query slot in the packed queries (0 at padding)."""
+    """[n * len_q] row of each padded query slot in the packed queries (padding: the segment's first query)."""
     idx_k: torch.Tensor
-    """[n * len_k] row of each padded key slot in the packed keys (0 at padding)."""
+    """[n * len_k] row of each padded key slot in the packed keys (padding: the segment's first key)."""
     valid_q: torch.Tensor
     """[n, len_q] real query slots."""
     valid_q_flat: torch.Tensor
@@ -83,8 +92,8 @@ class PaddedLayout:
             len_k=max_k,
             uniform_q=total_q == n * max_q,
             uniform_k=total_k == n * max_k,
-            idx_q=torch.where(valid_q, cq[:-1, None] + aq[None, :], 0).flatten(),
-            idx_k=torch.where(valid_k, ck[:-1, None] + ak[None, :], 0).flatten(),
+            idx_q=_slots(cq, aq, valid_q, total_q),
+            idx_k=_slots(ck, ak, valid_k, total_k),
             valid_q=valid_q,
             valid_q_flat=valid_q.flatten().nonzero().flatten(),
             q_pos=q_abs,
