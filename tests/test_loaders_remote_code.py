@@ -158,3 +158,12 @@ def test_a_directory_without_auto_map_passes_the_check(tmp_path):
     (d / "config.json").write_text(json.dumps(TINY))
     (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     refuse_remote_code(str(d))  # no error
+
+
+def test_local_tokenizer_refuses_custom_code_from_the_library(tmp_path, answers_yes):
+    """`LocalTokenizer` (what `analyze --data` uses, also a library class) refuses the directory itself."""
+    from zorro_core.bench.dataset import DatasetError, LocalTokenizer
+
+    with pytest.raises(DatasetError, match="auto_map"):
+        LocalTokenizer(str(evil_tokenizer_dir(tmp_path)))
+    assert not (tmp_path / "RAN").exists() and not answers_yes

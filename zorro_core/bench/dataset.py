@@ -34,6 +34,8 @@ from typing import Any, Callable, Collection, Optional, Sequence
 
 import numpy as np
 
+from zorro_core.models.local_files import hub_offline, refuse_remote_code
+
 PROMPT_ID_COLUMNS = ("prompt_ids", "prompt_token_ids", "input_ids")
 COMPLETION_ID_COLUMNS = ("completion_ids", "response_ids", "completion_token_ids")
 PROMPT_COLUMNS = ("prompt", "messages")
@@ -363,7 +365,9 @@ class LocalTokenizer:
             try:
                 from transformers import AutoTokenizer
 
-                self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+                refuse_remote_code(path, "tokenizer")
+                with hub_offline():
+                    self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
             except Exception as e:
                 raise DatasetError(f"{path}: cannot read the tokenizer ({type(e).__name__}: {e})") from e
             self.backend = getattr(self.hf, "backend_tokenizer", None)

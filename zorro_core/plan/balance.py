@@ -118,7 +118,8 @@ class Partition:
     def imbalance(self) -> float:
         """max / mean cost over parts (1.0 is perfect)."""
         mean = sum(self.costs) / len(self.costs)
-        return max(self.costs) / mean if mean > 0 else 1.0
+        # max >= mean exactly; the float sum can put the mean a rounding step above the max.
+        return max(1.0, max(self.costs) / mean) if mean > 0 else 1.0
 
 
 def _finish(work: GroupedLengths, parts: list[list[int]], attention_weight: float, budget: Optional[int]) -> Partition:
