@@ -79,7 +79,10 @@ def test_intra_package_imports_are_acyclic():
 # Modules of an optional trainer that is installed only in its own environment (.ci/verl_tests,
 # .ci/openrlhf_tests).
 OPTIONAL = {
-    "verl": ("zorro_core.integrations.verl_engine", "zorro_core.integrations.verl_cpu"),
+    "verl": tuple(
+        f"zorro_core.integrations.{m}"
+        for m in ("verl_engine", "verl_cpu", "verl_rows", "verl_batching", "verl_trainer")
+    ),
     "openrlhf": ("zorro_core.integrations.openrlhf",),
 }
 

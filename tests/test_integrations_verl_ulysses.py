@@ -90,7 +90,7 @@ def sp_case(path: str, seed: int) -> dict:
     from zorro_core.integrations.verl_cpu import use_cpu_platform
 
     use_cpu_platform()  # before verl's engine module reads the device name at import
-    from zorro_core.integrations import verl_engine
+    from zorro_core.integrations import verl_engine, verl_rows
     from zorro_core.integrations.layout import ZorroFallbackWarning
 
     padded = _batch(seed)
@@ -110,12 +110,12 @@ def sp_case(path: str, seed: int) -> dict:
     out["checkpointed train=True"] = _run(checkpointed, padded, rows, True, **dict(META))[:3]
     del checkpointed
 
-    original = verl_engine.SequenceParallel
-    verl_engine.SequenceParallel = OffByOne
+    original = verl_rows.SequenceParallel
+    verl_rows.SequenceParallel = OffByOne
     try:
         out["planted train=True"] = _run(zorro, padded, rows, True, **dict(META))[:3]
     finally:
-        verl_engine.SequenceParallel = original
+        verl_rows.SequenceParallel = original
 
     # verl's own engine at SP=2: what the fallback runs
     own = _engine("verl", path, 2)

@@ -42,7 +42,7 @@ def micro_batch_work(data) -> Optional[GroupedLengths]:
     """The rank's rows as zorro computes them: groups of identical prompt tokens, each row's
     response; a row with an empty response alone in its group (it is computed whole, if at all).
     None when the rows have no prompt/response split verl's way."""
-    from zorro_core.integrations.verl_engine import rows_of
+    from zorro_core.integrations.verl_rows import rows_of
 
     rows = rows_of(data)
     if isinstance(rows, str):
@@ -66,17 +66,17 @@ def serves_whole_batch(engine, data) -> bool:
     on the whole batch, and the actor built): else a micro-batch of zorro's size could reach verl's
     forward above verl's budget."""
     from zorro_core.errors import UnsupportedModelError
-    from zorro_core.integrations.verl_engine import _temperature, unserved_reason
+    from zorro_core.integrations.verl_rows import temperature_of, unserved_reason
 
     if tu.get_non_tensor_data(data=data, key="force_group_size", default=1) != 1:
         return False
     if not data["input_ids"].is_nested or unserved_reason(engine, data) is not None:
         return False
-    if "temperature" in data.keys() and isinstance(_temperature(data), str):
+    if "temperature" in data.keys() and isinstance(temperature_of(data), str):
         return False
     if any(reason.startswith("the dedup path refuses the model") for reason in engine._warned):
         return False
-    from zorro_core.integrations.verl_engine import sequence_parallel_of
+    from zorro_core.integrations.verl_rows import sequence_parallel_of
 
     try:
         actor = engine._zorro_actor()

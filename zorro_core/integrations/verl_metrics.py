@@ -33,14 +33,14 @@ class MicroBatchStats:
 
 def stats_of(micro_batch: Any, rows: Optional[Any]) -> MicroBatchStats:
     """A micro-batch's figures; `rows` is zorro's `VerlRows` when zorro served it, else None."""
-    from zorro_core.integrations.verl_engine import _prompt_lengths
+    from zorro_core.integrations.verl_rows import prompt_lengths
     from zorro_core.plan.prompt import group_rows
 
     lens = micro_batch["input_ids"].offsets().diff() if micro_batch["input_ids"].is_nested else None
     if lens is None:
         lens = micro_batch["attention_mask"].sum(1)
     tokens = int(lens.sum())
-    plen = _prompt_lengths(micro_batch)
+    plen = prompt_lengths(micro_batch)
     prompt_tokens = int(plen.sum()) if plen is not None else 0
     if rows is None:
         return MicroBatchStats(False, prompt_tokens, prompt_tokens, tokens, tokens)
