@@ -242,26 +242,27 @@ def _template_file(tmp_path, text):
     return str(p)
 
 
-def test_a_looping_template_is_stopped_naming_it(tok_dir, tmp_path, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize(
+    "limit, value, body, named",
+    [
+        (
+            "RENDER_SECONDS",
+            0.5,
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            "seconds",
+        ),
+        ("MAX_RENDER_CHARS", 10_000, "{% for i in range(100000) %}xxxxxxxxxx{% endfor %}", "characters"),
+    ],
+    ids=["looping", "huge-output"],
+)
+def test_a_runaway_template_is_stopped_naming_it(tok_dir, tmp_path, monkeypatch, limit, value, body, named):  # noqa: F811
     import zorro_core.bench.dataset as dataset
 
-    monkeypatch.setattr(dataset, "RENDER_SECONDS", 0.5)
-    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + TEMPLATE
-    template = _template_file(tmp_path, loop)
+    monkeypatch.setattr(dataset, limit, value)
+    template = _template_file(tmp_path, body + TEMPLATE)
     tok = _tokenizer_without_template(tok_dir, tmp_path)
     path = write_jsonl(tmp_path / "c.jsonl", chat_rows(2))
-    refused(analyze("--data", path, "--tokenizer", tok, "--chat-template", template), template, "seconds")
-
-
-def test_a_template_with_huge_output_is_stopped(tok_dir, tmp_path, monkeypatch):  # noqa: F811
-    import zorro_core.bench.dataset as dataset
-
-    monkeypatch.setattr(dataset, "MAX_RENDER_CHARS", 10_000)
-    loop = "{% for i in range(100000) %}xxxxxxxxxx{% endfor %}" + TEMPLATE
-    template = _template_file(tmp_path, loop)
-    tok = _tokenizer_without_template(tok_dir, tmp_path)
-    path = write_jsonl(tmp_path / "c.jsonl", chat_rows(2))
-    refused(analyze("--data", path, "--tokenizer", tok, "--chat-template", template), template, "characters")
+    refused(analyze("--data", path, "--tokenizer", tok, "--chat-template", template), template, named)
 
 
 def test_an_oversized_template_is_refused_before_reading(tok_dir, tmp_path, monkeypatch):  # noqa: F811
