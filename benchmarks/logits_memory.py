@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from zorro_core.bench.measure import proc_status_kib  # VmRSS / VmHWM of this process, in KiB
+from zorro_harness.bench.measure import proc_status_kib  # VmRSS / VmHWM of this process, in KiB
 
 MODES = ("none", "compute", "memory")
 

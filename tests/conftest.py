@@ -68,7 +68,7 @@ num_unique_prompts = [1, 2, 4]
 
 def fake_case_rows(case, measure, fault=None, on_phase=None, max_memory=None):
     """What runner.case_rows reports, without running anything."""
-    from zorro_core.bench.results import COLUMNS
+    from zorro_harness.bench.results import COLUMNS
 
     rows = []
     for p in measure.phases:
@@ -81,10 +81,10 @@ def fake_case_rows(case, measure, fault=None, on_phase=None, max_memory=None):
 
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
-    """A suite file whose cases are faked (zorro_core.bench.sweep.case_rows), and a sweep runner."""
+    """A suite file whose cases are faked (zorro_harness.bench.sweep.case_rows), and a sweep runner."""
     from typer.testing import CliRunner
 
-    import zorro_core.bench.sweep as sweep_mod
+    import zorro_harness.bench.sweep as sweep_mod
     from zorro_cli.main import app
 
     runner = CliRunner()

@@ -8,13 +8,13 @@ import pytest
 from typer.testing import CliRunner
 
 from zorro_cli.main import app
-from zorro_core.bench.dataset import DatasetError, Ragged, load_dataset
-from zorro_core.bench.workload_sim import PrefixIndex, count_calls, data_report, simulate_calls
 from zorro_core.models.presets import preset_config
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.build import build_dedup_plan, build_plain_plan
 from zorro_core.plan.cost import ModelShape, compare, plan_workload, shape_workloads
 from zorro_core.plan.trie import build_trie_plan
+from zorro_harness.analyze.dataset import DatasetError, Ragged, load_dataset
+from zorro_harness.analyze.workload_sim import PrefixIndex, count_calls, data_report, simulate_calls
 
 runner = CliRunner()
 SYSTEM = "You are a helpful assistant. Answer with one number and explain every step of the way."

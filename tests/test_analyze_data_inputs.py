@@ -9,8 +9,8 @@ from test_analyze_data import TEMPLATE, chat_rows, tok_dir, write_jsonl, write_p
 from typer.testing import CliRunner
 
 from zorro_cli.main import app
-from zorro_core.bench.dataset import Ragged
-from zorro_core.bench.workload_sim import PrefixIndex
+from zorro_harness.analyze.dataset import Ragged
+from zorro_harness.analyze.workload_sim import PrefixIndex
 
 runner = CliRunner()
 
@@ -196,7 +196,7 @@ def test_a_fifo_is_read(tmp_path):
 
 
 def test_an_oversized_line_is_refused_with_its_size(tmp_path, monkeypatch):
-    import zorro_core.bench.dataset as dataset
+    import zorro_harness.analyze.dataset as dataset
 
     monkeypatch.setattr(dataset, "MAX_LINE_BYTES", 1000)
     path = ids_file(tmp_path, [[1, 2], list(range(1, 1000))])
@@ -205,7 +205,7 @@ def test_an_oversized_line_is_refused_with_its_size(tmp_path, monkeypatch):
 
 def test_reading_keeps_only_the_columns_it_uses(tmp_path):
     """A large unused column is not kept (memory bounded by what is analysed)."""
-    from zorro_core.bench.dataset import read_columns
+    from zorro_harness.analyze.dataset import read_columns
 
     path = write_jsonl(tmp_path / "w.jsonl", [{"prompt_ids": [1, 2], "junk": "x" * 1000}] * 3)
     fmt, columns = read_columns(path)
@@ -256,7 +256,7 @@ def _template_file(tmp_path, text):
     ids=["looping", "huge-output"],
 )
 def test_a_runaway_template_is_stopped_naming_it(tok_dir, tmp_path, monkeypatch, limit, value, body, named):  # noqa: F811
-    import zorro_core.bench.dataset as dataset
+    import zorro_harness.analyze.dataset as dataset
 
     monkeypatch.setattr(dataset, limit, value)
     template = _template_file(tmp_path, body + TEMPLATE)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from zorro_core.bench.results import read_rows
+from zorro_harness.bench.results import read_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

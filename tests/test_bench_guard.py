@@ -8,11 +8,12 @@ from typer.testing import CliRunner
 
 from zorro_cli.bench import parse_size
 from zorro_cli.main import app
-from zorro_core.bench.footprint import GIB, case_footprint, too_large
-from zorro_core.bench.isolation import rss_of
-from zorro_core.bench.runner import case_rows, model_config
-from zorro_core.bench.suite import Case, Measure
 from zorro_core.plan.cost import ModelShape
+from zorro_harness.bench.footprint import GIB, case_footprint, too_large
+from zorro_harness.bench.inputs import model_config
+from zorro_harness.bench.isolation import rss_of
+from zorro_harness.bench.runner import case_rows
+from zorro_harness.bench.suite import Case, Measure
 
 runner = CliRunner()
 ABSURD = ["bench", "run", "--model", "small-qwen3", "--attn", "sdpa", "--batch-size", "8", "--unique-prompts", "2",

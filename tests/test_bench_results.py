@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from zorro_cli.main import app
-from zorro_core.bench.report import load_results
-from zorro_core.bench.results import COLUMNS, ResultsBusy, ResultsLock, ResultWriter, backup, done_keys, read_rows
+from zorro_harness.bench.report import load_results
+from zorro_harness.bench.results import COLUMNS, ResultsBusy, ResultsLock, ResultWriter, backup, done_keys, read_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "tiny_suite.toml"

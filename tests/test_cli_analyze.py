@@ -74,8 +74,8 @@ def test_shared_prefix_reports_the_tree():
 
 
 def test_the_report_is_the_librarys():
-    """The CLI prints zorro_core.bench.analysis.workload_report's dict as it is."""
-    from zorro_core.bench.analysis import workload_report
+    """The CLI prints zorro_harness.analyze.analysis.workload_report's dict as it is."""
+    from zorro_harness.analyze.analysis import workload_report
 
     report = workload_report(10000, 10, 1000, model="small-qwen3", logits_mode="none", prompts=2)
     cli = json.loads(
@@ -97,7 +97,7 @@ def test_the_report_is_the_librarys():
     ],
 )
 def test_the_library_refuses_bad_workloads(kwargs, match):
-    from zorro_core.bench.analysis import workload_report
+    from zorro_harness.analyze.analysis import workload_report
 
     args = {"prompt_len": 10, "responses": 2, "response_len": 3, "model": "small-qwen3", **kwargs}
     with pytest.raises(ValueError, match=match):
@@ -107,7 +107,7 @@ def test_the_library_refuses_bad_workloads(kwargs, match):
 def test_a_nan_in_the_report_is_not_printed(monkeypatch):
     """--json goes through print_json (allow_nan=False): a NaN is an error naming the field, not `NaN` in the output."""
     import zorro_cli.analyze as cli_analyze
-    from zorro_core.bench.analysis import workload_report
+    from zorro_harness.analyze.analysis import workload_report
 
     def with_a_nan(*args, **kwargs):
         report = workload_report(*args, **kwargs)

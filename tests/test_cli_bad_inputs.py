@@ -12,7 +12,7 @@ from conftest import SUITE
 from typer.testing import CliRunner
 
 from zorro_cli.main import app
-from zorro_core.bench.results import COLUMNS, REQUIRED_COLUMNS, read_rows
+from zorro_harness.bench.results import COLUMNS, REQUIRED_COLUMNS, read_rows
 
 runner = CliRunner()
 
@@ -184,7 +184,7 @@ def test_bad_suites_are_refused_before_anything_runs(tmp_path, text, words):
 
 
 def test_phases_as_one_string_is_one_phase(tmp_path):
-    from zorro_core.bench.suite import load_suite
+    from zorro_harness.bench.suite import load_suite
 
     suite = tmp_path / "p.toml"
     suite.write_text('[measure]\nphases = "forward"\n[defaults]\nbatch_size = 4\n')

@@ -10,9 +10,9 @@ import torch
 from typer.testing import CliRunner
 
 from zorro_cli.main import app
-from zorro_core.bench.results import COLUMNS, REQUIRED_COLUMNS, read_rows
-from zorro_core.bench.runner import case_rows
-from zorro_core.bench.suite import Case, Measure
+from zorro_harness.bench.results import COLUMNS, REQUIRED_COLUMNS, read_rows
+from zorro_harness.bench.runner import case_rows
+from zorro_harness.bench.suite import Case, Measure
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "tiny_suite.toml"
@@ -218,7 +218,7 @@ def test_bench_bad_input_exits_2(tmp_path):
 def test_liger_case_is_skipped_with_the_reason_here(tmp_path):
     import multiprocessing as mp
 
-    from zorro_core.bench.runner import timing_process
+    from zorro_harness.bench.runner import timing_process
 
     case = Case(model="tiny-qwen3", batch_size=2, prompt_len=4, response_len=2, num_unique_prompts=1, liger=True)
     assert case.case_id.endswith(":liger")
@@ -254,7 +254,7 @@ def test_liger_case_is_skipped_with_the_reason_here(tmp_path):
 
 def test_checkpointing_axis(tmp_path):
     """--checkpointing: both arms run with transformers' checkpointing in training mode; the row records it."""
-    from zorro_core.bench.runner import _Bench
+    from zorro_harness.bench.runner import _Bench
 
     case = Case(
         model="tiny-qwen3", batch_size=4, prompt_len=16, response_len=4, num_unique_prompts=1, checkpointing=True

@@ -9,7 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from zorro_cli.main import app
-from zorro_core.bench.suite import Case, Measure
+from zorro_harness.bench.suite import Case, Measure
 
 runner = CliRunner()
 RUN = ["bench", "run", "--model", "tiny-qwen3", "-b", "2", "-p", "8", "-r", "2", "--repeats", "1", "--no-memory"]

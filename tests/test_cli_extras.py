@@ -62,8 +62,8 @@ def test_zorro_without_the_cli_extra_says_what_to_install_in_one_line(package):
 
 def test_a_missing_module_outside_the_cli_extra_is_not_hidden():
     """Only the cli packages get the hint: any other missing module is a real error, with its traceback."""
-    res = run_zorro("sys.modules['zorro_core.bench.analysis'] = None", "--help")
-    assert res.returncode == 1 and "Traceback" in res.stderr and "zorro_core.bench.analysis" in res.stderr
+    res = run_zorro("sys.modules['zorro_harness.analyze.analysis'] = None", "--help")
+    assert res.returncode == 1 and "Traceback" in res.stderr and "zorro_harness.analyze.analysis" in res.stderr
     assert INSTALL_HINT not in res.stderr
 
 

@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 from zorro_cli.main import app
 from zorro_cli.report import parse_fraction
-from zorro_core.bench.report import compare_frames, load_results
-from zorro_core.bench.results import COLUMNS
+from zorro_harness.bench.report import compare_frames, load_results
+from zorro_harness.bench.results import COLUMNS
 
 runner = CliRunner()
 

@@ -150,7 +150,7 @@ def test_analyze_of_huge_workloads_takes_no_time():
 
 
 def test_analyze_refuses_a_workload_too_large_for_floats():
-    from zorro_core.bench.analysis import workload_report
+    from zorro_harness.analyze.analysis import workload_report
 
     with pytest.raises(ValueError, match="too large"):
         workload_report(prompt_len=10**160, responses=10, response_len=10, model="tiny-qwen3")

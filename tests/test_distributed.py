@@ -119,8 +119,8 @@ def test_verify_distributed_refuses_an_unknown_bug():
 def test_bench_plan_of_the_cpu_target_matches_the_cost_model():
     """The issue-13 case (no process started): per-rank dedup 0.75 -> 0.875 (= one process),
     ideal 0.091 / 0.065 TFLOP = 1.40x per forward+backward."""
-    from zorro_core.bench.distributed import case_plan
-    from zorro_core.bench.suite import Case
+    from zorro_harness.bench.distributed import case_plan
+    from zorro_harness.bench.suite import Case
 
     case = Case(model="small-qwen3", batch_size=16, num_unique_prompts=2, prompt_len=1024, response_len=128, nproc=2)
     plan = case_plan(case)
@@ -134,7 +134,7 @@ def test_bench_plan_of_the_cpu_target_matches_the_cost_model():
 
 
 def test_nproc_is_a_suite_axis_and_part_of_the_case_id():
-    from zorro_core.bench.suite import Case, parse_suite
+    from zorro_harness.bench.suite import Case, parse_suite
 
     suite = parse_suite({"defaults": {"batch_size": 8}, "grid": [{"nproc": [1, 2]}]})
     assert [c.nproc for c in suite.cases] == [1, 2]
@@ -149,7 +149,7 @@ def test_bench_run_with_two_ranks_gives_a_row_with_per_rank_figures(tmp_path):
     from typer.testing import CliRunner
 
     from zorro_cli.main import app
-    from zorro_core.bench.results import read_rows
+    from zorro_harness.bench.results import read_rows
 
     out = tmp_path / "d.csv"
     res = CliRunner().invoke(

@@ -414,8 +414,8 @@ def test_parameter_count_equals_the_models_own(name):
     equal the model's own matrices, counted on the meta device (671B for DeepSeek-V3, nothing allocated)."""
     from transformers import AutoModelForCausalLM
 
-    from zorro_core.bench.footprint import parameter_count
     from zorro_core.plan.cost import ModelShape
+    from zorro_harness.bench.footprint import parameter_count
 
     config = preset_config(name)
     with torch.device("meta"):
@@ -454,10 +454,10 @@ def test_attention_flops_count_the_query_and_value_head_dims():
 
 
 def test_memory_guards_count_every_expert():
-    from zorro_core.bench.footprint import activation_widths, case_footprint
-    from zorro_core.bench.suite import Case
     from zorro_core.plan.cost import ModelShape
-    from zorro_core.verify.guard import verify_too_large
+    from zorro_harness.bench.footprint import activation_widths, case_footprint
+    from zorro_harness.bench.guard import verify_too_large
+    from zorro_harness.bench.suite import Case
 
     why = verify_too_large(["deepseek-ai/DeepSeek-V3"], available=2**40)  # 1 TiB is not enough for 671B x 20 B
     assert why is not None and "671B parameters" in why

@@ -8,10 +8,10 @@ import pytest
 from typer.testing import CliRunner
 
 from zorro_cli.main import app
-from zorro_core.bench.distributed import distributed_case_rows
-from zorro_core.bench.runner import case_base_row
-from zorro_core.bench.suite import Case, Measure
-from zorro_core.verify import guard
+from zorro_harness.bench import guard
+from zorro_harness.bench.distributed import distributed_case_rows
+from zorro_harness.bench.runner import case_base_row
+from zorro_harness.bench.suite import Case, Measure
 
 runner = CliRunner()
 

@@ -1,4 +1,6 @@
-"""The package's import structure: no cycle between zorro_core's modules, and a light `import zorro_core`."""
+"""The import structure of the house: zorro_core (what a trainer imports) below zorro_harness (benchmarks,
+analysis) below zorro_cli. No cycle between modules or between packages, layers that import one way, no
+private name imported across packages, and a zorro_core that loads no harness or CLI dependency."""
 
 import ast
 import json
@@ -7,40 +9,64 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "zorro_core"
-# Only the benchmark harness and the CLI may import these (a trainer imports zorro_core).
+TOP = ("zorro_core", "zorro_harness", "zorro_cli")
+# Only the harness and the CLI may import these (a trainer imports zorro_core).
 HEAVY = ("pandas", "matplotlib", "typer", "rich")
 
 
 def modules() -> dict[str, pathlib.Path]:
     found = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        found[".".join(parts)] = path
+    for top in TOP:
+        for path in (ROOT / top).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
     return found
 
 
+def _imports(name: str, path: pathlib.Path, mods: dict[str, pathlib.Path]) -> tuple[set[str], list[str]]:
+    """The project modules `name` imports anywhere in its source (function bodies and TYPE_CHECKING
+    blocks included: an import moved into a function to dodge a cycle still counts), and the private
+    names it imports from another package."""
+    edges, private = set(), []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            raise AssertionError(f"{name}: relative import (use absolute imports)")
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in TOP:
+            edges.add(node.module)
+            edges.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in mods)
+            if package_of(node.module) != package_of(name):
+                private += [f"{name}: from {node.module} import {a.name}" for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.Import):
+            edges.update(a.name for a in node.names if a.name.split(".")[0] in TOP)
+    return edges, private
+
+
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the zorro_core modules it imports anywhere in its source, function bodies and
-    TYPE_CHECKING blocks included: an import moved into a function to dodge a cycle still counts."""
+    """Module -> the project modules it imports."""
     mods = modules()
     graph = {}
     for name, path in mods.items():
-        edges = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level:
-                raise AssertionError(f"{name}: relative import (use absolute zorro_core imports)")
-            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "zorro_core":
-                edges.add(node.module)
-                edges.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in mods)
-            elif isinstance(node, ast.Import):
-                edges.update(a.name for a in node.names if a.name.split(".")[0] == "zorro_core")
+        edges, _ = _imports(name, path, mods)
         unknown = edges - set(mods)
         assert not unknown, f"{name} imports modules that do not exist: {sorted(unknown)}"
         graph[name] = edges - {name}
     return graph
+
+
+def package_of(module: str) -> str:
+    """A module's package: zorro_cli (one flat package), or a top package's first level (zorro_core.plan,
+    zorro_harness.bench, zorro_core.errors); a top package's own __init__ (its public names) is its own."""
+    parts = module.split(".")
+    return parts[0] if parts[0] == "zorro_cli" else ".".join(parts[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    packages: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        packages.setdefault(package_of(a), set()).update(package_of(b) for b in targets)
+    return {p: targets - {p} for p, targets in packages.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -69,11 +95,32 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
-def test_intra_package_imports_are_acyclic():
+def test_no_import_cycle_between_modules():
     graph = import_graph()
-    assert "zorro_core.actor.actor" in graph and "zorro_core.actor.microbatch" in graph["zorro_core.actor.actor"]
+    assert "zorro_core.actor.microbatch" in graph["zorro_core.actor.actor"]
+    assert "zorro_harness.bench.suite" in graph["zorro_harness.bench.sweep"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_two_packages_import_each_other():
+    packages = package_graph(import_graph())
+    assert {"zorro_core.plan", "zorro_harness.bench", "zorro_harness.analyze", "zorro_cli"} <= set(packages)
+    cycle = find_cycle(packages)
+    assert cycle is None, "packages import each other: " + " -> ".join(cycle)
+
+
+def test_the_package_check_finds_two_packages_importing_each_other():
+    graph = {"zorro_harness.bench.guard": {"zorro_harness.analyze.dataset"}, "zorro_harness.analyze.dataset": set()}
+    graph["zorro_harness.analyze.analysis"] = {"zorro_harness.bench.inputs"}
+    graph["zorro_harness.bench.inputs"] = set()
+    assert find_cycle(package_graph(graph)) == ["zorro_harness.analyze", "zorro_harness.bench", "zorro_harness.analyze"]
+
+
+def test_no_private_name_is_imported_across_packages():
+    mods = modules()
+    crossing = [line for name, path in sorted(mods.items()) for line in _imports(name, path, mods)[1]]
+    assert crossing == []
 
 
 # Modules of an optional trainer that is installed only in its own environment (.ci/verl_tests,
@@ -87,18 +134,13 @@ OPTIONAL = {
 }
 
 
-def test_every_module_imports_in_a_fresh_interpreter_and_zorro_core_stays_light():
-    import importlib.util
-
-    skip = {m for dep, mods in OPTIONAL.items() if importlib.util.find_spec(dep) is None for m in mods}
-    names = sorted(set(modules()) - skip)
+def _import_in_a_fresh_interpreter(names: list[str]) -> list[str]:
+    """Import `names` in a new interpreter; the HEAVY modules loaded afterwards."""
     code = (
         "import importlib, json, sys\n"
-        "import zorro_core\n"
-        f"heavy = sorted(m for m in {HEAVY!r} if m in sys.modules)\n"
         f"for name in {names!r}:\n"
         "    importlib.import_module(name)\n"
-        "print(json.dumps(heavy))\n"
+        f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))\n"
     )
     res = subprocess.run(
         [sys.executable, "-c", code],
@@ -109,33 +151,48 @@ def test_every_module_imports_in_a_fresh_interpreter_and_zorro_core_stays_light(
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert json.loads(res.stdout.strip().splitlines()[-1]) == []
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-# The layers, bottom first: a package imports only from its own layer and those below it.
+def test_zorro_core_without_its_integrations_loads_no_harness_dependency():
+    """What a trainer imports: every zorro_core module but the integrations (whose trainers bring their
+    own dependencies) loads no pandas, matplotlib, typer or rich."""
+    names = sorted(m for m in modules() if m.startswith("zorro_core") and not m.startswith("zorro_core.integrations"))
+    assert len(names) > 40
+    assert _import_in_a_fresh_interpreter(names) == []
+
+
+def test_every_module_imports_in_a_fresh_interpreter():
+    import importlib.util
+
+    skip = {m for dep, mods in OPTIONAL.items() if importlib.util.find_spec(dep) is None for m in mods}
+    names = sorted(set(modules()) - skip - {"zorro_cli.__main__"})
+    _import_in_a_fresh_interpreter(names)
+
+
+# The layers, bottom first: a module imports only from its own layer and those below it.
 LAYERS = [
-    {"errors", "plan"},
-    {"attention", "models", "stack", "distributed"},
-    {"actor"},
-    {"integrations", "verify", "bench"},
+    {"zorro_core.errors", "zorro_core.plan"},
+    {"zorro_core.attention", "zorro_core.models", "zorro_core.stack", "zorro_core.distributed"},
+    {"zorro_core.actor"},
+    {"zorro_core.integrations", "zorro_core.verify"},
+    {"zorro_core"},  # the package's __init__ (the public names)
+    {"zorro_harness", "zorro_harness.bench"},
+    {"zorro_harness.analyze"},
+    {"zorro_cli"},
 ]
 
 
 def layer_of(module: str) -> int:
-    package = module.split(".")[1] if module.count(".") else ""
+    package = package_of(module)
     for i, layer in enumerate(LAYERS):
         if package in layer:
             return i
-    return len(LAYERS)  # the package's __init__ (the public names) sits on top
+    raise AssertionError(f"{module} (package {package}) is in no layer: add its package to LAYERS")
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
-    return sorted(
-        f"{a} -> {b}"
-        for a, targets in graph.items()
-        for b in targets
-        if layer_of(b) > layer_of(a) and b != "zorro_core"
-    )
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a))
 
 
 def test_layers_import_one_way():
@@ -147,4 +204,7 @@ def test_layers_import_one_way():
 def test_the_layer_check_finds_an_upward_import():
     assert upward_imports({"zorro_core.plan.cost": {"zorro_core.actor.actor"}}) == [
         "zorro_core.plan.cost -> zorro_core.actor.actor"
+    ]
+    assert upward_imports({"zorro_core.verify.gradients": {"zorro_harness.bench.footprint"}}) == [
+        "zorro_core.verify.gradients -> zorro_harness.bench.footprint"
     ]

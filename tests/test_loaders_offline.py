@@ -55,7 +55,7 @@ def _hub_state() -> tuple:
 
 
 def test_model_config_of_an_uncached_name_is_refused_without_a_request(no_network):
-    from zorro_core.bench.inputs import model_config
+    from zorro_harness.bench.inputs import model_config
 
     before = _hub_state()
     with pytest.raises(ValueError, match="nothing is downloaded") as e:

@@ -88,7 +88,7 @@ def test_load_model_refuses_a_directory_with_custom_code(tmp_path, answers_yes):
 
 
 def test_model_config_refuses_a_directory_with_custom_code(tmp_path, answers_yes):
-    from zorro_core.bench.inputs import model_config
+    from zorro_harness.bench.inputs import model_config
 
     d = evil_model_dir(tmp_path)
     with pytest.raises(ValueError) as e:
@@ -162,7 +162,7 @@ def test_a_directory_without_auto_map_passes_the_check(tmp_path):
 
 def test_local_tokenizer_refuses_custom_code_from_the_library(tmp_path, answers_yes):
     """`LocalTokenizer` (what `analyze --data` uses, also a library class) refuses the directory itself."""
-    from zorro_core.bench.dataset import DatasetError, LocalTokenizer
+    from zorro_harness.analyze.dataset import DatasetError, LocalTokenizer
 
     with pytest.raises(DatasetError, match="auto_map"):
         LocalTokenizer(str(evil_tokenizer_dir(tmp_path)))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from zorro_core.bench.measure import (
+from zorro_harness.bench.measure import (
     CPU_PEAK_KIND,
     format_speedup,
     peak_memory_mib,

@@ -7,7 +7,7 @@ from test_cli_report import results, write
 from typer.testing import CliRunner
 
 from zorro_cli.main import app
-from zorro_core.bench.report import run_differences
+from zorro_harness.bench.report import run_differences
 
 runner = CliRunner()
 

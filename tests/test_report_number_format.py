@@ -8,7 +8,7 @@ from test_cli_report import row, write
 from typer.testing import CliRunner
 
 from zorro_cli.main import app
-from zorro_core.bench.measure import format_number, format_speedup
+from zorro_harness.bench.measure import format_number, format_speedup
 
 runner = CliRunner()
 LONG_DIGITS = re.compile(r"\d{12,}")

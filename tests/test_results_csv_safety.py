@@ -11,8 +11,8 @@ from test_cli_report import row, write
 from typer.testing import CliRunner
 
 from zorro_cli.main import app
-from zorro_core.bench.report import load_results
-from zorro_core.bench.results import COLUMNS, ResultWriter, done_keys, read_rows
+from zorro_harness.bench.report import load_results
+from zorro_harness.bench.results import COLUMNS, ResultWriter, done_keys, read_rows
 
 runner = CliRunner()
 

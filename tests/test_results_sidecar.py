@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from zorro_core.bench.results import (
+from zorro_harness.bench.results import (
     SIDECAR_MARKER,
     ResultsBusy,
     ResultsLock,

@@ -6,7 +6,14 @@ import math
 import pandas as pd
 import pytest
 
-from zorro_core.bench.stack_table import OUTPUT, STACK, StackAttention, stack_report, stack_rows_from_bench, stack_table
+from zorro_harness.bench.stack_table import (
+    OUTPUT,
+    STACK,
+    StackAttention,
+    stack_report,
+    stack_rows_from_bench,
+    stack_table,
+)
 
 # The Gym paper's first three rows (7B, A100 40GB), then made-up dedup rows; memory in MiB.
 CSV = """config,tokens_per_s,peak_mem_mib,status

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from zorro_core.bench.suite import Case, Measure, case_matches, load_suite, parse_suite
+from zorro_harness.bench.suite import Case, Measure, case_matches, load_suite, parse_suite
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,7 +97,7 @@ def test_measure_validates():
 
 @pytest.mark.parametrize("name,device", [("stack", "cuda"), ("stack_cpu", "cpu")])
 def test_stack_suites_have_a_case_for_every_row_of_the_table(name, device):
-    from zorro_core.bench.stack_table import STACK, STACK_ATTENTION, STACK_SOURCES
+    from zorro_harness.bench.stack_table import STACK, STACK_ATTENTION, STACK_SOURCES
 
     suite = load_suite(ROOT / "suites" / f"{name}.toml")
     assert (
@@ -137,7 +137,7 @@ def test_sharing_axes():
 
 
 def test_sharing_workload():
-    from zorro_core.bench.runner import case_workload
+    from zorro_harness.bench.runner import case_workload
 
     case = Case(
         model="tiny-qwen3",

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from zorro_cli.main import app
-from zorro_core.bench.suite import MAX_CASES, Case, Suite, load_suite, parse_suite
+from zorro_harness.bench.suite import MAX_CASES, Case, Suite, load_suite, parse_suite
 
 runner = CliRunner()
 CASE = {"defaults": {"model": "tiny-qwen3", "batch_size": 2, "prompt_len": 8, "response_len": 2}}

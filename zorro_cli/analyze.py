@@ -1,6 +1,6 @@
 """`zorro analyze`: redundancy and ideal speedup of a workload, before anything runs.
-The report is zorro_core.bench.analysis.workload_report's; this module parses options and prints it.
-With --data FILE the workload is a dataset's (zorro_cli.analyze_data, zorro_core.bench.workload_sim)."""
+The report is zorro_harness.analyze.analysis.workload_report's; this module parses options and prints it.
+With --data FILE the workload is a dataset's (zorro_cli.analyze_data, zorro_harness.analyze.workload_sim)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from zorro_core.bench.analysis import workload_report
+from zorro_cli import analyze_data
+from zorro_cli.choices import Batching, LogitsMode
+from zorro_cli.console import console, escape, fail, print_json
 from zorro_core.models.local_files import hub_offline, refuse_remote_code
-
-from . import analyze_data
-from .choices import Batching, LogitsMode
-from .console import console, escape, fail, print_json
+from zorro_harness.analyze.analysis import workload_report
 
 # The components of the FLOP count (zorro_core.plan.cost.COMPONENTS), as the speedup table names them.
 COMPONENT_LABELS = (

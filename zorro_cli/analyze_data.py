@@ -1,6 +1,6 @@
-"""`zorro analyze --data FILE`: read and tokenize a dataset (zorro_core.bench.dataset), simulate the
-trainer's batching and count what zorro shares (zorro_core.bench.workload_sim), print the report as
-tables or JSON, and plot it (zorro_core.bench.analyze_plots)."""
+"""`zorro analyze --data FILE`: read and tokenize a dataset (zorro_harness.analyze.dataset), simulate the
+trainer's batching and count what zorro shares (zorro_harness.analyze.workload_sim), print the report as
+tables or JSON, and plot it (zorro_harness.analyze.plots)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,11 @@ from typing import Optional
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from zorro_core.bench.dataset import MAX_TEMPLATE_CHARS, DatasetError, load_dataset
-from zorro_core.bench.inputs import model_config
-from zorro_core.bench.workload_sim import data_report
+from zorro_cli.console import console, err_console, escape, fail, print_json
 from zorro_core.plan.cost import ModelShape
-
-from .console import console, err_console, escape, fail, print_json
+from zorro_harness.analyze.dataset import MAX_TEMPLATE_CHARS, DatasetError, load_dataset
+from zorro_harness.analyze.workload_sim import data_report
+from zorro_harness.bench.inputs import model_config
 
 
 @dataclass
@@ -138,7 +137,7 @@ def run(a: DataArgs, as_json: bool) -> None:
             fail(str(e))
     report["seconds"] = {"read_and_tokenize": t_read, **report["seconds"], "total": time.perf_counter() - t0}
     if a.plots:
-        from zorro_core.bench.analyze_plots import write_plots
+        from zorro_harness.analyze.plots import write_plots
 
         try:
             report["plots"] = write_plots(report, a.plots)

@@ -1,5 +1,5 @@
 """`zorro bench sweep SUITE` and `zorro bench run`: time the deduplicated actor against the baseline.
-The sweep itself is zorro_core.bench.sweep; this module parses arguments and prints."""
+The sweep itself is zorro_harness.bench.sweep; this module parses arguments and prints."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from zorro_core.bench.measure import LARGE, format_speedup
-from zorro_core.bench.results import sidecar_path
-from zorro_core.bench.runner import ARMS, case_rows, model_config, refused_arms
-from zorro_core.bench.suite import Case, Measure, Suite, load_suite
-from zorro_core.bench.sweep import FAILED, run_suite, unresolved_models
+from zorro_cli.choices import Attn, Baseline, DType, LogitsMode, Phase
+from zorro_cli.console import console, escape, fail, resolve_device, warn
 from zorro_core.plan.dtypes import DTYPES
-from zorro_core.verify.guard import ranks_too_many
-
-from .choices import Attn, Baseline, DType, LogitsMode, Phase
-from .console import console, escape, fail, resolve_device, warn
+from zorro_harness.bench.guard import ranks_too_many
+from zorro_harness.bench.inputs import model_config
+from zorro_harness.bench.measure import LARGE, format_speedup
+from zorro_harness.bench.results import sidecar_path
+from zorro_harness.bench.runner import ARMS, case_rows, refused_arms
+from zorro_harness.bench.suite import Case, Measure, Suite, load_suite
+from zorro_harness.bench.sweep import FAILED, run_suite, unresolved_models
 
 MAX_MEMORY_HELP = (
     "Memory a case may take, as 16GiB (default: what the machine has available). A case estimated "

@@ -39,7 +39,7 @@ def fail(reason: str, code: int = EXIT_USAGE) -> NoReturn:
 def refuse_writing_onto_inputs(option: str, out: Path, inputs: Sequence[Path]) -> None:
     """fail when `out` is (the same file as) one of `inputs` or an input's JSON sidecar: writing
     there would replace what the command reads."""
-    from zorro_core.bench.results import sidecar_path
+    from zorro_harness.bench.results import sidecar_path
 
     if not out.exists():
         return

@@ -5,9 +5,8 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from zorro_core.bench.environment import environment
-
-from .console import console, escape, print_json
+from zorro_cli.console import console, escape, print_json
+from zorro_harness.bench.environment import environment
 
 
 def env(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:

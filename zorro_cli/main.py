@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import typer
 
-from . import analyze, bench, report, verify
-from . import env as env_cmd
+from zorro_cli import analyze, bench, report, verify
+from zorro_cli import env as env_cmd
 
 app = typer.Typer(
     help="Prompt deduplication for RL post-training: measure it, prove it, analyze a workload.",

@@ -1,6 +1,6 @@
 """`zorro report RESULTS...` (tables, pivot, plots), `zorro report compare OLD NEW` (regression gate)
 and `zorro report stack RESULTS...` (the cumulative optimization stack, report_stack.py).
-The logic lives in zorro_core.bench.report; this module parses arguments and prints."""
+The logic lives in zorro_harness.bench.report; this module parses arguments and prints."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ import typer
 from rich.table import Table
 from typer.core import TyperGroup
 
-from zorro_core.bench.measure import format_number
-from zorro_core.bench.report import (
+from zorro_cli.choices import Metric, Phase
+from zorro_cli.console import console, escape, fail, refuse_writing_onto_inputs, write_or_fail
+from zorro_cli.report_stack import stack
+from zorro_harness.bench.measure import format_number
+from zorro_harness.bench.report import (
     compare_frames,
     compared_count,
     load_results,
@@ -23,10 +26,6 @@ from zorro_core.bench.report import (
     run_differences,
     spreadsheet_frame,
 )
-
-from .choices import Metric, Phase
-from .console import console, escape, fail, refuse_writing_onto_inputs, write_or_fail
-from .report_stack import stack
 
 
 class _DefaultShow(TyperGroup):

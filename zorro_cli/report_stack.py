@@ -2,7 +2,7 @@
 
 baseline -> +flash_attention -> +liger -> +dedup -> +split_attention, per workload and phase,
 each with tokens/s, peak memory, the step over the previous row and the total over the
-baseline (zorro_core.bench.stack_table: which case and arm each row comes from).
+baseline (zorro_harness.bench.stack_table: which case and arm each row comes from).
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from zorro_core.bench.report import load_results, spreadsheet_frame
-from zorro_core.bench.stack_table import WORKLOAD, missing_configs, stack_needs, stack_report
-
-from .choices import Phase
-from .console import console, escape, fail, refuse_writing_onto_inputs, write_or_fail
+from zorro_cli.choices import Phase
+from zorro_cli.console import console, escape, fail, refuse_writing_onto_inputs, write_or_fail
+from zorro_harness.bench.report import load_results, spreadsheet_frame
+from zorro_harness.bench.stack_table import WORKLOAD, missing_configs, stack_needs, stack_report
 
 COLUMNS = ("config", "tokens/s", "peak MiB", "step", "step MiB", "total", "total MiB", "status", "from")
 

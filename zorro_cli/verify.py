@@ -9,6 +9,19 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from zorro_cli import verify_distributed
+from zorro_cli.choices import Layout, LogitsMode, Sharing
+from zorro_cli.console import (
+    STATUS_STYLE,
+    console,
+    err_console,
+    error_cell,
+    escape,
+    fail,
+    parameter_cell,
+    print_json,
+    resolve_device,
+)
 from zorro_core.actor.logprobs import LOGITS_MODES
 from zorro_core.models.presets import PRESETS
 from zorro_core.verify.gradients import (
@@ -23,22 +36,8 @@ from zorro_core.verify.gradients import (
     tiny_models,
     verify_cases,
 )
-from zorro_core.verify.guard import verify_too_large
 from zorro_core.verify.training import TRAIN_FACTOR, TRAIN_RULE, TrainConfig, verify_training
-
-from . import verify_distributed
-from .choices import Layout, LogitsMode, Sharing
-from .console import (
-    STATUS_STYLE,
-    console,
-    err_console,
-    error_cell,
-    escape,
-    fail,
-    parameter_cell,
-    print_json,
-    resolve_device,
-)
+from zorro_harness.bench.guard import verify_too_large
 
 # Column notes printed under the gradients table.
 _LEGEND = (

@@ -11,14 +11,8 @@ import torch.distributed as dist
 import typer
 from rich.table import Table
 
-from zorro_core.distributed.launch import RANK_VARIABLES, set_by_torchrun, under_torchrun
-from zorro_core.models.presets import PRESETS
-from zorro_core.verify.distributed import BUGS, RULE, DistributedConfig, VariantResult, verify_distributed
-from zorro_core.verify.gradients import VerifyCase, case_unavailable
-from zorro_core.verify.guard import ranks_too_many, verify_too_large
-
-from .choices import LogitsMode, VerifyAttn
-from .console import (
+from zorro_cli.choices import LogitsMode, VerifyAttn
+from zorro_cli.console import (
     STATUS_STYLE,
     console,
     err_console,
@@ -29,6 +23,11 @@ from .console import (
     print_json,
     resolve_device,
 )
+from zorro_core.distributed.launch import RANK_VARIABLES, set_by_torchrun, under_torchrun
+from zorro_core.models.presets import PRESETS
+from zorro_core.verify.distributed import BUGS, RULE, DistributedConfig, VariantResult, verify_distributed
+from zorro_core.verify.gradients import VerifyCase, case_unavailable
+from zorro_harness.bench.guard import ranks_too_many, verify_too_large
 
 _BUG_HELP = "Hidden, for testing the verifier: plant a bug (" + ", ".join(BUGS) + ")."
 HELP = (

@@ -1,6 +1,6 @@
 """A child process that ends with the process that started it, however that one ends.
 
-Used by the sweep's case processes (zorro_core.bench.isolation) and by the ranks a local launch
+Used by the sweep's case processes (zorro_harness.bench.isolation) and by the ranks a local launch
 spawns (zorro_core.distributed.launch): killed with SIGKILL, the parent cannot take its children
 with it, so each child watches its parent and ends itself.
 """

@@ -213,7 +213,7 @@ class ForwardWork:
     replayed_tokens: int = field(default=0, compare=False)
     """Tokens the delta rule of a linear-attention layer runs beyond `tokens` (replayed partial chunks).
     Left out of equality: `zorro analyze`'s closed forms from lengths (tree_workload,
-    shared_prefix_workload, bench.workload_sim) do not count it, so they equal the plans'
+    shared_prefix_workload, the harness's analyze.workload_sim) do not count it, so they equal the plans'
     workloads in everything else; tests compare it explicitly."""
 
 

@@ -330,7 +330,7 @@ def _radix_walk(order, lens, lcp):
 def shared_nodes(lens, lcp, plens, min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS) -> tuple[list[int], list[int]]:
     """(depth, length) of each node of the trie `build_trie_plan` builds, from the rows' lengths alone
     once they are sorted: rows 0..B-1 in token order, lcp[i] tokens shared by rows i and i + 1, plens
-    their prompt lengths (zorro_core.bench.workload_sim counts a dataset's calls with it)."""
+    their prompt lengths (zorro_harness.analyze.workload_sim counts a dataset's calls with it)."""
     check_sharing("prefix", min_shared_tokens)
     start, end, parent, row_node = _radix_walk(range(len(lens)), lens, lcp)
     keep = _prompt_closers(start, end, parent, row_node, plens)

@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from zorro_core.bench.footprint import GIB, available_memory
 from zorro_core.distributed.lifetime import die_with
+from zorro_harness.bench.footprint import GIB, available_memory
 
-PRELOAD = ["zorro_core.bench.runner", "zorro_core.actor.actor"]
+PRELOAD = ["zorro_harness.bench.runner", "zorro_core.actor.actor"]
 """Modules the fork server imports once (torch, transformers and the dedup path)."""
 POLL_S = 0.1
 """How often the watchdog reads the process's memory."""

@@ -95,7 +95,7 @@ class Case:
     seed: int = 0
     """Seed of the weights and the batch."""
     nproc: int = 1
-    """Data-parallel ranks (> 1: the batch is the global one, the arms are no-regroup vs regroup; zorro_core.bench.distributed)."""
+    """Data-parallel ranks (> 1: the batch is the global one, the arms are no-regroup vs regroup; zorro_harness.bench.distributed)."""
 
     def actor_config(self, attn_implementation: Optional[str] = None, sharing: Optional[str] = None) -> ActorConfig:
         """The dedup arm's actor options; `attn_implementation`: the resolved choice when the case says

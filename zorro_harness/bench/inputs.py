@@ -1,6 +1,6 @@
 """What a benchmark case computes on: the model's config and the case's batch (no weights).
 
-Shared by the single-process runner and the data-parallel cases (zorro_core.bench.distributed),
+Shared by the single-process runner and the data-parallel cases (zorro_harness.bench.distributed),
 so both build the same batch from the same case.
 """
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from transformers import AutoConfig
 
-from zorro_core.bench.suite import Case
 from zorro_core.models.local_files import hub_offline, local_checkpoint
 from zorro_core.models.presets import PRESETS, preset_config
 from zorro_core.plan.batch import create_dummy_batch
+from zorro_harness.bench.suite import Case
 
 
 def model_config(name: str):

@@ -29,11 +29,18 @@ import torch
 from zorro_core.actor.actor import BaselineActor, DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.attention.backends import backend_unavailable
-from zorro_core.bench.distributed import distributed_case_rows
-from zorro_core.bench.footprint import case_footprint, too_large
-from zorro_core.bench.inputs import make_batch, model_config  # noqa: F401 -- re-exported: callers use runner's names
-from zorro_core.bench.isolation import ChildResult, run_isolated
-from zorro_core.bench.measure import (
+from zorro_core.models.presets import load_model
+from zorro_core.plan.build import build_dedup_plan, build_plain_plan
+from zorro_core.plan.cost import ModelShape, compare_plans
+from zorro_core.plan.dtypes import DTYPES
+from zorro_core.stack.auto import choose_attention
+from zorro_core.stack.checkpointing import enable_checkpointing
+from zorro_core.stack.liger import apply_liger, liger_unavailable
+from zorro_harness.bench.distributed import distributed_case_rows
+from zorro_harness.bench.footprint import case_footprint, too_large
+from zorro_harness.bench.inputs import make_batch, model_config
+from zorro_harness.bench.isolation import ChildResult, run_isolated
+from zorro_harness.bench.measure import (
     CPU_PEAK_KIND,
     Stats,
     peak_memory_mib,
@@ -42,14 +49,7 @@ from zorro_core.bench.measure import (
     time_columns,
     time_interleaved,
 )
-from zorro_core.bench.suite import PHASES, Case, Measure
-from zorro_core.models.presets import load_model
-from zorro_core.plan.build import build_dedup_plan, build_plain_plan
-from zorro_core.plan.cost import ModelShape, compare_plans
-from zorro_core.plan.dtypes import DTYPES
-from zorro_core.stack.auto import choose_attention
-from zorro_core.stack.checkpointing import enable_checkpointing
-from zorro_core.stack.liger import apply_liger, liger_unavailable
+from zorro_harness.bench.suite import PHASES, Case, Measure
 
 ARMS = ("baseline", "dedup")
 

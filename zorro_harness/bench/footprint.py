@@ -26,8 +26,8 @@ from typing import Optional
 
 import torch
 
-from zorro_core.bench.suite import Case
 from zorro_core.plan.cost import ModelShape
+from zorro_harness.bench.suite import Case
 
 _MEMORY_MODE_DEFAULT_MIB = 256  # the actor's default chunk budget in logits_mode "memory"
 GIB = 2**30
@@ -54,12 +54,12 @@ class Footprint:
 
     def describe(self) -> str:
         parts = ", ".join(
-            f"{name} {_gib(getattr(self, name))}" for name in ("weights", "batch", "plan", "activations", "logits")
+            f"{name} {gib(getattr(self, name))}" for name in ("weights", "batch", "plan", "activations", "logits")
         )
-        return f"{_gib(self.total)} ({parts})"
+        return f"{gib(self.total)} ({parts})"
 
 
-def _gib(n: int) -> str:
+def gib(n: int) -> str:
     return f"{n / GIB:.3g} GiB" if n >= GIB / 10 else f"{n / 2**20:.3g} MiB"
 
 
@@ -132,10 +132,10 @@ def too_large(footprint: Footprint, max_memory: Optional[int], device: str) -> O
     built in host memory; the device's memory is the case process's to find out (the sweep
     never touches CUDA), unless --max-memory says it."""
     if max_memory is not None and footprint.total > max_memory:
-        return f"needs at least {footprint.describe()}, more than the --max-memory limit of {_gib(max_memory)}"
+        return f"needs at least {footprint.describe()}, more than the --max-memory limit of {gib(max_memory)}"
     host = footprint.batch if device.startswith("cuda") else footprint.total
     avail = available_memory()
     if avail is not None and host > avail:
-        what = footprint.describe() if host == footprint.total else f"{_gib(host)} of host memory for the batch"
-        return f"needs at least {what}, more than the {_gib(avail)} this machine has available"
+        what = footprint.describe() if host == footprint.total else f"{gib(host)} of host memory for the batch"
+        return f"needs at least {what}, more than the {gib(avail)} this machine has available"
     return None

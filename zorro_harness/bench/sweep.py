@@ -17,8 +17,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from zorro_core.bench.environment import environment
-from zorro_core.bench.results import (
+from zorro_harness.bench.environment import environment
+from zorro_harness.bench.inputs import model_config
+from zorro_harness.bench.results import (
     ResultsLock,
     ResultsWriteError,
     ResultWriter,
@@ -31,8 +32,8 @@ from zorro_core.bench.results import (
     update_last_run,
     write_sidecar,
 )
-from zorro_core.bench.runner import case_rows, model_config
-from zorro_core.bench.suite import Case, Measure, Suite
+from zorro_harness.bench.runner import case_rows
+from zorro_harness.bench.suite import Case, Measure, Suite
 
 MODES = ("replace", "resume", "append")
 """replace: start the file afresh (the old one becomes a backup); resume: skip every

@@ -31,9 +31,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from zorro_core.bench.dataset import Progress, Ragged, TokenizedData, ragged_arange
 from zorro_core.plan.cost import COMPONENTS, ForwardWork, ModelShape, compare
 from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, shared_nodes
+from zorro_harness.analyze.dataset import Progress, Ragged, TokenizedData, ragged_arange
 
 BATCHINGS = ("trl", "verl", "groups")
 SWEEP_GROUP_SIZES = (1, 2, 4, 8, 16, 32, 64)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from zorro_core.bench.footprint import GIB, _gib, available_memory, parameter_count
 from zorro_core.plan.cost import ModelShape
+from zorro_harness.bench.footprint import GIB, available_memory, gib, parameter_count
 
 RANK_OVERHEAD = 300 * 2**20
 """Resident memory of a process that has imported torch and transformers, measured ~350 MiB."""
@@ -25,7 +25,7 @@ VERIFY_BYTES_PER_PARAM = 4 + 8 + 8
 
 
 def _params(model: str) -> int:
-    from zorro_core.bench.inputs import model_config
+    from zorro_harness.bench.inputs import model_config
 
     config = model_config(model)
     return parameter_count(ModelShape.from_config(config), bool(getattr(config, "tie_word_embeddings", False)))
@@ -49,9 +49,9 @@ def verify_too_large(models: list[str], available: Optional[int] = None) -> Opti
     worst = max(need, key=lambda m: need[m])
     if need[worst] > avail:
         return (
-            f"verifying {worst} needs at least {_gib(need[worst])} (float32 weights, a float64 copy and its "
+            f"verifying {worst} needs at least {gib(need[worst])} (float32 weights, a float64 copy and its "
             f"gradients: {VERIFY_BYTES_PER_PARAM} bytes x {_params(worst) / 1e9:.3g}B parameters), more than the "
-            f"{_gib(avail)} this machine has available; verify a smaller preset (tiny-*)"
+            f"{gib(avail)} this machine has available; verify a smaller preset (tiny-*)"
         )
     return None
 
@@ -78,8 +78,8 @@ def ranks_over_memory(
     per_rank = RANK_OVERHEAD + _params(model) * bytes_per_param
     if nproc * per_rank > avail:
         return (
-            f"{flag} {nproc}: {nproc} ranks of {model} need at least {_gib(nproc * per_rank)} "
-            f"({_gib(per_rank)} each), more than the {_gib(avail)} this machine has available: "
+            f"{flag} {nproc}: {nproc} ranks of {model} need at least {gib(nproc * per_rank)} "
+            f"({gib(per_rank)} each), more than the {gib(avail)} this machine has available: "
             f"use at most {max(0, avail // per_rank)}"
         )
     return None

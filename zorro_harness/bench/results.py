@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 # What a case runs (the model and the arms' settings): part of the required columns, and the
-# start of the report's configuration key (zorro_core.bench.report.GROUP_COLUMNS).
+# start of the report's configuration key (zorro_harness.bench.report.GROUP_COLUMNS).
 SETUP_COLUMNS = ["model", "attn_implementation", "split_attention", "logits_mode", "dtype", "device", "batch_size"]
 # The required columns, in this order, then the extra ones.
 REQUIRED_COLUMNS = [
@@ -99,7 +99,7 @@ EXTRA_COLUMNS = [
     "shared_prefix_len",
     "min_shared_tokens",
 ]
-# Cases with nproc > 1 (zorro_core.bench.distributed): per-rank layout and bytes moved by regroup.
+# Cases with nproc > 1 (zorro_harness.bench.distributed): per-rank layout and bytes moved by regroup.
 DISTRIBUTED_COLUMNS = [
     "nproc",
     "rows_per_rank_before",

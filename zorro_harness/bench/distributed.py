@@ -25,9 +25,6 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from zorro_core.actor.actor import DeduplicatedActor
-from zorro_core.bench.inputs import make_batch, model_config
-from zorro_core.bench.measure import Stats, speedup_columns, summarize, time_columns, time_interleaved
-from zorro_core.bench.suite import PHASES, Case, Measure
 from zorro_core.distributed import regroup
 from zorro_core.distributed.launch import default_backend, launch
 from zorro_core.distributed.regroup import prompt_keys
@@ -38,7 +35,10 @@ from zorro_core.plan.build import build_dedup_plan
 from zorro_core.plan.cost import ModelShape, flops, plan_workload
 from zorro_core.plan.dtypes import DTYPES
 from zorro_core.verify.distributed import rank_rows
-from zorro_core.verify.guard import ranks_over_cores, ranks_over_memory
+from zorro_harness.bench.guard import ranks_over_cores, ranks_over_memory
+from zorro_harness.bench.inputs import make_batch, model_config
+from zorro_harness.bench.measure import Stats, speedup_columns, summarize, time_columns, time_interleaved
+from zorro_harness.bench.suite import PHASES, Case, Measure
 
 ARMS = ("no_regroup", "regroup")
 

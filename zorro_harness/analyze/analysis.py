@@ -8,7 +8,6 @@ tokens, and the ideal speedup of each kind of work from the analytic FLOP count
 from __future__ import annotations
 
 from zorro_core.actor.logprobs import LOGITS_MODES
-from zorro_core.bench.inputs import model_config
 from zorro_core.plan.cost import (
     COMPONENTS,
     ForwardWork,
@@ -17,6 +16,7 @@ from zorro_core.plan.cost import (
     shared_prefix_workload,
     uniform_workloads,
 )
+from zorro_harness.bench.inputs import model_config
 
 
 def _prefix_report(

@@ -8,8 +8,8 @@ import math
 import re
 from pathlib import Path
 
-from zorro_core.bench.measure import format_speedup
-from zorro_core.bench.results import (
+from zorro_harness.bench.measure import format_speedup
+from zorro_harness.bench.results import (
     SETUP_COLUMNS,
     check_fields,
     from_spreadsheet_cell,

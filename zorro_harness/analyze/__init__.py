@@ -1,0 +1,1 @@
+"""`zorro analyze`: a workload's shared tokens and ideal speedups, from shapes or from a dataset."""
