@@ -208,3 +208,20 @@ def test_the_layer_check_finds_an_upward_import():
     assert upward_imports({"zorro_core.verify.gradients": {"zorro_harness.bench.footprint"}}) == [
         "zorro_core.verify.gradients -> zorro_harness.bench.footprint"
     ]
+
+
+def test_the_drawn_house_is_the_import_graph():
+    """scripts/draw_house.py reads the graph on its own; it must find the same arrows, none of them from
+    zorro_core up to the harness or the CLI."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("draw_house", ROOT / "scripts" / "draw_house.py")
+    house = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(house)
+    drawn = house.package_edges()
+    ours = package_graph(import_graph())
+    assert {p: t for p, t in drawn.items() if t} == {p: t for p, t in ours.items() if t}
+    assert not [
+        (a, b) for a, ts in drawn.items() for b in ts if a.startswith("zorro_core") and b.split(".")[0] != "zorro_core"
+    ]
+    assert "img/house.png" in (ROOT / "docs" / "architecture.md").read_text()
