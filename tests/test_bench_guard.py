@@ -12,7 +12,7 @@ from zorro_core.bench.footprint import GIB, case_footprint, too_large
 from zorro_core.bench.isolation import rss_of
 from zorro_core.bench.runner import case_rows, model_config
 from zorro_core.bench.suite import Case, Measure
-from zorro_core.plan.cost import ModelShape
+from zorro_core.models.registry import model_shape
 
 runner = CliRunner()
 ABSURD = ["bench", "run", "--model", "small-qwen3", "--attn", "sdpa", "--batch-size", "8", "--unique-prompts", "2",
@@ -62,7 +62,7 @@ def test_parse_size_refuses(text):
 def test_footprint_is_a_lower_bound_by_part():
     case = Case(model="small-qwen3", batch_size=8, num_unique_prompts=2, prompt_len=128, response_len=32)
     config = model_config(case.model)
-    shape = ModelShape.from_config(config)
+    shape = model_shape(config)
     fwd = case_footprint(case, config, ("forward",))
     both = case_footprint(case, config, ("forward", "forward_backward"))
     dedup = case_footprint(case, config, ("forward",), arm="dedup")

@@ -16,7 +16,7 @@ import os
 from typing import Optional
 
 from zorro_core.bench.footprint import GIB, _gib, available_memory, parameter_count
-from zorro_core.plan.cost import ModelShape
+from zorro_core.models.registry import model_shape
 
 RANK_OVERHEAD = 300 * 2**20
 """Resident memory of a process that has imported torch and transformers, measured ~350 MiB."""
@@ -28,7 +28,7 @@ def _params(model: str) -> int:
     from zorro_core.bench.inputs import model_config
 
     config = model_config(model)
-    return parameter_count(ModelShape.from_config(config), bool(getattr(config, "tie_word_embeddings", False)))
+    return parameter_count(model_shape(config), bool(getattr(config, "tie_word_embeddings", False)))
 
 
 def cpu_cores() -> int:
