@@ -23,8 +23,9 @@ import torch
 from zorro_core import DeduplicatedActor, create_dummy_batch
 from zorro_core.actor.microbatch import micro_batch_partition
 from zorro_core.models.presets import load_model
+from zorro_core.models.registry import model_shape
 from zorro_core.plan.balance import GroupedLengths, partition_micro_batches, select_rows
-from zorro_core.plan.cost import ModelShape, flops, plan_workload
+from zorro_core.plan.cost import flops, plan_workload
 from zorro_core.plan.trie_balance import TrieLengths, partition_trie_micro_batches
 
 
@@ -65,7 +66,7 @@ def main() -> None:
     assert arms["trie"] == micro_batch_partition(actor, batch, budget, 0.0).parts  # what forward_backward runs
     weights = torch.randn(batch.responses.shape, generator=torch.Generator().manual_seed(0))
     n = batch.response_mask.sum()
-    shape = ModelShape.from_config(model.config)
+    shape = model_shape(model.config)
     times: dict[str, list[float]] = {arm: [] for arm in arms}
     fb: dict[str, float] = {}
     tokens: dict[str, int] = {}

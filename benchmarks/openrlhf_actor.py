@@ -60,7 +60,8 @@ def main() -> None:
 
     from zorro_core.integrations.openrlhf import DedupActor
     from zorro_core.models.presets import preset_config
-    from zorro_core.plan.cost import ForwardWork, ModelShape, flops, shape_workloads
+    from zorro_core.models.registry import model_shape
+    from zorro_core.plan.cost import ForwardWork, flops, shape_workloads
 
     path = openrlhf_setup.save_tiny(f"/tmp/zorro_openrlhf_bench_{args.preset}", preset=args.preset)
     config = preset_config(args.preset)
@@ -92,7 +93,7 @@ def main() -> None:
             lp.sum().backward()
         return time.perf_counter() - t0
 
-    shape = ModelShape.from_config(config)
+    shape = model_shape(config)
     base_w, dedup_w = shape_workloads(
         [args.prompt_len] * args.prompts,
         [args.responses] * args.prompts,

@@ -163,7 +163,7 @@ def main() -> None:
     from zorro_core.distributed.launch import launch
     from zorro_core.integrations.verl_cpu import save_model
     from zorro_core.models.presets import build_model, preset_config
-    from zorro_core.plan.cost import ModelShape
+    from zorro_core.models.registry import model_shape
 
     config = preset_config(args.preset)
     path = f"/tmp/zorro_verl_bench_{args.preset}"
@@ -172,7 +172,7 @@ def main() -> None:
     out = launch(rank_main, 2, args, path, threads=args.threads, timeout_s=3000)[0]
     samples, parts = out["samples"], out["parts"]
     prompts, responses, uids = make_rows(args, config.vocab_size)
-    shape = ModelShape.from_config(config)
+    shape = model_shape(config)
     figures = {b: [rank_figures(shape, prompts, responses, uids, rows) for rows in parts[b]] for b in parts}
     verl_flops = max(f[1] for f in figures["verl"])
     ideal = {

@@ -92,7 +92,8 @@ def main() -> None:
 
     from zorro_core.integrations.verl_engine import ZorroFSDPEngine
     from zorro_core.models.presets import build_model, preset_config
-    from zorro_core.plan.cost import ForwardWork, ModelShape, flops, shape_workloads
+    from zorro_core.models.registry import model_shape
+    from zorro_core.plan.cost import ForwardWork, flops, shape_workloads
 
     config = preset_config(args.preset)
     path = f"/tmp/zorro_verl_bench_{args.preset}"
@@ -126,7 +127,7 @@ def main() -> None:
     def step(arm: str, phase: str) -> float:
         return engine_step(engines[arm], padded, rows, loss_fn, phase, use_remove_padding=False)
 
-    shape = ModelShape.from_config(config)
+    shape = model_shape(config)
     base_w, dedup_w = shape_workloads(
         [args.prompt_len] * args.prompts,
         [args.responses] * args.prompts,

@@ -90,9 +90,10 @@ def rank_main(path: str, args) -> dict:
 
 
 def ideal_speedups(config, prompts, responses, args) -> dict[str, float]:
-    from zorro_core.plan.cost import ForwardWork, ModelShape, flops, shape_workloads
+    from zorro_core.models.registry import model_shape
+    from zorro_core.plan.cost import ForwardWork, flops, shape_workloads
 
-    shape = ModelShape.from_config(config)
+    shape = model_shape(config)
     base_w, dedup_w = shape_workloads(
         [args.prompt_len] * args.prompts,
         [args.responses] * args.prompts,

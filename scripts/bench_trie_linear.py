@@ -19,8 +19,9 @@ import torch
 
 from zorro_core import BaselineActor, DeduplicatedActor, create_dummy_batch
 from zorro_core.models.presets import build_model, preset_config
+from zorro_core.models.registry import model_shape
 from zorro_core.plan.build import build_dedup_plan, build_plain_plan
-from zorro_core.plan.cost import ModelShape, compare_plans
+from zorro_core.plan.cost import compare_plans
 
 
 def main() -> None:
@@ -52,7 +53,7 @@ def main() -> None:
         "prompt": DeduplicatedActor(model=model, sharing="prompt"),
         "prefix": DeduplicatedActor(model=model, sharing="prefix"),
     }
-    shape = ModelShape.from_config(config)
+    shape = model_shape(config)
     plans = {
         "baseline": build_plain_plan(batch),
         "prompt": build_dedup_plan(batch, sharing="prompt"),

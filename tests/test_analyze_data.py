@@ -9,9 +9,10 @@ from typer.testing import CliRunner
 
 from zorro_cli.main import app
 from zorro_core.models.presets import preset_config
+from zorro_core.models.registry import model_shape
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.build import build_dedup_plan, build_plain_plan
-from zorro_core.plan.cost import ModelShape, compare, plan_workload, shape_workloads
+from zorro_core.plan.cost import compare, plan_workload, shape_workloads
 from zorro_core.plan.trie import build_trie_plan
 from zorro_harness.analyze.dataset import DatasetError, Ragged, load_dataset
 from zorro_harness.analyze.workload_sim import PrefixIndex, count_calls, data_report, simulate_calls
@@ -22,7 +23,7 @@ TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-SHAPE = ModelShape.from_config(preset_config("small-qwen3"))
+SHAPE = model_shape(preset_config("small-qwen3"))
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from zorro_cli.bench import parse_size
 from zorro_cli.main import app
-from zorro_core.plan.cost import ModelShape
+from zorro_core.models.registry import model_shape
 from zorro_harness.bench.footprint import GIB, case_footprint, too_large
 from zorro_harness.bench.inputs import model_config
 from zorro_harness.bench.isolation import rss_of
@@ -63,7 +63,7 @@ def test_parse_size_refuses(text):
 def test_footprint_is_a_lower_bound_by_part():
     case = Case(model="small-qwen3", batch_size=8, num_unique_prompts=2, prompt_len=128, response_len=32)
     config = model_config(case.model)
-    shape = ModelShape.from_config(config)
+    shape = model_shape(config)
     fwd = case_footprint(case, config, ("forward",))
     both = case_footprint(case, config, ("forward", "forward_backward"))
     dedup = case_footprint(case, config, ("forward",), arm="dedup")

@@ -7,6 +7,7 @@ from helpers import mixed_batch
 
 from zorro_core import build_dedup_plan, create_dummy_batch
 from zorro_core.models.presets import build_model, preset_config
+from zorro_core.models.registry import model_shape
 from zorro_core.plan.cost import (
     ForwardWork,
     ModelShape,
@@ -61,7 +62,7 @@ def test_linear_params_per_layer_match_the_model(name):
     model = build_model(config)
     layer = model.model.layers[0]
     counted = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
-    shape = ModelShape.from_config(config)
+    shape = model_shape(config)
     assert shape.linear_params_per_layer == counted
     assert shape.vocab_size == model.lm_head.out_features
 
@@ -70,16 +71,16 @@ def test_moe_without_a_dense_width_counts_the_experts_a_token_runs():
     """Qwen3.5-MoE has no intermediate_size: every layer is MoE, and a token's MLP parameters are the
     router, its top-k experts' and the shared expert's (what its FLOPs count)."""
     config = preset_config("Qwen/Qwen3.5-35B-A3B")
-    shape = ModelShape.from_config(config)
+    shape = model_shape(config)
     assert shape.moe_layers == config.num_hidden_layers and shape.intermediate_size == 0
     h = config.hidden_size
     assert shape.moe_mlp_params(active=True) == h * 256 + 3 * h * (8 * 512 + 512)
-    assert ModelShape.from_config(preset_config("Qwen/Qwen3.5-27B")).intermediate_size == 17408
+    assert model_shape(preset_config("Qwen/Qwen3.5-27B")).intermediate_size == 17408
 
 
 def test_design_example():
     """10K prompt, 10 responses of 1K: 110K tokens, 20K unique; linear work 5.5x less."""
-    shape = ModelShape.from_config(preset_config("Qwen/Qwen3-8B"))
+    shape = model_shape(preset_config("Qwen/Qwen3-8B"))
     base, dedup = shape_workloads([10_000], [10], [[1000] * 10])
     assert (base.tokens, dedup.tokens) == (110_000, 20_000)
     assert 1 - dedup.tokens / base.tokens == pytest.approx(0.818, abs=1e-3)
@@ -106,7 +107,7 @@ def test_flops_formulas_and_phases():
 
 def test_no_sharing_is_no_speedup():
     batch = create_dummy_batch(batch_size=4, num_unique_prompts=4, prompt_len=8, response_len=3, vocab_size=64)
-    shape = ModelShape.from_config(preset_config("tiny-qwen3"))
+    shape = model_shape(preset_config("tiny-qwen3"))
     cmp = compare_plans(shape, build_dedup_plan(batch, dedup=False), build_dedup_plan(batch), "none")
     assert cmp.ideal_speedup("forward") == pytest.approx(1.0)
     assert cmp.ideal_speedup("forward_backward") == pytest.approx(1.0)
@@ -160,7 +161,7 @@ def test_linear_attention_layers_are_counted_as_such():
     """Qwen3-Next: gated DeltaNet layers have their own projections and no attended pairs; their
     delta rule costs per token it runs, the replayed partial chunks included."""
     config = preset_config("tiny-qwen3-next")
-    shape = ModelShape.from_config(config)
+    shape = model_shape(config)
     assert (shape.num_layers, shape.num_linear_layers) == (2, 1)
     model = build_model(config)
     gdn = next(layer.linear_attn for layer in model.model.layers if hasattr(layer, "linear_attn"))
@@ -172,7 +173,7 @@ def test_linear_attention_layers_are_counted_as_such():
     assert f.attention == 4 * shape.num_heads * shape.head_dim * 3000 + shape.delta_rule_flops_per_token * 107
     mixers = shape.attention_params_per_layer + shape.delta_net_params_per_layer
     assert f.linear == 2 * (mixers + 2 * shape.moe_mlp_params(active=True)) * 100
-    assert ModelShape.from_config(preset_config("tiny-qwen3")).num_linear_layers == 0
+    assert model_shape(preset_config("tiny-qwen3")).num_linear_layers == 0
 
 
 @pytest.mark.parametrize("p", [10, 64, 70, 130])
@@ -194,4 +195,4 @@ def test_softmax_attention_params_are_the_models_own(preset):
     model = build_model(config)
     attn = next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn"))
     counted = sum(m.weight.numel() for m in attn.modules() if isinstance(m, torch.nn.Linear))
-    assert ModelShape.from_config(config).attention_params_per_layer == counted
+    assert model_shape(config).attention_params_per_layer == counted

@@ -414,14 +414,14 @@ def test_parameter_count_equals_the_models_own(name):
     equal the model's own matrices, counted on the meta device (671B for DeepSeek-V3, nothing allocated)."""
     from transformers import AutoModelForCausalLM
 
-    from zorro_core.plan.cost import ModelShape
+    from zorro_core.models.registry import model_shape
     from zorro_harness.bench.footprint import parameter_count
 
     config = preset_config(name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2)  # norms and biases are 1-D
-    shape = ModelShape.from_config(config)
+    shape = model_shape(config)
     assert parameter_count(shape, bool(config.tie_word_embeddings)) == matrices
     if shape.moe_layers < shape.num_layers:  # DeepSeek / GLM: the first layer is dense
         dense = model.model.layers[0]
@@ -439,9 +439,10 @@ def test_parameter_count_equals_the_models_own(name):
 
 
 def test_attention_flops_count_the_query_and_value_head_dims():
-    from zorro_core.plan.cost import ForwardWork, ModelShape, flops, shape_workloads
+    from zorro_core.models.registry import model_shape
+    from zorro_core.plan.cost import ForwardWork, flops, shape_workloads
 
-    shape = ModelShape.from_config(preset_config("deepseek-ai/DeepSeek-V3"))
+    shape = model_shape(preset_config("deepseek-ai/DeepSeek-V3"))
     f = flops(shape, ForwardWork(tokens=10, attended_pairs=30, logit_positions=5))
     assert f.attention == 2 * 128 * (192 + 128) * 61 * 30  # QK^T over 192 dims, PV over 128
     assert f.linear == 2 * shape.linear_params(active=True) * 10
@@ -454,7 +455,7 @@ def test_attention_flops_count_the_query_and_value_head_dims():
 
 
 def test_memory_guards_count_every_expert():
-    from zorro_core.plan.cost import ModelShape
+    from zorro_core.models.registry import model_shape
     from zorro_harness.bench.footprint import activation_widths, case_footprint
     from zorro_harness.bench.guard import verify_too_large
     from zorro_harness.bench.suite import Case
@@ -464,7 +465,7 @@ def test_memory_guards_count_every_expert():
     assert verify_too_large(["tiny-deepseek-v3", "tiny-glm4-moe"], available=2**30) is None
     case = Case(model="small-deepseek-v3", batch_size=8, num_unique_prompts=2, prompt_len=64, response_len=16)
     config = preset_config(case.model)
-    shape = ModelShape.from_config(config)
+    shape = model_shape(config)
     in_flight, saved = activation_widths(shape)
     h = shape.hidden_size
     assert in_flight == min(h + 2 * shape.intermediate_size, h + 2 * shape.shared_intermediate_size)

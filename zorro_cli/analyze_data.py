@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from zorro_cli.console import console, err_console, escape, fail, print_json
-from zorro_core.plan.cost import ModelShape
+from zorro_core.models.registry import model_shape
 from zorro_harness.analyze.dataset import MAX_TEMPLATE_CHARS, DatasetError, load_dataset
 from zorro_harness.analyze.workload_sim import data_report
 from zorro_harness.bench.inputs import model_config
@@ -89,7 +89,7 @@ def run(a: DataArgs, as_json: bool) -> None:
         config = model_config(a.model)
     except ValueError as e:
         fail(str(e))
-    shape = ModelShape.from_config(config)
+    shape = model_shape(config)
     context = a.max_len or getattr(config, "max_position_embeddings", None) or 2**31 - 1
     with Progress(
         TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err_console, transient=True

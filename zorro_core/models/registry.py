@@ -2,7 +2,9 @@
 
 An entry holds the family's presets (real published shapes, random weights), how a model of
 it is checked (the token mixers it may contain, the config features refused), the adapters its
-layers need in a deduplicated forward, its Liger patch function and its `zorro env` line.
+layers need in a deduplicated forward (installed by zorro_core.models.families), its Liger patch
+function (called by zorro_core.stack.liger), its `zorro env` line, and how its config's fields
+map onto the cost model's ModelShape (`model_shape`: the cost model never reads a config).
 Adding a family means adding one entry to FAMILIES (after checking, with the equivalence
 tests on a tiny preset, that every token-mixing layer goes through the hook or an adapter).
 """
@@ -18,6 +20,7 @@ from torch import nn
 
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.linear_attention import LINEAR_LAYER_TYPES, fla_available, install_linear_attention
+from zorro_core.plan.cost import ModelShape
 
 # Softmax-attention layer types (transformers' names) that call the attention hook; the hook
 # applies a sliding layer's window itself.
@@ -39,14 +42,18 @@ class ModelFamily:
     """Preset name -> config fields that differ from the family's defaults."""
     support: Callable[[torch.device], str]
     """How the family runs on a device (a line of `zorro env`)."""
+    shape: Callable[[Any], ModelShape]
+    """The cost model's description of a model of the family, from its transformers config."""
     liger_function: Optional[str] = None
-    """liger_kernel.transformers' patch function for the family; None where liger has none (refused with that reason)."""
+    """liger_kernel.transformers' patch function for the family (called by zorro_core.stack.liger.apply_liger);
+    None where liger has none (refused with that reason)."""
     layer_types: tuple[str, ...] = ATTENTION_LAYER_TYPES
     """Token mixers a model of the family may contain; any other layer type is refused."""
     unsupported_features: tuple[str, ...] = UNSUPPORTED_ATTENTION_FEATURES
     """Config fields that must be unset (features the hook would skip)."""
     adapters: tuple[Adapter, ...] = ()
-    """Installed when an actor takes the model (layers that mix tokens outside the hook); act only with a route."""
+    """Installed when an actor takes the model (zorro_core.models.families.install_family_adapters): layers
+    that mix tokens outside the hook; they act only with a route."""
     router_aux_loss: bool = False
     """Mixture-of-experts blocks with a load-balancing loss (zorro_core.models.moe weights it)."""
 
@@ -65,6 +72,104 @@ def _linear_support(device: torch.device, moe: bool = True) -> str:
             + ")"
         )
     return f"ok (gated DeltaNet: {linear}" + ("; MoE aux loss as qwen3_moe)" if moe else ")")
+
+
+# The cost model's shape of a config, in parts: every family takes `_decoder`, one token mixer
+# (`_gqa`, `_gated_gqa` or `_mla`), and where it has them its MoE layers and gated DeltaNet layers.
+# A field set by two parts is an error.
+ShapePart = Callable[[Any], dict[str, Any]]
+
+
+def _decoder(config) -> dict[str, Any]:
+    # Qwen3.5-MoE has no dense MLP width: every layer is MoE, so no dense layer reads it.
+    return dict(
+        hidden_size=config.hidden_size,
+        intermediate_size=getattr(config, "intermediate_size", None) or 0,
+        num_layers=config.num_hidden_layers,
+        vocab_size=config.vocab_size,
+    )
+
+
+def _gqa(config) -> dict[str, Any]:
+    heads = config.num_attention_heads
+    # config.head_dim, where set, is the attention's own (GLM-4.5: 96 x 128 heads, hidden 5120).
+    return dict(
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+    )
+
+
+def _gated_gqa(config) -> dict[str, Any]:
+    # Qwen3-Next and Qwen3.5: q_proj also computes the output gate (no config field says so).
+    return dict(_gqa(config), gated_query=True)
+
+
+def _mla(config) -> dict[str, Any]:
+    # DeepSeek-V3's config.head_dim is the rope's width; a head's query/key is the nope and rope parts.
+    heads = config.num_attention_heads
+    return dict(
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=config.qk_nope_head_dim + config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim,
+        q_lora_rank=getattr(config, "q_lora_rank", None) or 0,
+        kv_lora_rank=config.kv_lora_rank,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+    )
+
+
+def _experts(config, experts: int, shared: int, moe_layers: int) -> dict[str, Any]:
+    if not experts:
+        return {}
+    return dict(
+        moe_layers=moe_layers,
+        num_experts=experts,
+        experts_per_token=getattr(config, "num_experts_per_tok", 0) or 0,
+        moe_intermediate_size=getattr(config, "moe_intermediate_size", 0) or 0,
+        shared_intermediate_size=shared,
+    )
+
+
+def _qwen_moe(config) -> dict[str, Any]:
+    # Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE: layer i is MoE unless in mlp_only_layers, every decoder_sparse_step-th.
+    n, experts = config.num_hidden_layers, int(getattr(config, "num_experts", None) or 0)
+    only_mlp = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    moe_layers = sum(i not in only_mlp and (i + 1) % step == 0 for i in range(n))
+    return _experts(config, experts, getattr(config, "shared_expert_intermediate_size", None) or 0, moe_layers)
+
+
+def _deepseek_moe(config) -> dict[str, Any]:
+    # DeepSeek-V3, GLM-4 MoE: the first first_k_dense_replace layers are dense, the others MoE;
+    # n_shared_experts shared experts of the routed experts' width.
+    experts = int(getattr(config, "n_routed_experts", None) or 0)
+    shared = (getattr(config, "n_shared_experts", None) or 0) * (getattr(config, "moe_intermediate_size", 0) or 0)
+    moe_layers = max(0, config.num_hidden_layers - (getattr(config, "first_k_dense_replace", None) or 0))
+    return _experts(config, experts, shared, moe_layers)
+
+
+def _gated_delta_net(config) -> dict[str, Any]:
+    return dict(
+        num_linear_layers=sum(t in LINEAR_LAYER_TYPES for t in config.layer_types),
+        linear_key_heads=config.linear_num_key_heads,
+        linear_value_heads=config.linear_num_value_heads,
+        linear_key_dim=config.linear_key_head_dim,
+        linear_value_dim=config.linear_value_head_dim,
+    )
+
+
+def _shape(*parts: ShapePart) -> Callable[[Any], ModelShape]:
+    def shape(config) -> ModelShape:
+        fields = _decoder(config)
+        for part in parts:
+            more = part(config)
+            if fields.keys() & more.keys():
+                raise TypeError(f"{part.__name__} sets {sorted(fields.keys() & more.keys())}, already set")
+            fields.update(more)
+        return ModelShape(**fields)
+
+    return shape
 
 
 _SLIDING = "ok (sliding window by absolute position)"
@@ -100,7 +205,7 @@ _SMALL_QWEN3_5 = dict({k: v for k, v in _SMALL.items() if k != "intermediate_siz
                       rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[3, 3, 2], mrope_interleaved=True))
 
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
-    ModelFamily("qwen3", support=_line(_SLIDING), liger_function="apply_liger_kernel_to_qwen3", presets={
+    ModelFamily("qwen3", support=_line(_SLIDING), shape=_shape(_gqa), liger_function="apply_liger_kernel_to_qwen3", presets={
         "Qwen/Qwen3-0.6B": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, tie_word_embeddings=True),
         "Qwen/Qwen3-1.7B": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, tie_word_embeddings=True),
         "Qwen/Qwen3-4B": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, tie_word_embeddings=True),
@@ -110,26 +215,26 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
         "tiny-qwen3": dict(_TINY, head_dim=16),
         "small-qwen3": dict(_SMALL),
     }),
-    ModelFamily("llama", support=_line("ok"), liger_function="apply_liger_kernel_to_llama", presets={
+    ModelFamily("llama", support=_line("ok"), shape=_shape(_gqa), liger_function="apply_liger_kernel_to_llama", presets={
         "meta-llama/Llama-3.1-8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=131072, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
         "tiny-llama": dict(_TINY),
     }),
-    ModelFamily("qwen2", support=_line(_SLIDING), liger_function="apply_liger_kernel_to_qwen2", presets={
+    ModelFamily("qwen2", support=_line(_SLIDING), shape=_shape(_gqa), liger_function="apply_liger_kernel_to_qwen2", presets={
         "Qwen/Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=131072),
         "tiny-qwen2": dict(_TINY),
         "tiny-qwen2-sliding": dict(_TINY, use_sliding_window=True, sliding_window=5, max_window_layers=1),
     }),
-    ModelFamily("mistral", support=_line(_SLIDING), liger_function="apply_liger_kernel_to_mistral", presets={
+    ModelFamily("mistral", support=_line(_SLIDING), shape=_shape(_gqa), liger_function="apply_liger_kernel_to_mistral", presets={
         "mistralai/Mistral-7B-v0.1": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=32768, sliding_window=4096),
         "tiny-mistral": dict(_TINY, sliding_window=5),
     }),
-    ModelFamily("qwen3_moe", support=_line("ok (router aux loss: multiplicity weights by default)"),
+    ModelFamily("qwen3_moe", support=_line("ok (router aux loss: multiplicity weights by default)"), shape=_shape(_gqa, _qwen_moe),
                 liger_function="apply_liger_kernel_to_qwen3_moe", router_aux_loss=True, presets={
         "Qwen/Qwen3-30B-A3B": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True),
         "tiny-qwen3-moe": dict(_TINY, moe_intermediate_size=32, head_dim=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
         "small-qwen3-moe": dict(_SMALL, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
     }),
-    ModelFamily("qwen3_next", support=_linear_support, liger_function="apply_liger_kernel_to_qwen3_next",
+    ModelFamily("qwen3_next", support=_linear_support, shape=_shape(_gated_gqa, _gated_delta_net, _qwen_moe), liger_function="apply_liger_kernel_to_qwen3_next",
                 layer_types=("full_attention",) + LINEAR_LAYER_TYPES, adapters=(install_linear_attention,),
                 router_aux_loss=True, presets={
         "Qwen/Qwen3-Next-80B-A3B-Instruct": dict(hidden_size=2048, intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=512, num_experts_per_tok=10, norm_topk_prob=True, full_attention_interval=4, partial_rotary_factor=0.25, rope_theta=1e7, vocab_size=151936, max_position_embeddings=262144, rms_norm_eps=1e-6),
@@ -142,7 +247,7 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     # path runs base + lm_head, so it would be skipped), attn_logit_softcapping (the hook has no softcap; this
     # transformers' Gemma3Attention does not even pass it on) and use_bidirectional_attention (not causal).
     # The 4b/12b/27b entries are the text_config of those (multimodal) checkpoints.
-    ModelFamily("gemma3_text", support=_line(_GEMMA3_SUPPORT), liger_function="apply_liger_kernel_to_gemma3_text",
+    ModelFamily("gemma3_text", support=_line(_GEMMA3_SUPPORT), shape=_shape(_gqa), liger_function="apply_liger_kernel_to_gemma3_text",
                 unsupported_features=UNSUPPORTED_ATTENTION_FEATURES + ("use_bidirectional_attention",), presets={
         "google/gemma-3-1b-pt": dict(_GEMMA3, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, sliding_window=512, vocab_size=262144, max_position_embeddings=32768),
         "google/gemma-3-4b-pt": dict(_GEMMA3, **_GEMMA3_LONG, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4),
@@ -155,7 +260,7 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     }),
     # OLMo 3: 3 sliding layers to 1 full (layer_types), YaRN on the full layers' rope; its q/k RMSNorms act on each
     # token's whole projection (token-wise, so packing does not change them).
-    ModelFamily("olmo3", support=_line(_SLIDING_TYPES), liger_function="apply_liger_kernel_to_olmo3", presets={
+    ModelFamily("olmo3", support=_line(_SLIDING_TYPES), shape=_shape(_gqa), liger_function="apply_liger_kernel_to_olmo3", presets={
         "allenai/Olmo-3-1025-7B": dict(_OLMO3, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
         "allenai/Olmo-3-1125-32B": dict(_OLMO3, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8),
         "tiny-olmo3": dict(_TINY, num_hidden_layers=3, sliding_window=5, layer_types=["sliding_attention", "sliding_attention", "full_attention"], rope_theta=5e5, max_position_embeddings=65536, rope_scaling=_OLMO3_YARN, eos_token_id=2, pad_token_id=1),
@@ -163,7 +268,7 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     }),
     # Qwen3.5 (text models): Qwen3-Next's hybrid with separate in_proj_qkv/z/b/a projections, a token-wise
     # sigmoid gate on the attention output, and the interleaved mRoPE (given 2-D text positions: the 1-D rope).
-    ModelFamily("qwen3_5_text", support=functools.partial(_linear_support, moe=False), liger_function="apply_liger_kernel_to_qwen3_5",
+    ModelFamily("qwen3_5_text", support=functools.partial(_linear_support, moe=False), shape=_shape(_gated_gqa, _gated_delta_net), liger_function="apply_liger_kernel_to_qwen3_5",
                 layer_types=("full_attention",) + LINEAR_LAYER_TYPES, adapters=(install_linear_attention,), presets={
         "Qwen/Qwen3.5-27B": dict(_QWEN3_5, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48),
         "Qwen/Qwen3.5-9B": dict(_QWEN3_5, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, linear_num_value_heads=32),
@@ -173,7 +278,7 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
         "tiny-qwen3.5": dict(_TINY_QWEN3_5, intermediate_size=64),
         "small-qwen3.5": dict(_SMALL_QWEN3_5, intermediate_size=512),
     }),
-    ModelFamily("qwen3_5_moe_text", support=_linear_support, liger_function="apply_liger_kernel_to_qwen3_5_moe",
+    ModelFamily("qwen3_5_moe_text", support=_linear_support, shape=_shape(_gated_gqa, _gated_delta_net, _qwen_moe), liger_function="apply_liger_kernel_to_qwen3_5_moe",
                 layer_types=("full_attention",) + LINEAR_LAYER_TYPES, adapters=(install_linear_attention,),
                 router_aux_loss=True, presets={
         "Qwen/Qwen3.5-397B-A17B": dict(_QWEN3_5, hidden_size=4096, num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=2, linear_num_value_heads=64, moe_intermediate_size=1024, shared_expert_intermediate_size=1024, num_experts=512, num_experts_per_tok=10),
@@ -182,7 +287,7 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
         "tiny-qwen3.5-moe": dict(_TINY_QWEN3_5, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
         "small-qwen3.5-moe": dict(_SMALL_QWEN3_5, moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=8, num_experts_per_tok=2),
     }),
-    ModelFamily("deepseek_v3", support=_line(_MLA), presets={
+    ModelFamily("deepseek_v3", support=_line(_MLA), shape=_shape(_mla, _deepseek_moe), presets={
         "deepseek-ai/DeepSeek-V3": dict(_DEEPSEEK_V3),
         "deepseek-ai/DeepSeek-V3.1": dict(_DEEPSEEK_V3),
         "moonshotai/Moonlight-16B-A3B": dict(hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1, routed_scaling_factor=2.446, first_k_dense_replace=1, norm_topk_prob=True, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 5e4}),
@@ -190,7 +295,7 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
         "tiny-deepseek-v3": dict(_TINY, num_key_value_heads=4, moe_intermediate_size=32, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=256, rope_parameters=dict(_YARN, factor=4.0, original_max_position_embeddings=64)),
         "small-deepseek-v3": dict(_SMALL_NO_HEAD_DIM, num_key_value_heads=4, moe_intermediate_size=128, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
     }),
-    ModelFamily("glm4_moe", support=_line(_GLM_MOE), presets={
+    ModelFamily("glm4_moe", support=_line(_GLM_MOE), shape=_shape(_gqa, _deepseek_moe), presets={
         "zai-org/GLM-4.5": dict(_GLM45, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=92, n_routed_experts=160, first_k_dense_replace=3, routed_scaling_factor=2.5, use_qk_norm=True),
         "zai-org/GLM-4.5-Air": dict(_GLM45, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=46, n_routed_experts=128, first_k_dense_replace=1, routed_scaling_factor=1.0, use_qk_norm=False),
         # heads x head_dim (4 x 24) != hidden (64), as GLM-4.5's 96 x 128 != 5120; layer 0 dense, layer 1 MoE
@@ -232,3 +337,9 @@ def family_support(device: str | torch.device = "cpu") -> dict[str, str]:
     """Each model type the dedup path serves, and how it runs on `device` (for `zorro env`)."""
     device = torch.device(device)
     return {name: f.support(device) for name, f in FAMILIES.items()}
+
+
+def model_shape(config) -> ModelShape:
+    """The cost model's shape of a model from its transformers config, read by the config's family
+    (refusing a type the dedup path does not serve, as family_of)."""
+    return family_of(getattr(config, "model_type", None)).shape(config)

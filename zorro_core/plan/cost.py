@@ -36,18 +36,18 @@ DELTA_RULE_CHUNK = 64
 """Chunk of the gated delta rule (transformers' PyTorch kernel and fla's; the dedup layouts align to it)."""
 
 
-# Model types whose softmax attention gates its output from a second half of q_proj (no config field says so).
-GATED_ATTENTION = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-
-
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a decoder-only transformer that its FLOPs and parameter count depend on."""
+    """The sizes of a decoder-only transformer that its FLOPs and parameter count depend on.
+
+    A plain description: each model family builds its own from a transformers config
+    (`zorro_core.models.registry.model_shape`), so that nothing here reads a config or knows a
+    family's name."""
 
     hidden_size: int
     """Width of the residual stream."""
     intermediate_size: int
-    """Width of the gated MLP of a dense layer."""
+    """Width of the gated MLP of a dense layer (0 where every layer is MoE)."""
     num_layers: int
     """Decoder layers."""
     num_heads: int
@@ -60,9 +60,16 @@ class ModelShape:
     """Rows of lm_head."""
     v_head_dim: int = 0
     """Width of one value head when it differs from head_dim (MLA); 0: head_dim."""
-    attention_params: int = 0
-    """One layer's attention projection parameters when they are not q/k/v/o of the head dims
-    (MLA's low-rank projections); 0: that formula."""
+    gated_query: bool = False
+    """q_proj also computes a gate of the attention output as wide as the queries (Qwen3-Next, Qwen3.5)."""
+
+    q_lora_rank: int = 0
+    """MLA: width of the latent the queries are expanded from; 0: queries projected directly from the hidden state."""
+    kv_lora_rank: int = 0
+    """MLA: width of the latent keys and values are expanded from per head; 0: no MLA (q/k/v/o of the head dims)."""
+    qk_rope_head_dim: int = 0
+    """MLA: of head_dim, the rotary part, whose key is projected from the hidden state directly, shared by the heads."""
+
     moe_layers: int = 0
     """Layers whose MLP is a mixture of experts (the others are dense)."""
     num_experts: int = 0
@@ -85,52 +92,13 @@ class ModelShape:
     linear_value_dim: int = 0
     """Width of a gated DeltaNet value head."""
 
-    @classmethod
-    def from_config(cls, config) -> "ModelShape":
-        """Read the shape from a transformers config: Qwen3/Llama/Qwen2/Mistral field names, MoE
-        (Qwen's `num_experts`, DeepSeek's and GLM's `n_routed_experts`) and DeepSeek's MLA."""
-        heads, h = config.num_attention_heads, config.hidden_size
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        v_dim = attention = 0
-        if getattr(config, "kv_lora_rank", None):  # MLA: k and v expanded per head from a latent
-            nope, rope = config.qk_nope_head_dim, config.qk_rope_head_dim
-            head_dim, v_dim, kv_heads = nope + rope, config.v_head_dim, heads
-            q_rank = getattr(config, "q_lora_rank", None)
-            q = h * q_rank + q_rank * heads * head_dim if q_rank else h * heads * head_dim
-            kv = h * (config.kv_lora_rank + rope) + config.kv_lora_rank * heads * (nope + v_dim)
-            attention = q + kv + heads * v_dim * h  # ... + o
-        else:  # config.head_dim, where set, is the attention's own (GLM-4.5: 96 x 128 heads, hidden 5120)
-            head_dim = getattr(config, "head_dim", None) or h // heads
-            if config.model_type in GATED_ATTENTION:  # q_proj also computes the output gate: q, k, v, o + gate
-                attention = h * heads * head_dim * 3 + 2 * h * kv_heads * head_dim
-        experts = int(getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or 0)
-        moe_inter = getattr(config, "moe_intermediate_size", 0) or 0
-        shared = getattr(config, "shared_expert_intermediate_size", None) or (
-            (getattr(config, "n_shared_experts", None) or 0) * moe_inter
-        )
-        layer_types = getattr(config, "layer_types", None) or ()
-        return cls(
-            hidden_size=h,
-            # Qwen3.5-MoE has no dense MLP width: every layer is MoE, so no dense layer reads it.
-            intermediate_size=getattr(config, "intermediate_size", None) or 0,
-            num_layers=config.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            vocab_size=config.vocab_size,
-            v_head_dim=v_dim,
-            attention_params=attention,
-            moe_layers=_moe_layers(config, experts),
-            num_experts=experts,
-            experts_per_token=(getattr(config, "num_experts_per_tok", 0) or 0) if experts else 0,
-            moe_intermediate_size=moe_inter if experts else 0,
-            shared_intermediate_size=shared if experts else 0,
-            num_linear_layers=sum(t == "linear_attention" for t in layer_types),
-            linear_key_heads=getattr(config, "linear_num_key_heads", 0) or 0,
-            linear_value_heads=getattr(config, "linear_num_value_heads", 0) or 0,
-            linear_key_dim=getattr(config, "linear_key_head_dim", 0) or 0,
-            linear_value_dim=getattr(config, "linear_value_head_dim", 0) or 0,
-        )
+    def __post_init__(self) -> None:
+        if self.kv_lora_rank and (self.gated_query or self.num_kv_heads != self.num_heads):
+            raise ValueError("an MLA shape expands keys and values for every query head and has no gated q_proj")
+        if not 0 <= self.qk_rope_head_dim < self.head_dim:
+            raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim} must be in [0, head_dim={self.head_dim})")
+        if not (0 <= self.moe_layers <= self.num_layers and 0 <= self.num_linear_layers <= self.num_layers):
+            raise ValueError("moe_layers and num_linear_layers must be between 0 and num_layers")
 
     @property
     def value_head_dim(self) -> int:
@@ -139,10 +107,14 @@ class ModelShape:
     @property
     def attention_params_per_layer(self) -> int:
         """One layer's attention projections."""
-        if self.attention_params:
-            return self.attention_params
-        h, d, dv = self.hidden_size, self.head_dim, self.value_head_dim
-        return h * self.num_heads * (d + dv) + h * self.num_kv_heads * (d + dv)  # q, o ; k, v
+        h, heads, d, dv = self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim
+        if self.kv_lora_rank:  # MLA: q (through its latent, if any), the kv latent + shared rope key, k/v up, o
+            q_rank, kv_rank, rope = self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim
+            q = h * q_rank + q_rank * heads * d if q_rank else h * heads * d
+            kv = h * (kv_rank + rope) + kv_rank * heads * (d - rope + dv)
+            return q + kv + heads * dv * h
+        gate = h * heads * d if self.gated_query else 0
+        return h * heads * (d + dv) + h * self.num_kv_heads * (d + dv) + gate  # q, o ; k, v ; the gate's half of q_proj
 
     @property
     def linear_params_per_layer(self) -> int:
@@ -185,19 +157,6 @@ class ModelShape:
         C x (5 dk + 3 dv), and the three state products (read, correct, update), 6 dk dv."""
         c, dk, dv = DELTA_RULE_CHUNK, self.linear_key_dim, self.linear_value_dim
         return self.linear_value_heads * (c * (5 * dk + 3 * dv) + 6 * dk * dv)
-
-
-def _moe_layers(config, experts: int) -> int:
-    """How many layers have a MoE MLP, by each family's rule (transformers' decoder layers)."""
-    n = config.num_hidden_layers
-    if not experts:
-        return 0
-    first_dense = getattr(config, "first_k_dense_replace", None)
-    if first_dense is not None:  # DeepSeek-V3, GLM-4-MoE: the first k layers are dense
-        return max(0, n - first_dense)
-    only_mlp = set(getattr(config, "mlp_only_layers", None) or ())
-    step = getattr(config, "decoder_sparse_step", None) or 1  # Qwen3-MoE, Qwen3-Next
-    return sum(i not in only_mlp and (i + 1) % step == 0 for i in range(n))
 
 
 @dataclass(frozen=True)

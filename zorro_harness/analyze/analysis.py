@@ -8,6 +8,7 @@ tokens, and the ideal speedup of each kind of work from the analytic FLOP count
 from __future__ import annotations
 
 from zorro_core.actor.logprobs import LOGITS_MODES
+from zorro_core.models.registry import model_shape
 from zorro_core.plan.cost import (
     COMPONENTS,
     ForwardWork,
@@ -67,7 +68,7 @@ def workload_report(
         raise ValueError(f"shared_prefix_len must be in [0, prompt_len={prompt_len}), got {shared_prefix_len}")
     if logits_mode not in LOGITS_MODES:
         raise ValueError(f"unknown logits_mode {logits_mode!r}; choose one of {', '.join(LOGITS_MODES)}")
-    shape = ModelShape.from_config(model_config(model))
+    shape = model_shape(model_config(model))
     base_w, dedup_w = uniform_workloads(prompt_len, prompts, responses, response_len, logits_mode)
     try:
         cmp = compare(shape, base_w, dedup_w, logits_mode)

@@ -30,9 +30,10 @@ from zorro_core.distributed.launch import default_backend, launch
 from zorro_core.distributed.regroup import prompt_keys
 from zorro_core.distributed.routing import plan_routing
 from zorro_core.models.presets import load_model
+from zorro_core.models.registry import model_shape
 from zorro_core.plan.balance import select_rows
 from zorro_core.plan.build import build_dedup_plan
-from zorro_core.plan.cost import ModelShape, flops, plan_workload
+from zorro_core.plan.cost import flops, plan_workload
 from zorro_core.plan.dtypes import DTYPES
 from zorro_core.verify.distributed import rank_rows
 from zorro_harness.bench.guard import ranks_over_cores, ranks_over_memory
@@ -55,7 +56,7 @@ def case_plan(case: Case) -> dict[str, Any]:
     """Per rank, before and after regrouping: rows, prompt dedup ratio and the cost model's FLOPs;
     the single-process dedup ratio; the ideal speedup of regrouping per phase. No process starts."""
     config = model_config(case.model)
-    shape = ModelShape.from_config(config)
+    shape = model_shape(config)
     batch, rows = rank_batches(case, config.vocab_size)
     parts = [select_rows(batch, r) for r in rows]
     routing = plan_routing(

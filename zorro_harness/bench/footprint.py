@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from zorro_core.models.registry import model_shape
 from zorro_core.plan.cost import ModelShape
 from zorro_harness.bench.suite import Case
 
@@ -88,7 +89,7 @@ def case_footprint(case: Case, config, phases: tuple[str, ...], arm: str = "base
     """Lower bound of the memory one arm ("baseline" or "dedup") of `case` needs to run `phases`,
     from its config's shapes. With padding, lengths are drawn in [P/2, P] and [1, R]: the
     bound takes the shortest."""
-    shape = ModelShape.from_config(config)
+    shape = model_shape(config)
     width = getattr(torch, case.dtype).itemsize  # suite dtypes are torch's names
     backward = "forward_backward" in phases
     params = parameter_count(shape, bool(getattr(config, "tie_word_embeddings", False)))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from zorro_core.plan.cost import ModelShape
+from zorro_core.models.registry import model_shape
 from zorro_harness.bench.footprint import GIB, available_memory, gib, parameter_count
 
 RANK_OVERHEAD = 300 * 2**20
@@ -28,7 +28,7 @@ def _params(model: str) -> int:
     from zorro_harness.bench.inputs import model_config
 
     config = model_config(model)
-    return parameter_count(ModelShape.from_config(config), bool(getattr(config, "tie_word_embeddings", False)))
+    return parameter_count(model_shape(config), bool(getattr(config, "tie_word_embeddings", False)))
 
 
 def cpu_cores() -> int:

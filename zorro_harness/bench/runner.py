@@ -30,8 +30,9 @@ from zorro_core.actor.actor import BaselineActor, DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.attention.backends import backend_unavailable
 from zorro_core.models.presets import load_model
+from zorro_core.models.registry import model_shape
 from zorro_core.plan.build import build_dedup_plan, build_plain_plan
-from zorro_core.plan.cost import ModelShape, compare_plans
+from zorro_core.plan.cost import compare_plans
 from zorro_core.plan.dtypes import DTYPES
 from zorro_core.stack.auto import choose_attention
 from zorro_core.stack.checkpointing import enable_checkpointing
@@ -77,7 +78,7 @@ def case_workload(case: Case) -> Workload:
     prompt_plan = build_dedup_plan(batch, dedup=True)
     base = prompt_plan if case.baseline == "prompt" else build_plain_plan(batch)
     dedup = build_dedup_plan(batch, dedup=True, sharing=case.sharing, min_shared_tokens=case.min_shared_tokens)
-    cmp = compare_plans(ModelShape.from_config(config), base, dedup, case.logits_mode)
+    cmp = compare_plans(model_shape(config), base, dedup, case.logits_mode)
     return Workload(
         logical_tokens=dedup.logical_tokens,
         unique_tokens=dedup.num_tokens,
