@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared device check for a lent GPU (issue 7): one script, under 10 minutes on one H200.
+# The prepared device check for a lent GPU: one script, under 10 minutes on one H200.
 #   1. every GPU path against the reference: torch varlen and flash-attn varlen vs the exact
 #      reference backend, flex_attention mask mode (compiled, dynamic shapes) vs the baseline and,
 #      with gradients, vs the float64 reference (prompt and tree masks, a window), Liger and

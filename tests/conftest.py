@@ -5,8 +5,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-# Tiny shapes run faster on one thread, and two OpenMP threads spin-wait badly on a shared,
-# loaded 2-core machine (measured: ~2.5 s vs 0.02 s per new sequence length at load 6).
+# Tiny shapes run faster on one thread, and two OpenMP threads spin-wait badly when other
+# processes share the cores (~2.5 s vs 0.02 s per new sequence length on 2 busy cores).
 torch.set_num_threads(1)
 
 

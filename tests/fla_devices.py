@@ -1,4 +1,4 @@
-"""The gated DeltaNet families' delta rule (Qwen3-Next, Qwen3.5) when flash-linear-attention is importable (issue 22).
+"""The gated DeltaNet families' delta rule (Qwen3-Next, Qwen3.5) when flash-linear-attention is importable.
 
 transformers resolves its module-level `torch_chunk_gated_delta_rule` to fla's kernel at import
 whenever fla is importable, on every device (its fallback wrapper keeps the PyTorch function as

@@ -1,5 +1,5 @@
 """The actors refuse a temperature that is not a finite number > 0 and a model moved or cast after
-they were built, instead of computing something else without a word (issue 15, item 10)."""
+they were built, instead of computing something else without a word."""
 
 import math
 
@@ -25,7 +25,7 @@ ACTORS = [lambda m: DeduplicatedActor(model=m), lambda m: BaselineActor(model=m)
 
 
 @pytest.mark.parametrize("make", ACTORS, ids=["dedup", "baseline", "padded"])
-# A string or bool passes float() and was taken (issue 23): "1.0" then failed deep in the log-probs.
+# A string or bool passes float(): "1.0" would fail deep in the log-probs instead of here.
 @pytest.mark.parametrize(
     "temperature", [math.inf, -math.inf, math.nan, 0.0, -0.7, "hot", None, "1.0", b"1", True, [1.0]]
 )

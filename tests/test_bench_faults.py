@@ -1,4 +1,4 @@
-"""A sweep under kill -9 (issue 15, item 5 and the fault test): the whole process tree ends with
+"""A sweep under kill -9: the whole process tree ends with
 it, and a sweep killed at random moments and resumed each time ends with exactly one ok row per
 (case, phase), every row written before a kill kept as it was.
 
@@ -101,7 +101,7 @@ def test_a_killed_sweep_leaves_no_process_computing(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_the_ranks_of_an_nproc_case_end_with_a_killed_sweep(tmp_path, sig):
-    """Issue 23, defect 2: the ranks of an nproc > 1 case are the sweep's own children (spawned by
+    """The ranks of an nproc > 1 case are the sweep's own children (spawned by
     launch): killed with the sweep, they must end with it, not compute on under PID 1."""
     suite = tmp_path / "ranks.toml"
     suite.write_text(LONG_CASE.replace('name = "long"', 'name = "ranks"') + "nproc = 2\n")
@@ -116,7 +116,7 @@ def test_the_ranks_of_an_nproc_case_end_with_a_killed_sweep(tmp_path, sig):
     os.kill(proc.pid, sig)
     proc.wait()
     # A rank still importing torch notices when the imports are done (it computes nothing
-    # meanwhile: on a loaded 2-core machine that takes up to a minute); without the fix the case
+    # meanwhile: on a busy 2-core machine that takes up to a minute); without the fix the case
     # (100000 repeats) computes until its 300 s timeout.
     deadline = time.monotonic() + 150
     while ranks & set(_session(proc.pid)) and time.monotonic() < deadline:

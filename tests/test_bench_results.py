@@ -1,5 +1,5 @@
 """Results files under faults: whole rows under kill -9, one writer at a time, backups that never
-overwrite, damaged files named and refused (issue 15, items 2, 3, 8, 10)."""
+overwrite, damaged files named and refused."""
 
 import os
 import random

@@ -113,7 +113,7 @@ def test_no_sharing_is_no_speedup():
     assert cmp.ideal_speedup("forward_backward") == pytest.approx(1.0)
 
 
-# Issue 23, defect 9: `zorro analyze` is arithmetic, in constant time, equal to the per-response sums.
+# `zorro analyze` is arithmetic, in constant time, equal to the per-response sums.
 @pytest.mark.parametrize("logits_mode", ["compute", "none"])
 def test_uniform_workloads_equal_the_per_group_sums(logits_mode):
     from zorro_core.plan.cost import shape_workloads, uniform_workloads

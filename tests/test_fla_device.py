@@ -1,6 +1,6 @@
 """Qwen3-Next and Qwen3.5 on CPU where flash-linear-attention is importable: zorro's adapter runs the PyTorch
 delta rule, chosen by the tensors' device, although transformers resolved its kernel to fla's at
-import without looking at the device (issue 22). Simulated (every run) and with fla installed."""
+import without looking at the device. Simulated (every run) and with fla installed."""
 
 import inspect
 

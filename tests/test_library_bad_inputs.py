@@ -1,4 +1,4 @@
-"""The library's answers to misuse a new user tries (issue 23, library items): a one-line
+"""The library's answers to misuse a new user tries: a one-line
 ValueError naming the cause, never a raw IndexError or a late TypeError."""
 
 import os
