@@ -126,9 +126,7 @@ def cpu_flex_probe() -> Optional[str]:
             with torch.autocast("cpu", enabled=False):
                 g = torch.Generator().manual_seed(0)  # a private generator: the global RNG untouched
                 n = 6
-                q, k, v, grad = (
-                    torch.randn(1, h, n, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4)
-                )
+                q, k, v, grad = (torch.randn(1, h, n, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
                 # Two causal groups: rows 0-2 and 3-5, the second also blind to its first key.
                 group = torch.tensor([0, 0, 0, 1, 1, 1])
 
