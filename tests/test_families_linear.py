@@ -417,3 +417,71 @@ def test_multimodal_composite_is_refused_and_its_text_model_served(family):
     text = build_model(config, dtype=torch.float64)
     assert text.config.model_type == f"{config.model_type}_text"
     assert DeduplicatedActor(model=text).forward(chunk_batch()).log_probs.isfinite().all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adapter_and_delta_rule_reference_write_nothing_outside_their_model(family):
+    """After an actor ran (and the float64 and device delta-rule choices were used on its model):
+    every attribute of transformers' modeling modules is the same object as before, the layer class's
+    forward is transformers', and another model of the family has its layers as built (no instance
+    forward, no delta-rule choice) and gives the same logits."""
+    from zorro_core.models.linear_attention import delta_rule_of
+    from zorro_core.models.presets import build_model, preset_config
+    from zorro_core.verify.delta_rule import device_delta_rule, exact_delta_rule, linear_family_modules
+
+    modules = linear_family_modules()
+    before = [dict(vars(mod)) for mod in modules]
+    taken = build_model(preset_config(family), dtype=torch.float64, attn_implementation="eager")
+    plain = build_model(preset_config(family), dtype=torch.float64, attn_implementation="eager", seed=1)
+    cls_forward = type(linear_layers(plain)[0]).__dict__["forward"]
+    plain_state = [dict(layer.__dict__) for layer in linear_layers(plain)]
+    ids = torch.randint(1, 256, (2, 70), generator=torch.Generator().manual_seed(3))
+    logits = plain(input_ids=ids).logits
+    with exact_delta_rule(taken):
+        DeduplicatedActor(model=taken).forward(chunk_batch())
+        taken(input_ids=ids, use_cache=False)
+    with device_delta_rule(taken), delta_rule_of(taken, lambda kernel, query: kernel):
+        DeduplicatedActor(model=taken).forward(chunk_batch())
+        taken(input_ids=ids, use_cache=False)
+    for mod, was in zip(modules, before):
+        now = vars(mod)
+        assert now.keys() == was.keys(), mod.__name__
+        assert all(now[name] is was[name] for name in was), mod.__name__
+    assert type(linear_layers(plain)[0]).__dict__["forward"] is cls_forward
+    assert [dict(layer.__dict__) for layer in linear_layers(plain)] == plain_state
+    assert torch.equal(plain(input_ids=ids).logits, logits)
+    assert all("zorro_delta_rule" not in layer.__dict__ for layer in linear_layers(taken))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_written_out_layer_equals_transformers_forward_bitwise(family):
+    """The adapter's layer computation, run without a route around the module's own kernel, gives
+    transformers' forward bitwise (the model's logits and every gradient; a layer alone with a
+    padding mask): the reference that runs it (a model under exact_delta_rule) differs from
+    transformers' model in the kernel only."""
+    from zorro_core.models.linear_attention import delta_rule_of
+    from zorro_core.models.presets import build_model, preset_config
+
+    model = build_model(preset_config(family), dtype=torch.float64, attn_implementation="eager")
+    ids = torch.randint(1, 256, (2, 70), generator=torch.Generator().manual_seed(3))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, use_cache=False).logits
+        out.pow(2).mean().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    want, want_grads = run()
+    with delta_rule_of(model, lambda kernel, query: kernel):
+        got, got_grads = run()
+    assert torch.equal(got, want)
+    assert len(got_grads) == len(want_grads) and all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
+
+    layer = linear_layers(model)[0]
+    h = torch.randn(2, 70, model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 70, dtype=torch.long)
+    mask[1, :5] = 0  # left padding: the layer zeroes those tokens' inputs
+    want = type(layer).forward(layer, h, attention_mask=mask)
+    with delta_rule_of(model, lambda kernel, query: kernel):
+        got = layer(h, attention_mask=mask)
+    assert torch.equal(got, want)

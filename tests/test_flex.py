@@ -18,6 +18,24 @@ def test_flex_on_cpu_without_the_lift_is_refused_with_the_reason(tiny_models, mo
         )
 
 
+def test_flex_on_cpu_behind_a_failing_probe_is_refused_with_the_reason(monkeypatch):
+    """The lifted CPU path serves only after its numeric probe (float64 softmax attention) passes:
+    a kernel that is off by 1e-4 in its output is refused, and the actor says why."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from zorro_core.attention import flex
+
+    real = flex._eager_cpu
+    monkeypatch.setattr(flex, "_eager_cpu", lambda *a, **kw: real(*a, **kw) * (1 + 1e-4))
+    flex.cpu_flex_probe.cache_clear()
+    try:
+        why = flex_unavailable("cpu")
+    finally:
+        monkeypatch.undo()
+        flex.cpu_flex_probe.cache_clear()
+    assert "does not agree with float64 attention (output differs" in why
+    assert flex_unavailable("cpu") is None
+
+
 def test_flex_on_another_device_is_refused_with_the_reason():
     pytest.importorskip("torch.nn.attention.flex_attention")
     assert flex_unavailable("cpu") is None

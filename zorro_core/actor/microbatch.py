@@ -8,14 +8,16 @@ per-token (or per-row) terms scaled by constants of the FULL batch, e.g.
 (token-mean over the batch), or divide per-row sums by each row's length and by B
 (sequence-mean). A per-micro-batch mean would weight the micro-batches wrongly.
 
-Micro-batches: with sharing="prompt" (and the baseline) each prompt's rows stay together
-(zorro_core.plan.balance); with sharing="prefix" the batch is cut along its token trie, each
-micro-batch a run of rows in trie order costed by its own plan (zorro_core.plan.trie_balance).
-The budget is in computed tokens either way.
+Micro-batches, by the type of the plans the actor builds: for a `DedupPlan` (sharing="prompt",
+and the baseline) each prompt's rows stay together (zorro_core.plan.balance); for a `TriePlan`
+(sharing="prefix") the batch is cut along its token trie, each micro-batch a run of rows in trie
+order costed by its own plan (zorro_core.plan.trie_balance). The budget is in computed tokens
+either way.
 """
 
 from __future__ import annotations
 
+import functools
 import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
@@ -25,6 +27,9 @@ import torch
 from zorro_core.actor.config import ActorConfig
 from zorro_core.plan.balance import GroupedLengths, Partition, partition_micro_batches, select_rows
 from zorro_core.plan.batch import RolloutBatch
+from zorro_core.plan.build import plan_type
+from zorro_core.plan.prompt import DedupPlan
+from zorro_core.plan.trie import TriePlan
 from zorro_core.plan.trie_balance import TrieLengths, partition_trie_micro_batches
 
 
@@ -148,10 +153,27 @@ def _undo(error: BaseException, fresh: list[torch.Tensor], done: int, parts: int
 def micro_batch_partition(
     actor: LogProbActor, batch: RolloutBatch, max_tokens: Optional[int] = None, attention_weight: float = 0.0
 ) -> Partition:
-    """The micro-batches `forward_backward` runs. sharing="prefix": cut along the trie, so a prefix
-    shared by every group is computed once per micro-batch, not once per group
-    (zorro_core.plan.trie_balance); otherwise by prompt group (zorro_core.plan.balance)."""
-    if actor.dedup and actor.config.sharing == "prefix":
-        work = TrieLengths.of(batch, actor.config.min_shared_tokens)
-        return partition_trie_micro_batches(work, max_tokens, attention_weight)
+    """The micro-batches `forward_backward` runs, by the type of the plans the actor builds: for a
+    `TriePlan` cut along the trie, so a prefix shared by every group is computed once per
+    micro-batch, not once per group (zorro_core.plan.trie_balance); for a `DedupPlan` by prompt
+    group (zorro_core.plan.balance)."""
+    kind = plan_type(actor.dedup, actor.config.sharing)
+    return _partition.dispatch(kind)(actor, batch, max_tokens, attention_weight)
+
+
+@functools.singledispatch
+def _partition(plan: object, *args: Any) -> Partition:
+    """The partition of one plan type, looked up by the class (`_partition.dispatch(kind)`): the
+    micro-batches are cut before any of their plans exists."""
+    raise NotImplementedError(f"no micro-batch partition for a {type(plan).__name__}")
+
+
+@_partition.register(DedupPlan)
+def _(actor: LogProbActor, batch: RolloutBatch, max_tokens: Optional[int], attention_weight: float) -> Partition:
     return partition_micro_batches(GroupedLengths.of(batch, dedup=actor.dedup), max_tokens, attention_weight)
+
+
+@_partition.register(TriePlan)
+def _(actor: LogProbActor, batch: RolloutBatch, max_tokens: Optional[int], attention_weight: float) -> Partition:
+    work = TrieLengths.of(batch, actor.config.min_shared_tokens)
+    return partition_trie_micro_batches(work, max_tokens, attention_weight)

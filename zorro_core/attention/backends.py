@@ -2,6 +2,7 @@
 
     backend.causal(q, k, v, seg, scale, window)   # self-causal segments: q, k, v the same tokens
     backend.cross(q, k, v, seg, scale, window)    # responses against [their prompt | themselves]
+    backend.tree_level(q, k, v, level, scale, window)  # a trie level's nodes against [parent's path | own]
 
 In `causal`, q [Tq, Hq, D] and k, v [Tk, Hkv, D] hold the segments of `seg` back to back. In
 `cross`, q holds the cross segments' queries and k, v the whole packed row: `seg.k_index` (or,
@@ -29,16 +30,13 @@ from typing import Optional
 import torch
 
 from zorro_core.attention.head_dims import crop, same_head_dim
-from zorro_core.attention.padded import attend, cross_attention, from_padded, to_padded
+from zorro_core.attention.padded import attend, cross_attention, cross_blocks_attention, from_padded, to_padded
 from zorro_core.plan.segments import Segments
+from zorro_core.plan.trie import TreeLevel
 
 
 class AttentionBackend:
     """One way to run variable-length attention; `causal` and `cross` are the plan's two calls."""
-
-    padded = False
-    """Runs segments as a padded batch (zorro_core.attention.padded), which takes a shared key block
-    (a prompt, a parent's path) once per group; otherwise cu_seqlens over gathered keys."""
 
     name: str = ""
 
@@ -54,16 +52,39 @@ class AttentionBackend:
         """The plan's cross segments: q their queries, k, v the whole packed row."""
         return self.varlen(q, k[seg.k_index], v[seg.k_index], seg, scale, window)
 
+    def tree_level(self, q, k, v, level: TreeLevel, scale: float, window: Optional[int] = None) -> torch.Tensor:
+        """A prefix-tree level (zorro_core.attention.tree): q the level's queries, k, v the whole
+        packed row; each node's keys are its parent's path followed by its own tokens. By default
+        one gather of [path | own] per node (`TreeLevel.k_index`) through `varlen`."""
+        idx = level.k_index(q.device)
+        return self.varlen(q, k[idx], v[idx], level.seg, scale, window)
+
     def unavailable(self, device: torch.device) -> Optional[str]:
         """Why the backend cannot run on `device` here, or None when it can."""
         return None
 
 
-class ReferenceBackend(AttentionBackend):
+class PaddedBackend(AttentionBackend):
+    """Segments as a padded batch (zorro_core.attention.padded): a shared key block (a prompt, a
+    parent's path) is taken once per group and broadcast to its members, not gathered per member."""
+
+    exact = False
+    """Explicit scores with a float32 (float64) softmax rather than F.scaled_dot_product_attention."""
+
+    def tree_level(self, q, k, v, level, scale, window=None):
+        lay = level.cross_layout(q.device)
+        seg = level.seg
+        if not lay.uniform_p:  # the parents' paths are scattered over the packed row: gather them once
+            rows, seg, lay = level.compact(q.device)
+            k, v = k[rows], v[rows]
+        return cross_blocks_attention(q, k, v, seg, lay, scale, window, self.exact)
+
+
+class ReferenceBackend(PaddedBackend):
     """Exact: explicit scores over a padded batch; the cross call broadcasts each prompt block."""
 
     name = "reference"
-    padded = True
+    exact = True
 
     def varlen(self, q, k, v, seg, scale, window=None):
         lay, qp, kp, vp = to_padded(q, k, v, seg)
@@ -73,11 +94,10 @@ class ReferenceBackend(AttentionBackend):
         return cross_attention(q, k, v, seg, scale, window, exact=True)
 
 
-class SdpaBackend(AttentionBackend):
+class SdpaBackend(PaddedBackend):
     """F.scaled_dot_product_attention over a padded batch; on CPU the cross call saves no K/V copy."""
 
     name = "sdpa"
-    padded = True
 
     def varlen(self, q, k, v, seg, scale, window=None):
         lay, qp, kp, vp = to_padded(q, k, v, seg)

@@ -6,9 +6,10 @@ Split mode, one call per level of the tree (nodes of a level are contiguous in t
 - level d >= 1: the queries are the level's nodes; a node's keys are its ancestors' tokens (the
   path from its root to its parent, in path order) followed by its own, causal aligned
   bottom-right. This is `sharing="prompt"`'s cross call with "prompt" generalised to "the
-  parent's path", so the CPU backends reuse its machinery (zorro_core.attention.padded): the
-  parent's path is gathered once per distinct parent and broadcast to its children, and the CPU
-  flash path saves no copy of it for backward. flash-attn / torch varlen (GPU) take one gather of
+  parent's path", run by the backend's `tree_level` (zorro_core.attention.backends). The padded
+  (CPU) backends reuse the cross call's machinery (zorro_core.attention.padded): the parent's
+  path is gathered once per distinct parent and broadcast to its children, and the CPU flash
+  path saves no copy of it for backward. flash-attn / torch varlen (GPU) take one gather of
   [path | own] per node (`TreeLevel.k_index`).
 Windows are by path position (both calls and masks use positions along the path), which is the
 baseline's rule since a row's positions are its path's.
@@ -23,7 +24,6 @@ import torch.nn.functional as F
 
 from zorro_core.attention.backends import BACKENDS
 from zorro_core.attention.flex import BLOCK
-from zorro_core.attention.padded import cross_blocks_attention
 from zorro_core.plan.trie import TriePlan
 
 
@@ -35,17 +35,7 @@ def tree_split_attention(plan: TriePlan, q, k, v, scale: float, window: Optional
     outs = [be.causal(q[:t0], k[:t0], v[:t0], roots, scale, window)]
     for level in plan.levels[1:]:
         seg = level.seg
-        qx = q[seg.q_start : seg.q_start + seg.total_q]
-        if not be.padded:
-            idx = level.k_index(q.device)
-            outs.append(be.varlen(qx, k[idx], v[idx], seg, scale, window))
-            continue
-        lay = level.cross_layout(q.device)
-        kl, vl = k, v
-        if not lay.uniform_p:  # the parents' paths are scattered over the packed row: gather them once
-            rows, seg, lay = level.compact(q.device)
-            kl, vl = k[rows], v[rows]
-        outs.append(cross_blocks_attention(qx, kl, vl, seg, lay, scale, window, backend == "reference"))
+        outs.append(be.tree_level(q[seg.q_start : seg.q_start + seg.total_q], k, v, level, scale, window))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 

@@ -2,16 +2,18 @@
 
 A linear-attention layer mixes tokens in two places, neither of them transformers' attention
 interface: a causal depthwise convolution over the pre-conv q/k/v (kernel K), and the chunked
-gated delta rule, a recurrence whose state after a prompt summarises it. The adapter wraps
-exactly those two functions for the layers of the models an actor took, and nowhere else: each
-such layer gets its own copy of its class's forward (the same code, decorators included) whose
-two module-level names resolve to the adapter's functions, every other name to the layer's module
-as it is at the call. transformers' module is never written to, so another model of the same
-class in the process runs transformers' code as it is. The layer passes its forward kwargs, hence
-the route, to both functions: with a route they run the dedup computation below, without one the
-module's own function (looked up at each call, so a kernel swapped into the module later is the
-one that runs), so the model is unchanged outside the actor. Everything else in the layer
-(projections, gates, norms) is token-wise and runs untouched.
+gated delta rule, a recurrence whose state after a prompt summarises it. transformers' layer
+forward calls both as module-level functions, so the adapter gives each gated DeltaNet layer of
+the models an actor took its own forward (`adapted_forward`, an instance attribute; the class,
+transformers' module and every other model are never written to). Without a route in the
+forward kwargs it calls the class's forward: the model is unchanged outside the actor. With a
+route it runs transformers' computation written out here for the cacheless forward (>= 5.15;
+the same ops in the same order, the projections by family: Qwen3-Next's fused, Qwen3.5's
+separate), with the conv and the delta rule replaced by the dedup computation below, around the
+module's own functions looked up at each call (a kernel swapped into the module later is the one
+that runs). Everything else in the layer (projections, gates, norms) is token-wise.
+`delta_rule_of` lets a model's layers run a chosen delta rule in every forward (the float64
+kernel of zorro_core.verify.delta_rule), again on that model only.
 
 - Convolution: the model's own conv over the packed row, then the first K-1 tokens of each
   packed segment recomputed over their own sequence's window: for a response, the prompt's last
@@ -38,13 +40,17 @@ one that runs), so the model is unchanged outside the actor. Everything else in 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
 import types
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+import torch.nn.functional as F
+import transformers
+from packaging.version import Version
 from torch import nn
 from transformers.activations import ACT2FN
 
@@ -237,17 +243,55 @@ def linear_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if getattr(m, "layer_type", None) in LINEAR_LAYER_TYPES and hasattr(m, "conv1d")]
 
 
+# The layers' projections, by family: Qwen3-Next's fused qkvz / ba, Qwen3.5's separate qkv, z, b, a.
+_FUSED = ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering")
+_SEPARATE = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+_COMMON = (
+    "conv1d",
+    "activation",
+    "key_dim",
+    "value_dim",
+    "head_k_dim",
+    "head_v_dim",
+    "A_log",
+    "dt_bias",
+    "norm",
+    "out_proj",
+)
+_MIN_TRANSFORMERS = Version("5.15.0")
+_CHOOSER = "zorro_delta_rule"
+"""A layer's instance attribute: (module kernel, query) -> the delta rule its forwards run (`delta_rule_of`)."""
+
+
+def check_adaptable(layer: nn.Module) -> None:
+    """Refuse a gated DeltaNet layer whose forward the adapter does not reproduce, with the reason."""
+    if Version(transformers.__version__) < _MIN_TRANSFORMERS:
+        raise UnsupportedModelError(
+            f"transformers {transformers.__version__}: the gated DeltaNet adapter needs >= {_MIN_TRANSFORMERS} "
+            "(older releases' layers call the kernels bound on the layer)"
+        )
+    mod = sys.modules[type(layer).__module__]
+    missing = [name for name in (_CONV_FN, _DELTA_FN) if not callable(getattr(mod, name, None))]
+    missing += [name for name in _COMMON if not hasattr(layer, name)]
+    if not all(hasattr(layer, name) for name in _FUSED) and not all(hasattr(layer, name) for name in _SEPARATE):
+        missing.append(f"either {' / '.join(_FUSED)} or {' / '.join(_SEPARATE)}")
+    if missing:
+        raise UnsupportedModelError(
+            f"{type(layer).__qualname__} ({mod.__name__}) has no {', '.join(missing)}: this gated DeltaNet is not supported"
+        )
+
+
 def install_linear_attention(model: nn.Module) -> None:
     """Give every gated DeltaNet layer of `model` the adapted forward (idempotent; this model's layers only).
 
     The adapter acts only when a route is in the call's kwargs. A layer whose forward was already
     replaced on the instance by someone else is left as it is: if that forward bypasses the
-    adapter, the actor's call count refuses the forward. transformers' module functions are left
-    as they are.
+    adapter, the actor's call count refuses the forward. Nothing outside the layers is written.
     """
     for layer in linear_layers(model):
+        check_adaptable(layer)
         if "forward" not in layer.__dict__:
-            layer.forward = types.MethodType(_adapted_forward(type(layer)), layer)
+            layer.forward = types.MethodType(adapted_forward, layer)
 
 
 def uninstall_linear_attention(model: nn.Module) -> None:
@@ -257,79 +301,125 @@ def uninstall_linear_attention(model: nn.Module) -> None:
             del layer.forward
 
 
-# The adapted forward of each layer class, by the class's forward function.
-_ADAPTED: dict = {}
+@contextlib.contextmanager
+def delta_rule_of(model: nn.Module, choose: Callable[[Callable, torch.Tensor], Callable]) -> Iterator[None]:
+    """Within: every forward of `model`'s gated DeltaNet layers, with a route and without, runs the
+    delta rule `choose(the module's kernel at the call, the query)`; other models, and transformers'
+    modules, are untouched. The layers get the adapted forward (kept after the block: without a
+    route or a choice it runs the class's forward); copies of the model made inside the block (deepcopy)
+    keep the choice. A model without such layers is left as it is."""
+    layers = linear_layers(model)
+    install_linear_attention(model)
+    saved = [layer.__dict__.get(_CHOOSER) for layer in layers]
+    try:
+        for layer in layers:
+            layer.__dict__[_CHOOSER] = choose
+        yield
+    finally:
+        for layer, before in zip(layers, saved):
+            if before is None:
+                layer.__dict__.pop(_CHOOSER, None)
+            else:
+                layer.__dict__[_CHOOSER] = before
 
 
-def _adapted_forward(cls: Any):
-    """`cls.forward` rebuilt with the conv and delta rule names resolved to the adapter's functions."""
-    forward = cls.forward
-    if forward not in _ADAPTED:
-        mod = sys.modules[cls.__module__]
-        missing = [name for name in (_CONV_FN, _DELTA_FN) if getattr(mod, name, None) is None]
-        if missing:
-            raise UnsupportedModelError(
-                f"{mod.__name__} has no {', '.join(missing)}: this transformers version's gated DeltaNet is not supported"
-            )
-        overrides = {
-            _CONV_FN: _routed(mod, _CONV_FN, _dedup_conv),
-            _DELTA_FN: _routed(mod, _DELTA_FN, _dedup_delta_rule),
-        }
-        adapted = _with_globals(forward, overrides, cls)
-        adapted.zorro_adapted = True
-        _ADAPTED[forward] = adapted
-    return _ADAPTED[forward]
+def adapted_forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """A gated DeltaNet layer's forward: its class's forward (transformers' code) unless a route is
+    in the kwargs or the layer has a delta-rule choice (`delta_rule_of`); then the same computation
+    written out here, the conv and the delta rule through the adapter (see the module docstring)."""
+    route = kwargs.get("zorro_route")
+    choose = self.__dict__.get(_CHOOSER)
+    if route is None and choose is None:
+        return type(self).forward(self, *args, **kwargs)
+    hidden_states, cache, attention_mask = _layer_inputs(args, kwargs)
+    if cache is not None:
+        why = "the dedup path runs" if route is not None else "a chosen delta rule (delta_rule_of) runs in"
+        raise UnsupportedModelError(
+            f"a recurrent cache (conv or delta-rule state) is not supported: {why} a full forward without "
+            "cache (use_cache=False)"
+        )
+    # As transformers' force_accelerate_hooks: the conv's weight is read directly, not through its forward.
+    hook = getattr(self.conv1d, "_hf_hook", None)
+    if hook is not None:
+        hook.pre_forward(self.conv1d)
+    try:
+        return _layer_computation(self, hidden_states, attention_mask, choose, kwargs)
+    finally:
+        if hook is not None:
+            hook.post_forward(self.conv1d, ())
 
 
-def _routed(mod, name: str, fn):
-    """`fn(the module's `name` at call time, ...)`: the dedup computation with a route, the module's own without."""
-
-    def call(*args, **kwargs):
-        return fn(getattr(mod, name), *args, **kwargs)
-
-    call.__name__ = call.__qualname__ = name
-    return call
+adapted_forward.zorro_adapted = True  # type: ignore[attr-defined]
 
 
-class _LayerGlobals(dict):
-    """The globals of an adapted forward: the adapter's names; any other name read from the module at lookup."""
-
-    def __init__(self, module_globals: dict, overrides: dict) -> None:
-        super().__init__(overrides)
-        # Read by the interpreter from the dict itself (not through __missing__) when the function is built.
-        self["__builtins__"] = module_globals["__builtins__"]
-        self["__name__"] = module_globals["__name__"]
-        self._module_globals = module_globals
-
-    def __missing__(self, name: str):
-        return self._module_globals[name]
-
-
-def _with_globals(fn, overrides: dict, cls: type):
-    """A copy of `fn` whose global names in `overrides` resolve there.
-
-    `fn` is a function or a chain of functools.wraps decorators around one: the innermost function
-    that names an override is rebuilt with _LayerGlobals, each decorator above it rebuilt with the
-    new function in place of the old in its closure.
-    """
-    if not set(overrides) & set(fn.__code__.co_names):
-        inner = getattr(fn, "__wrapped__", None)
-        cells = [c for c in fn.__closure__ or () if inner is not None and c.cell_contents is inner]
-        if inner is None or not cells:
-            raise UnsupportedModelError(
-                f"{cls.__qualname__}.forward does not call {' or '.join(overrides)} by name: this transformers "
-                "version's gated DeltaNet is not supported"
-            )
-        new_inner = _with_globals(inner, overrides, cls)
-        closure = tuple(types.CellType(new_inner) if c.cell_contents is inner else c for c in fn.__closure__)
-        return _copy_function(fn, fn.__globals__, closure, __wrapped__=new_inner)
-    return _copy_function(fn, _LayerGlobals(fn.__globals__, overrides), fn.__closure__)
+def _layer_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Any, Optional[torch.Tensor]]:
+    """hidden_states, cache, attention_mask of the layer's call (popped from kwargs); the cache under
+    its current name or its deprecated one."""
+    names = ("hidden_states", "cache", "attention_mask")
+    if len(args) > len(names):
+        raise TypeError(f"the gated DeltaNet forward takes at most {len(names)} positional arguments, got {len(args)}")
+    given = dict(zip(names, args))
+    for name in names:
+        if name in kwargs:
+            if name in given:
+                raise TypeError(f"the gated DeltaNet forward got {name} twice")
+            given[name] = kwargs.pop(name)
+    cache = given.get("cache")
+    legacy = kwargs.pop("cache_params", None)
+    if "hidden_states" not in given:
+        raise TypeError("the gated DeltaNet forward needs hidden_states")
+    return given["hidden_states"], cache if cache is not None else legacy, given.get("attention_mask")
 
 
-def _copy_function(fn, globals_: dict, closure, **attrs):
-    new = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, closure)
-    new.__kwdefaults__ = fn.__kwdefaults__
-    new.__qualname__, new.__doc__, new.__annotations__ = fn.__qualname__, fn.__doc__, fn.__annotations__
-    new.__dict__.update(fn.__dict__)
-    new.__dict__.update(attrs)
-    return new
+def _layer_computation(self, hidden_states, attention_mask, choose, kwargs: dict) -> torch.Tensor:
+    """transformers' gated DeltaNet forward without cache (>= 5.15), step for step: the same ops in
+    the same order, so without a route it equals the class's forward bitwise (a test checks it)."""
+    mod = sys.modules[type(self).__module__]
+    if attention_mask is not None:  # transformers' apply_mask_to_padding_states
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    bsz, seq_len = hidden_states.shape[:2]
+    if hasattr(self, "in_proj_qkvz"):
+        query, key, value, z, b, a = self.fix_query_key_value_ordering(
+            self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
+        )
+        query, key, value = (x.reshape(x.shape[0], x.shape[1], -1) for x in (query, key, value))
+        mixed_qkv = torch.cat((query, key, value), dim=-1).transpose(1, 2)
+    else:
+        mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)
+        z = self.in_proj_z(hidden_states).reshape(bsz, seq_len, -1, self.head_v_dim)
+        b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
+
+    mixed_qkv = _dedup_conv(
+        getattr(mod, _CONV_FN),
+        mixed_qkv,
+        self.conv1d.weight.squeeze(1),
+        self.conv1d.bias,
+        activation=self.activation,
+        **kwargs,
+    )
+    mixed_qkv = mixed_qkv.transpose(1, 2)
+    query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    query = query.reshape(bsz, seq_len, -1, self.head_k_dim)
+    key = key.reshape(bsz, seq_len, -1, self.head_k_dim)
+    value = value.reshape(bsz, seq_len, -1, self.head_v_dim)
+    beta = b.sigmoid()
+    g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+    kernel = getattr(mod, _DELTA_FN)
+    if choose is not None:
+        kernel = choose(kernel, query)
+    core, _ = _dedup_delta_rule(
+        kernel,
+        query,
+        key,
+        value,
+        g=g,
+        beta=beta,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=kwargs.pop("cu_seq_lens_q", None),
+        **kwargs,
+    )
+    core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return self.out_proj(core.reshape(bsz, seq_len, -1))

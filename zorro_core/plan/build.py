@@ -23,10 +23,16 @@ def build_dedup_plan(
     `vocab_size` when given, once per plan."""
     min_shared_tokens = DEFAULT_MIN_SHARED_TOKENS if min_shared_tokens is None else min_shared_tokens
     check_sharing(sharing, min_shared_tokens)
-    if dedup and sharing == "prefix":
+    if plan_type(dedup, sharing) is TriePlan:
         plan: DedupPlan | TriePlan = build_trie_plan(batch, vocab_size=vocab_size, min_shared_tokens=min_shared_tokens)
         return plan
     return build_prompt_plan(batch, dedup=dedup, vocab_size=vocab_size)
+
+
+def plan_type(dedup: bool, sharing: str) -> type[DedupPlan] | type[TriePlan]:
+    """The class of the plans `build_dedup_plan` builds for these options (what a caller that has
+    no plan yet, such as the micro-batch partition, dispatches on)."""
+    return TriePlan if dedup and sharing == "prefix" else DedupPlan
 
 
 def build_plain_plan(batch: RolloutBatch, vocab_size: int | None = None) -> DedupPlan:

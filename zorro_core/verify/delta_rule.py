@@ -5,16 +5,18 @@ model's dtype, so in a float64 model a gradient through it carries float32 noise
 ~1e-4 relative on A_log for dedup vs one-shot) and cannot prove exactness at float64's floor.
 This is the same algorithm and signature (chunked WY/UT form, chunk 64, qk l2-norm in kernel)
 computing in float64 for float64 inputs (float32 otherwise). The equivalence tests and
-`zorro verify training` (`exact_delta_rule`) install it in place of the model module's kernel for
-the reference, the baseline and the deduplicated run alike; a test checks it agrees with
-transformers' kernel to float32 precision. `zorro verify gradients` computes its float64 reference
-with it, and runs it in its float64 cases (on CPU); lower-precision cases run transformers' kernel.
+`zorro verify training` (`exact_delta_rule`) give it to the model's gated DeltaNet layers (that
+model only, never transformers' module) for the reference, the baseline and the deduplicated run
+alike; a test checks it agrees with transformers' kernel to float32 precision. A plain forward of
+such a layer then runs zorro's written-out layer computation (zorro_core.models.linear_attention)
+around the chosen kernel; a test checks that computation equals transformers' forward bitwise
+for the same kernel. `zorro verify gradients` computes its float64 reference with it, and runs it
+in its float64 cases (on CPU); lower-precision cases run transformers' kernel.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import sys
 from types import ModuleType
 from typing import Iterator, Optional
@@ -23,10 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zorro_core.models.linear_attention import LINEAR_LAYER_TYPES, fla_available, linear_layers
+from zorro_core.models.linear_attention import (
+    LINEAR_LAYER_TYPES,
+    delta_rule_kernel,
+    delta_rule_of,
+    fla_available,
+    linear_layers,
+)
 from zorro_core.models.registry import FAMILIES
-
-_KERNEL = "torch_chunk_gated_delta_rule"
 
 
 def linear_modules(model: nn.Module) -> set[ModuleType]:
@@ -106,20 +112,12 @@ def chunk_gated_delta_rule_exact(
 
 @contextlib.contextmanager
 def exact_delta_rule(model: nn.Module) -> Iterator[None]:
-    """Within: the gated DeltaNet modules of `model` run `chunk_gated_delta_rule_exact`.
-
-    zorro's adapter looks the module's kernel up at each call, so this applies to actors built
-    before or inside the block alike; the module's own kernel is put back on exit. A model
-    without such layers is left as it is.
-    """
-    saved = {mod: getattr(mod, _KERNEL) for mod in linear_modules(model)}
-    try:
-        for mod in saved:
-            setattr(mod, _KERNEL, chunk_gated_delta_rule_exact)
+    """Within: the gated DeltaNet layers of `model` run `chunk_gated_delta_rule_exact`, in every
+    forward (an actor's, with a route, and a plain one) of this model and of copies made inside the
+    block; transformers' modules and other models are untouched (`delta_rule_of`). A model
+    without such layers is left as it is."""
+    with delta_rule_of(model, lambda module_kernel, query: chunk_gated_delta_rule_exact):
         yield
-    finally:
-        for mod, fn in saved.items():
-            setattr(mod, _KERNEL, fn)
 
 
 @contextlib.contextmanager
@@ -128,24 +126,10 @@ def device_delta_rule(model: nn.Module) -> Iterator[None]:
     can run. transformers resolves its module kernel to fla's whenever fla is importable, on every
     device, and fla's Triton kernels cannot take CPU tensors; the reference then takes the PyTorch
     function transformers' wrapper keeps behind it (what transformers runs without fla), as zorro's
-    adapter does (`delta_rule_kernel`). Without fla, or without such layers, nothing changes."""
+    adapter does (`delta_rule_kernel`), on this model only (`delta_rule_of`). Without fla, or
+    without such layers, nothing changes: the forward is transformers' own."""
     if fla_available() is not None:  # fla is not importable: transformers' kernel is PyTorch's
         yield
         return
-    saved = {mod: getattr(mod, _KERNEL) for mod in linear_modules(model)}
-
-    def by_device(kernel):
-        pytorch = inspect.unwrap(kernel)
-
-        def dispatch(query, *args, **kwargs):
-            return (kernel if query.is_cuda else pytorch)(query, *args, **kwargs)
-
-        return dispatch
-
-    try:
-        for mod, fn in saved.items():
-            setattr(mod, _KERNEL, by_device(fn))
+    with delta_rule_of(model, lambda module_kernel, query: delta_rule_kernel(module_kernel, query)[0]):
         yield
-    finally:
-        for mod, fn in saved.items():
-            setattr(mod, _KERNEL, fn)
