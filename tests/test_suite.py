@@ -110,7 +110,9 @@ def test_actor_table_and_dotted_grid_axes():
 
 def test_flat_actor_keys_are_read_with_a_deprecation_note():
     new = parse_suite({"actor": {"use_split_attention": False}, "grid": [{"actor": {"sharing": ["prefix"]}}]})
-    with pytest.deprecated_call(match=r"\[defaults\]: 'split_attention' is deprecated, write 'actor.use_split_attention'"):
+    with pytest.deprecated_call(
+        match=r"\[defaults\]: 'split_attention' is deprecated, write 'actor.use_split_attention'"
+    ):
         old = parse_suite({"defaults": {"split_attention": False}, "grid": [{"sharing": ["prefix"]}]})
     assert [c.case_id for c in old.cases] == [c.case_id for c in new.cases]
     assert old.cases[0].actor == new.cases[0].actor

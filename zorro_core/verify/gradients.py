@@ -486,9 +486,7 @@ def expand_cases(
     `actor`'s (default ActorConfig()) with its attention, split or mask mode and logits mode."""
     actor = actor or ActorConfig()
     return [
-        VerifyCase(
-            m, d, lay, actor.replace(attn_implementation=a, use_split_attention=mode == "split", logits_mode=lm)
-        )
+        VerifyCase(m, d, lay, actor.replace(attn_implementation=a, use_split_attention=mode == "split", logits_mode=lm))
         for m, d, lay, a, mode, lm in itertools.product(models, dtypes, layouts, attns, modes, logits_modes)
     ]
 

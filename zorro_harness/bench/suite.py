@@ -40,9 +40,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from zorro_core.actor.config import FIELDS as ACTOR_FIELDS
 from zorro_core.actor.config import ActorConfig
-from zorro_core.actor.logprobs import LOGITS_MODES
 from zorro_core.attention.backends import BACKENDS
 from zorro_core.plan.dtypes import DTYPES
 from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS
