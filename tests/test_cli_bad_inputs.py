@@ -171,7 +171,7 @@ def test_the_suite_text_is_the_suite(fake, tmp_path):
         ('[measure]\nmemory = "yes"\n[defaults]\nbatch_size = 4\n', ["memory must be true or false"]),
         ("[measure]\nwarmup = true\n[defaults]\nbatch_size = 4\n", ["warmup must be an integer"]),
         ("[defaults]\nprompt_dedup_ratio = nan\n", ["prompt_dedup_ratio must be a number"]),
-        ("[defaults]\nlogits_memory_budget_mib = inf\n", ["logits_memory_budget_mib must be > 0"]),
+        ("[actor]\nlogits_memory_budget_mib = inf\n", ["logits_memory_budget_mib must be a finite number > 0"]),
     ],
     ids=["empty", "no-case", "bool-int", "float-int", "str-int", "str-bool", "bool-warmup", "nan-ratio", "inf"],
 )

@@ -89,7 +89,7 @@ def test_a_case_that_raises_is_an_error_row_and_the_sweep_goes_on(tmp_path):
     suite.write_text(
         TINY.read_text().replace(
             "[[grid]]\nnum_unique_prompts = [1, 4]",
-            '[[grid]]\nattn_implementation = ["flash_attention_2", "sdpa"]\nsplit_attention = false',
+            '[[grid]]\nactor.attn_implementation = ["flash_attention_2", "sdpa"]\nactor.use_split_attention = false',
         )
     )
     out = tmp_path / "bad.csv"
@@ -106,7 +106,7 @@ def test_flash_attention_split_cases_skip_on_cpu(tmp_path):
     suite = tmp_path / "flash.toml"
     suite.write_text(
         TINY.read_text().replace(
-            "[[grid]]\nnum_unique_prompts = [1, 4]", '[[grid]]\nattn_implementation = ["flash_attention_2"]'
+            "[[grid]]\nnum_unique_prompts = [1, 4]", '[[grid]]\nactor.attn_implementation = ["flash_attention_2"]'
         )
     )
     out = tmp_path / "flash.csv"

@@ -55,3 +55,36 @@ def test_a_count_below_one_names_its_own_option(field, flag):
     args[args.index(flag) + 1] = "0"
     text = _refused(args, field)
     assert "shared_prefix_len" not in text
+
+
+def test_run_flags_are_the_actor_fields_and_the_older_names_still_work(tmp_path):
+    """--attn-implementation, --use-split-attention/--no-use-split-attention, --sharing, ...: one case,
+    the same one as the older --attn and --split/--mask give."""
+    import csv
+
+    new, old = tmp_path / "new.csv", tmp_path / "old.csv"
+    actor = ["--sharing", "prefix", "--min-shared-tokens", "2", "--logits-mode", "none", "--phase", "forward"]
+    args = [*RUN, *actor, "--attn-implementation", "eager", "--no-use-split-attention", "--out", new]
+    res = runner.invoke(app, [str(a) for a in args])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, [str(a) for a in [*RUN, *actor, "--attn", "eager", "--mask", "--out", old]])
+    assert res.exit_code == 0, res.output
+    (row,) = list(csv.DictReader(new.open()))
+    assert row["case_id"] == next(csv.DictReader(old.open()))["case_id"]
+    assert (row["attn_implementation"], row["split_attention"], row["logits_mode"]) == ("eager", "False", "none")
+    assert (row["sharing"], row["min_shared_tokens"]) == ("prefix", "2") and row["case_id"].endswith(":prefix2")
+
+
+def test_sweep_reads_old_suite_keys_with_a_note_and_filters_actor_options(tmp_path):
+    suite = tmp_path / "old.toml"
+    suite.write_text(
+        '[defaults]\nmodel = "tiny-qwen3"\nsplit_attention = false\n[[grid]]\nlogits_mode = ["none", "memory"]\n'
+    )
+    res = runner.invoke(app, ["bench", "sweep", str(suite), "--list", "--filter", "actor.logits_mode=memory"])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "'split_attention' is deprecated, write 'actor.use_split_attention'" in text
+    assert "'logits_mode' is deprecated, write 'actor.logits_mode'" in text
+    assert [line for line in res.output.splitlines() if line.startswith("tiny-qwen3")] == [
+        "tiny-qwen3:sdpa:mask:memory:float32:cpu:b8u1p256r32"
+    ]

@@ -60,5 +60,7 @@ def test_an_attention_that_cannot_run_here_is_refused_with_what_can():
     res = invoke("--attn", "flash_attention_2", "--device", "cpu")
     assert res.exit_code == 2, res.output
     text = " ".join(res.output.split())
-    assert "error: --attn flash_attention_2 cannot run this check" in text and "needs a CUDA device" in text
+    assert (
+        "error: --attn-implementation flash_attention_2 cannot run this check" in text and "needs a CUDA device" in text
+    )
     assert "choose eager or sdpa" in text

@@ -28,6 +28,8 @@ import torch
 trl = pytest.importorskip("trl")
 
 from zorro_core.distributed.launch import launch  # noqa: E402
+from zorro_core.verify.tolerances import GRAD_RTOL as GRAD_FLOOR  # noqa: E402
+from zorro_core.verify.tolerances import LOGPROB_ATOL as LP_FLOOR  # noqa: E402
 
 FSDP_ENV = {
     "ACCELERATE_USE_FSDP": "true",
@@ -36,7 +38,6 @@ FSDP_ENV = {
     "FSDP_TRANSFORMER_CLS_TO_WRAP": "Qwen3DecoderLayer",
     "FSDP_RESHARD_AFTER_FORWARD": "true",
 }
-LP_FLOOR, GRAD_FLOOR = 1e-6, 1e-5  # zorro_core.verify.gradients' float64 tolerances
 
 
 # ----------------------------------------------------------------------------- launching ranks

@@ -24,10 +24,10 @@ if Version(verl.__version__) < Version("0.8"):
     pytest.skip(f"verl {verl.__version__} < 0.8 has the legacy workers, not the engines", allow_module_level=True)
 
 from zorro_core.distributed.launch import launch  # noqa: E402
+from zorro_core.verify.tolerances import GRAD_RTOL as GRAD_TOL  # noqa: E402
+from zorro_core.verify.tolerances import LOGPROB_ATOL as LP_TOL  # noqa: E402
 
 TEMPERATURE = 0.7
-LP_TOL = 1e-6
-GRAD_TOL = 1e-5
 PLANTED_MIN = 1e-3
 
 

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from zorro_harness.bench.suite import Case, Measure, case_matches, load_suite, parse_suite
+from zorro_core.actor.config import ActorConfig
+from zorro_harness.bench.suite import CASE_ACTOR, Case, Measure, case_matches, load_suite, parse_suite
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,11 +40,18 @@ def test_dedup_ratio_axis_becomes_unique_prompts():
         ({"grid": [{"num_unique_prompt": [1]}]}, "did you mean 'num_unique_prompts'"),
         ({"measure": {"repeat": 3}}, "did you mean 'repeats'"),
         ({"mesure": {}}, "did you mean 'measure'"),
-        ({"defaults": {"logits_mode": "fast"}}, "logits_mode 'fast' is not one of"),
+        ({"actor": {"logits_mode": "fast"}}, "unknown logits_mode 'fast'"),
+        ({"actor": {"logit_mode": "none"}}, r"unknown key 'logit_mode' in \[actor\]; did you mean 'logits_mode'"),
+        ({"grid": [{"actor": {"use_split": [True]}}]}, "did you mean 'actor.use_split_attention'"),
+        ({"grid": [{"actor": "sdpa"}]}, "actor in .* must be a table"),
+        ({"actor": {"router_aux_weighting": "unique"}}, "actor.router_aux_weighting is not a benchmark option"),
+        ({"actor": {"attn_implementation": "flash"}}, "actor.attn_implementation 'flash' is not one of"),
+        ({"actor": {"varlen_backend": "nope"}}, "actor.varlen_backend 'nope' is not one of"),
+        ({"grid": [{"split_attention": [False], "actor": {"use_split_attention": [True]}}]}, "given twice"),
         ({"defaults": {"batch_size": 0}}, "batch_size must be an integer >= 1"),
         ({"defaults": {"batch_size": 4, "num_unique_prompts": 5}}, "num_unique_prompts must be in"),
         ({"measure": {"phases": ["backward"]}}, "phases 'backward' is not one of"),
-        ({"defaults": {"split_attention": "yes"}}, "split_attention must be true or false"),
+        ({"actor": {"use_split_attention": "yes"}}, "actor.use_split_attention must be true or false"),
         ({"defaults": {"liger": 1}}, "liger must be true or false"),
         ({"grid": [{"prompt_len": []}]}, "empty list"),
     ],
@@ -69,10 +77,58 @@ def test_filters():
     c = Case(model="tiny-qwen3", batch_size=8, num_unique_prompts=2, prompt_len=128)
     assert case_matches(c, "u2p128")
     assert case_matches(c, "prompt_len=128") and not case_matches(c, "prompt_len=512")
-    assert case_matches(c, "model=tiny-*") and case_matches(c, "split_attention=true")
+    assert case_matches(c, "model=tiny-*") and case_matches(c, "actor.use_split_attention=true")
+    assert case_matches(c, "actor.logits_mode=comp*") and not case_matches(c, "actor.sharing=prefix")
     assert case_matches(c, "*:b8u2*")
     with pytest.raises(ValueError, match="did you mean 'prompt_len'"):
         case_matches(c, "promptlen=128")
+    with pytest.raises(ValueError, match="did you mean 'actor.logits_mode'"):
+        case_matches(c, "actor.logits_mod=none")
+    with pytest.deprecated_call(match="'split_attention' is deprecated, write 'actor.use_split_attention'"):
+        assert case_matches(c, "split_attention=true")
+
+
+def test_actor_table_and_dotted_grid_axes():
+    s = parse_suite(
+        {
+            "actor": {"attn_implementation": "eager", "logits_mode": "memory"},
+            "defaults": {"batch_size": 4},
+            "grid": [{"actor": {"logits_mode": ["none", "compute"], "use_split_attention": [True, False]}}],
+        }
+    )
+    assert [(c.actor.logits_mode, c.actor.use_split_attention) for c in s.cases] == [
+        ("none", True),
+        ("none", False),
+        ("compute", True),
+        ("compute", False),
+    ]
+    assert {c.actor.attn_implementation for c in s.cases} == {"eager"}
+    # [defaults] may give actor options as dotted keys too; no [actor] table: sdpa, the case default.
+    (c,) = parse_suite({"defaults": {"actor": {"logits_memory_budget_mib": 8}}}).cases
+    assert c.actor == CASE_ACTOR.replace(logits_memory_budget_mib=8)
+
+
+def test_flat_actor_keys_are_read_with_a_deprecation_note():
+    new = parse_suite({"actor": {"use_split_attention": False}, "grid": [{"actor": {"sharing": ["prefix"]}}]})
+    with pytest.deprecated_call(
+        match=r"\[defaults\]: 'split_attention' is deprecated, write 'actor.use_split_attention'"
+    ):
+        old = parse_suite({"defaults": {"split_attention": False}, "grid": [{"sharing": ["prefix"]}]})
+    assert [c.case_id for c in old.cases] == [c.case_id for c in new.cases]
+    assert old.cases[0].actor == new.cases[0].actor
+
+
+def test_case_ids_of_the_shipped_suites_are_unchanged():
+    """The case id is the resume key of results files: the shipped suites, in the actor-table spelling,
+    give the ids they gave as flat keys (recorded below), and load with no deprecation note."""
+    import json
+    import warnings
+
+    expected = json.loads((ROOT / "tests" / "data" / "suite_case_ids.json").read_text())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        found = {p.stem: [c.case_id for c in load_suite(p).cases] for p in sorted((ROOT / "suites").glob("*.toml"))}
+    assert found == expected
 
 
 def test_shipped_suites_load():
@@ -108,7 +164,9 @@ def test_stack_suites_have_a_case_for_every_row_of_the_table(name, device):
     for config in STACK:
         arm, part, split, liger = STACK_SOURCES[config]
         assert any(
-            c.attn_implementation == getattr(roles, part) and c.liger == liger and split in (None, c.split_attention)
+            c.actor.attn_implementation == getattr(roles, part)
+            and c.liger == liger
+            and split in (None, c.actor.use_split_attention)
             for c in suite.cases
         ), config
 
@@ -118,8 +176,8 @@ def test_sharing_axes():
         {
             "defaults": {"batch_size": 8, "num_unique_prompts": 2, "prompt_len": 16},
             "grid": [
-                {"sharing": ["prompt", "prefix"], "shared_prefix_len": [0, 8]},
-                {"sharing": "prefix", "baseline": "prompt", "min_shared_tokens": 4},
+                {"actor": {"sharing": ["prompt", "prefix"]}, "shared_prefix_len": [0, 8]},
+                {"actor": {"sharing": "prefix", "min_shared_tokens": 4}, "baseline": "prompt"},
             ],
         }
     )
@@ -127,13 +185,17 @@ def test_sharing_axes():
     assert len(ids) == len(set(ids)) == 5
     assert ids[0] == Case(batch_size=8, num_unique_prompts=2, prompt_len=16).case_id  # defaults keep their old id
     assert any(i.endswith(":sys8:prefix") for i in ids) and any(i.endswith("base-prompt:prefix4") for i in ids)
-    for bad, msg in (
-        ({"sharing": "suffix"}, "sharing"),
-        ({"shared_prefix_len": 16}, "shared_prefix_len"),
-        ({"min_shared_tokens": 0}, "min_shared_tokens"),
-    ):
+    # The actor's default run length is left out of the id, as when it could be left unset.
+    default = Case(actor=CASE_ACTOR.replace(sharing="prefix"), num_unique_prompts=1)
+    assert default.case_id.endswith(":prefix")
+    with pytest.raises(ValueError, match="shared_prefix_len"):
+        Case(prompt_len=16, shared_prefix_len=16, num_unique_prompts=1)
+    for bad, msg in (({"sharing": "suffix"}, "sharing"), ({"min_shared_tokens": 0}, "min_shared_tokens")):
         with pytest.raises(ValueError, match=msg):
-            Case(prompt_len=16, **bad)
+            CASE_ACTOR.replace(**bad)
+    with pytest.raises(ValueError, match="actor must be an ActorConfig"):
+        Case(actor={"sharing": "prefix"}, num_unique_prompts=1)  # type: ignore[arg-type]
+    assert Case(actor=ActorConfig(attn_implementation="eager"), num_unique_prompts=1).actor.logits_mode == "compute"
 
 
 def test_sharing_workload():
@@ -146,8 +208,7 @@ def test_sharing_workload():
         prompt_len=16,
         response_len=4,
         shared_prefix_len=8,
-        sharing="prefix",
-        min_shared_tokens=1,
+        actor=CASE_ACTOR.replace(sharing="prefix", min_shared_tokens=1),
     )
     w = case_workload(case)
     assert w.unique_tokens == 8 + 2 * 8 + 8 * 4 and w.prompt_dedup_ratio == pytest.approx(0.75)

@@ -16,9 +16,9 @@ from zorro_core.distributed.launch import launch
 from zorro_core.distributed.ulysses import SequenceParallel
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.presets import build_model, preset_config
+from zorro_core.verify.tolerances import GRAD_RTOL as GRAD_TOL
+from zorro_core.verify.tolerances import LOGPROB_ATOL as LP_TOL
 
-LP_TOL = 1e-6
-GRAD_TOL = 1e-5
 PLANTED_MIN = 1e-3
 TEMPERATURE = 0.8
 

@@ -5,16 +5,19 @@ import math
 import pytest
 import torch
 
-from zorro_core import DeduplicatedActor, build_dedup_plan
+from zorro_core import ActorConfig, DeduplicatedActor, build_dedup_plan
+from zorro_core.verify import tolerances
 from zorro_core.verify.gradients import (
     BUGS,
     FACTOR,
     GRAD_FLOOR,
     LP_FLOOR,
+    CaseResult,
     Errors,
     Verifier,
     VerifyCase,
     case_unavailable,
+    expand_cases,
     inject_bug,
     judge,
     tiny_models,
@@ -26,6 +29,11 @@ from zorro_core.verify.reference import per_sequence, sequence_forward, token_we
 @pytest.fixture(scope="module")
 def verifier():
     return Verifier()
+
+
+def case(model: str, attn: str, dtype: str, layout: str, split: bool, logits_mode: str) -> VerifyCase:
+    actor = ActorConfig(attn_implementation=attn, use_split_attention=split, logits_mode=logits_mode)
+    return VerifyCase(model, dtype, layout, actor)
 
 
 def errs(lp, ent, **grads):
@@ -65,6 +73,24 @@ def test_rule_scales_with_the_baseline_noise_in_low_precision_only():
     assert judge("float32", errs(math.nan, 0.0), errs(0.0, 0.0))[0] == math.inf
 
 
+def test_the_rule_uses_the_tolerances_defined_once():
+    assert (LP_FLOOR, GRAD_FLOOR, FACTOR) == (tolerances.LOGPROB_ATOL, tolerances.GRAD_RTOL, 4.0)
+    assert (LP_FLOOR, GRAD_FLOOR) == (1e-6, 1e-5)
+
+
+def test_case_names_and_json_carry_the_actor_options():
+    c = case("tiny-qwen3", "sdpa", "float32", "padded", False, "memory")
+    assert c.name == "tiny-qwen3/sdpa/float32/padded/mask/memory"
+    d = CaseResult(c, "skip", "why").to_dict()
+    assert d["case"] == c.name and d["actor"]["use_split_attention"] is False and d["actor"]["logits_mode"] == "memory"
+    cases = expand_cases(["tiny-qwen3"], ["eager"], ["float64"], ["padded"], ["split", "mask"], ["compute"],
+                         ActorConfig(sharing="prefix", min_shared_tokens=1))  # fmt: skip
+    assert [(x.actor.use_split_attention, x.actor.sharing, x.actor.min_shared_tokens) for x in cases] == [
+        (True, "prefix", 1),
+        (False, "prefix", 1),
+    ]
+
+
 def test_batches_of_each_layout():
     padded = verify_batch("padded", 256)
     assert not padded.prompt_mask.bool().all() and not padded.response_mask.bool().all()
@@ -91,7 +117,7 @@ def test_sequence_forward_equals_per_sequence(tiny_models):
     "split,attn,logits_mode", [(True, "eager", "compute"), (True, "sdpa", "memory"), (False, "sdpa", "none")]
 )
 def test_cases_pass(verifier, dtype, layout, split, attn, logits_mode):
-    res = verifier.run(VerifyCase("tiny-qwen3", attn, dtype, layout, split, logits_mode))
+    res = verifier.run(case("tiny-qwen3", attn, dtype, layout, split, logits_mode))
     assert res.status == "pass", res.reason
     assert res.worst_ratio < 0.5  # measured <= 0.42; a drift towards the limit is worth a look
     assert set(res.dedup.grads) == {n for n, _ in verifier.model("tiny-qwen3", dtype).named_parameters()}
@@ -99,7 +125,7 @@ def test_cases_pass(verifier, dtype, layout, split, attn, logits_mode):
 
 @pytest.mark.parametrize("model", [m for m in tiny_models() if m != "tiny-qwen3"])
 def test_every_supported_family_passes(verifier, model):
-    res = verifier.run(VerifyCase(model, "eager", "float64", "padded", True, "compute"))
+    res = verifier.run(case(model, "eager", "float64", "padded", True, "compute"))
     assert res.status == "pass", res.reason
 
 
@@ -108,7 +134,7 @@ def test_every_supported_family_passes(verifier, model):
 @pytest.mark.parametrize("split", [True, False])
 def test_broken_plans_fail_by_far(verifier, monkeypatch, bug, dtype, split):
     monkeypatch.setattr(verifier, "bug", bug)
-    res = verifier.run(VerifyCase("tiny-qwen3", "sdpa", dtype, "padded", split, "compute"))
+    res = verifier.run(case("tiny-qwen3", "sdpa", dtype, "padded", split, "compute"))
     assert res.status == "fail"
     assert res.worst_ratio > 10, (res.worst_ratio, res.reason)  # measured >= 11 (bfloat16), >= 1e4 (float64)
 
@@ -163,12 +189,12 @@ def test_injection_plants_the_trie_version_in_a_prefix_actor(tiny_models):
 
 def test_unavailable_cases_skip_with_a_reason(verifier):
     assert "CUDA" in case_unavailable(
-        VerifyCase("tiny-qwen3", "flash_attention_2", "bfloat16", "padded", True, "compute"), "cpu"
+        case("tiny-qwen3", "flash_attention_2", "bfloat16", "padded", True, "compute"), "cpu"
     )
     assert "mask mode" in case_unavailable(
-        VerifyCase("tiny-qwen3", "flash_attention_2", "bfloat16", "padded", False, "compute"), "cpu"
+        case("tiny-qwen3", "flash_attention_2", "bfloat16", "padded", False, "compute"), "cpu"
     )
-    res = verifier.run(VerifyCase("tiny-qwen3", "flash_attention_2", "bfloat16", "padded", True, "compute"))
+    res = verifier.run(case("tiny-qwen3", "flash_attention_2", "bfloat16", "padded", True, "compute"))
     assert res.status == "skip" and res.reason
 
 
@@ -177,5 +203,5 @@ def test_a_crash_is_an_error_row(verifier, monkeypatch):
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(DeduplicatedActor, "forward", boom)
-    res = verifier.run(VerifyCase("tiny-qwen3", "eager", "float64", "padded", True, "compute"))
+    res = verifier.run(case("tiny-qwen3", "eager", "float64", "padded", True, "compute"))
     assert res.status == "error" and "kernel exploded" in res.reason

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -13,15 +14,16 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from zorro_cli.choices import Attn, Baseline, DType, LogitsMode, Phase
+from zorro_cli.choices import Attn, Baseline, DType, LogitsMode, Phase, Sharing
 from zorro_cli.console import console, escape, fail, resolve_device, warn
 from zorro_core.plan.dtypes import DTYPES
+from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS
 from zorro_harness.bench.guard import ranks_too_many
 from zorro_harness.bench.inputs import model_config
 from zorro_harness.bench.measure import LARGE, format_speedup
 from zorro_harness.bench.results import sidecar_path
 from zorro_harness.bench.runner import ARMS, case_rows, refused_arms
-from zorro_harness.bench.suite import Case, Measure, Suite, load_suite
+from zorro_harness.bench.suite import CASE_ACTOR, Case, Measure, Suite, load_suite
 from zorro_harness.bench.sweep import FAILED, run_suite, unresolved_models
 
 MAX_MEMORY_HELP = (
@@ -163,7 +165,8 @@ def sweep(
         [],
         "--filter",
         "-k",
-        help="Only cases matching: key=value (glob) on a case field, else a substring/glob of the case id. Repeatable (all must match).",
+        help="Only cases matching: key=value (glob) on a case field or actor.<option> (actor.logits_mode=memory), "
+        "else a substring/glob of the case id. Repeatable (all must match).",
     ),
     device: Optional[str] = typer.Option(
         None, "--device", help="Run every case on this device (cpu or cuda) instead of the suite's."
@@ -180,10 +183,14 @@ def sweep(
     if device:
         resolve_device(device)  # asked for explicitly: a device that is not here is an error, not skipped rows
     try:
-        suite = load_suite(suite_file)
-        if device:
-            suite = suite.on_device(device)
-        suite = suite.filtered(filters)
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always", DeprecationWarning)
+            suite = load_suite(suite_file)
+            if device:
+                suite = suite.on_device(device)
+            suite = suite.filtered(filters)
+        for note in dict.fromkeys(str(n.message) for n in notes if issubclass(n.category, DeprecationWarning)):
+            warn(f"{suite_file}: {note}" if note.startswith("[") else note)
         overrides = {k: v for k, v in (("repeats", repeats), ("warmup", warmup), ("memory", memory)) if v is not None}
         if overrides:
             suite.measure = Measure(**{**dataclasses.asdict(suite.measure), **overrides})
@@ -210,14 +217,35 @@ def run(
     ),
     attn: Attn = typer.Option(
         Attn("sdpa"),
+        "--attn-implementation",
         "--attn",
-        help="Attention implementation of both arms (flex_attention needs --mask; auto: zorro picks).",
+        help="actor.attn_implementation of both arms (flex_attention needs --no-use-split-attention; auto: zorro "
+        "picks). --attn: the older name.",
     ),
     split: bool = typer.Option(
-        True, "--split/--mask", help="Dedup arm: split attention (two varlen calls) or one masked call."
+        True,
+        "--use-split-attention/--no-use-split-attention",
+        "--split/--mask",
+        help="actor.use_split_attention of the dedup arm: two varlen calls, or one masked call over the packed "
+        "row. --split/--mask: the older names.",
     ),
     logits_mode: LogitsMode = typer.Option(
-        LogitsMode("compute"), "--logits-mode", help="How log-probs are computed (both arms)."
+        LogitsMode("compute"), "--logits-mode", help="actor.logits_mode: how log-probs are computed (both arms)."
+    ),
+    logits_memory_budget_mib: Optional[float] = typer.Option(
+        None,
+        "--logits-memory-budget-mib",
+        help="actor.logits_memory_budget_mib: logits_mode memory's MiB per chunk (default: the actor's).",
+    ),
+    sharing: Sharing = typer.Option(
+        Sharing("prompt"),
+        "--sharing",
+        help="actor.sharing of the dedup arm: prompt (identical prompts) or prefix (a token trie over whole rows).",
+    ),
+    min_shared_tokens: int = typer.Option(
+        DEFAULT_MIN_SHARED_TOKENS,
+        "--min-shared-tokens",
+        help="actor.min_shared_tokens: with --sharing prefix, the shortest shared run split off as a node.",
     ),
     dtype: DType = typer.Option(DType("float32"), "--dtype", help="Model dtype."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
@@ -235,7 +263,9 @@ def run(
         Baseline("packed"), "--baseline", help="packed (fair: same backend, no padding) or padded (plain HF forward)."
     ),
     varlen_backend: Optional[str] = typer.Option(
-        None, "--varlen-backend", help="Split-mode varlen backend (default: the one for --attn and --device)."
+        None,
+        "--varlen-backend",
+        help="actor.varlen_backend: split mode's varlen backend (default: the one for the attention and --device).",
     ),
     liger: bool = typer.Option(False, "--liger", help="Apply Liger kernels before timing (GPU; else a skipped row)."),
     checkpointing: bool = typer.Option(
@@ -267,11 +297,18 @@ def run(
     if unique_prompts is None and dedup_ratio is None:
         unique_prompts = 1
     try:
+        actor = CASE_ACTOR.replace(
+            attn_implementation=attn.value,
+            use_split_attention=split,
+            logits_mode=logits_mode.value,
+            logits_memory_budget_mib=logits_memory_budget_mib,
+            sharing=sharing.value,
+            min_shared_tokens=min_shared_tokens,
+            varlen_backend=varlen_backend,
+        )
         case = Case(
             model=model,
-            attn_implementation=attn.value,
-            split_attention=split,
-            logits_mode=logits_mode.value,
+            actor=actor,
             dtype=dtype.value,
             device=device,
             batch_size=batch_size,
@@ -281,7 +318,6 @@ def run(
             response_len=response_len,
             padding=padding,
             baseline=baseline.value,
-            varlen_backend=varlen_backend,
             liger=liger,
             checkpointing=checkpointing,
             seed=seed,

@@ -6,11 +6,12 @@ from __future__ import annotations
 from enum import Enum
 from typing import Iterable
 
+from zorro_core.actor.logprobs import LOGITS_MODES
 from zorro_core.plan.trie import SHARINGS
 from zorro_core.verify.gradients import ATTNS, LAYOUTS
 from zorro_harness.analyze.workload_sim import BATCHINGS
 from zorro_harness.bench.report import METRICS
-from zorro_harness.bench.suite import ATTN_IMPLEMENTATIONS, BASELINES, DTYPES, LOGITS_MODES, PHASES
+from zorro_harness.bench.suite import ATTN_IMPLEMENTATIONS, BASELINES, DTYPES, PHASES
 
 
 def _choices(name: str, values: Iterable[str]) -> type[Enum]:

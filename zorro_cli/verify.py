@@ -22,6 +22,7 @@ from zorro_cli.console import (
     print_json,
     resolve_device,
 )
+from zorro_core.actor.config import ActorConfig
 from zorro_core.actor.logprobs import LOGITS_MODES
 from zorro_core.models.presets import PRESETS
 from zorro_core.verify.gradients import (
@@ -109,7 +110,7 @@ def _factor(factor: float) -> float:
 
 def _attns(values: Optional[list[str]], device: str) -> list[str]:
     default = ["eager", "sdpa"] + (["flash_attention_2"] if device.startswith("cuda") else [])
-    return _split(values, ATTNS, default, "--attn")
+    return _split(values, ATTNS, default, "--attn-implementation")
 
 
 def _bug(name: Optional[str]) -> Optional[str]:
@@ -124,18 +125,23 @@ def gradients(
     ),
     attn: Optional[list[str]] = typer.Option(
         None,
+        "--attn-implementation",
         "--attn",
-        help=f"Attention implementations ({', '.join(ATTNS)}; default eager,sdpa and flash_attention_2 on CUDA).",
+        help=f"actor.attn_implementation values ({', '.join(ATTNS)}; default eager,sdpa and flash_attention_2 on "
+        "CUDA). --attn: the older name.",
     ),
     dtype: Optional[list[str]] = typer.Option(None, "--dtype", help=f"dtypes ({', '.join(DTYPES)}; default all)."),
     layout: Optional[list[str]] = typer.Option(
         None, "--layout", help="padded (varied lengths, a lone row, a prefix prompt) and/or unpadded (default both)."
     ),
     mode: Optional[list[str]] = typer.Option(
-        None, "--mode", help="split (two varlen calls) and/or mask (one masked attention) (default both)."
+        None,
+        "--mode",
+        help="actor.use_split_attention values: split (true: two varlen calls) and/or mask (false: one masked "
+        "attention) (default both).",
     ),
     logits_mode: Optional[list[str]] = typer.Option(
-        None, "--logits-mode", help=f"Log-prob modes ({', '.join(LOGITS_MODES)}; default all)."
+        None, "--logits-mode", help=f"actor.logits_mode values ({', '.join(LOGITS_MODES)}; default all)."
     ),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
     factor: float = typer.Option(
@@ -164,13 +170,14 @@ def gradients(
     sharing: Sharing = typer.Option(
         Sharing("prompt"),
         "--sharing",
-        help="What the dedup actor shares: prompt (identical prompts) or prefix (a token trie over whole rows).",
+        help="actor.sharing of the dedup actor: prompt (identical prompts) or prefix (a token trie over whole rows).",
     ),
     min_shared_tokens: int = typer.Option(
         1,
         "--min-shared-tokens",
         min=1,
-        help="sharing=prefix: shortest shared run split off as a node (1: every common run).",
+        help="actor.min_shared_tokens: with --sharing prefix, the shortest shared run split off as a node "
+        "(default 1 here: every common run, the strictest test).",
     ),
 ) -> None:
     if reentrant and not checkpointing:
@@ -185,6 +192,7 @@ def gradients(
         _split(layout, LAYOUTS, list(LAYOUTS), "--layout"),
         _split(mode, MODES, list(MODES), "--mode"),
         _split(logits_mode, LOGITS_MODES, list(LOGITS_MODES), "--logits-mode"),
+        ActorConfig(sharing=sharing.value, min_shared_tokens=min_shared_tokens),
     )
     bug = _bug(inject_bug)
     t0 = time.perf_counter()
@@ -204,8 +212,6 @@ def gradients(
             on_result=progress,
             lora_rank=lora,
             checkpointing=flavour,
-            sharing=sharing.value,
-            min_shared_tokens=min_shared_tokens,
         )
     seconds = time.perf_counter() - t0
     counts, ok = _verdict(results)
@@ -281,13 +287,20 @@ def training(
     models: Optional[list[str]] = typer.Option(
         None, "--models", help="Presets, comma-separated (default: every tiny-* preset of a supported family)."
     ),
-    attn: Optional[list[str]] = typer.Option(None, "--attn", help="Attention implementations (default sdpa)."),
+    attn: Optional[list[str]] = typer.Option(
+        None,
+        "--attn-implementation",
+        "--attn",
+        help="actor.attn_implementation values (default sdpa). --attn: the older name.",
+    ),
     dtype: Optional[list[str]] = typer.Option(None, "--dtype", help=f"dtypes ({', '.join(DTYPES)}; default all)."),
     layout: Layout = typer.Option(
         Layout("padded"), "--layout", help="Batch layout: padded (varied lengths) or unpadded."
     ),
-    mode: Optional[list[str]] = typer.Option(None, "--mode", help="split and/or mask (default split)."),
-    logits_mode: LogitsMode = typer.Option(LogitsMode("compute"), "--logits-mode", help="Log-prob mode."),
+    mode: Optional[list[str]] = typer.Option(
+        None, "--mode", help="actor.use_split_attention values: split and/or mask (default split)."
+    ),
+    logits_mode: LogitsMode = typer.Option(LogitsMode("compute"), "--logits-mode", help="actor.logits_mode."),
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
     factor: float = typer.Option(
@@ -341,7 +354,7 @@ def _training_grid(
         TrainConfig(model=m, attn=a, dtype=d, split=s == "split", **common)
         for m in _models(models)
         for d in _split(dtype, list(DTYPES), list(DTYPES), "--dtype")
-        for a in _split(attn, ATTNS, ["sdpa"], "--attn")
+        for a in _split(attn, ATTNS, ["sdpa"], "--attn-implementation")
         for s in _split(mode, MODES, ["split"], "--mode")
     ]
 

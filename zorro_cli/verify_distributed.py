@@ -23,6 +23,7 @@ from zorro_cli.console import (
     print_json,
     resolve_device,
 )
+from zorro_core.actor.config import ActorConfig
 from zorro_core.distributed.launch import RANK_VARIABLES, set_by_torchrun, under_torchrun
 from zorro_core.models.presets import PRESETS
 from zorro_core.verify.distributed import BUGS, RULE, DistributedConfig, VariantResult, verify_distributed
@@ -59,9 +60,12 @@ def distributed(
     nproc: int = typer.Option(2, "--nproc", min=1, help="Ranks to spawn (ignored under torchrun, which sets them)."),
     model: str = typer.Option("tiny-qwen3", "--model", help="Preset (a tiny-* shape of a supported family)."),
     attn: VerifyAttn = typer.Option(
-        VerifyAttn("sdpa"), "--attn", help="Attention implementation of the actor (split attention, float64)."
+        VerifyAttn("sdpa"),
+        "--attn-implementation",
+        "--attn",
+        help="actor.attn_implementation of the actor (split attention, float64). --attn: the older name.",
     ),
-    logits_mode: LogitsMode = typer.Option(LogitsMode("compute"), "--logits-mode", help="Log-prob mode."),
+    logits_mode: LogitsMode = typer.Option(LogitsMode("compute"), "--logits-mode", help="actor.logits_mode."),
     equal_rows: bool = typer.Option(
         False, "--equal-rows", help="regroup with the same row count per rank (default: whole groups)."
     ),
@@ -156,14 +160,15 @@ def _check_attention_runs(model: str, attn: str, logits_mode: str, device: str) 
     settings, whose case_unavailable says why not."""
 
     def why_not(a: str) -> Optional[str]:
-        case = VerifyCase(model=model, attn=a, dtype="float64", layout="padded", split=True, logits_mode=logits_mode)
+        actor = ActorConfig(attn_implementation=a, use_split_attention=True, logits_mode=logits_mode)
+        case = VerifyCase(model=model, dtype="float64", layout="padded", actor=actor)
         return case_unavailable(case, device)
 
     why = why_not(attn)
     if why:
         runs = [a.value for a in VerifyAttn if why_not(a.value) is None]
         fail(
-            f"--attn {attn} cannot run this check (float64, split attention) on {device}: {why}"
+            f"--attn-implementation {attn} cannot run this check (float64, split attention) on {device}: {why}"
             + (f"; choose {' or '.join(runs)}" if runs else "")
         )
 

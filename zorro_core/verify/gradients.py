@@ -15,7 +15,7 @@ import copy
 import itertools
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -23,7 +23,6 @@ from transformers import PreTrainedModel
 
 from zorro_core.actor.actor import BaselineActor, DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
-from zorro_core.actor.logprobs import LOGITS_MODES
 from zorro_core.attention.backends import backend_unavailable, default_backend
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.linear_attention import fla_available
@@ -33,17 +32,18 @@ from zorro_core.models.registry import FAMILIES
 from zorro_core.plan.batch import RolloutBatch, create_dummy_batch
 from zorro_core.plan.dtypes import DTYPES as TORCH_DTYPES
 from zorro_core.plan.prompt import DedupPlan, build_prompt_plan
-from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, TriePlan, build_trie_plan
+from zorro_core.plan.trie import TriePlan, build_trie_plan
 from zorro_core.stack.checkpointing import checkpointed
 from zorro_core.stack.lora import LoraSettings, apply_lora
 from zorro_core.verify.delta_rule import exact_delta_rule
 from zorro_core.verify.reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
+from zorro_core.verify.tolerances import GRAD_RTOL, LOGPROB_ATOL, LOW_PRECISION_FACTOR
 
-# Measured float64 floor (transformers keeps RMSNorm, RoPE and eager softmax in float32 even in a
-# float64 model): log-probs ~6e-8 abs, gradients ~6e-7 relative. Asserted an order above.
-LP_FLOOR = 1e-6
-GRAD_FLOOR = 1e-5
-FACTOR = 4.0
+# The float64 floors and the low-precision allowance (zorro_core.verify.tolerances), by the names
+# the pass rule uses.
+LP_FLOOR = LOGPROB_ATOL
+GRAD_FLOOR = GRAD_RTOL
+FACTOR = LOW_PRECISION_FACTOR
 TEMPERATURE = 0.7
 
 # The dtypes verify proves, in zorro_core.plan.dtypes' names.
@@ -71,34 +71,24 @@ RULE = (
 
 @dataclass(frozen=True)
 class VerifyCase:
-    """One configuration to prove."""
+    """One configuration to prove: a model, a dtype, a batch layout, and the options both actors run with."""
 
     model: str
     """Preset name (tiny shapes of a supported family)."""
-    attn: str
-    """Attention implementation: eager, sdpa, flash_attention_2."""
     dtype: str
     """float64, float32 or bfloat16."""
     layout: str
     """padded (varied prompt and response lengths, a lone row, a prefix prompt) or unpadded (equal lengths)."""
-    split: bool
-    """Split attention (two varlen calls) or one masked attention over the packed row."""
-    logits_mode: str
-    """none, compute or memory."""
+    actor: ActorConfig
+    """The actors' options: attn_implementation (eager, sdpa, flash_attention_2), use_split_attention
+    (two varlen calls, or one masked attention over the packed row), logits_mode (none, compute,
+    memory), and the dedup actor's sharing and min_shared_tokens."""
 
     @property
     def name(self) -> str:
-        return f"{self.model}/{self.attn}/{self.dtype}/{self.layout}/{'split' if self.split else 'mask'}/{self.logits_mode}"
-
-    def actor_config(self, sharing: str = "prompt", min_shared_tokens: Optional[int] = None) -> ActorConfig:
-        """The options both actors of the case run with."""
-        return ActorConfig(
-            use_split_attention=self.split,
-            attn_implementation=self.attn,
-            logits_mode=self.logits_mode,
-            sharing=sharing,
-            min_shared_tokens=DEFAULT_MIN_SHARED_TOKENS if min_shared_tokens is None else min_shared_tokens,
-        )
+        a = self.actor
+        mode = "split" if a.use_split_attention else "mask"
+        return f"{self.model}/{a.attn_implementation}/{self.dtype}/{self.layout}/{mode}/{a.logits_mode}"
 
 
 @dataclass
@@ -144,7 +134,10 @@ class CaseResult:
         f = finite_or_none
         d = {
             "case": self.case.name,
-            **asdict(self.case),
+            "model": self.case.model,
+            "dtype": self.case.dtype,
+            "layout": self.case.layout,
+            "actor": self.case.actor.as_dict(),
             "status": self.status,
             "reason": self.reason,
             "dedup_vs_baseline_log_prob": f(self.dedup_vs_baseline),
@@ -224,18 +217,19 @@ def verify_batch(layout: str, vocab_size: int, seed: int = 0) -> RolloutBatch:
 
 def case_unavailable(case: VerifyCase, device: str) -> Optional[str]:
     """Why a case cannot run on `device`, or None."""
+    attn, split = case.actor.attn_implementation, case.actor.use_split_attention
     if case.model not in PRESETS:
         return f"unknown preset {case.model!r}"
     if case.dtype not in DTYPES:
         return f"unknown dtype {case.dtype!r}"
-    if case.logits_mode not in LOGITS_MODES:
-        return f"unknown logits mode {case.logits_mode!r}"
-    if not case.split and case.attn not in ("eager", "sdpa"):
-        return f"mask mode runs eager or sdpa, not {case.attn}"
-    if case.attn.startswith("flash_attention") and torch.device(device).type != "cuda":
-        return f"{case.attn} needs a CUDA device"
-    if case.split:
-        backend = default_backend(case.attn, device)
+    if attn not in ATTNS:  # the reference's own: not None (the model's), not "auto"
+        return f"attention {attn!r} is not one verify proves ({', '.join(ATTNS)})"
+    if not split and attn not in ("eager", "sdpa"):
+        return f"mask mode runs eager or sdpa, not {attn}"
+    if attn.startswith("flash_attention") and torch.device(device).type != "cuda":
+        return f"{attn} needs a CUDA device"
+    if split:
+        backend = case.actor.varlen_backend or default_backend(attn, device)
         why = backend_unavailable(backend, device)
         if why:
             return why
@@ -389,15 +383,11 @@ class Verifier:
         bug: Optional[str] = None,
         lora_rank: Optional[int] = None,
         checkpointing: Optional[str] = None,
-        sharing: str = "prompt",
-        min_shared_tokens: int = 1,
     ) -> None:
         self.lora_rank = lora_rank
         # None, or a flavour of zorro_core.stack.checkpointing: the actors then run in training mode
         # with every decoder layer checkpointed (the reference runs without, in eval mode).
         self.checkpointing = checkpointing
-        # The DeduplicatedActor's sharing mode; prefix mode shares every common run by default (1).
-        self.sharing, self.min_shared_tokens = sharing, min_shared_tokens
         self.device = device
         self.seed = seed
         self.factor = factor
@@ -458,7 +448,7 @@ class Verifier:
         try:
             model = self.model(case.model, case.dtype)
             batch, w, ref = self.reference(case.model, case.dtype, case.layout)
-            config = case.actor_config(self.sharing, self.min_shared_tokens)
+            config = case.actor
             try:
                 actor = DeduplicatedActor(model=model, config=config)
             except UnsupportedModelError as e:  # refused with its reason (e.g. linear attention in prefix mode)
@@ -490,10 +480,13 @@ def expand_cases(
     layouts: Iterable[str],
     modes: Iterable[str],
     logits_modes: Iterable[str],
+    actor: Optional[ActorConfig] = None,
 ) -> list[VerifyCase]:
-    """Every combination, in a stable order (model outermost)."""
+    """Every combination, in a stable order (model outermost); each case's actor options are
+    `actor`'s (default ActorConfig()) with its attention, split or mask mode and logits mode."""
+    actor = actor or ActorConfig()
     return [
-        VerifyCase(m, a, d, lay, mode == "split", lm)
+        VerifyCase(m, d, lay, actor.replace(attn_implementation=a, use_split_attention=mode == "split", logits_mode=lm))
         for m, d, lay, a, mode, lm in itertools.product(models, dtypes, layouts, attns, modes, logits_modes)
     ]
 
@@ -507,8 +500,6 @@ def verify_cases(
     on_result: Optional[Callable[[CaseResult], None]] = None,
     lora_rank: Optional[int] = None,
     checkpointing: Optional[str] = None,
-    sharing: str = "prompt",
-    min_shared_tokens: int = 1,
 ) -> list[CaseResult]:
     """Run cases (sharing models and references) and return their results.
 
@@ -518,14 +509,7 @@ def verify_cases(
     "reentrant", zorro_core.stack.checkpointing), in training mode.
     """
     verifier = Verifier(
-        device=device,
-        seed=seed,
-        factor=factor,
-        bug=bug,
-        lora_rank=lora_rank,
-        checkpointing=checkpointing,
-        sharing=sharing,
-        min_shared_tokens=min_shared_tokens,
+        device=device, seed=seed, factor=factor, bug=bug, lora_rank=lora_rank, checkpointing=checkpointing
     )
     results = []
     for case in cases:

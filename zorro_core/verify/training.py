@@ -207,7 +207,7 @@ def verify_training(
     on_step: Optional[Callable[[StepResult], None]] = None,
 ) -> TrainingResult:
     """Train ref64, baseline and dedup side by side and judge every step (TRAIN_RULE)."""
-    case = VerifyCase(cfg.model, cfg.attn, cfg.dtype, cfg.layout, cfg.split, cfg.logits_mode)
+    case = VerifyCase(cfg.model, cfg.dtype, cfg.layout, cfg.actor_config())
     why = case_unavailable(case, device)
     if why:
         return TrainingResult(cfg, "skip", why)

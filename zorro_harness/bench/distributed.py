@@ -69,7 +69,9 @@ def case_plan(case: Case) -> dict[str, Any]:
 
     def cost(rank_rows: list[int]) -> dict[str, float]:
         f = flops(
-            shape, plan_workload(build_dedup_plan(select_rows(batch, rank_rows)), case.logits_mode), case.logits_mode
+            shape,
+            plan_workload(build_dedup_plan(select_rows(batch, rank_rows)), case.actor.logits_mode),
+            case.actor.logits_mode,
         )
         return {p: f.phase(p) for p in PHASES}
 
@@ -101,7 +103,7 @@ def rank_process(case: Case, measure: Measure) -> dict[str, Any]:
         case.model,
         device=device,
         dtype=DTYPES[case.dtype],
-        attn_implementation=case.attn_implementation,
+        attn_implementation=str(case.actor.attn_implementation),  # a Case always names one
         seed=case.seed,
     )
     model.eval()

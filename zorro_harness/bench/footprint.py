@@ -98,10 +98,10 @@ def case_footprint(case: Case, config, phases: tuple[str, ...], arm: str = "base
     tokens = b * (p + r) if arm == "baseline" else u * p + b * r  # the arm's packed row
     in_flight, saved = activation_widths(shape)
     activations = tokens * (saved if backward else in_flight) * width
-    positions = tokens if case.logits_mode == "none" else b * r
+    positions = tokens if case.actor.logits_mode == "none" else b * r
     logits = positions * shape.vocab_size * 4
-    if case.logits_mode == "memory":
-        budget = case.logits_memory_budget_mib or _MEMORY_MODE_DEFAULT_MIB
+    if case.actor.logits_mode == "memory":
+        budget = case.actor.logits_memory_budget_mib or _MEMORY_MODE_DEFAULT_MIB
         logits = min(logits, int(budget * 2**20))
     return Footprint(
         weights=params * width * (2 if backward else 1),

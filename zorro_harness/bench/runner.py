@@ -77,8 +77,10 @@ def case_workload(case: Case) -> Workload:
     batch = make_batch(case, config.vocab_size)
     prompt_plan = build_dedup_plan(batch, dedup=True)
     base = prompt_plan if case.baseline == "prompt" else build_plain_plan(batch)
-    dedup = build_dedup_plan(batch, dedup=True, sharing=case.sharing, min_shared_tokens=case.min_shared_tokens)
-    cmp = compare_plans(model_shape(config), base, dedup, case.logits_mode)
+    dedup = build_dedup_plan(
+        batch, dedup=True, sharing=case.actor.sharing, min_shared_tokens=case.actor.min_shared_tokens
+    )
+    cmp = compare_plans(model_shape(config), base, dedup, case.actor.logits_mode)
     return Workload(
         logical_tokens=dedup.logical_tokens,
         unique_tokens=dedup.num_tokens,
@@ -106,10 +108,10 @@ class _Bench:
         if case.device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"device {case.device} requested but CUDA is not available here")
         self.device = torch.device(case.device)
-        attn = case.attn_implementation
+        attn = str(case.actor.attn_implementation)
         if attn == "auto":  # resolved once, the same for both arms (zorro_core.stack.auto's rule)
             attn = choose_attention(
-                self.device, DTYPES[case.dtype], case.prompt_len + case.response_len, case.split_attention
+                self.device, DTYPES[case.dtype], case.prompt_len + case.response_len, case.actor.use_split_attention
             ).implementation
         self.model = load_model(
             case.model, device=self.device, dtype=DTYPES[case.dtype], attn_implementation=attn, seed=case.seed
@@ -129,8 +131,8 @@ class _Bench:
         config = case.actor_config(attn)
         plain = ActorConfig(
             attn_implementation=attn,
-            logits_mode=case.logits_mode,
-            logits_memory_budget_mib=case.logits_memory_budget_mib,
+            logits_mode=case.actor.logits_mode,
+            logits_memory_budget_mib=case.actor.logits_memory_budget_mib,
         )
         self.actors: dict[str, Any] = {}
         if "baseline" in arms:
@@ -139,7 +141,7 @@ class _Bench:
             elif case.baseline == "prompt":  # the prompt-sharing dedup arm, to measure what prefix sharing adds
                 self.actors["baseline"] = DeduplicatedActor(model=self.model, config=config.replace(sharing="prompt"))
             else:  # packed, split attention through the same backend as the dedup arm
-                packed = plain.replace(varlen_backend=case.varlen_backend)
+                packed = plain.replace(varlen_backend=case.actor.varlen_backend)
                 self.actors["baseline"] = BaselineActor(model=self.model, config=packed)
         if "dedup" in arms:
             self.actors["dedup"] = DeduplicatedActor(model=self.model, config=config)
@@ -388,7 +390,8 @@ def skip_reason(case: Case) -> Optional[str]:
         return f"device {case.device} is not available on this machine (no CUDA)"
     if case.liger and not case.device.startswith("cuda"):
         return liger_unavailable(model_config(case.model).model_type, case.device)
-    if case.split_attention and case.attn_implementation.startswith("flash_attention") and not case.varlen_backend:
+    a = case.actor
+    if a.use_split_attention and str(a.attn_implementation).startswith("flash_attention") and not a.varlen_backend:
         # flash-attn needs CUDA and its package: a GPU suite run with --device cpu skips these rows.
         return backend_unavailable("flash_attn", case.device)
     return None
@@ -400,13 +403,17 @@ def _emit(row: dict, on_phase: Optional[Callable[[dict], None]]) -> None:
 
 
 def case_base_row(case: Case, measure: Measure) -> dict[str, Any]:
+    """The case's columns of its rows. The column names are the results file's format (read by
+    `zorro report` and by --resume of files written before), not the config's spelling: the
+    actor's `use_split_attention` stays the `split_attention` column."""
+    a = case.actor
     return {
         "case_id": case.case_id,
         "model": case.model,
-        "attn_implementation": case.attn_implementation,
-        "split_attention": case.split_attention,
-        "logits_mode": case.logits_mode,
-        "logits_memory_budget_mib": case.logits_memory_budget_mib if case.logits_memory_budget_mib is not None else "",
+        "attn_implementation": a.attn_implementation,
+        "split_attention": a.use_split_attention,
+        "logits_mode": a.logits_mode,
+        "logits_memory_budget_mib": a.logits_memory_budget_mib if a.logits_memory_budget_mib is not None else "",
         "dtype": case.dtype,
         "device": case.device,
         "batch_size": case.batch_size,
@@ -424,9 +431,9 @@ def case_base_row(case: Case, measure: Measure) -> dict[str, Any]:
         "liger_kernels": "",
         "checkpointing": case.checkpointing,
         "peak_mem_kind": "not_measured",
-        "sharing": case.sharing,
+        "sharing": a.sharing,
         "shared_prefix_len": case.shared_prefix_len,
-        "min_shared_tokens": case.min_shared_tokens if case.min_shared_tokens is not None else "",
+        "min_shared_tokens": a.min_shared_tokens if a.sharing != "prompt" else "",
     }
 
 

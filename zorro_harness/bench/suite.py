@@ -3,16 +3,22 @@
     name = "quick"                 # top level: name, description, device, seed
     [measure]                      # warmup, repeats, phases, memory, timeout_s, threads
     repeats = 5
-    [defaults]                     # a value for any axis (Case field)
+    [actor]                        # the actor options of every case: ActorConfig's field names
+    attn_implementation = "sdpa"
+    use_split_attention = true
+    [defaults]                     # a value for any workload axis (Case field)
     model = "small-qwen3"
     [[grid]]                       # each grid: axes as lists (or scalars); cases = product
     num_unique_prompts = [1, 2, 8]
     prompt_len = [128, 512]
+    actor.logits_mode = ["compute", "memory"]   # an actor option as an axis: a dotted key
 
 The cases are the union over grids of the product of each grid's axes, on top of the
 defaults (no grid: the defaults are one case). An axis may give `prompt_dedup_ratio`
 instead of `num_unique_prompts` (rows share prompts evenly: unique = round(B x (1 - ratio))).
-Unknown keys are an error that suggests the closest valid one.
+Unknown keys are an error that suggests the closest valid one. The actor options' older flat
+spellings in [defaults] and [[grid]] (`split_attention`, `logits_mode`, ...: DEPRECATED_KEYS) are
+read with a DeprecationWarning naming the new key.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import math
 import os
 import re
 import sys
+import warnings
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -34,9 +41,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from zorro_core.actor.config import ActorConfig
-from zorro_core.actor.logprobs import LOGITS_MODES
+from zorro_core.attention.backends import BACKENDS
 from zorro_core.plan.dtypes import DTYPES
-from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, SHARINGS
+from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "auto")
 BASELINES = ("packed", "padded", "prompt")
@@ -46,6 +53,24 @@ MAX_CASES = 10_000
 sweep of more runs for days, and a mistyped axis must not make `--list` hang while memory grows."""
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 
+CASE_ACTOR = ActorConfig(attn_implementation="sdpa")
+"""A case's actor options where its suite sets none: ActorConfig's defaults with sdpa attention (a
+case names its attention; ActorConfig's None, "the model's own", would time whatever the checkpoint says)."""
+NOT_BENCHED = ("logits_chunk_size", "router_aux_weighting", "max_seq_len")
+"""Actor options a case keeps at ActorConfig's default: the case id and the results file have no
+place for them, so two cases differing only there would be one case to the sweep."""
+DEPRECATED_KEYS = {
+    "split_attention": "use_split_attention",
+    "attn_implementation": "attn_implementation",
+    "logits_mode": "logits_mode",
+    "logits_memory_budget_mib": "logits_memory_budget_mib",
+    "sharing": "sharing",
+    "min_shared_tokens": "min_shared_tokens",
+    "varlen_backend": "varlen_backend",
+}
+"""Flat suite and --filter keys of the actor options, before they moved under `actor.`: old key ->
+ActorConfig field. Still read, with a DeprecationWarning naming `actor.<field>`."""
+
 
 @dataclass(frozen=True)
 class Case:
@@ -53,14 +78,11 @@ class Case:
 
     model: str = "small-qwen3"
     """Preset name, local checkpoint, or a name in the local HF cache."""
-    attn_implementation: str = "sdpa"
-    """eager, sdpa, flash_attention_2/3, flex_attention (mask mode) or auto (zorro_core.stack.auto picks; both arms)."""
-    split_attention: bool = True
-    """Dedup arm: two varlen calls (True) or one masked call over the packed row (False)."""
-    logits_mode: str = "compute"
-    """none, compute or memory (both arms)."""
-    logits_memory_budget_mib: Optional[float] = None
-    """memory mode: MiB for one chunk's logits temporaries (None: the actor's default, 256)."""
+    actor: ActorConfig = CASE_ACTOR
+    """The dedup arm's actor options (attn_implementation, use_split_attention, logits_mode, sharing, ...);
+    the baseline arm runs the same attention and logits options without dedup. attn_implementation:
+    eager, sdpa, flash_attention_2/3, flex_attention (mask mode) or auto (zorro_core.stack.auto picks,
+    for both arms)."""
     dtype: str = "float32"
     """Model dtype."""
     device: str = "cpu"
@@ -80,14 +102,8 @@ class Case:
     baseline: str = "packed"
     """packed: BaselineActor without padding, same backend (fair); padded: the plain HF forward;
     prompt: the DeduplicatedActor with sharing="prompt" (to measure what sharing="prefix" adds)."""
-    sharing: str = "prompt"
-    """Dedup arm: share identical prompts ("prompt") or every shared run of a token trie ("prefix")."""
-    min_shared_tokens: Optional[int] = None
-    """sharing="prefix": shortest shared run split off as a node (None: the actor's default)."""
     shared_prefix_len: int = 0
     """Every prompt starts with the same this many tokens (a system prompt), then differs."""
-    varlen_backend: Optional[str] = None
-    """Split-mode varlen backend (None: the default for attn_implementation and device)."""
     liger: bool = False
     """Apply Liger kernels (zorro_core.stack.liger.apply_liger) before timing; GPU only, else status=skipped."""
     checkpointing: bool = False
@@ -98,24 +114,34 @@ class Case:
     """Data-parallel ranks (> 1: the batch is the global one, the arms are no-regroup vs regroup; zorro_harness.bench.distributed)."""
 
     def actor_config(self, attn_implementation: Optional[str] = None, sharing: Optional[str] = None) -> ActorConfig:
-        """The dedup arm's actor options; `attn_implementation`: the resolved choice when the case says
-        "auto"; `sharing` overrides the case's (the "prompt" baseline arm, the nproc > 1 arms)."""
-        return ActorConfig(
-            use_split_attention=self.split_attention,
-            attn_implementation=attn_implementation or self.attn_implementation,
-            varlen_backend=self.varlen_backend if self.split_attention else None,
-            logits_mode=self.logits_mode,
-            logits_memory_budget_mib=self.logits_memory_budget_mib,
-            sharing=sharing or self.sharing,
-            min_shared_tokens=DEFAULT_MIN_SHARED_TOKENS if self.min_shared_tokens is None else self.min_shared_tokens,
+        """The dedup arm's actor options as it runs them; `attn_implementation`: the resolved choice
+        when the case says "auto"; `sharing` overrides the case's (the "prompt" baseline arm, the
+        nproc > 1 arms). Mask mode has no varlen call, so no varlen backend."""
+        a = self.actor
+        return a.replace(
+            attn_implementation=attn_implementation or a.attn_implementation,
+            varlen_backend=a.varlen_backend if a.use_split_attention else None,
+            sharing=sharing or a.sharing,
         )
 
     def __post_init__(self) -> None:
-        _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
-        _check_choice("logits_mode", self.logits_mode, LOGITS_MODES)
+        if not isinstance(self.actor, ActorConfig):
+            raise ValueError(f"actor must be an ActorConfig, got {type(self.actor).__name__}")
+        a = self.actor
+        # ActorConfig checked its own options when built; these are what a case adds to them.
+        _check_choice("actor.attn_implementation", a.attn_implementation, ATTN_IMPLEMENTATIONS)
+        if not isinstance(a.use_split_attention, bool):
+            raise ValueError(f"actor.use_split_attention must be true or false, got {a.use_split_attention!r}")
+        if a.varlen_backend is not None:
+            _check_choice("actor.varlen_backend", a.varlen_backend, BACKENDS)
+        for name in NOT_BENCHED:
+            if getattr(a, name) != getattr(CASE_ACTOR, name):
+                raise ValueError(
+                    f"actor.{name} is not a benchmark option (the case id and the results file have no place "
+                    f"for it): leave it at its default, {getattr(CASE_ACTOR, name)!r}"
+                )
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("baseline", self.baseline, BASELINES)
-        _check_choice("sharing", self.sharing, SHARINGS)
         # The counts first: a prompt_len of 0 is what is wrong, not the shared prefix it bounds.
         for name in ("batch_size", "prompt_len", "response_len", "nproc"):
             v = getattr(self, name)
@@ -129,11 +155,9 @@ class Case:
             raise ValueError(
                 f"shared_prefix_len must be an integer in [0, shortest prompt), got {self.shared_prefix_len!r}"
             )
-        if self.min_shared_tokens is not None and not (_is_int(self.min_shared_tokens) and self.min_shared_tokens >= 1):
-            raise ValueError(f"min_shared_tokens must be an integer >= 1, got {self.min_shared_tokens!r}")
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        for name in ("split_attention", "padding", "liger", "checkpointing"):
+        for name in ("padding", "liger", "checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not _is_int(self.seed) or self.seed < 0:
@@ -147,10 +171,6 @@ class Case:
             raise ValueError(f"prompt_dedup_ratio must be a number in [0, 1), got {self.prompt_dedup_ratio!r}")
         if (self.num_unique_prompts is None) == (self.prompt_dedup_ratio is None):
             raise ValueError("give exactly one of num_unique_prompts and prompt_dedup_ratio")
-        if self.logits_memory_budget_mib is not None and not (
-            _is_number(self.logits_memory_budget_mib) and self.logits_memory_budget_mib > 0
-        ):
-            raise ValueError(f"logits_memory_budget_mib must be > 0, got {self.logits_memory_budget_mib!r}")
         if self.num_unique_prompts is not None and not 1 <= self.num_unique_prompts <= self.batch_size:
             raise ValueError(
                 f"num_unique_prompts must be in [1, batch_size={self.batch_size}], got {self.num_unique_prompts}"
@@ -165,12 +185,14 @@ class Case:
 
     @property
     def case_id(self) -> str:
-        """Stable id of the case (the resume key, with the phase)."""
+        """Stable id of the case (the resume key, with the phase): a file format, kept as it was when
+        the actor options were flat Case fields, so results files written then resume and compare."""
+        a = self.actor
         parts = [
             self.model,
-            self.attn_implementation,
-            "split" if self.split_attention else "mask",
-            self.logits_mode,
+            str(a.attn_implementation),
+            "split" if a.use_split_attention else "mask",
+            a.logits_mode,
             self.dtype,
             self.device,
             f"b{self.batch_size}u{self.num_unique_prompts}p{self.prompt_len}r{self.response_len}",
@@ -179,22 +201,23 @@ class Case:
             parts.append("pad")
         if self.baseline != "packed":
             parts.append(f"base-{self.baseline}")
-        if self.varlen_backend:
-            parts.append(self.varlen_backend)
+        if a.varlen_backend:
+            parts.append(a.varlen_backend)
         if self.liger:
             parts.append("liger")
         if self.checkpointing:
             parts.append("ckpt")
-        if self.logits_memory_budget_mib is not None:
-            parts.append(f"lmb{self.logits_memory_budget_mib:g}")
+        if a.logits_memory_budget_mib is not None:
+            parts.append(f"lmb{a.logits_memory_budget_mib:g}")
         if self.seed:
             parts.append(f"seed{self.seed}")
         if self.nproc > 1:
             parts.append(f"nproc{self.nproc}")
         if self.shared_prefix_len:
             parts.append(f"sys{self.shared_prefix_len}")
-        if self.sharing != "prompt":
-            parts.append(self.sharing if self.min_shared_tokens is None else f"{self.sharing}{self.min_shared_tokens}")
+        if a.sharing != "prompt":  # the default run length is left out, as when it could be left unset
+            fold = "" if a.min_shared_tokens == DEFAULT_MIN_SHARED_TOKENS else str(a.min_shared_tokens)
+            parts.append(f"{a.sharing}{fold}")
         return ":".join(parts)
 
     @property
@@ -291,14 +314,15 @@ def check_suite_name(name: Any) -> None:
 
 
 def case_matches(case: Case, expr: str) -> bool:
-    """`key=value` compares a case field (as text; value may hold * and ?), anything else is a
-    substring or glob of the case id."""
+    """`key=value` compares a case field, or `actor.<field>` an actor option (as text; value may
+    hold * and ?), anything else is a substring or glob of the case id."""
     if "=" in expr:
         key, value = (s.strip() for s in expr.split("=", 1))
-        names = [f.name for f in fields(Case)]
-        if key not in names:
-            raise ValueError(f"unknown filter key {key!r}{_suggest(key, names)}")
-        actual = getattr(case, key)
+        if key in DEPRECATED_KEYS:
+            key = _deprecated(key, "--filter")
+        if key not in _FILTER_KEYS:
+            raise ValueError(f"unknown filter key {key!r}{_suggest(key, _FILTER_KEYS)}")
+        actual = getattr(case.actor, key[len(_ACTOR) :]) if key.startswith(_ACTOR) else getattr(case, key)
         text = str(actual).lower() if isinstance(actual, bool) else str(actual)
         return fnmatch.fnmatchcase(text, value.lower() if isinstance(actual, bool) else value)
     if any(ch in expr for ch in "*?["):
@@ -333,14 +357,64 @@ def _check_keys(where: str, table: dict, valid: Iterable[str]) -> None:
             raise ValueError(f"unknown key {key!r} in {where}{_suggest(key, valid)}")
 
 
-_TOP = ("name", "description", "device", "seed", "measure", "defaults", "grid")
-_AXES = tuple(f.name for f in fields(Case))
+_ACTOR = "actor."
+_TOP = ("name", "description", "device", "seed", "measure", "actor", "defaults", "grid")
+_CASE_KEYS = tuple(f.name for f in fields(Case) if f.name != "actor")
+_ACTOR_KEYS = tuple(f.name for f in fields(ActorConfig))
+_FILTER_KEYS = (*_CASE_KEYS, *(_ACTOR + k for k in _ACTOR_KEYS))
 _MEASURE = tuple(f.name for f in fields(Measure))
 
 
-def expand(defaults: dict[str, Any], grids: list[dict[str, Any]]) -> list[Case]:
+def _deprecated(key: str, where: str) -> str:
+    """The new spelling of an old flat actor key, with a one-line DeprecationWarning."""
+    new = _ACTOR + DEPRECATED_KEYS[key]
+    warnings.warn(f"{where}: {key!r} is deprecated, write {new!r} instead", DeprecationWarning, stacklevel=4)
+    return new
+
+
+def _axes(where: str, table: dict[str, Any]) -> dict[str, Any]:
+    """A [defaults] or [[grid]] table with its actor options as `actor.<field>` keys: the dotted
+    `actor.x = ...` (TOML's nested table) and the deprecated flat `x = ...` alike."""
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if key == "actor":
+            if not isinstance(value, dict):
+                raise ValueError(f"actor in {where} must be a table of actor options (actor.logits_mode = ...)")
+            for k, v in value.items():
+                if k not in _ACTOR_KEYS:
+                    raise ValueError(f"unknown key {_ACTOR + k!r} in {where}{_suggest(_ACTOR + k, _axis_names())}")
+                _put(out, _ACTOR + k, v, where)
+        elif key in DEPRECATED_KEYS:
+            _put(out, _deprecated(key, where), value, where)
+        elif key in _CASE_KEYS:
+            _put(out, key, value, where)
+        else:
+            raise ValueError(f"unknown key {key!r} in {where}{_suggest(key, _axis_names())}")
+    return out
+
+
+def _put(out: dict[str, Any], key: str, value: Any, where: str) -> None:
+    if key in out:
+        raise ValueError(f"{key} is given twice in {where} (once under its deprecated flat name)")
+    out[key] = value
+
+
+def _axis_names() -> list[str]:
+    return [*_CASE_KEYS, *(_ACTOR + k for k in _ACTOR_KEYS)]
+
+
+def _case(spec: dict[str, Any], actor: dict[str, Any]) -> Case:
+    """The Case of one point of the product: `actor.<field>` keys over the suite's [actor] options."""
+    options = {**actor, **{k[len(_ACTOR) :]: v for k, v in spec.items() if k.startswith(_ACTOR)}}
+    rest = {k: v for k, v in spec.items() if not k.startswith(_ACTOR)}
+    return Case(actor=CASE_ACTOR.replace(**options), **rest)
+
+
+def expand(defaults: dict[str, Any], grids: list[dict[str, Any]], actor: Optional[dict[str, Any]] = None) -> list[Case]:
     """Cases of the product of each grid's axes over the defaults, in order, duplicates dropped.
-    ValueError when the products add up to more than MAX_CASES (counted before any case is built)."""
+    Keys are Case fields, and `actor.<field>` for an actor option (over `actor`, the options every
+    case starts from). ValueError when the products add up to more than MAX_CASES (counted before
+    any case is built)."""
     cases: list[Case] = []
     seen: set[str] = set()
     all_axes = [{k: (v if isinstance(v, list) else [v]) for k, v in grid.items()} for grid in grids or [{}]]
@@ -366,7 +440,7 @@ def expand(defaults: dict[str, Any], grids: list[dict[str, Any]]) -> list[Case]:
                 spec.pop("num_unique_prompts", None)
             if "num_unique_prompts" in values and "prompt_dedup_ratio" not in values:
                 spec.pop("prompt_dedup_ratio", None)
-            case = Case(**spec)
+            case = _case(spec, actor or {})
             if case.case_id not in seen:
                 seen.add(case.case_id)
                 cases.append(case)
@@ -376,7 +450,14 @@ def expand(defaults: dict[str, Any], grids: list[dict[str, Any]]) -> list[Case]:
 def parse_suite(data: dict[str, Any], source: Optional[str] = None, name: Optional[str] = None) -> Suite:
     """A Suite from the parsed TOML table."""
     _check_keys("the suite", data, _TOP)
-    for key, kind in (("name", str), ("description", str), ("device", str), ("measure", dict), ("defaults", dict)):
+    for key, kind in (
+        ("name", str),
+        ("description", str),
+        ("device", str),
+        ("measure", dict),
+        ("actor", dict),
+        ("defaults", dict),
+    ):
         if key in data and not isinstance(data[key], kind):
             raise ValueError(f"{key} must be a {'table' if kind is dict else 'string'}, got {data[key]!r}")
     if not isinstance(data.get("grid", []), (list, dict)) or any(
@@ -384,17 +465,17 @@ def parse_suite(data: dict[str, Any], source: Optional[str] = None, name: Option
     ):
         raise ValueError("grid must be one [[grid]] table or several")
     measure_t = data.get("measure", {})
-    defaults = dict(data.get("defaults", {}))
+    actor = dict(data.get("actor", {}))
     grids = data.get("grid", [])
     if isinstance(grids, dict):
         grids = [grids]
     _check_keys("[measure]", measure_t, _MEASURE)
-    _check_keys("[defaults]", defaults, _AXES)
-    for i, g in enumerate(grids):
-        _check_keys(f"[[grid]] #{i + 1}", g, _AXES)
+    _check_keys("[actor]", actor, _ACTOR_KEYS)
+    defaults = _axes("[defaults]", data.get("defaults", {}))
+    grids = [_axes(f"[[grid]] #{i + 1}", g) for i, g in enumerate(grids)]
     measure = Measure(**measure_t)
-    if "defaults" not in data and "grid" not in data:
-        raise ValueError("defines no case (no [defaults] and no [[grid]]); see suites/ for examples")
+    if not {"actor", "defaults", "grid"} & set(data):
+        raise ValueError("defines no case (no [actor], [defaults] or [[grid]]); see suites/ for examples")
     device = data.get("device", "cpu")
     seed = data.get("seed", 0)
     defaults.setdefault("device", device)
@@ -407,7 +488,7 @@ def parse_suite(data: dict[str, Any], source: Optional[str] = None, name: Option
         raise ValueError(f'the file name gives the suite no plain name ({name!r}): set name = "..." in it')
     return Suite(
         name=data.get("name") or name or "suite",
-        cases=expand(defaults, grids),
+        cases=expand(defaults, grids, actor),
         measure=measure,
         description=data.get("description", ""),
         device=device,

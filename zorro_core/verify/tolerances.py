@@ -1,0 +1,18 @@
+"""The tolerances of the proofs, defined once: `zorro verify`, the test suite and the trainer
+integrations' tests compare against the float64 per-sequence reference with these.
+
+Measured float64 floor: transformers keeps RMSNorm, RoPE and eager softmax in float32 even in a
+float64 model, so the reference itself carries noise (observed: log-probs ~6e-8 absolute,
+gradients ~6e-7 relative). The floors sit an order above it; a wrong mask, position or label is
+off by > 1e-2 (tests/test_actor.py::test_bugs_fail_by_orders_of_magnitude).
+"""
+
+from __future__ import annotations
+
+LOGPROB_ATOL = 1e-6
+"""float64: the largest |log-prob - ref64| and |entropy - ref64| on any token."""
+GRAD_RTOL = 1e-5
+"""float64: the largest ||grad - ref64|| / ||ref64|| of any parameter."""
+LOW_PRECISION_FACTOR = 4.0
+"""float32/bfloat16: dedup's error against ref64 may be this many times the baseline actor's
+(the dtype's own noise), plus the float64 floor above."""
