@@ -7,13 +7,14 @@
 #                                   Qwen3-MoE's router output differs: zorro's aux loss fails there)
 #   tf-verl     2.13.0   $TF_VERL  (the newest release below verl's pin, transformers<5.11)
 #   tf-new      2.13.0   $TF_NEW   (the newest release)
-#   torch-high  2.14.1   $TF_NEW   (the top of torch>=2.6,<2.15; a CUDA build, runs on CPU)
+#   torch-high  2.14.1   $TF_NEW   (the newest 2.14; a CUDA build, runs on CPU)
+#   torch-new   2.15.0   $TF_NEW   (the newest release, the top of torch>=2.6,<2.16; a CUDA build)
 #
-# Usage: scripts/version_ends.sh [END ...]   (default: all four; run from the repository root)
+# Usage: scripts/version_ends.sh [END ...]   (default: all five; run from the repository root)
 # Environments live under $ENDS_ROOT (default /tmp/zorro-ends), made on first use and reused;
 # the table lands in $OUT/version_ends.md (default results/). Exit status: 0 when every end
 # passed. Takes ~5-10 min per end on 2 cores (most of it the tests; a fresh environment adds the
-# install, torch 2.14.1 with its CUDA libraries the longest).
+# install, torch 2.14.1 or 2.15.0 with their CUDA libraries the longest).
 # Qwen3-Next needs transformers >= 5.15 (tests/versions.py): below it its tests skip with the
 # reason and tests/test_version_gates.py checks that the actor refuses it.
 # torch's lower end (2.6) is not tested here: its wheels are not on this machine's index.
@@ -30,7 +31,7 @@ TESTS=(tests/test_actor.py tests/test_trie_actor.py tests/test_families_checks.p
   tests/test_families_linear.py tests/test_families_sliding.py tests/test_flex_cpu.py tests/test_fla_device.py
   tests/test_version_gates.py)
 ENDS=("$@")
-[ ${#ENDS[@]} -eq 0 ] && ENDS=(tf-low tf-verl tf-new torch-high)
+[ ${#ENDS[@]} -eq 0 ] && ENDS=(tf-low tf-verl tf-new torch-high torch-new)
 mkdir -p "$ENDS_ROOT" "$OUT"
 table="$OUT/version_ends.md"
 {
@@ -44,17 +45,22 @@ for end in "${ENDS[@]}"; do
     tf-verl) torch=2.13.0 tf=$TF_VERL ;;
     tf-new) torch=2.13.0 tf=$TF_NEW ;;
     torch-high) torch=2.14.1 tf=$TF_NEW ;;
-    *) echo "version_ends: unknown end $end (tf-low, tf-verl, tf-new, torch-high)" >&2; exit 2 ;;
+    torch-new) torch=2.15.0 tf=$TF_NEW ;;
+    *) echo "version_ends: unknown end $end (tf-low, tf-verl, tf-new, torch-high, torch-new)" >&2; exit 2 ;;
   esac
+  pipenv=()
+  # This machine's pip config caps torch at the releases on its disk (torch<=2.14.1, a constraints
+  # file in /etc/xdg/pip): pip would refuse torch 2.15.0, so this end's pip reads no config file.
+  [ "$end" = torch-new ] && pipenv=(env PIP_CONFIG_FILE=/dev/null)
   venv="$ENDS_ROOT/torch-$torch"  # one environment per torch; transformers is reinstalled (pure Python)
   echo "== $end: torch $torch, transformers $tf ($venv)"
   if [ ! -x "$venv/bin/python" ]; then
     $PY -m venv "$venv" || { status=1; continue; }
     # torch first and pinned: an unpinned one would pull another (multi-GB) build
-    "$venv/bin/pip" install -q "torch==$torch" || { echo "| $end | $torch | $tf | install failed | | | | |" >> "$table"; status=1; continue; }
+    "${pipenv[@]}" "$venv/bin/pip" install -q "torch==$torch" || { echo "| $end | $torch | $tf | install failed | | | | |" >> "$table"; status=1; continue; }
   fi
   # transformers switched in place (pure Python); zorro editable; the check below catches a failed install
-  "$venv/bin/pip" install -q "torch==$torch" "transformers==$tf" -e "$ROOT[dev]" 2>&1 | grep -v "is ignored" || true
+  "${pipenv[@]}" "$venv/bin/pip" install -q "torch==$torch" "transformers==$tf" -e "$ROOT[dev]" 2>&1 | grep -v "is ignored" || true
   got=$("$venv/bin/python" -c "import torch, transformers; print(torch.__version__.split('+')[0], transformers.__version__)" 2>/dev/null)
   if [ "$got" != "$torch $tf" ]; then
     echo "| $end | $torch | $tf | not installed (found: ${got:-none}) | | | | |" >> "$table"
