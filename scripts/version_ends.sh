@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The declared version ranges at their ends (issue 22): the core equivalence tests (actor, trie,
+# The declared version ranges at their ends: the core equivalence tests (actor, trie,
 # every family, flex on CPU) run once per end, each in its own virtual environment.
 #
 #   end         torch    transformers

@@ -116,7 +116,7 @@ def test_the_ranks_of_an_nproc_case_end_with_a_killed_sweep(tmp_path, sig):
     os.kill(proc.pid, sig)
     proc.wait()
     # A rank still importing torch notices when the imports are done (it computes nothing
-    # meanwhile: on a busy 2-core machine that takes up to a minute); without the fix the case
+    # meanwhile: with the cores shared that takes up to a minute); without the fix the case
     # (100000 repeats) computes until its 300 s timeout.
     deadline = time.monotonic() + 150
     while ranks & set(_session(proc.pid)) and time.monotonic() < deadline:

@@ -1,5 +1,5 @@
 """Absurd sizes fail fast with the figure; a case that blows up anyway becomes a status=oom row
-(issue 15, item 1). Nothing of a case is built in the calling process."""
+Nothing of a case is built in the calling process."""
 
 import time
 

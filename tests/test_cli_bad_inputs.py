@@ -1,4 +1,4 @@
-"""Issue 23, the unclear answers: each bad input or fault is a one-line error (exit 2) naming the
+"""The unclear answers: each bad input or fault is a one-line error (exit 2) naming the
 cause, no traceback, and nothing already measured is lost. Cases are faked where a sweep is
 needed (the `fake` fixture of conftest.py: no model runs)."""
 

@@ -199,7 +199,7 @@ def test_bench_run_one_case_from_flags(tmp_path):
     rows = read_rows(out)
     assert len(rows) == 1 and rows[0]["status"] == "ok" and rows[0]["baseline_kind"] == "packed_varlen_reference"
     assert rows[0]["case_id"] == "tiny-qwen3:eager:split:compute:float32:cpu:b4u2p12r3"
-    assert rows[0]["threads"] == "1"  # one thread unless --threads says otherwise, as in the suites (issue 15 #7)
+    assert rows[0]["threads"] == "1"  # one thread unless --threads says otherwise, as in the suites
     res = runner.invoke(app, args + ["--dedup-ratio", "0.5", "--mask"])
     assert res.exit_code == 0, res.output
     assert ":mask:" in res.output and "\U0001f637" not in res.output  # an id, not rich's :mask: emoji
@@ -294,7 +294,7 @@ def test_checkpointing_axis(tmp_path):
 
 
 def test_suite_errors_keep_their_brackets(tmp_path):
-    """Rich read "[measure]" as markup and printed "in ;" (issue 15, item 9)."""
+    """Rich read "[measure]" as markup and printed "in ;"."""
     suite = tmp_path / "bad.toml"
     suite.write_text(TINY.read_text().replace("repeats = 3", "repeats = 3\nrepeat = 2"))
     res = sweep(suite, "--list")

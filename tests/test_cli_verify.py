@@ -135,7 +135,7 @@ def test_reentrant_needs_checkpointing():
     (["--models", ""], "--models is empty"),
 ])  # fmt: skip
 def test_bad_values_are_refused_with_the_reason(args, reason):
-    """Issue 15, items 4, 6 and 10: a negative factor passed, tpu was a traceback, "" ran nothing."""
+    """A negative factor passed, tpu was a traceback, "" ran nothing."""
     for command in ("gradients", "training"):
         res = invoke(command, *args)
         assert res.exit_code == 2 and reason in " ".join(res.output.split()), (command, res.output)

@@ -1,5 +1,6 @@
-"""Issue 23 (faults, second pass): each defect reproduced, then fixed. The bad inputs of the same
-issue (one-line errors, exit 2) are in test_cli_bad_inputs.py."""
+"""The harness at its limits: models and ranks that cannot fit this machine, --out paths that must not be
+written, damaged sidecars, reports that compare nothing or hold impossible values, options that are not
+finite numbers. Bad inputs answered with a one-line error (exit 2) are in test_cli_bad_inputs.py."""
 
 import json
 from pathlib import Path
