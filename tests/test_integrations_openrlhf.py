@@ -207,7 +207,6 @@ def test_fallbacks_run_openrlhf(ckpt, monkeypatch):
         return "openrlhf"
 
     monkeypatch.setattr(Actor, "forward", own_forward)
-    monkeypatch.setattr(zo, "_WARNED", set())
     cases = [
         (dict(ring_attn_group=object()), "ring attention"),
         (dict(pixel_values=torch.zeros(1)), "vision"),

@@ -294,9 +294,23 @@ def test_moe_aux_loss_is_served_equal_to_trl(tmp_path):
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         return lp.detach(), ent.detach(), aux.detach(), grads
 
+    # The call's router-logits switch goes to the model as a forward kwarg: the shared config is never written
+    # (it says False here, and the aux loss is still computed when the call asks for it).
+    writes: list = []
+    config = model.config
+    assert config.output_router_logits is False
+
+    class Watched(type(config)):
+        def __setattr__(self, name, value):
+            if name == "output_router_logits":
+                writes.append(value)
+            super().__setattr__(name, value)
+
+    config.__class__ = Watched
     for batch_size in (None, 3):
         own = run(_trl_logps(trainer), batch_size)
         ours = run(trainer._get_per_token_logps_and_entropies, batch_size)
+        assert writes == [] and config.output_router_logits is False
         assert (ours[0] - own[0]).abs().max() <= LP_FLOOR and (ours[1] - own[1]).abs().max() <= LP_FLOOR
         assert abs(float(ours[2]) - float(own[2])) <= LP_FLOOR and float(own[2]) > 0, (ours[2], own[2])
         assert float(ours[0][[3, 5]].abs().max()) == 0.0 and float(ours[1][[3, 5]].abs().max()) == 0.0
@@ -312,7 +326,8 @@ def test_moe_aux_loss_is_served_equal_to_trl(tmp_path):
     # the log-prob calls without the aux loss (old/reference log-probs) are served as before, without aux
     with torch.no_grad():
         plain = trainer._get_per_token_logps_and_entropies(model, ids, mask, keep)
-    assert plain[2] is None
+    assert plain[2] is None and writes == []
+    config.__class__ = Watched.__mro__[1]
     assert trainer.zorro_calls == {"dedup": 3, "fallback": 0}
     assert [r["aux"] for r in trainer.zorro_log] == [True, True, False]
     # a fully masked completion after a one-token prompt: TRL serves it

@@ -413,3 +413,27 @@ def test_registry_picks_zorro_engine():
 
     for backend in ("fsdp", "fsdp2"):
         assert EngineRegistry.get_engine_cls("language_model", backend) is ZorroFSDPEngine
+
+
+def test_each_engine_takes_the_config_its_external_lib_installed(monkeypatch):
+    """No class-level options: an engine reads the ActorConfig installed by the module its model config
+    names in external_lib; a config installed by a module it does not name is refused, never ignored."""
+    from zorro_core.integrations.verl_cpu import use_cpu_platform
+
+    use_cpu_platform()
+    from zorro_core.actor.config import ActorConfig
+    from zorro_core.integrations import verl_engine
+
+    monkeypatch.setattr(verl_engine, "_INSTALLED", {})
+    assert "zorro_config" not in vars(verl_engine.ZorroFSDPEngine) and "_warned" not in vars(
+        verl_engine.ZorroFSDPEngine
+    )
+    assert verl_engine.config_for(None) == ActorConfig()
+    config = ActorConfig(sharing="prefix")
+    assert verl_engine.install(zorro_config=config) is verl_engine.ZorroFSDPEngine
+    assert verl_engine.config_for(__name__) is config and verl_engine.config_for(["other", __name__]) is config
+    with pytest.raises(ValueError, match="point actor_rollout_ref.model.external_lib at that module"):
+        verl_engine.config_for("zorro_core.integrations.verl_engine")
+    verl_engine.install(zorro_config=ActorConfig(), module="other")
+    with pytest.raises(ValueError, match="installed different zorro configs"):
+        verl_engine.config_for(["other", __name__])

@@ -90,7 +90,7 @@ def sp_case(path: str, seed: int) -> dict:
     from zorro_core.integrations.verl_cpu import use_cpu_platform
 
     use_cpu_platform()  # before verl's engine module reads the device name at import
-    from zorro_core.integrations import verl_engine, verl_rows
+    from zorro_core.integrations import verl_rows
     from zorro_core.integrations.layout import ZorroFallbackWarning
 
     padded = _batch(seed)
@@ -122,16 +122,15 @@ def sp_case(path: str, seed: int) -> dict:
     # dynamic micro-batches: no prompt ordering, so both engines run the same micro-batches
     dynamic = dict(META, use_dynamic_bsz=True)
     out["verl_sp2 train=False"] = _run(own, padded, rows, False, **dynamic)[:3]
-    config = verl_engine.ZorroFSDPEngine.zorro_config
-    verl_engine.ZorroFSDPEngine.zorro_config = ActorConfig(use_split_attention=False, attn_implementation="sdpa")
-    zorro.__dict__.pop("_zorro_actor_instance", None)
+    config = zorro.zorro_config
+    zorro.zorro_config = ActorConfig(use_split_attention=False, attn_implementation="sdpa")  # a new actor is built
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out["fallback train=False"] = _run(zorro, padded, rows, False, **dynamic)[:3]
         out["fallback_notes"] = [str(w.message) for w in caught if issubclass(w.category, ZorroFallbackWarning)]
     finally:
-        verl_engine.ZorroFSDPEngine.zorro_config = config
+        zorro.zorro_config = config
     return _numpy(out)
 
 

@@ -184,27 +184,32 @@ class _Actor:
         temperature: float = 1.0,
         calculate_entropy: bool = False,
         sequence_parallel: Optional[SequenceParallel] = None,
+        router_aux_loss: Optional[bool] = None,
     ) -> ActorOutput:
         """Log-probs (and optionally entropy) of every response token, differentiable.
 
         `sequence_parallel`: a Ulysses group (zorro_core.distributed.ulysses) whose every rank calls
-        this with the same batch; each runs its slice of the packed row and all get every log-prob."""
+        this with the same batch; each runs its slice of the packed row and all get every log-prob.
+        `router_aux_loss`: whether this call computes an MoE model's router aux loss (None: as the
+        model config's `output_router_logits` says); passed to the model as a forward kwarg."""
         self.check_call(temperature)
         check_trainable_state(self.model)
         if sequence_parallel is not None and sequence_parallel.size == 1:
             sequence_parallel = None
         if sequence_parallel is not None:
-            self.check_sequence_parallel(sequence_parallel)
+            self.check_sequence_parallel(sequence_parallel, router_aux_loss)
         self.install_hooks()  # a no-op unless something reset the model's attention since
         plan = self.plan(batch)  # token ids checked against the vocabulary (the batch was validated when built)
         route = Route(self.route_spec, plan, sequence_parallel=sequence_parallel)
         # Through the FSDP2 root's hooks when the model is sharded with fully_shard (zorro_core.actor.fsdp).
-        lp, ent, aux = as_root_forward(self.model, lambda: self._compute(plan, route, temperature, calculate_entropy))
+        lp, ent, aux = as_root_forward(
+            self.model, lambda: self._compute(plan, route, temperature, calculate_entropy, router_aux_loss)
+        )
         return ActorOutput(
             plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan, aux
         )
 
-    def check_sequence_parallel(self, sp: SequenceParallel) -> None:
+    def check_sequence_parallel(self, sp: SequenceParallel, router_aux_loss: Optional[bool] = None) -> None:
         """Refuse, before any collective (every rank refuses alike), what Ulysses does not serve:
         mask mode, layers that mix tokens outside the attention hook, the router aux loss (its
         statistics would cover one slice), head counts the all-to-all cannot split."""
@@ -214,7 +219,7 @@ class _Actor:
             raise UnsupportedModelError(
                 "Ulysses sequence parallelism: linear-attention layers carry state along the sequence"
             )
-        if wants_router_logits(self.parts, self.model.config):
+        if wants_router_logits(self.parts, self.model.config, router_aux_loss):
             raise UnsupportedModelError(
                 "Ulysses sequence parallelism: the MoE router aux loss (output_router_logits) is not sharded"
             )
@@ -225,7 +230,9 @@ class _Actor:
             raise UnsupportedModelError("Ulysses sequence parallelism: the model config names no num_attention_heads")
         sp.check_heads(int(heads), int(getattr(cfg, "num_key_value_heads", None) or heads))
 
-    def _compute(self, plan: Plan, route: Route, temperature: float, calculate_entropy: bool):
+    def _compute(
+        self, plan: Plan, route: Route, temperature: float, calculate_entropy: bool, router_aux_loss: Optional[bool]
+    ):
         sp = route.sequence_parallel
         input_ids, position_ids = plan.input_ids, plan.position_ids
         if sp is not None:
@@ -236,13 +243,15 @@ class _Actor:
             attention_mask=route_mask(self.device),
             use_cache=False,
             zorro_route=route,
-            **forward_kwargs(self.parts, self.model.config),
+            **forward_kwargs(self.parts, self.model.config, router_aux_loss),
         )
         hidden = outputs.last_hidden_state[0]
         # Checked right after the forward: gradient checkpointing's recompute (in backward) calls the
         # hooks again with the same route, and those calls are not part of this count.
         check_layers_served(self.parts, route)
-        aux = aux_loss_of(self.parts, self.model.config, outputs, plan, self.config.router_aux_weighting)
+        aux = aux_loss_of(
+            self.parts, self.model.config, outputs, plan, self.config.router_aux_weighting, router_aux_loss
+        )
         if sp is None:
             lp, ent = self.logprobs_at(hidden, plan.logit_index, plan.labels, temperature, calculate_entropy)
             return lp, ent, aux
@@ -306,11 +315,12 @@ class BaselineActor(_Actor):
         temperature: float = 1.0,
         calculate_entropy: bool = False,
         sequence_parallel: Optional[SequenceParallel] = None,
+        router_aux_loss: Optional[bool] = None,
     ) -> ActorOutput:
         if not self.padded:
-            return super().forward(batch, temperature, calculate_entropy, sequence_parallel)
+            return super().forward(batch, temperature, calculate_entropy, sequence_parallel, router_aux_loss)
         if sequence_parallel is not None and sequence_parallel.size > 1:
             raise UnsupportedModelError("the padded baseline does not run under Ulysses sequence parallelism")
-        return padded_forward(self, batch, temperature, calculate_entropy)
+        return padded_forward(self, batch, temperature, calculate_entropy, router_aux_loss)
 
     __call__ = forward

@@ -16,7 +16,7 @@ from zorro_core.actor.fsdp import is_fsdp_root
 from zorro_core.actor.output import ActorOutput
 from zorro_core.attention.hook import Route, RouteSpec, route_mask
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.models.families import forward_kwargs, load_balancing_loss
+from zorro_core.models.families import forward_kwargs, load_balancing_loss, wants_router_logits
 from zorro_core.models.parts import ModelParts, check_trainable_state
 from zorro_core.plan.batch import RolloutBatch
 
@@ -39,8 +39,15 @@ class PaddedActor(Protocol):
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
 
 
-def padded_forward(actor: PaddedActor, batch: RolloutBatch, temperature: float, calculate_entropy: bool) -> ActorOutput:
-    """Log-probs of every response token through the padded batch, the model's own masks and code."""
+def padded_forward(
+    actor: PaddedActor,
+    batch: RolloutBatch,
+    temperature: float,
+    calculate_entropy: bool,
+    router_aux_loss: Optional[bool] = None,
+) -> ActorOutput:
+    """Log-probs of every response token through the padded batch, the model's own masks and code
+    (`router_aux_loss` as in `DeduplicatedActor.forward`)."""
     if actor.parts.num_linear_layers:
         raise UnsupportedModelError(
             "the padded baseline does not support linear-attention layers (padding would "
@@ -70,7 +77,7 @@ def padded_forward(actor: PaddedActor, batch: RolloutBatch, temperature: float, 
         position_ids=pos,
         use_cache=False,
         zorro_route=route,
-        **forward_kwargs(actor.parts, actor.model.config),
+        **forward_kwargs(actor.parts, actor.model.config, router_aux_loss),
     )
     if route.calls != actor.parts.num_attention_layers:
         raise RuntimeError(
@@ -79,7 +86,7 @@ def padded_forward(actor: PaddedActor, batch: RolloutBatch, temperature: float, 
         )
     hidden = outputs.last_hidden_state
     aux = None
-    if forward_kwargs(actor.parts, actor.model.config):
+    if wants_router_logits(actor.parts, actor.model.config, router_aux_loss):
         c = actor.model.config
         aux = load_balancing_loss(outputs.router_logits, c.num_experts, c.num_experts_per_tok, mask.flatten())
     b, p = batch.prompts.shape

@@ -14,11 +14,10 @@ from typing import Optional
 
 import torch
 
+from zorro_core.integrations.core import ZorroFallbackWarning, grouped_order
 from zorro_core.plan.batch import RolloutBatch
 
-
-class ZorroFallbackWarning(UserWarning):
-    """The dedup path does not serve a trainer's call; the trainer's own computation ran instead."""
+__all__ = ["ZorroFallbackWarning", "joined_logprobs", "layout_problem"]
 
 
 def layout_problem(attention_mask: torch.Tensor, response_width: int) -> Optional[str]:
@@ -47,12 +46,14 @@ def joined_logprobs(
     temperature: float = 1.0,
     calculate_entropy: bool = False,
     rows_per_call: Optional[int] = None,
+    router_aux_loss: Optional[bool] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs [B, R] (and entropy [B, R] or None) of the response columns through `actor`.
 
     Rows whose response is all padding get 0 (the trainers' value there) and cost nothing.
     `rows_per_call` caps the rows of one actor call (a trainer's memory chunking); rows with the
     same prompt are put next to each other first, so that a chunk holds whole groups where it can.
+    `router_aux_loss` is passed to the actor's forward (an MoE model's aux loss is not returned here).
     Raises ValueError (from `layout_problem`) on a layout it does not serve; at least one row
     must have a response token.
     """
@@ -66,14 +67,15 @@ def joined_logprobs(
     if live.numel() == 0:
         raise ValueError("every response in the micro-batch is all padding: nothing to compute")
     if rows_per_call is not None and rows_per_call < live.numel():
-        live = live[_grouped_order(input_ids[live, :p], mask[live, :p])]
+        live = live[grouped_order(input_ids[live, :p], mask[live, :p])]
         chunks = list(torch.split(live, rows_per_call))
     else:
         chunks = [live]
+    options = {} if router_aux_loss is None else {"router_aux_loss": router_aux_loss}
     lps, ents = [], []
     for rows in chunks:
         batch = RolloutBatch(input_ids[rows, :p], mask[rows, :p], input_ids[rows, p:], mask[rows, p:])
-        out = actor.forward(batch, temperature=temperature, calculate_entropy=calculate_entropy)
+        out = actor.forward(batch, temperature=temperature, calculate_entropy=calculate_entropy, **options)
         lps.append(out.log_probs)
         ents.append(out.entropy)
     rows = torch.cat(chunks)
@@ -84,10 +86,3 @@ def joined_logprobs(
         return values.new_zeros((b, response_width)).index_put((rows,), values)
 
     return place(lps), (place(ents) if calculate_entropy else None)
-
-
-def _grouped_order(prompts: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-    """A permutation putting rows with identical (unpadded) prompts next to each other, stable."""
-    keyed = prompts.long().masked_fill(prompt_mask == 0, -1)  # -1: padding never equals a token id
-    _, group = torch.unique(keyed, dim=0, return_inverse=True)
-    return torch.sort(group, stable=True).indices

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import inspect
 import sys
-import warnings
 from typing import Any, Optional
 
 import torch
@@ -49,7 +48,7 @@ from packaging.version import Version
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.integrations.layout import ZorroFallbackWarning
+from zorro_core.integrations.core import Fallback, ZorroFallbackWarning, require_attributes
 from zorro_core.integrations.wrappers import Wrapped, unwrap
 from zorro_core.plan.batch import RolloutBatch
 
@@ -104,14 +103,15 @@ def _installed_version() -> str:
 
 _NEWER = check_openrlhf(_installed_version(), Actor.forward, Actor.__init__)
 
-_WARNED: set[str] = set()
-
-
-def _note(reason: str, fallback: bool = True) -> None:
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        text = f"zorro: {reason}; OpenRLHF's own Actor.forward serves it" if fallback else f"zorro: {reason}"
-        warnings.warn(text, ZorroFallbackWarning, stacklevel=3)
+__all__ = [
+    "TESTED_OPENRLHF",
+    "DedupActor",
+    "RowSplit",
+    "ZorroFallbackWarning",
+    "check_openrlhf",
+    "install",
+    "split_rows",
+]
 
 
 class DedupActor(Actor):
@@ -127,17 +127,19 @@ class DedupActor(Actor):
         if zorro_config is not None and not isinstance(zorro_config, ActorConfig):
             raise TypeError(f"zorro_config must be a zorro_core.ActorConfig, got {type(zorro_config).__name__}")
         super().__init__(*args, **kwargs)
-        missing = [a for a in _INSTANCE_ATTRIBUTES if not hasattr(self, a)]
-        if missing:
-            raise TypeError(
-                f"OpenRLHF's Actor.__init__ set no {', '.join(missing)} (read by DedupActor; tested OpenRLHF "
-                f"{' or '.join(TESTED_OPENRLHF)})"
-            )
+        require_attributes(
+            self,
+            _INSTANCE_ATTRIBUTES,
+            f"OpenRLHF {_installed_version()}",
+            f"OpenRLHF {' or '.join(TESTED_OPENRLHF)} (0.11.2)",
+            "DedupActor",
+        )
         self._zorro_config = zorro_config or ActorConfig()
         self._zorro_actor: Optional[tuple[tuple[int, torch.device, torch.dtype], Any]] = None
-        self.zorro_calls = {"dedup": 0, "fallback": 0}
+        self._zorro_fallback = Fallback("OpenRLHF's own Actor.forward serves this call")
+        self.zorro_calls = self._zorro_fallback.counts
         if _NEWER:
-            _note(_NEWER, fallback=False)
+            self._zorro_fallback.note(_NEWER)
 
     def _actor_for(self, inner: torch.nn.Module) -> Any:
         """The cached DeduplicatedActor of `inner`, or the text of why the dedup path refuses it."""
@@ -205,7 +207,7 @@ class DedupActor(Actor):
                 except UnsupportedModelError as e:
                     reason = f"the dedup path refuses this call: {e}"
                 else:
-                    self.zorro_calls["dedup"] += 1
+                    self._zorro_fallback.served()
                     lp, ent = results if return_entropy else (results[0], None)
                     action_log_probs = lp[:, -action_mask.shape[1] :] * action_mask.float()
                     if not return_output:
@@ -215,8 +217,7 @@ class DedupActor(Actor):
                         output.entropy = ent
                     return action_log_probs, output
         assert reason is not None
-        _note(reason)
-        self.zorro_calls["fallback"] += 1
+        self._zorro_fallback.fall_back(reason)
         return super().forward(
             sequences,
             action_mask,

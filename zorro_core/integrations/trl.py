@@ -53,27 +53,27 @@ TRL itself refuses Liger's fused cross-entropy), so there is nothing of Liger's 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import time
-import warnings
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
 import trl
 from packaging.version import Version
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.distributed.regroup import regroup
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.integrations.layout import ZorroFallbackWarning, joined_logprobs, layout_problem
+from zorro_core.integrations.core import Fallback, ZorroFallbackWarning, prompt_dedup_ratio, require_attributes
+from zorro_core.integrations.layout import joined_logprobs, layout_problem
 from zorro_core.integrations.wrappers import Wrapped, unwrap
 from zorro_core.models.parts import check_trainable_state
 from zorro_core.plan.batch import RolloutBatch
-from zorro_core.plan.prompt import group_rows
+
+__all__ = ["TESTED_TRL", "DedupGRPOTrainer", "ZorroFallbackWarning", "check_trl_version", "prompt_dedup_ratio"]
 
 TESTED_TRL = ("1.15", "1.16")
 """TRL minor versions whose `_get_per_token_logps_and_entropies` this module reproduces."""
@@ -113,6 +113,10 @@ def check_trl_version(version: str, method=None) -> Optional[str]:
 
 
 _NEWER = check_trl_version(trl.__version__, GRPOTrainer._get_per_token_logps_and_entropies)
+_TESTED = f"TRL {' and '.join(TESTED_TRL)}"
+require_attributes(GRPOConfig, ("cast_lm_head_to_fp32",), f"TRL {trl.__version__}", _TESTED, "DedupGRPOTrainer")
+_INSTANCE_ATTRIBUTES = ("temperature", "accelerator")
+"""What DedupGRPOTrainer reads of the trainer GRPOTrainer.__init__ built (checked once per trainer)."""
 
 
 class DedupGRPOTrainer(GRPOTrainer):
@@ -139,18 +143,14 @@ class DedupGRPOTrainer(GRPOTrainer):
         self._zorro_config = zorro_config or ActorConfig()
         self._zorro_regroup = bool(zorro_regroup)
         self._actors: dict[int, tuple[torch.nn.Module, Any]] = {}  # id(model) -> (model, actor or refusal text)
-        self._warned: set[str] = set()
-        self.zorro_calls = {"dedup": 0, "fallback": 0}
+        self._zorro_fallback = Fallback("TRL's own log-prob method serves this call")
+        self.zorro_calls = self._zorro_fallback.counts
         self.zorro_log: list[dict[str, Any]] = []
         """Per served call: which model, rows, aux, regrouped, prompt dedup ratio (before/after), seconds."""
         super().__init__(*args, **kwargs)
+        require_attributes(self, _INSTANCE_ATTRIBUTES, f"TRL {trl.__version__}", _TESTED, "DedupGRPOTrainer")
         if _NEWER:
-            self._fallback_note(_NEWER)
-
-    def _fallback_note(self, reason: str) -> None:
-        if reason not in self._warned:
-            self._warned.add(reason)
-            warnings.warn(f"zorro: {reason}", ZorroFallbackWarning, stacklevel=3)
+            self._zorro_fallback.note(_NEWER)
 
     @staticmethod
     def _world() -> int:
@@ -172,7 +172,7 @@ class DedupGRPOTrainer(GRPOTrainer):
         used = sorted(k for k, v in extra.items() if v is not None and k not in ("num_images", "num_tiles"))
         if used:
             return f"vision/multimodal inputs ({', '.join(used)}) are not served by the dedup path"
-        if getattr(self.args, "cast_lm_head_to_fp32", False):
+        if cast(GRPOConfig, self.args).cast_lm_head_to_fp32:  # GRPOTrainer's args are a GRPOConfig
             return "cast_lm_head_to_fp32 is not served by the dedup path"
         pc = getattr(self.accelerator, "parallelism_config", None)
         if pc is not None and any(getattr(pc, f, False) for f in ("tp_enabled", "cp_enabled", "sp_enabled")):
@@ -247,7 +247,7 @@ class DedupGRPOTrainer(GRPOTrainer):
         if reason is None:
             start = time.perf_counter()
             try:
-                with self.accelerator.autocast(), _router_logits(wrapped.inner, compute_aux_loss):
+                with self.accelerator.autocast():
                     call = self._aux_call if compute_aux_loss else self._dedup_call
                     out, record = call(
                         wrapped, actor, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy
@@ -259,10 +259,9 @@ class DedupGRPOTrainer(GRPOTrainer):
             else:
                 record["seconds"] = time.perf_counter() - start
                 self.zorro_log.append(record)
-                self.zorro_calls["dedup"] += 1
+                self._zorro_fallback.served()
                 return out
-        self._fallback_note(reason)
-        self.zorro_calls["fallback"] += 1
+        self._zorro_fallback.fall_back(reason)
         return super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **extra
         )
@@ -289,7 +288,16 @@ class DedupGRPOTrainer(GRPOTrainer):
         if self._world() == 1 or not self._zorro_regroup:
             record["prompt_dedup"] = prompt_dedup_ratio(input_ids[live, :p], mask[live, :p])
             lp, ent = wrapped.run(
-                lambda: joined_logprobs(actor, input_ids, mask, keep, self.temperature, compute_entropy, rows_per_call)
+                lambda: joined_logprobs(
+                    actor,
+                    input_ids,
+                    mask,
+                    keep,
+                    self.temperature,
+                    compute_entropy,
+                    rows_per_call,
+                    router_aux_loss=False,
+                )
             )
             return (lp, ent, None), record
         batch = RolloutBatch(input_ids[live, :p], mask[live, :p], input_ids[live, p:], mask[live, p:])
@@ -298,7 +306,14 @@ class DedupGRPOTrainer(GRPOTrainer):
         lmask = torch.cat([local.prompt_mask, local.response_mask], 1)
         lp_local, ent_local = wrapped.run(
             lambda: joined_logprobs(
-                actor, ids, lmask, local.responses.shape[1], self.temperature, compute_entropy, rows_per_call
+                actor,
+                ids,
+                lmask,
+                local.responses.shape[1],
+                self.temperature,
+                compute_entropy,
+                rows_per_call,
+                router_aux_loss=False,
             )
         )
 
@@ -347,6 +362,7 @@ class DedupGRPOTrainer(GRPOTrainer):
                     RolloutBatch(prompts[sl], pm[sl], resp[sl], rm[sl]),
                     temperature=self.temperature,
                     calculate_entropy=compute_entropy,
+                    router_aux_loss=True,
                 )
                 if out.aux_loss is None:
                     raise RuntimeError("the actor computed no router aux loss although it was requested")
@@ -361,31 +377,3 @@ class DedupGRPOTrainer(GRPOTrainer):
         lp = torch.where(keep_rows, lp, torch.zeros_like(lp))
         ent = torch.where(keep_rows, ent, torch.zeros_like(ent)) if compute_entropy else None
         return (lp, ent, aux), record
-
-
-@contextlib.contextmanager
-def _router_logits(model: torch.nn.Module, on: bool):
-    """MoE configs: `output_router_logits` set to whether this call wants the aux loss (TRL passes it as
-    a forward kwarg; the actor reads the config), put back afterwards."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "output_router_logits"):
-        yield
-        return
-    was = config.output_router_logits
-    config.output_router_logits = bool(on)
-    try:
-        yield
-    finally:
-        config.output_router_logits = was
-
-
-def prompt_dedup_ratio(prompts: torch.Tensor, prompt_mask: torch.Tensor) -> float:
-    """1 - unique prompt tokens / prompt tokens of these rows (0 for no rows)."""
-    if prompts.shape[0] == 0:
-        return 0.0
-    batch = RolloutBatch(prompts, prompt_mask, prompts[:, -1:], torch.ones_like(prompt_mask[:, -1:]))
-    group = group_rows(batch)
-    lens = prompt_mask.sum(1)
-    total = int(lens.sum())
-    unique = int(lens.new_zeros(int(group.max()) + 1).scatter(0, group, lens).sum())
-    return 1.0 - unique / total if total else 0.0

@@ -41,7 +41,6 @@ keep each `uid`'s rows in one micro-batch (verl's `balance_batch` regroups by le
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Optional
 
 import torch
@@ -50,7 +49,21 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.integrations.layout import ZorroFallbackWarning, joined_logprobs
+from zorro_core.integrations.core import Fallback, ZorroFallbackWarning, require_assigned
+from zorro_core.integrations.layout import joined_logprobs
+
+__all__ = [
+    "REQUIRED_KEYS",
+    "ZorroFallbackWarning",
+    "check_legacy_verl",
+    "check_micro_batch",
+    "forward_micro_batch",
+    "patch_dp_actor",
+    "unserved_reason",
+    "verl_position_ids",
+]
+_ACTOR_ATTRIBUTES = ("actor_module", "config", "use_ulysses_sp", "use_fused_kernels", "device_name", "param_dtype")
+"""What the patched method reads of a DataParallelPPOActor (its constructor sets them in verl <= 0.7)."""
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 
@@ -107,13 +120,13 @@ def forward_micro_batch(actor, micro_batch: dict, temperature: float, calculate_
 
 def unserved_reason(dp_actor: Any, micro_batch: dict) -> Optional[str]:
     """Why a DataParallelPPOActor call must run verl's own forward (None when zorro serves it)."""
-    config = getattr(dp_actor, "config", None) or {}
+    config = dp_actor.config or {}
     get = config.get if hasattr(config, "get") else (lambda k, d=None: getattr(config, k, d))
-    if getattr(dp_actor, "use_ulysses_sp", False):
+    if dp_actor.use_ulysses_sp:
         return "Ulysses sequence parallelism shards the sequence"
     if "multi_modal_inputs" in micro_batch or micro_batch.get("position_ids", torch.empty(0, 0)).dim() != 2:
         return "multi-modal inputs / 3-D position_ids"
-    if getattr(dp_actor, "use_fused_kernels", False):
+    if dp_actor.use_fused_kernels:
         return "use_fused_kernels"
     if get("calculate_sum_pi_squared", False):
         return "calculate_sum_pi_squared (an output the dedup path does not compute)"
@@ -150,38 +163,44 @@ def patch_dp_actor(actor_cls: Any, zorro_config: Optional[ActorConfig] = None, *
 
     One `DeduplicatedActor(model=self.actor_module, **actor_kwargs)` per instance, built on first
     use. Calls it cannot serve (`unserved_reason`, or an `UnsupportedModelError` from the actor)
-    run the original method with a one-time `ZorroFallbackWarning`. Returns `actor_cls`.
+    run the original method with a one-time `ZorroFallbackWarning` per instance, whose
+    `zorro_calls` counts the calls served by zorro ("dedup") and by verl ("fallback").
+    Returns `actor_cls`.
     """
     if actor_cls.__module__.startswith("verl."):  # verl's own class (a stand-in is not checked)
         check_legacy_verl()
+        require_assigned(
+            actor_cls, ("__init__",), _ACTOR_ATTRIBUTES, "this verl", "verl <= 0.7", "zorro_core.integrations.verl"
+        )
     if zorro_config is not None:
         actor_kwargs = {"config": zorro_config, **actor_kwargs}
     original = actor_cls._forward_micro_batch
     if getattr(original, "_zorro_patched", False):
         return actor_cls
-    warned: set[str] = set()
 
     def _forward_micro_batch(self, micro_batch, temperature, calculate_entropy=False):
+        fallback = self.__dict__.get("_zorro_fallback")
+        if fallback is None:
+            fallback = self._zorro_fallback = Fallback("verl's own forward serves this micro-batch")
+            self.zorro_calls = fallback.counts
         reason = unserved_reason(self, micro_batch)
         if reason is None:
             try:
                 actor = self.__dict__.get("_zorro_actor")
                 if actor is None:
                     actor = self._zorro_actor = DeduplicatedActor(model=self.actor_module, **actor_kwargs)
-                dtype = getattr(self, "param_dtype", None)
-                device = getattr(self, "device_name", "cuda")
+                dtype = self.param_dtype
                 # verl runs its forward under autocast to param_dtype; so does the patched one.
+                half = dtype in (torch.bfloat16, torch.float16)
                 with torch.autocast(
-                    device_type=device, dtype=dtype or torch.bfloat16, enabled=dtype in (torch.bfloat16, torch.float16)
+                    device_type=self.device_name, dtype=dtype if half else torch.bfloat16, enabled=half
                 ):
-                    return forward_micro_batch(actor, micro_batch, temperature, calculate_entropy)
+                    out = forward_micro_batch(actor, micro_batch, temperature, calculate_entropy)
+                fallback.served()
+                return out
             except UnsupportedModelError as e:
                 reason = f"the dedup path refuses it: {e}"
-        if reason not in warned:
-            warned.add(reason)
-            warnings.warn(
-                f"zorro: verl's own forward serves this micro-batch: {reason}", ZorroFallbackWarning, stacklevel=2
-            )
+        fallback.fall_back(reason)
         return original(self, micro_batch, temperature, calculate_entropy)
 
     patched: Any = _forward_micro_batch  # marked, so that patching twice is a no-op

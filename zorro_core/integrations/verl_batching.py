@@ -29,6 +29,7 @@ import torch.distributed as dist
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_name
 
+from zorro_core.integrations.core import prompt_groups
 from zorro_core.integrations.verl_balance import ATTENTION_WEIGHT
 from zorro_core.plan.balance import GroupedLengths, Partition, partition_micro_batches
 
@@ -47,12 +48,17 @@ def micro_batch_work(data) -> Optional[GroupedLengths]:
     rows = rows_of(data)
     if isinstance(rows, str):
         return None
-    plen, rlen = rows.prompt_lens.tolist(), rows.response_lens.tolist()
-    values, offsets = data["input_ids"].values(), rows.offsets.tolist()
+    plen_t, offsets = rows.prompt_lens, rows.offsets
+    values = data["input_ids"].values()
+    column = torch.arange(int(plen_t.max()), device=plen_t.device)[None]
+    in_prompt = column < plen_t[:, None]
+    tokens = torch.where(in_prompt, values[(offsets[:-1][:, None] + column).clamp(max=values.numel() - 1)], 0)
+    same_prompt = prompt_groups(tokens, in_prompt).tolist()
+    plen, rlen = plen_t.tolist(), rows.response_lens.tolist()
     ids: dict[Any, int] = {}
     group = []
-    for i, (p, r) in enumerate(zip(plen, rlen)):
-        key: Any = tuple(values[offsets[i] : offsets[i] + p].tolist()) if r > 0 else ("row", i)
+    for i, (g, r) in enumerate(zip(same_prompt, rlen)):
+        key: Any = ("prompt", g) if r > 0 else ("row", i)
         group.append(ids.setdefault(key, len(ids)))
     prompt_of = [0] * len(ids)
     for i, g in enumerate(group):
@@ -74,7 +80,9 @@ def serves_whole_batch(engine, data) -> bool:
         return False
     if "temperature" in data.keys() and isinstance(temperature_of(data), str):
         return False
-    if any(reason.startswith("the dedup path refuses the model") for reason in engine._warned):
+    from zorro_core.integrations.verl_rows import REFUSED
+
+    if engine._zorro_fallback.has_fallen_back(REFUSED):
         return False
     from zorro_core.integrations.verl_rows import sequence_parallel_of
 

@@ -14,7 +14,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import verl
+from verl.plugin.platform import platform_manager
 from verl.plugin.platform.platform_cuda import PlatformCUDA
+from verl.utils.torch_dtypes import PrecisionType
+
+from zorro_core.integrations.core import require_attributes, require_parameters
+
+_RELEASE, _TESTED, _READER = f"verl {verl.__version__}", "verl 0.9.1", "zorro_core.integrations.verl_cpu"
+require_attributes(platform_manager, ("_current_platform", "set_platform"), _RELEASE, _TESTED, _READER)
+# allow_float64 wraps this static method: it must still take the precision name alone.
+require_parameters(PrecisionType.to_dtype, ("precision",), _RELEASE, _TESTED, _READER)
 
 
 class PlatformCPU(PlatformCUDA):
@@ -71,17 +81,13 @@ class PlatformCPU(PlatformCUDA):
 
 def use_cpu_platform() -> None:
     """Make verl's platform the CPU (call before importing verl's engines or zorro's verl engine)."""
-    from verl.plugin.platform import platform_manager
-
     if not isinstance(platform_manager._current_platform, PlatformCPU):
         platform_manager.set_platform(PlatformCPU())
 
 
 def allow_float64() -> None:
     """Let verl's precision names include "fp64" (idempotent)."""
-    from verl.utils import torch_dtypes
-
-    original = torch_dtypes.PrecisionType.to_dtype
+    original = PrecisionType.to_dtype
     if getattr(original, "_zorro_fp64", False):
         return
 
@@ -92,7 +98,7 @@ def allow_float64() -> None:
 
     marked: Any = to_dtype  # installed once: a second call sees the mark
     marked._zorro_fp64 = True
-    torch_dtypes.PrecisionType.to_dtype = staticmethod(marked)
+    PrecisionType.to_dtype = staticmethod(marked)
 
 
 # -- building verl's engine and verl's batches on CPU (tests, benchmarks) --------------------------

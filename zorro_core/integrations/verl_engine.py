@@ -65,11 +65,20 @@ Importing this module calls `install()`: `ZorroFSDPEngine` is registered through
 `EngineRegistry.register` for `language_model` x `fsdp`/`fsdp2` on this platform's device and vendor,
 a key verl's registry looks up before the device-only key verl's own engine sits under. To pass
 actor options, point `external_lib` at a module of your own that calls
-`install(zorro_config=ActorConfig(...))`.
+`install(zorro_config=ActorConfig(...))`. Each engine takes its options when verl builds it: those
+installed by the module its own model config names in `external_lib` (`config_for`), or the
+`zorro_config` keyword of its constructor; a config installed by a module the engine's model config
+does not name is refused, never ignored.
+
+What this module reads of verl beyond its public API (`EngineRegistry._engines`, the attributes
+`FSDPEngine` sets on itself, `forward_step`'s signature, the `prepare_micro_batches` name its
+`forward_backward_batch` calls) is checked when it is imported, with a message naming it and the
+tested verl.
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from contextlib import nullcontext
 from typing import Any, Optional
@@ -79,14 +88,25 @@ import verl
 from packaging.version import Version
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name, get_vendor
+from verl.workers.config import HFModelConfig
+from verl.workers.engine import utils as engine_utils
 from verl.workers.engine.base import EngineRegistry
-from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.engine.fsdp import transformer_impl
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngine, FSDPEngineWithLMHead
 
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.integrations.layout import ZorroFallbackWarning
+from zorro_core.integrations.core import (
+    Fallback,
+    ZorroFallbackWarning,
+    grouped_order,
+    require_assigned,
+    require_attributes,
+    require_parameters,
+)
 from zorro_core.integrations.verl_rows import (
+    REFUSED,
     VerlRows,
     flag,
     rows_of,
@@ -99,6 +119,7 @@ __all__ = [
     "TESTED_VERL",
     "ZorroFSDPEngine",
     "ZorroFallbackWarning",
+    "config_for",
     "install",
     "rows_of",
     "sequence_parallel_of",
@@ -117,6 +138,30 @@ if Version(verl.__version__) < MIN_VERL:
     )
 
 
+_RELEASE, _TESTED = f"verl {verl.__version__}", "verl 0.9.1"
+_READER = "zorro_core.integrations.verl_engine"
+require_attributes(EngineRegistry, ("_engines", "register", "get_engine_cls"), _RELEASE, _TESTED, _READER)
+require_parameters(
+    FSDPEngineWithLMHead.forward_step,
+    ("self", "micro_batch", "loss_function", "forward_only"),
+    _RELEASE,
+    _TESTED,
+    _READER,
+)
+require_parameters(
+    FSDPEngine.forward_backward_batch, ("self", "data", "loss_function", "forward_only"), _RELEASE, _TESTED, _READER
+)
+# zorro's dynamic micro-batches replace the module-level name verl's forward_backward_batch calls.
+require_attributes(transformer_impl, ("prepare_micro_batches",), _RELEASE, _TESTED, _READER)
+require_assigned(FSDPEngine, ("forward_backward_batch",), ("prepare_micro_batches",), _RELEASE, _TESTED, _READER)
+_ENGINE_ATTRIBUTES = ("_autocast_dtype", "use_ulysses_sp", "ulysses_parallel_group")
+"""What FSDPEngine's constructor sets on the engine (the autocast dtype of its forward_step, its
+Ulysses group) and zorro's forward step reads."""
+require_assigned(FSDPEngine, ("__init__", "_init_device_mesh"), _ENGINE_ATTRIBUTES, _RELEASE, _TESTED, _READER)
+require_attributes(HFModelConfig, ("use_fused_kernels", "external_lib"), _RELEASE, _TESTED, _READER)
+require_attributes(engine_utils, ("detach_tree",), _RELEASE, _TESTED, _READER)
+
+
 def _verl_version_note() -> Optional[str]:
     v = Version(verl.__version__)
     if f"{v.major}.{v.minor}" in TESTED_VERL:
@@ -127,11 +172,22 @@ def _verl_version_note() -> Optional[str]:
 
 
 class ZorroFSDPEngine(FSDPEngineWithLMHead):
-    """verl's FSDP language-model engine; its forward step runs zorro's `DeduplicatedActor`."""
+    """verl's FSDP language-model engine; its forward step runs zorro's `DeduplicatedActor`.
 
-    zorro_config: ActorConfig = ActorConfig()
-    """Options of the deduplicated actor (set by `install`)."""
-    _warned: set[str] = set()
+    Built by verl with verl's arguments; `zorro_config` (keyword only) sets the actor's options,
+    else `config_for(model_config.external_lib)` does. `zorro_calls` counts the micro-batches served
+    by zorro ("dedup") and by verl's own forward ("fallback").
+    """
+
+    def __init__(self, *args: Any, zorro_config: Optional[ActorConfig] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        require_attributes(self, _ENGINE_ATTRIBUTES, _RELEASE, _TESTED, _READER)
+        if zorro_config is not None and not isinstance(zorro_config, ActorConfig):
+            raise TypeError(f"zorro_config must be an ActorConfig, got {type(zorro_config).__name__}")
+        self.zorro_config: ActorConfig = zorro_config or config_for(self.model_config.external_lib)
+        """Options of this engine's deduplicated actor (a new one is built when it changes)."""
+        self._zorro_fallback = Fallback("verl's own forward serves this micro-batch")
+        self.zorro_calls = self._zorro_fallback.counts
 
     # -- the forward step -------------------------------------------------------------------------
     def forward_step(self, micro_batch, loss_function, forward_only):
@@ -146,25 +202,26 @@ class ZorroFSDPEngine(FSDPEngineWithLMHead):
                 actor = self._zorro_actor()
                 result = self._zorro_forward_step(actor, rows, temperature, micro_batch, loss_function, forward_only)
                 self._zorro_record(micro_batch, rows)
+                self._zorro_fallback.served()
                 return result
             except UnsupportedModelError as e:
-                reason = f"the dedup path refuses the model: {e}"
-        self._warn_once(reason)
+                reason = f"{REFUSED}: {e}"
+        self._zorro_fallback.fall_back(reason)
         self._zorro_record(micro_batch, None)
         return super().forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
 
     def _zorro_actor(self) -> DeduplicatedActor:
         actor = self.__dict__.get("_zorro_actor_instance")
-        if actor is None or actor.model is not self.module:
+        if actor is None or actor.model is not self.module or actor.config is not self.zorro_config:
             note = _verl_version_note()
             if note:
-                self._warn_once(note, fallback=False)
+                self._zorro_fallback.note(note)
             actor = self._zorro_actor_instance = DeduplicatedActor(model=self.module, config=self.zorro_config)
         return actor
 
     def _autocast(self):
         # verl's forward_step: autocast to mixed_precision.param_dtype unless it is float32.
-        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        dtype = self._autocast_dtype
         return nullcontext() if dtype == torch.float32 else torch.autocast(device_type=get_device_name(), dtype=dtype)
 
     def _zorro_forward_step(self, actor, rows: VerlRows, temperature, micro_batch, loss_function, forward_only):
@@ -185,9 +242,11 @@ class ZorroFSDPEngine(FSDPEngineWithLMHead):
                 assert forward_only, "forward_only must be True when loss_function is None"
                 loss = torch.tensor(1.0, device=get_device_name())
                 metrics = {}
-        from verl.workers.engine.utils import detach_tree
-
-        return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
+        return loss, {
+            "model_output": engine_utils.detach_tree(model_output),
+            "loss": loss.detach().item(),
+            "metrics": metrics,
+        }
 
     # -- micro-batching: rows of a prompt together; what zorro saved, in verl's metrics ------------
     def forward_backward_batch(self, data, loss_function, forward_only=False):
@@ -221,13 +280,6 @@ class ZorroFSDPEngine(FSDPEngineWithLMHead):
                 model_output[key] = _select_rows(value, inverse)
         return output
 
-    def _warn_once(self, reason: str, fallback: bool = True) -> None:
-        if reason in self._warned:
-            return
-        self._warned.add(reason)
-        text = f"zorro: verl's own forward serves this micro-batch: {reason}" if fallback else f"zorro: {reason}"
-        warnings.warn(text, ZorroFallbackWarning, stacklevel=3)
-
 
 def _select_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if not t.is_nested:
@@ -239,36 +291,70 @@ def _select_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def prompt_order(data) -> Optional[torch.Tensor]:
     """A stable permutation putting rows with identical prompts next to each other (None: no prompts
     field, or already so)."""
-    prompts = data.get("prompts", None)
-    if prompts is None:
+    from zorro_core.integrations.verl_rows import prompt_tokens
+
+    tokens = prompt_tokens(data)
+    if tokens is None:
         return None
-    if prompts.is_nested:
-        keys = [tuple(p.tolist()) for p in prompts.unbind()]
-    else:
-        mask = data.get("attention_mask", None)
-        if mask is None or mask.is_nested:
-            return None
-        m = mask[:, : prompts.shape[1]].bool()
-        keys = [tuple(row[mrow].tolist()) for row, mrow in zip(prompts, m)]
-    first: dict[tuple, int] = {}
-    group = [first.setdefault(k, len(first)) for k in keys]
-    order = torch.sort(torch.tensor(group), stable=True).indices
-    if torch.equal(order, torch.arange(len(group))):
+    order = grouped_order(*tokens).cpu()
+    if torch.equal(order, torch.arange(order.numel())):
         return None
     return order
 
 
-def install(zorro_config: Optional[ActorConfig] = None, device: Any = None, vendor: Any = None) -> type:
-    """Register `ZorroFSDPEngine` for language models on fsdp/fsdp2 (idempotent); set its actor options.
+_INSTALLED: dict[str, ActorConfig] = {}
+"""The ActorConfig each module installed (`install(zorro_config=...)`), by the module's name."""
 
-    Registered through `EngineRegistry.register` under (device, vendor) of this platform (or the
-    given ones), which `EngineRegistry.get_engine_cls` tries before the device-only key of verl's
-    own `FSDPEngineWithLMHead`. Returns the engine class.
+
+def _libraries(external_lib: Any) -> list[str]:
+    if external_lib is None:
+        return []
+    if isinstance(external_lib, str):
+        return [external_lib]
+    return [str(m) for m in external_lib]
+
+
+def config_for(external_lib: Any) -> ActorConfig:
+    """The actor options of an engine whose model config names `external_lib` (verl's
+    `actor_rollout_ref.model.external_lib`, a module name or a list of them): the config installed by
+    one of those modules, else the defaults. A config installed by a module the engine does not name
+    is refused: it was meant for some engine, and silently running without it would be another
+    computation than the one asked for."""
+    names = _libraries(external_lib)
+    found = {name: _INSTALLED[name] for name in names if name in _INSTALLED}
+    if len(set(found.values())) > 1:
+        raise ValueError(f"the modules {sorted(found)} in external_lib installed different zorro configs")
+    if found:
+        return next(iter(found.values()))
+    if _INSTALLED:
+        raise ValueError(
+            f"install(zorro_config=...) was called by {sorted(_INSTALLED)}, but this engine's model config names "
+            f"external_lib={names}: point actor_rollout_ref.model.external_lib at that module"
+        )
+    return ActorConfig()
+
+
+def install(
+    zorro_config: Optional[ActorConfig] = None, device: Any = None, vendor: Any = None, module: Optional[str] = None
+) -> type:
+    """Register `ZorroFSDPEngine` for language models on fsdp/fsdp2 (idempotent); with `zorro_config`,
+    the actor options of every engine whose model config names `module` in `external_lib`.
+
+    `module` defaults to the module calling `install`: the one to name in
+    `actor_rollout_ref.model.external_lib` (verl imports it in each worker before building the
+    engines). Registered through `EngineRegistry.register` under (device, vendor) of this platform
+    (or the given ones), which `EngineRegistry.get_engine_cls` tries before the device-only key of
+    verl's own `FSDPEngineWithLMHead`. Returns the engine class.
     """
     if zorro_config is not None:
         if not isinstance(zorro_config, ActorConfig):
             raise TypeError(f"zorro_config must be an ActorConfig, got {type(zorro_config).__name__}")
-        ZorroFSDPEngine.zorro_config = zorro_config
+        if module is None:
+            caller = inspect.currentframe()
+            module = caller.f_back.f_globals.get("__name__") if caller and caller.f_back else None
+        if not module:
+            raise ValueError("install(zorro_config=...) needs the name of the external_lib module (module=...)")
+        _INSTALLED[module] = zorro_config
     device = device or get_device_name()
     vendor = vendor or get_vendor() or device
     registry = EngineRegistry._engines.get("language_model", {})

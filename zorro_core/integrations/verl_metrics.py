@@ -33,8 +33,8 @@ class MicroBatchStats:
 
 def stats_of(micro_batch: Any, rows: Optional[Any]) -> MicroBatchStats:
     """A micro-batch's figures; `rows` is zorro's `VerlRows` when zorro served it, else None."""
+    from zorro_core.integrations.core import prompt_groups
     from zorro_core.integrations.verl_rows import prompt_lengths
-    from zorro_core.plan.prompt import group_rows
 
     lens = micro_batch["input_ids"].offsets().diff() if micro_batch["input_ids"].is_nested else None
     if lens is None:
@@ -45,7 +45,7 @@ def stats_of(micro_batch: Any, rows: Optional[Any]) -> MicroBatchStats:
     if rows is None:
         return MicroBatchStats(False, prompt_tokens, prompt_tokens, tokens, tokens)
     batch = rows.batch
-    group = group_rows(batch, True).tolist()
+    group = prompt_groups(batch.prompts, batch.prompt_mask).tolist()
     row_plen = batch.prompt_mask.bool().sum(1).tolist()
     first: dict[int, int] = {}
     for i, g in enumerate(group):

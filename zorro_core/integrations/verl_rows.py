@@ -13,7 +13,20 @@ from verl.utils import tensordict_utils as tu
 from zorro_core.distributed.ulysses import SequenceParallel
 from zorro_core.plan.batch import RolloutBatch
 
-__all__ = ["VerlRows", "flag", "prompt_lengths", "rows_of", "sequence_parallel_of", "temperature_of", "unserved_reason"]
+__all__ = [
+    "REFUSED",
+    "VerlRows",
+    "flag",
+    "prompt_lengths",
+    "prompt_tokens",
+    "rows_of",
+    "sequence_parallel_of",
+    "temperature_of",
+    "unserved_reason",
+]
+
+REFUSED = "the dedup path refuses the model"
+"""How the reason of a micro-batch whose model the actor refused starts (the batching reads it)."""
 
 
 class VerlRows:
@@ -48,6 +61,29 @@ def prompt_lengths(micro_batch) -> Optional[torch.Tensor]:
     if mask is None or mask.is_nested:
         return None
     return mask[:, : prompts.shape[1]].sum(1)
+
+
+def prompt_tokens(data) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Every row's prompt as (tokens [B, P], mask [B, P]) for `prompt_groups`: verl's `prompts`,
+    nested (its rows, padded here) or padded (with `attention_mask`'s prompt columns). None when
+    the rows have no prompt/response split."""
+    prompts = data.get("prompts", None)
+    if prompts is None:
+        return None
+    if not prompts.is_nested:
+        mask = data.get("attention_mask", None)
+        if mask is None or mask.is_nested:
+            return None
+        return prompts, mask[:, : prompts.shape[1]]
+    offsets = prompts.offsets()
+    lens = offsets.diff()
+    values = prompts.values()
+    width = int(lens.max()) if lens.numel() else 0
+    row = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
+    column = torch.arange(values.numel(), device=lens.device) - offsets[:-1][row]
+    padded = values.new_zeros((len(lens), width)).index_put((row, column), values)
+    mask = (torch.arange(width, device=lens.device)[None] < lens[:, None]).long()
+    return padded, mask
 
 
 def rows_of(micro_batch) -> VerlRows | str:
@@ -107,9 +143,9 @@ def flag(micro_batch, key: str) -> bool:
 
 def unserved_reason(engine, micro_batch) -> Optional[str]:
     """Why verl's own forward must serve this micro-batch (None when zorro serves it)."""
-    if getattr(engine, "use_ulysses_sp", False) and getattr(engine, "ulysses_parallel_group", None) is None:
+    if engine.use_ulysses_sp and engine.ulysses_parallel_group is None:
         return "Ulysses sequence parallelism without the engine's SP process group"
-    if flag(micro_batch, "use_fused_kernels") or getattr(engine.model_config, "use_fused_kernels", False):
+    if flag(micro_batch, "use_fused_kernels") or engine.model_config.use_fused_kernels:
         return "use_fused_kernels"
     if flag(micro_batch, "calculate_sum_pi_squared"):
         return "calculate_sum_pi_squared (an output the dedup path does not compute)"
@@ -134,7 +170,7 @@ def sequence_parallel_of(engine) -> Optional[SequenceParallel]:
     """The engine's Ulysses group (None without SP). Every rank of it holds the same micro-batch (verl
     dispatches data by data-parallel rank); the gather's backward scales by the SP size, as verl's
     `gather_outputs_and_unpad` does, so FSDP's average over dp x sp ranks gives verl's gradients."""
-    if not getattr(engine, "use_ulysses_sp", False):
+    if not engine.use_ulysses_sp:
         return None
     return SequenceParallel.of(engine.ulysses_parallel_group)
 

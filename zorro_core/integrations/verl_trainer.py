@@ -27,16 +27,33 @@ import logging
 import math
 from typing import Any, Optional
 
+import verl
+from verl.single_controller.base.worker import Worker
+from verl.single_controller.base.worker_group import WorkerGroup
 from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.seqlen_balancing import log_seqlen_unbalance
 
+from zorro_core.integrations.core import require_assigned, require_attributes, require_parameters
 from zorro_core.integrations.verl_balance import Balance, balance_tags, group_of_keys, split_key
 
 __all__ = ["TRAINER_NAME", "ZorroPPOTrainerSync", "balance_metrics", "mini_batch_rows"]
 
 TRAINER_NAME = "zorro_sync"
+
+_RELEASE, _TESTED, _READER = f"verl {verl.__version__}", "verl 0.9.1", "zorro_core.integrations.verl_trainer"
+require_parameters(
+    PPOTrainerSync._balance_batch,
+    ("self", "batch", "metrics", "logging_prefix", "keep_minibatch"),
+    _RELEASE,
+    _TESTED,
+    _READER,
+)
+require_attributes(PPOTrainerSync, ("_get_required_batch_multiple",), _RELEASE, _TESTED, _READER)
+# The actor's data-parallel size, read as verl's own _balance_batch reads it.
+require_assigned(WorkerGroup, ("__init__",), ("_dispatch_info",), _RELEASE, _TESTED, _READER)
+require_attributes(Worker, ("_query_dispatch_info",), _RELEASE, _TESTED, _READER)  # bound onto the worker group
 
 _log = logging.getLogger(__name__)
 

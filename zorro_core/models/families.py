@@ -39,19 +39,28 @@ def install_family_adapters(model: nn.Module, parts) -> None:
         adapter(model)
 
 
-def wants_router_logits(parts, config) -> bool:
-    """Whether the forward computes the router aux loss: MoE models with config.output_router_logits,
-    transformers' own switch (the router logits of every layer are kept until the loss is built)."""
-    return bool(parts.moe and getattr(config, "output_router_logits", False))
+def wants_router_logits(parts, config, requested: Optional[bool] = None) -> bool:
+    """Whether the forward computes the router aux loss: MoE models whose call asks for it
+    (`requested`), or, when the call does not say, whose config.output_router_logits is set
+    (transformers' switch: the router logits of every layer are kept until the loss is built)."""
+    on = getattr(config, "output_router_logits", False) if requested is None else requested
+    return bool(parts.moe and on)
 
 
-def forward_kwargs(parts, config) -> dict[str, Any]:
-    """Extra kwargs of the base model's forward."""
-    return {"output_router_logits": True} if wants_router_logits(parts, config) else {}
+def forward_kwargs(parts, config, requested: Optional[bool] = None) -> dict[str, Any]:
+    """Extra kwargs of the base model's forward: the call's router-logits switch, passed as the
+    forward kwarg transformers' MoE models take, so that a call never writes the shared config."""
+    if wants_router_logits(parts, config, requested):
+        return {"output_router_logits": True}
+    if parts.moe and getattr(config, "output_router_logits", False):
+        return {"output_router_logits": False}  # the config would keep them; this call asks for none
+    return {}
 
 
-def aux_loss_of(parts, config, outputs, plan, weighting: str) -> Optional[torch.Tensor]:
+def aux_loss_of(
+    parts, config, outputs, plan, weighting: str, requested: Optional[bool] = None
+) -> Optional[torch.Tensor]:
     """The router aux loss of a packed forward (None unless wants_router_logits)."""
-    if not wants_router_logits(parts, config):
+    if not wants_router_logits(parts, config, requested):
         return None
     return router_aux_loss(outputs.router_logits, config, plan, weighting)

@@ -104,28 +104,48 @@ class DedupPlan(PackedPlan):
         return same_group & causal & (is_prompt_k | same_seg)
 
 
-def group_rows(batch: RolloutBatch, dedup: bool = True) -> torch.Tensor:
-    """[B] group id of each row, groups numbered by first appearance.
+def prompt_groups(prompts: torch.Tensor, prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B] group id of each row of `prompts` [B, P], groups numbered 0.. by first appearance.
 
-    Rows share a group iff their real prompt tokens are identical, compared in full
-    (torch.unique over whole rows is exact, so no hash collision can merge two prompts).
-    Left padding right-aligns the real tokens, so a prompt that is a strict prefix of another
-    differs in some column and never merges; what the pad columns hold does not matter.
+    Rows share a group iff their real prompt tokens (`prompt_mask` 1; every column without a mask)
+    are the same tokens in the same order. Where the padding sits does not matter: each row's real
+    tokens are right-aligned first, and its length is part of the key, so padding never equals a
+    token and a prompt that is a strict prefix of another never merges with it. Compared in full
+    (torch.unique over whole rows is exact: no hash collision can merge two prompts).
     """
-    b = batch.batch_size
-    dev = batch.device
-    if not dedup:
-        return torch.arange(b, device=dev)
-    canon = torch.where(
-        batch.prompt_mask.bool(), batch.prompts.long(), torch.full_like(batch.prompts, -1, dtype=torch.long)
-    )
-    _, inverse = torch.unique(canon, dim=0, return_inverse=True)
+    if prompts.dim() != 2:
+        raise ValueError(f"prompts must be 2-D [rows, columns], got shape {tuple(prompts.shape)}")
+    b, p = prompts.shape
+    dev = prompts.device
+    if b == 0:
+        return torch.zeros(0, dtype=torch.long, device=dev)
+    tokens = prompts.long()
+    if prompt_mask is None:
+        lens = torch.full((b,), p, dtype=torch.long, device=dev)
+        aligned = tokens
+    else:
+        if prompt_mask.shape != prompts.shape:
+            raise ValueError(f"prompt_mask {tuple(prompt_mask.shape)} does not match prompts {tuple(prompts.shape)}")
+        real = prompt_mask.bool()
+        lens = real.sum(1)
+        column = real.long().cumsum(1) - 1 + (p - lens)[:, None]
+        rows = torch.arange(b, device=dev)[:, None].expand(b, p)
+        aligned = torch.zeros_like(tokens).index_put((rows[real], column[real]), tokens[real])
+    _, inverse = torch.unique(torch.cat([lens[:, None], aligned], 1), dim=0, return_inverse=True)
     n = int(inverse.max()) + 1
-    rows = torch.arange(b, device=dev)
-    first = torch.full((n,), b, device=dev, dtype=torch.long).scatter_reduce(0, inverse, rows, reduce="amin")
+    order = torch.arange(b, device=dev)
+    first = torch.full((n,), b, device=dev, dtype=torch.long).scatter_reduce(0, inverse, order, reduce="amin")
     rank = torch.empty_like(first)
     rank[torch.argsort(first)] = torch.arange(n, device=dev)
     return rank[inverse]
+
+
+def group_rows(batch: RolloutBatch, dedup: bool = True) -> torch.Tensor:
+    """[B] group id of each row, groups numbered by first appearance: `prompt_groups` of the
+    batch's prompts (every row its own group without `dedup`)."""
+    if not dedup:
+        return torch.arange(batch.batch_size, device=batch.device)
+    return prompt_groups(batch.prompts, batch.prompt_mask)
 
 
 class _Groups(NamedTuple):
