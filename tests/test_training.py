@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from zorro_core import RolloutBatch
+from zorro_core import ActorConfig, RolloutBatch
 from zorro_core.verify.training import TRAIN_FLOOR, TrainConfig, group_advantages, grpo_loss, verify_training
+
+SDPA = ActorConfig(attn_implementation="sdpa")
 
 
 def test_advantages_are_normalised_per_prompt_content():
@@ -37,7 +39,9 @@ def test_loss_clips_the_ratio():
 
 @pytest.mark.parametrize("dtype,split", [("float64", True), ("float32", False), ("bfloat16", True)])
 def test_training_matches_reference_every_step(dtype, split):
-    res = verify_training(TrainConfig(dtype=dtype, split=split, attn="sdpa", steps=3))
+    res = verify_training(
+        TrainConfig(dtype=dtype, actor=ActorConfig(use_split_attention=split, attn_implementation="sdpa"), steps=3)
+    )
     assert res.status == "pass", res.reason
     assert [s.step for s in res.steps] == [1, 2, 3] and all(s.passed for s in res.steps)
     assert max(s.clip_fraction for s in res.steps) > 0  # clipping engaged, so it is exercised
@@ -54,12 +58,12 @@ def test_linear_attention_trains_at_the_float64_floor():
     import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
 
     kernel = qwen3_next.torch_chunk_gated_delta_rule
-    res = verify_training(TrainConfig(model="tiny-qwen3-next", dtype="float64", attn="sdpa", steps=5))
+    res = verify_training(TrainConfig(model="tiny-qwen3-next", dtype="float64", actor=SDPA, steps=5))
     assert res.status == "pass", res.reason
     assert max(s.drift_dedup for s in res.steps) < 1e-5
     assert qwen3_next.torch_chunk_gated_delta_rule is kernel
     bad = verify_training(
-        TrainConfig(model="tiny-qwen3-next", dtype="float64", attn="sdpa", steps=1), bug="wrong_prompt"
+        TrainConfig(model="tiny-qwen3-next", dtype="float64", actor=SDPA, steps=1), bug="wrong_prompt"
     )
     assert bad.status == "fail" and bad.steps[0].drift_dedup > 0.25
 
@@ -79,6 +83,11 @@ def test_training_with_a_broken_plan_diverges(bug, dtype):
 
 
 def test_unavailable_and_bad_configs():
-    assert verify_training(TrainConfig(attn="flash_attention_2", dtype="bfloat16")).status == "skip"
+    assert (
+        verify_training(
+            TrainConfig(actor=ActorConfig(attn_implementation="flash_attention_2"), dtype="bfloat16")
+        ).status
+        == "skip"
+    )
     with pytest.raises(ValueError, match="steps"):
         verify_training(TrainConfig(steps=0))

@@ -347,11 +347,17 @@ def _training_grid(
     dtype: Optional[list[str]],
     attn: Optional[list[str]],
     mode: Optional[list[str]],
+    logits_mode: str,
     **common,
 ) -> list[TrainConfig]:
     """One TrainConfig per model x dtype x attention x split/mask (each option checked), the rest in common."""
     return [
-        TrainConfig(model=m, attn=a, dtype=d, split=s == "split", **common)
+        TrainConfig(
+            model=m,
+            actor=ActorConfig(attn_implementation=a, use_split_attention=s == "split", logits_mode=logits_mode),
+            dtype=d,
+            **common,
+        )
         for m in _models(models)
         for d in _split(dtype, list(DTYPES), list(DTYPES), "--dtype")
         for a in _split(attn, ATTNS, ["sdpa"], "--attn-implementation")
@@ -364,7 +370,7 @@ def _train_each(configs: list[TrainConfig], dev: str, factor: float, bug: Option
     results = []
     with err_console.status("training") as status:
         for i, cfg in enumerate(configs, 1):
-            name = escape(f"[{i}/{len(configs)}] {cfg.model}/{cfg.attn}/{cfg.dtype}/{'split' if cfg.split else 'mask'}")
+            name = escape(f"[{i}/{len(configs)}] {cfg.name}")
             status.update(name)
             results.append(
                 verify_training(
@@ -397,7 +403,7 @@ def _training_table(results, setting: str, bug: Optional[str]) -> None:
         table.add_column(col, justify="left" if col in ("run", "") else "right", no_wrap=col == "run")
     for r in results:
         c = r.config
-        name = f"{c.model}/{c.attn}/{c.dtype}/{'split' if c.split else 'mask'}/{c.logits_mode}"
+        name = c.name
         if not r.steps:
             table.add_row(name, "-", "-", "-", "-", "-", "-", "-", "-", escape(r.reason[:50]), STATUS_STYLE[r.status])
         for s in r.steps:

@@ -99,8 +99,7 @@ def distributed(
     _check_attention_runs(model, attn.value, logits_mode.value, dev)
     cfg = DistributedConfig(
         model=model,
-        attn=attn.value,
-        logits_mode=logits_mode.value,
+        actor=ActorConfig(attn_implementation=attn.value, logits_mode=logits_mode.value),
         equal_rows=equal_rows,
         device=dev,
         seed=seed,

@@ -70,10 +70,8 @@ class DistributedConfig:
 
     model: str = "tiny-qwen3"
     """Preset (tiny shapes of a supported family)."""
-    attn: str = "sdpa"
-    """Attention implementation the actor runs (split attention through the hook)."""
-    logits_mode: str = "compute"
-    """Log-prob mode of the actor."""
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(attn_implementation="sdpa"))
+    """The options the actor runs with on every rank."""
     equal_rows: bool = False
     """regroup(equal_rows=...): same row count per rank, or whole groups."""
     device: str = "cpu"
@@ -82,10 +80,6 @@ class DistributedConfig:
     """Seeds weights, the batch and the loss weights."""
     bugs: tuple = (None,)
     """Variants to run in the same ranks: None (clean) and/or names from BUGS."""
-
-    def actor_config(self) -> ActorConfig:
-        """The options the actor runs with (split attention through the hook)."""
-        return ActorConfig(attn_implementation=self.attn, logits_mode=self.logits_mode)
 
 
 @dataclass
@@ -191,7 +185,7 @@ def verify_rank(cfg: DistributedConfig) -> list[dict]:
     del ref_model
     model.to(dev)
     _shard(model)
-    actor = DeduplicatedActor(model=model, config=cfg.actor_config())
+    actor = DeduplicatedActor(model=model, config=cfg.actor)
     rows = rank_rows(batch, rank, world)
     mine = select_rows(batch, rows).to(dev)
     w_lp, w_ent = (w[rows].to(dev) for w in weights)

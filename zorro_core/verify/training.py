@@ -65,14 +65,10 @@ class TrainConfig:
 
     model: str = "tiny-qwen3"
     """Preset name."""
-    attn: str = "eager"
-    """Attention implementation of the actors."""
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(attn_implementation="eager"))
+    """The options the baseline and dedup actors run with."""
     dtype: str = "float64"
     """dtype of the baseline and dedup runs (ref64 is always float64)."""
-    split: bool = True
-    """Split attention, or one masked attention."""
-    logits_mode: str = "compute"
-    """Log-prob mode of the actors."""
     layout: str = "padded"
     """Batch layout (see zorro_core.verify.gradients.verify_batch)."""
     steps: int = 5
@@ -92,9 +88,11 @@ class TrainConfig:
     seed: int = 0
     """Seeds weights, batches and rewards."""
 
-    def actor_config(self) -> ActorConfig:
-        """The options the baseline and dedup actors run with."""
-        return ActorConfig(use_split_attention=self.split, attn_implementation=self.attn, logits_mode=self.logits_mode)
+    @property
+    def name(self) -> str:
+        a = self.actor
+        mode = "split" if a.use_split_attention else "mask"
+        return f"{self.model}/{a.attn_implementation}/{self.dtype}/{mode}/{a.logits_mode}"
 
 
 @dataclass
@@ -207,7 +205,7 @@ def verify_training(
     on_step: Optional[Callable[[StepResult], None]] = None,
 ) -> TrainingResult:
     """Train ref64, baseline and dedup side by side and judge every step (TRAIN_RULE)."""
-    case = VerifyCase(cfg.model, cfg.dtype, cfg.layout, cfg.actor_config())
+    case = VerifyCase(cfg.model, cfg.dtype, cfg.layout, cfg.actor)
     why = case_unavailable(case, device)
     if why:
         return TrainingResult(cfg, "skip", why)
@@ -272,7 +270,7 @@ def _train_steps(
     m_dedup = copy.deepcopy(m_base)
     m_ref: Any = copy.deepcopy(m_base).to(torch.float64)  # the same (possibly bf16-rounded) weights
     unwrap_adapters(m_ref).set_attn_implementation("eager")
-    config = cfg.actor_config()
+    config = cfg.actor
     base_actor = BaselineActor(model=m_base, config=config)
     dedup_actor = DeduplicatedActor(model=m_dedup, config=config)
     runs = {
