@@ -296,3 +296,13 @@ def _tokenizer_without_template(tok_dir, tmp_path):  # noqa: F811
     d.mkdir(exist_ok=True)
     shutil.copy(os.path.join(tok_dir, "tokenizer.json"), d / "tokenizer.json")
     return str(d / "tokenizer.json")
+
+
+def test_chat_rows_without_transformers_template_compiler_are_refused_with_the_reason(tok_dir, tmp_path, monkeypatch):  # noqa: F811
+    import zorro_harness.analyze.dataset as dataset
+
+    assert callable(dataset._COMPILE_TEMPLATE)  # the tested transformers release has it
+    monkeypatch.setattr(dataset, "_COMPILE_TEMPLATE", None)
+    monkeypatch.setattr(dataset, "_NO_TEMPLATE_COMPILER", "no _compile_jinja_template in this transformers")
+    path = write_jsonl(tmp_path / "c.jsonl", chat_rows(2))
+    refused(analyze("--data", path, "--tokenizer", tok_dir), "_compile_jinja_template")

@@ -36,6 +36,29 @@ import numpy as np
 
 from zorro_core.models.local_files import hub_offline, refuse_remote_code
 
+# Chat templates are compiled by transformers' own sandboxed compiler, so the rendering has the
+# globals and filters the tokenizer's would. Its name is private: probed once here, and without it
+# chat rows are refused with the reason (plain text and token-id rows need no template).
+_TEMPLATE_TESTED = "transformers 5.6 to 5.24"
+
+
+def _template_compiler() -> tuple[Optional[Callable[[str], Any]], str]:
+    """transformers' template compiler, or None and why not."""
+    try:
+        from transformers.utils import chat_template_utils
+    except ImportError as e:  # pragma: no cover (the module exists in every tested release)
+        return None, f"transformers.utils.chat_template_utils does not import ({e})"
+    compile_template = getattr(chat_template_utils, "_compile_jinja_template", None)
+    if not callable(compile_template):
+        return None, (
+            "this transformers release has no transformers.utils.chat_template_utils._compile_jinja_template, which "
+            f"zorro renders chat templates with (tested with {_TEMPLATE_TESTED}); chat rows cannot be rendered"
+        )
+    return compile_template, ""
+
+
+_COMPILE_TEMPLATE, _NO_TEMPLATE_COMPILER = _template_compiler()
+
 PROMPT_ID_COLUMNS = ("prompt_ids", "prompt_token_ids", "input_ids")
 COMPLETION_ID_COLUMNS = ("completion_ids", "response_ids", "completion_token_ids")
 PROMPT_COLUMNS = ("prompt", "messages")
@@ -414,10 +437,10 @@ class LocalTokenizer:
                 raise DatasetError(
                     f"{name}: {len(self.chat_template):,} characters, over the {MAX_TEMPLATE_CHARS:,} zorro compiles"
                 )
+            if _COMPILE_TEMPLATE is None:
+                raise DatasetError(f"{name}: {_NO_TEMPLATE_COMPILER}")
             try:
-                from transformers.utils.chat_template_utils import _compile_jinja_template
-
-                self._compiled = _compile_jinja_template(self.chat_template)
+                self._compiled = _COMPILE_TEMPLATE(self.chat_template)
             except Exception as e:
                 raise DatasetError(f"{name}: the chat template does not compile ({type(e).__name__}: {e})") from e
         extra = {k: v for k, v in self.specials.items() if v is not None}
