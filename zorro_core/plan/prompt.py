@@ -104,7 +104,9 @@ class DedupPlan(PackedPlan):
         return same_group & causal & (is_prompt_k | same_seg)
 
 
-def prompt_groups(prompts: torch.Tensor, prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
+def prompt_groups(
+    prompts: torch.Tensor, prompt_mask: torch.Tensor | None = None, left_padded: bool = False
+) -> torch.Tensor:
     """[B] group id of each row of `prompts` [B, P], groups numbered 0.. by first appearance.
 
     Rows share a group iff their real prompt tokens (`prompt_mask` 1; every column without a mask)
@@ -112,6 +114,8 @@ def prompt_groups(prompts: torch.Tensor, prompt_mask: torch.Tensor | None = None
     tokens are right-aligned first, and its length is part of the key, so padding never equals a
     token and a prompt that is a strict prefix of another never merges with it. Compared in full
     (torch.unique over whole rows is exact: no hash collision can merge two prompts).
+    `left_padded`: the caller guarantees what a RolloutBatch does (real tokens end at the last
+    column, token ids >= 0), so the rows are compared as they are, the padding read as -1.
     """
     if prompts.dim() != 2:
         raise ValueError(f"prompts must be 2-D [rows, columns], got shape {tuple(prompts.shape)}")
@@ -123,6 +127,10 @@ def prompt_groups(prompts: torch.Tensor, prompt_mask: torch.Tensor | None = None
     if prompt_mask is None:
         lens = torch.full((b,), p, dtype=torch.long, device=dev)
         aligned = tokens
+    elif left_padded:  # already aligned: no realignment (the plan's hot path)
+        if prompt_mask.shape != prompts.shape:
+            raise ValueError(f"prompt_mask {tuple(prompt_mask.shape)} does not match prompts {tuple(prompts.shape)}")
+        return _first_appearance(torch.where(prompt_mask.bool(), tokens, -1))
     else:
         if prompt_mask.shape != prompts.shape:
             raise ValueError(f"prompt_mask {tuple(prompt_mask.shape)} does not match prompts {tuple(prompts.shape)}")
@@ -131,7 +139,13 @@ def prompt_groups(prompts: torch.Tensor, prompt_mask: torch.Tensor | None = None
         column = real.long().cumsum(1) - 1 + (p - lens)[:, None]
         rows = torch.arange(b, device=dev)[:, None].expand(b, p)
         aligned = torch.zeros_like(tokens).index_put((rows[real], column[real]), tokens[real])
-    _, inverse = torch.unique(torch.cat([lens[:, None], aligned], 1), dim=0, return_inverse=True)
+    return _first_appearance(torch.cat([lens[:, None], aligned], 1))
+
+
+def _first_appearance(keys: torch.Tensor) -> torch.Tensor:
+    """[B] id of each row of `keys` among the distinct rows, numbered by first appearance."""
+    b, dev = keys.shape[0], keys.device
+    _, inverse = torch.unique(keys, dim=0, return_inverse=True)
     n = int(inverse.max()) + 1
     order = torch.arange(b, device=dev)
     first = torch.full((n,), b, device=dev, dtype=torch.long).scatter_reduce(0, inverse, order, reduce="amin")
@@ -145,7 +159,7 @@ def group_rows(batch: RolloutBatch, dedup: bool = True) -> torch.Tensor:
     batch's prompts (every row its own group without `dedup`)."""
     if not dedup:
         return torch.arange(batch.batch_size, device=batch.device)
-    return prompt_groups(batch.prompts, batch.prompt_mask)
+    return prompt_groups(batch.prompts, batch.prompt_mask, left_padded=True)
 
 
 class _Groups(NamedTuple):
