@@ -109,6 +109,7 @@ from zorro_core.integrations.verl_rows import (
     REFUSED,
     VerlRows,
     flag,
+    prompt_tokens,
     rows_of,
     sequence_parallel_of,
     temperature_of,
@@ -291,8 +292,6 @@ def _select_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def prompt_order(data) -> Optional[torch.Tensor]:
     """A stable permutation putting rows with identical prompts next to each other (None: no prompts
     field, or already so)."""
-    from zorro_core.integrations.verl_rows import prompt_tokens
-
     tokens = prompt_tokens(data)
     if tokens is None:
         return None
