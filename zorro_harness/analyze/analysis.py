@@ -20,6 +20,17 @@ from zorro_core.plan.cost import (
 from zorro_harness.bench.inputs import model_config
 
 
+def token_counts(total: int, unique: int, prompt_total: int, prompt_unique: int) -> dict:
+    """The token figures every analysis report opens with: all, computed once, redundant."""
+    return {
+        "total_tokens": total,
+        "unique_tokens": unique,
+        "redundant_tokens": total - unique,
+        "token_redundancy": 1 - unique / total,
+        "prompt_dedup_ratio": 1 - prompt_unique / prompt_total,
+    }
+
+
 def _prefix_report(
     shape: ModelShape,
     base_w: ForwardWork,
@@ -82,11 +93,7 @@ def workload_report(
     report = {
         "model": model,
         "logits_mode": logits_mode,
-        "total_tokens": total,
-        "unique_tokens": unique,
-        "redundant_tokens": total - unique,
-        "token_redundancy": 1 - unique / total,
-        "prompt_dedup_ratio": 1 - prompt_unique / prompt_total,
+        **token_counts(total, unique, prompt_total, prompt_unique),
         "attended_pairs": {"baseline": base_w.attended_pairs, "dedup": dedup_w.attended_pairs},
         "ideal_speedup": cmp.speedups(),
         "flops_share_baseline": {c: getattr(cmp.baseline, c) / cmp.baseline.forward for c in COMPONENTS},

@@ -33,6 +33,7 @@ import numpy as np
 
 from zorro_core.plan.cost import COMPONENTS, ForwardWork, ModelShape, compare
 from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, shared_nodes
+from zorro_harness.analyze.analysis import token_counts
 from zorro_harness.analyze.dataset import Progress, Ragged, TokenizedData, ragged_arange
 
 BATCHINGS = ("trl", "verl", "groups")
@@ -497,11 +498,7 @@ def data_report(
         "model": model,
         "logits_mode": logits_mode,
         "batching": batching_info,
-        "total_tokens": total,
-        "unique_tokens": unique_p,
-        "redundant_tokens": total - unique_p,
-        "token_redundancy": 1 - unique_p / total,
-        "prompt_dedup_ratio": 1 - prompt_unique / prompt_total,
+        **token_counts(total, unique_p, prompt_total, prompt_unique),
         "attended_pairs": {"baseline": base.attended_pairs, "dedup": work.work("prompt").attended_pairs},
         "ideal_speedup": compare(shape, base, work.work("prompt"), logits_mode).speedups(),
         "flops_share_baseline": {c: getattr(cmp.baseline, c) / cmp.baseline.forward for c in COMPONENTS},
