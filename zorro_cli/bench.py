@@ -21,7 +21,7 @@ from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS
 from zorro_harness.bench.guard import ranks_too_many
 from zorro_harness.bench.inputs import model_config
 from zorro_harness.bench.measure import LARGE, format_speedup
-from zorro_harness.bench.results import sidecar_path
+from zorro_harness.bench.results import check_out, sidecar_path
 from zorro_harness.bench.runner import ARMS, case_rows, refused_arms
 from zorro_harness.bench.suite import CASE_ACTOR, Case, Measure, Suite, load_suite
 from zorro_harness.bench.sweep import FAILED, run_suite, unresolved_models
@@ -114,6 +114,10 @@ def parse_size(text: Optional[str]) -> Optional[int]:
 
 def _sweep(suite: Suite, out: Path, mode: str, max_memory: Optional[int]) -> list[dict]:
     """run_suite with a progress bar and a line per row."""
+    try:  # refused before the progress bar starts: the refusal is the one line printed
+        check_out(out, mode, protect=(suite.source,) if suite.source else ())
+    except ValueError as e:
+        fail(str(e))
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),

@@ -32,7 +32,7 @@ EXIT_USAGE = 2
 
 def fail(reason: str, code: int = EXIT_USAGE) -> NoReturn:
     """Print `error: <reason>` (plain text, markup escaped) on stderr and exit with `code`."""
-    err_console.print(f"[red]error:[/] {escape(str(reason))}")
+    err_console.print(f"[red]error:[/] {escape(str(reason))}", soft_wrap=True)  # one line, however long
     raise typer.Exit(code)
 
 

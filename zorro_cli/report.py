@@ -15,6 +15,7 @@ from typer.core import TyperGroup
 from zorro_cli.choices import Metric, Phase
 from zorro_cli.console import console, escape, fail, refuse_writing_onto_inputs, write_or_fail
 from zorro_cli.report_stack import stack
+from zorro_harness.bench.files import write_bytes_atomically
 from zorro_harness.bench.measure import format_number
 from zorro_harness.bench.report import (
     compare_frames,
@@ -125,7 +126,7 @@ def show(
             typer.echo(line) if markdown else console.print(escape(line))
     if csv_out is not None:
         frame = spreadsheet_frame(pivot_frame(tables, value))
-        write_or_fail("--csv", csv_out, lambda: frame.to_csv(csv_out, index=False))
+        write_or_fail("--csv", csv_out, lambda: write_bytes_atomically(csv_out, frame.to_csv(index=False).encode()))
         console.print(f"pivot written to {escape(str(csv_out))}")
     if plots is not None:
         for p in write_or_fail("--plots", plots, lambda: plot(df, plots)):
