@@ -53,6 +53,15 @@ def refuse_writing_onto_inputs(option: str, out: Path, inputs: Sequence[Path]) -
                 fail(f"{option} {out} is {what}: writing there would replace it; write to another file")
 
 
+def check_name(option: str, path: Optional[str | Path]) -> None:
+    """fail (one line, exit 2) when `path` is too long a name for its file system, before anything runs."""
+    from zorro_harness.bench.files import name_too_long
+
+    why = name_too_long(path, option) if path is not None else None
+    if why:
+        fail(why)
+
+
 def write_or_fail(option: str, path: Path, write: Any) -> Any:
     """`write()`'s result; an OSError (a path that cannot be created, a full or read-only disk) is
     one line naming the option and the path, exit 2."""
@@ -130,6 +139,7 @@ __all__ = [
     "print_json",
     "refuse_writing_onto_inputs",
     "write_or_fail",
+    "check_name",
     "warn",
     "EXIT_USAGE",
     "STATUS_STYLE",

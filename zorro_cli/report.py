@@ -13,7 +13,7 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from zorro_cli.choices import Metric, Phase
-from zorro_cli.console import console, escape, fail, refuse_writing_onto_inputs, write_or_fail
+from zorro_cli.console import check_name, console, escape, fail, refuse_writing_onto_inputs, write_or_fail
 from zorro_cli.report_stack import stack
 from zorro_harness.bench.files import write_bytes_atomically
 from zorro_harness.bench.measure import format_number
@@ -86,6 +86,8 @@ def show(
     ),
 ) -> None:
     """Merge result CSVs and pivot `value` by prompt dedup ratio x prompt length, per configuration."""
+    check_name("--csv", csv_out)
+    check_name("--plots", plots)
     if plots is not None and plots.exists() and not plots.is_dir():
         fail(f"--plots {plots} is a file; it takes a directory to write the PNGs into")
     if csv_out is not None and csv_out.is_dir():

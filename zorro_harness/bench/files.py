@@ -15,7 +15,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Optional
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -61,13 +61,48 @@ def open_no_follow(path: str | Path, flags: int, mode: int = 0o644, what: str = 
     return fd
 
 
+def name_too_long(path: str | Path, what: str = "") -> Optional[str]:
+    """Why `path` cannot be created on its file system because of its length (a component
+    longer than NAME_MAX bytes, usually 255, or the whole longer than PATH_MAX); None when it can."""
+    role = f"{what} " if what else ""
+    raw = os.fsencode(path)
+    limit = _limit(path, "PC_PATH_MAX", 4096)
+    if len(raw) >= limit:
+        return f"{role}{short_name(path)}: the path is {len(raw)} bytes, longer than the {limit - 1} this file system takes"
+    limit = _limit(path, "PC_NAME_MAX", 255)
+    for part in Path(path).parts:
+        if len(os.fsencode(part)) > limit:
+            return (
+                f"{role}{short_name(path)}: the name {short_name(part)} is {len(os.fsencode(part))} bytes, longer than the "
+                f"{limit} this file system takes; give a shorter name"
+            )
+    return None
+
+
+def _limit(path: str | Path, name: str, default: int) -> int:
+    """os.pathconf's `name` of the nearest existing folder above `path`."""
+    folder = Path(os.path.abspath(path)).parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return int(os.pathconf(folder, name))
+    except (OSError, ValueError):
+        return default
+
+
+def short_name(text: str | Path) -> str:
+    """`text`, its middle cut out when it is long (a name in a one-line message)."""
+    text = str(text)
+    return text if len(text) <= 60 else f"{text[:28]}...{text[-28:]} ({len(text)} characters)"
+
+
 def replace_atomically(path: str | Path, write: Callable[[IO[bytes]], Any], mode: int = 0o644) -> None:
     """Write `path` whole: `write(f)` fills a new temporary file with a random name in the same
     folder (O_EXCL: never an existing file or link), which is then synced and renamed over
     `path`. A kill leaves the old file or the new one; a link at `path` is replaced by the
     regular file, what it pointed to is left alone. The temporary file is removed on failure."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:64]}.", suffix=".tmp")
     try:
         os.fchmod(fd, mode)  # mkstemp's 0o600 would hide a results file from its readers
         with os.fdopen(fd, "wb") as f:

@@ -46,7 +46,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from zorro_harness.bench.files import open_no_follow, refuse_link, write_bytes_atomically
+from zorro_harness.bench.files import name_too_long, open_no_follow, refuse_link, short_name, write_bytes_atomically
 
 # What a case runs (the model and the arms' settings): part of the required columns, and the
 # start of the report's configuration key (zorro_harness.bench.report.GROUP_COLUMNS).
@@ -199,6 +199,9 @@ def check_out(out: str | Path, mode: str, protect: tuple[str | Path, ...] = ()) 
             f"--out {out}: its JSON sidecar would be {side}, the file itself; give the results file a .csv name"
         )
     for p, what in ((out, "--out"), (side, "its sidecar"), (lock_path(out), "its lock")):
+        why = name_too_long(p, what)
+        if why:
+            raise ValueError(f"--out {short_name(out)}: {why}" if p != out else why)
         refuse_link(p, what)
     for p, what in ((out, "--out"), (side, "its sidecar")):
         try:
