@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zorro_core.distributed.lifetime import die_with
+from zorro_core.distributed.lifetime import children_ignore_sigint, die_with
 
 
 def default_backend(device: str) -> str:
@@ -173,8 +173,9 @@ def launch(
         )
         for r in range(nproc)
     ]
-    for p in procs:
-        p.start()
+    with children_ignore_sigint():  # Ctrl-C is the launcher's to handle: it stops the ranks below
+        for p in procs:
+            p.start()
     out: dict[int, Any] = {}
     try:
         while len(out) < nproc:
