@@ -42,15 +42,19 @@ import sys
 from typing import Any, Optional
 
 import torch
-from openrlhf.models import Actor
 from packaging.version import Version
 
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.integrations.core import Fallback, ZorroFallbackWarning, require_attributes
+from zorro_core.integrations.requires import require_trainer
 from zorro_core.integrations.wrappers import Wrapped, unwrap
 from zorro_core.plan.batch import RolloutBatch
+
+# Before any of OpenRLHF's names is imported (an older release lacks them); TESTED_OPENRLHF below.
+require_trainer("openrlhf", __name__, "openrlhf", "OpenRLHF 0.11", minimum="0.11")
+from openrlhf.models import Actor  # noqa: E402
 
 TESTED_OPENRLHF = ("0.11",)
 """OpenRLHF minor versions whose `Actor.forward` this module reproduces (0.11.2 tested)."""

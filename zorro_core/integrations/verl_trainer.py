@@ -27,6 +27,9 @@ import logging
 import math
 from typing import Any, Optional
 
+import zorro_core.integrations.needs_verl  # noqa: F401 -- first: refuses a missing or too old verl
+
+# isort: split
 import verl
 from verl.single_controller.base.worker import Worker
 from verl.single_controller.base.worker_group import WorkerGroup
