@@ -49,6 +49,7 @@ from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.integrations.core import Fallback, ZorroFallbackWarning, require_attributes
+from zorro_core.integrations.openrlhf_status import CallStats
 from zorro_core.integrations.wrappers import Wrapped, unwrap
 from zorro_core.plan.batch import RolloutBatch
 
@@ -138,6 +139,8 @@ class DedupActor(Actor):
         self._zorro_actor: Optional[tuple[tuple[int, torch.device, torch.dtype], Any]] = None
         self._zorro_fallback = Fallback("OpenRLHF's own Actor.forward serves this call")
         self.zorro_calls = self._zorro_fallback.counts
+        self.zorro_stats = CallStats()
+        """Tokens of the calls since the last report (OpenRLHF's logger entries: openrlhf_status)."""
         if _NEWER:
             self._zorro_fallback.note(_NEWER)
 
@@ -218,6 +221,7 @@ class DedupActor(Actor):
                     return action_log_probs, output
         assert reason is not None
         self._zorro_fallback.fall_back(reason)
+        self.zorro_stats.fell_back(reason, attention_mask)
         return super().forward(
             sequences,
             action_mask,
@@ -234,6 +238,7 @@ class DedupActor(Actor):
     def _compute(self, actor, sequences: torch.Tensor, split: "RowSplit", calculate_entropy: bool):
         batch = split.batch(sequences)
         out = actor.forward(batch, temperature=float(self.temperature), calculate_entropy=calculate_entropy)
+        self.zorro_stats.served(batch.prompts, batch.prompt_mask, batch.response_mask)
         # A tuple of tensors only: DeepSpeed's engine (like DDP) looks for the outputs its backward waits on in it.
         if calculate_entropy:
             return split.place(out.log_probs), split.place(out.entropy)
@@ -324,17 +329,85 @@ def split_rows(attention_mask: torch.Tensor, action_mask: torch.Tensor) -> "RowS
 
 
 def install() -> None:
-    """Make OpenRLHF's Ray trainer build `DedupActor` for the policy and the reference model, in this process.
+    """Make OpenRLHF's Ray trainer use zorro, in this process: `DedupActor` for the policy and the
+    reference model, whole prompt groups in its batching, zorro's entries in its logger status.
 
-    Rebinds the name `Actor` in `openrlhf.trainer.ray.ppo_actor` and `openrlhf.trainer.ray.launcher` (the
-    modules whose `init_model_from_pretrained` builds them); OpenRLHF's strategy still recognises the class
-    (`isinstance(model, Actor)` holds for the subclass). Ray workers are separate processes: pass this
-    function as Ray's `worker_process_setup_hook` (docs/trainers.md).
+    Rebinds, in the modules that look them up when they build their objects (no OpenRLHF file changes):
+    - `Actor` in `openrlhf.trainer.ray.ppo_actor` and `openrlhf.trainer.ray.launcher` (the modules whose
+      `init_model_from_pretrained` builds the models) to `DedupActor`; OpenRLHF's strategy still
+      recognises the class (`isinstance(model, Actor)` holds for the subclass);
+    - `NaiveReplayBuffer` in `ppo_actor` to `openrlhf_batching.GroupedReplayBuffer` (training micro-batches);
+    - `ActorPPOTrainer` in `ppo_actor` to a subclass whose `ppo_train` adds the "zorro/..." status entries
+      (`openrlhf_status`);
+    - `balance_experiences` and `RemoteExperienceMaker` in `openrlhf.trainer.ppo_trainer` to zorro's
+      `balance_experiences` and a subclass whose `split_rollout_samples` is zorro's (`openrlhf_batching`).
+    Ray workers are separate processes: pass this function as Ray's `worker_process_setup_hook`
+    (docs/trainers.md); the trainer itself (`PPOTrainer`) is a Ray actor too, so the hook reaches it.
     """
     import importlib
+
+    from zorro_core.integrations import openrlhf_batching as batching
 
     for name in ("openrlhf.trainer.ray.ppo_actor", "openrlhf.trainer.ray.launcher"):
         module = sys.modules.get(name) or importlib.import_module(name)
         if getattr(module, "Actor", None) is not Actor and getattr(module, "Actor", None) is not DedupActor:
             raise ImportError(f"{name}.Actor is {module.Actor!r}, not OpenRLHF's Actor: something else replaced it")
         module.Actor = DedupActor  # type: ignore[attr-defined]
+    ppo_actor = sys.modules["openrlhf.trainer.ray.ppo_actor"]
+    _rebind(ppo_actor, "NaiveReplayBuffer", batching.NaiveReplayBuffer, batching.GroupedReplayBuffer)
+    _rebind(ppo_actor, "ActorPPOTrainer", None, status_trainer(ppo_actor.ActorPPOTrainer))
+    trainer = importlib.import_module("openrlhf.trainer.ppo_trainer")
+    _rebind(trainer, "balance_experiences", batching.openrlhf_balance_experiences, batching.balance_experiences)
+    _rebind(trainer, "RemoteExperienceMaker", None, grouped_experience_maker(trainer.RemoteExperienceMaker))
+
+
+def _rebind(module: Any, name: str, original: Any, replacement: Any) -> None:
+    """`module.name = replacement`, unless something other than OpenRLHF's `original` (or zorro's
+    replacement, from an earlier install) is there: then the ImportError names it."""
+    have = getattr(module, name)
+    if have is not replacement and original is not None and have is not original:
+        raise ImportError(f"{module.__name__}.{name} is {have!r}, not OpenRLHF's: something else replaced it")
+    setattr(module, name, replacement)
+
+
+_SUBCLASSES: dict[tuple[str, type], type] = {}
+
+
+def status_trainer(base: type) -> type:
+    """`ActorPPOTrainer` (OpenRLHF's, `base`) whose `ppo_train` status carries zorro's entries."""
+    if getattr(base, "_zorro_status", False):
+        return base
+    key = ("status", base)
+    if key not in _SUBCLASSES:
+        from zorro_core.integrations import openrlhf_batching, openrlhf_status
+
+        def ppo_train(self: Any, kl_ctl: float) -> dict:
+            status = base.ppo_train(self, kl_ctl)  # type: ignore[attr-defined]
+            stats = self.actor.zorro_stats.take() if isinstance(self.actor, DedupActor) else None
+            group = self.strategy.ds_device_mesh["dp"].get_group() if hasattr(self.strategy, "ds_device_mesh") else None
+            status.update(openrlhf_status.status_entries(stats, openrlhf_batching.BATCHING.report(), group))
+            return status
+
+        _SUBCLASSES[key] = type(
+            base.__name__, (base,), {"ppo_train": ppo_train, "_zorro_status": True, "__module__": __name__}
+        )
+    return _SUBCLASSES[key]
+
+
+def grouped_experience_maker(base: type) -> type:
+    """`RemoteExperienceMaker` (OpenRLHF's, `base`) whose log-prob micro-batches hold whole groups."""
+    if getattr(base, "_zorro_groups", False):
+        return base
+    key = ("groups", base)
+    if key not in _SUBCLASSES:
+        from zorro_core.integrations import openrlhf_batching
+
+        def split_rollout_samples(self: Any, rollout_samples: list) -> list:
+            return openrlhf_batching.split_rollout_samples(rollout_samples, self.args, self.tokenizer.pad_token_id)
+
+        _SUBCLASSES[key] = type(
+            base.__name__,
+            (base,),
+            {"split_rollout_samples": split_rollout_samples, "_zorro_groups": True, "__module__": __name__},
+        )
+    return _SUBCLASSES[key]
