@@ -60,6 +60,7 @@ from openrlhf.utils.seqlen_balancing import get_minimum_num_micro_batch_size, ge
 from openrlhf.utils.utils import zero_pad_sequences
 
 from zorro_core.integrations.core import Fallback
+from zorro_core.integrations.openrlhf_rows import split_rows
 from zorro_core.integrations.verl_balance import ATTENTION_WEIGHT, balance_rows
 from zorro_core.plan.balance import GroupedLengths, partition_micro_batches, partition_ranks
 
@@ -130,8 +131,6 @@ def grouped_lengths(items: Sequence[Experience]) -> GroupedLengths:
     `openrlhf.split_rows`), its response the real tokens from there on. Raises `_Refused` with the
     reason when a row does not split.
     """
-    from zorro_core.integrations.openrlhf import split_rows
-
     rows = [r for item in items for r in _rows(item)]
     if not rows:
         raise _Refused("no rows")
