@@ -169,7 +169,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 32])
     ap.add_argument("--prompts-per-rank", type=int, default=8)
-    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--n", type=int, nargs="+", default=[8, 6], help="samples per prompt (6: sizes that do not divide)")
     ap.add_argument("--rollout-micro", type=int, default=16, help="rollout.micro_batch_size")
     ap.add_argument("--train-micro", type=int, default=8, help="train.micro_batch_size")
     ap.add_argument(
@@ -188,11 +188,11 @@ def main() -> None:
         "split_groups", "plan_seconds",
     ]  # fmt: skip
     table = []
-    for w in a.ranks:
+    for n, w in ((n, w) for n in a.n for w in a.ranks):
         rng = random.Random(a.seed)
         prompts = a.prompts_per_rank * w
         plen = [rng.randint(64, 512) for _ in range(prompts)]
-        rows = [(p, rng.randint(32, 1024)) for p in range(prompts) for _ in range(a.n)]  # rollout order
+        rows = [(p, rng.randint(32, 1024)) for p in range(prompts) for _ in range(n)]  # rollout order
         whole = dedup(rows, plen)
         group_cost = max(call_cost([r for r in rows if r[0] == p], plen) for p in range(prompts))
         for balance, make in (("openrlhf", openrlhf_calls), ("zorro", zorro_calls)):
@@ -215,7 +215,7 @@ def main() -> None:
                     [
                         w,
                         prompts,
-                        a.n,
+                        n,
                         batching,
                         call,
                         balance,
@@ -237,10 +237,10 @@ def main() -> None:
         wr.writerow(header)
         for row in table:
             wr.writerow([f"{x:.3f}" if isinstance(x, float) else x for x in row])
-    print(f"{'ranks':>5} {'batching':8} {'call':8} {'balance':8} {'calls':>5} {'mean':>6} {'min':>6} {'ratio':>6} "
+    print(f"{'ranks':>5} {'n':>2} {'batching':8} {'call':8} {'balance':8} {'calls':>5} {'mean':>6} {'min':>6} {'ratio':>6} "
           f"{'max/mean':>8} {'spread':>7} {'group':>6} {'split':>5}")  # fmt: skip
     for r in table:
-        print(f"{r[0]:>5} {r[3]:8} {r[4]:8} {r[5]:8} {r[6]:>5} {r[7]:6.3f} {r[8]:6.3f} {r[10]:6.3f} {r[11]:8.3f} "
+        print(f"{r[0]:>5} {r[2]:>2} {r[3]:8} {r[4]:8} {r[5]:8} {r[6]:>5} {r[7]:6.3f} {r[8]:6.3f} {r[10]:6.3f} {r[11]:8.3f} "
               f"{r[12]:>7} {r[13]:>6} {r[14]:>5}")  # fmt: skip
 
 
