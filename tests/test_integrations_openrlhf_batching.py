@@ -105,6 +105,18 @@ def chunks(micro: list, dp: int) -> list[list]:
     return [micro[i * size : (i + 1) * size] for i in range(dp)]
 
 
+def openrlhf_dynamic_split(samples, args):
+    """`RemoteExperienceMaker.split_rollout_samples`'s dynamic branch, OpenRLHF 0.11.2's lines with its own
+    functions (the class's module imports vLLM, so the method cannot be called here)."""
+    from openrlhf.utils.seqlen_balancing import get_minimum_num_micro_batch_size, get_seqlen_balanced_partitions
+
+    total = [int(s.total_length.item()) for s in samples]
+    dp = args.actor.num_nodes * args.actor.num_gpus_per_node
+    minimum = get_minimum_num_micro_batch_size(total, args.rollout.max_tokens_per_gpu, 1, 1) // dp * dp
+    parts = get_seqlen_balanced_partitions(total, max(minimum, dp), False)
+    return [Experience.concat_experiences([samples[i] for i in p], 0) for p in parts]
+
+
 def pids(exp) -> list[int]:
     """The prompt of each row (make_experience_batch keeps 0-d info tensors as a list)."""
     v = exp.info["pid"]
@@ -145,7 +157,7 @@ def test_log_prob_micro_batches_whole_groups(dp, dynamic):
             assert zb.grouped_lengths([m]).tokens(range(len(m.index))) <= args.rollout.max_tokens_per_gpu
     if dynamic:  # OpenRLHF's own split scatters groups at the same shapes (the check has teeth)
         fresh = rollout(4 * dp, 4, seed=dp)
-        theirs = zb._openrlhf_split(fresh, args, 0)
+        theirs = openrlhf_dynamic_split(fresh, args)
         with pytest.raises(AssertionError, match="split between"):
             assert_whole([pids(m) for m in theirs], "micro-batches")
 
@@ -380,13 +392,13 @@ def test_fallbacks_run_openrlhf_batching(no_cuda):
     samples[5].action_mask[:] = False  # a row with no scored token: no prompt/response split
     args = config(2, False, len(samples))
     with pytest.warns(ZorroFallbackWarning, match="no scored token"):
-        micro = zb.split_rollout_samples(samples, args, pad_token_id=0)
-    assert [m.index for m in micro] == [list(range(i, i + 8)) for i in range(0, 16, 8)]  # contiguous chunks
+        assert zb.split_rollout_samples(samples, args, pad_token_id=0) is None  # the subclass runs OpenRLHF's
+    assert [s.index for s in samples] == [[i] for i in range(16)]
     ring = config(2, True, 16)
     ring.ds.ring_attn_size = 2
     ring.actor.num_gpus_per_node = 4
     with pytest.warns(ZorroFallbackWarning, match="ring attention"):
-        zb.split_rollout_samples(rollout(4, 4, seed=2), ring, pad_token_id=0)
+        assert zb.split_rollout_samples(rollout(4, 4, seed=2), ring, pad_token_id=0) is None
     buffer = zb.GroupedReplayBuffer(8, 0, True, False, False)
     bad = rollout(4, 4, seed=2)
     bad[0].action_mask[:] = False
@@ -394,8 +406,11 @@ def test_fallbacks_run_openrlhf_batching(no_cuda):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ZorroFallbackWarning)
         assert buffer.sample_batch_size == 8 and len(buffer) == 16  # OpenRLHF's row shuffle serves
+    good = zb.GroupedReplayBuffer(8, 0, False, False, False)  # cpu_offload off: sample() keeps rows on CPU
+    good.append(Experience.concat_experiences(rollout(4, 4, seed=2), 0))
+    assert good.sample_batch_size == 1 and good.sample().sequences.shape[0] == 8  # sample(): OpenRLHF's size
     report = zb.BATCHING.report()
-    assert report["fallback"] == 3 and report["dedup"] == 0
+    assert report["fallback"] == 3 and report["dedup"] == 1
     entries = status_entries(None, report)
     assert entries["zorro/batching_fallback"] == 3.0
     assert any(k.startswith("zorro/batching_fallback/ring_attention") for k in entries)

@@ -335,7 +335,8 @@ def grouped_experience_maker(base: type) -> type:
         from zorro_core.integrations import openrlhf_batching
 
         def split_rollout_samples(self: Any, rollout_samples: list) -> list:
-            return openrlhf_batching.split_rollout_samples(rollout_samples, self.args, self.tokenizer.pad_token_id)
+            ours = openrlhf_batching.split_rollout_samples(rollout_samples, self.args, self.tokenizer.pad_token_id)
+            return base.split_rollout_samples(self, rollout_samples) if ours is None else ours  # type: ignore[attr-defined]
 
         _SUBCLASSES[key] = type(
             base.__name__,

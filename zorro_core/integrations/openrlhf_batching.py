@@ -56,7 +56,6 @@ from openrlhf.trainer.ppo_utils.experience import (
 )
 from openrlhf.trainer.ppo_utils.experience import balance_experiences as openrlhf_balance_experiences
 from openrlhf.trainer.ppo_utils.replay_buffer import NaiveReplayBuffer
-from openrlhf.utils.seqlen_balancing import get_minimum_num_micro_batch_size, get_seqlen_balanced_partitions
 from openrlhf.utils.utils import zero_pad_sequences
 
 from zorro_core.integrations.core import Fallback
@@ -260,8 +259,11 @@ def rollout_micro_batches(work: GroupedLengths, args: Any) -> list[list[int]]:
     return micro
 
 
-def split_rollout_samples(rollout_samples: list[Experience], args: Any, pad_token_id: int) -> list[Experience]:
-    """`RemoteExperienceMaker.split_rollout_samples` with whole groups per rank and micro-batch.
+def split_rollout_samples(
+    rollout_samples: list[Experience], args: Any, pad_token_id: int
+) -> Optional[list[Experience]]:
+    """`RemoteExperienceMaker.split_rollout_samples` with whole groups per rank and micro-batch, or None
+    (the reason warned) where zorro cannot plan: the caller then runs OpenRLHF's own method.
 
     Sets `index` as OpenRLHF does (the sample's place in the rollout, which its advantage code
     sorts rewards back by); returns concatenated micro-batches in rank order.
@@ -272,29 +274,9 @@ def split_rollout_samples(rollout_samples: list[Experience], args: Any, pad_toke
         micro = rollout_micro_batches(grouped_lengths(rollout_samples), args)
     except _Refused as e:
         BATCHING.fallback.fall_back(str(e))
-        return _openrlhf_split(rollout_samples, args, pad_token_id)
+        return None
     BATCHING.fallback.served()
     return [Experience.concat_experiences([rollout_samples[i] for i in m], pad_token_id) for m in micro]
-
-
-def _openrlhf_split(rollout_samples: list[Experience], args: Any, pad_token_id: int) -> list[Experience]:
-    """OpenRLHF 0.11.2's `split_rollout_samples` body (after its `index` assignment), for the fallback:
-    the method lives on a class whose module imports vLLM, so it cannot be called from here unbound."""
-    out = []
-    if args.train.dynamic_batch_enable:
-        total_lengths = [int(s.total_length.item()) for s in rollout_samples]
-        dp = _dp_size(args)
-        minimum = get_minimum_num_micro_batch_size(
-            total_lengths, args.rollout.max_tokens_per_gpu, args.ds.ring_attn_size, args.ds.tensor_parallel_size
-        )
-        num_batch = max(minimum // dp * dp, dp)
-        for micro_index in get_seqlen_balanced_partitions(total_lengths, num_batch, False):
-            out.append(Experience.concat_experiences([rollout_samples[i] for i in micro_index], pad_token_id))
-    else:
-        size = args.rollout.micro_batch_size
-        for i in range(0, len(rollout_samples), size):
-            out.append(Experience.concat_experiences(rollout_samples[i : i + size], pad_token_id))
-    return out
 
 
 def rank_rows(work: GroupedLengths, args: Any) -> list[list[int]]:
@@ -355,6 +337,14 @@ class GroupedReplayBuffer(NaiveReplayBuffer):
     @sample_batch_size.setter
     def sample_batch_size(self, value: int) -> None:
         self._sample_batch_size = value
+
+    def sample(self) -> Experience:
+        """OpenRLHF's `sample` (rows drawn at random), with the constructor's batch size."""
+        saved, self._planned, self._plan = (self._planned, self._plan), True, None
+        try:
+            return super().sample()
+        finally:
+            self._planned, self._plan = saved
 
     def append(self, experience: Experience) -> None:
         self._invalidate()
