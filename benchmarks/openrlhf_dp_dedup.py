@@ -17,7 +17,8 @@ No model runs: rows are (prompt length, response length) pairs, n siblings per p
 `balance=zorro`: zorro's functions that `install()` puts in their place
 (`zorro_core.integrations.openrlhf_batching`): `rollout_micro_batches` for the log-prob calls,
 `rank_rows` (`balance_experiences`) and the `GroupedReplayBuffer`'s partitions for training
-(`fixed_micro_batches`; dynamic: OpenRLHF's per-step micro-batch counts, `budget_micro_batches`).
+(`fixed_micro_batches`; dynamic: per step the micro-batches zorro needs under the budget, the maximum
+over the ranks, `budget_micro_batches`).
 Figures per (ranks, batching, call, balance): the mean / min prompt dedup of the calls
 (1 - distinct prompt tokens / prompt tokens of the call's rows), the rollout's dedup (each prompt once,
 what sharing can reach) and the ratio of the two; each rank's cost (zorro's cost model: every call's
@@ -100,23 +101,19 @@ def openrlhf_calls(rows, plen, w, a, seed):
     return out
 
 
-def dynamic_steps(per_rank, total, cfg, zorro_partition):
+def dynamic_steps(per_rank, total, cfg, zorro_partition, zorro_need=None):
     """`setup_dynamic_batch` on each rank: steps of train.batch_size / dp rows, each step's micro-batch
-    count the maximum over ranks (its all-reduce), then OpenRLHF's partition or zorro's (same count)."""
+    count the maximum over ranks (its all-reduce; zorro's: of what zorro needs), then OpenRLHF's
+    partition or zorro's."""
     from openrlhf.utils.seqlen_balancing import get_minimum_num_micro_batch_size, get_seqlen_balanced_partitions
 
     w = len(per_rank)
     local = cfg.train.batch_size // w
     steps = min(len(r) for r in per_rank) // local
-    counts = [
-        max(
-            get_minimum_num_micro_batch_size(
-                [total[i] for i in r[s * local : (s + 1) * local]], cfg.train.max_tokens_per_gpu, 1, 1
-            )
-            for r in per_rank
-        )
-        for s in range(steps)
-    ]
+    need = zorro_need or (
+        lambda ids: get_minimum_num_micro_batch_size([total[i] for i in ids], cfg.train.max_tokens_per_gpu, 1, 1)
+    )
+    counts = [max(need(r[s * local : (s + 1) * local]) for r in per_rank) for s in range(steps)]
     out = []
     for r in per_rank:
         calls = []
@@ -134,7 +131,7 @@ def dynamic_steps(per_rank, total, cfg, zorro_partition):
 def zorro_calls(rows, plen, w, a, seed):
     """The same calls from zorro's batching (what install() registers)."""
     from zorro_core.integrations import openrlhf_batching as zb
-    from zorro_core.plan.balance import GroupedLengths
+    from zorro_core.plan.balance import GroupedLengths, partition_micro_batches
 
     prompts = sorted({p for p, _ in rows})
     gid = {p: i for i, p in enumerate(prompts)}
@@ -161,7 +158,10 @@ def zorro_calls(rows, plen, w, a, seed):
     def part(ids, k):
         return zb.budget_micro_batches(work, ids, cfg.train.max_tokens_per_gpu, k)
 
-    out["dynamic", "train"] = dynamic_steps(per_rank, total, cfg, part)
+    def need(ids):  # GroupedReplayBuffer.setup_dynamic_batch: what zorro needs under the budget
+        return len(partition_micro_batches(zb._sub(work, ids), cfg.train.max_tokens_per_gpu, zb.ATTENTION_WEIGHT).parts)
+
+    out["dynamic", "train"] = dynamic_steps(per_rank, total, cfg, part, need)
     return out
 
 

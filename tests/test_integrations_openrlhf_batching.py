@@ -234,10 +234,16 @@ def test_replay_buffer_dynamic_whole_groups(no_cuda, gloo):
         b.append(Experience.concat_experiences(rollout(8, 4, seed=5), 0))
         b.setup_dynamic_batch(Strategy(args))
     ours, theirs = buffers["zorro"], buffers["openrlhf"]
-    # OpenRLHF's step structure and loss normalisation are kept: counts, tokens, sizes, optimizer steps
-    assert len(ours) == len(theirs) and ours.dynamic_optimizer_step == theirs.dynamic_optimizer_step
-    assert ours.dynamic_batch_num_tokens == theirs.dynamic_batch_num_tokens
-    assert ours.dynamic_global_batch_size == theirs.dynamic_global_batch_size
+    # OpenRLHF's steps and their loss normalisation are kept; zorro needs no more micro-batches than
+    # OpenRLHF counts (it counts every row's prompt, zorro each group's once)
+    assert sum(ours.dynamic_optimizer_step) == sum(theirs.dynamic_optimizer_step) == 2
+    assert len(ours) <= len(theirs)
+
+    def per_step(b, values):
+        return [v for v, last in zip(values, b.dynamic_optimizer_step) if last]
+
+    assert per_step(ours, ours.dynamic_batch_num_tokens) == per_step(theirs, theirs.dynamic_batch_num_tokens)
+    assert per_step(ours, ours.dynamic_global_batch_size) == per_step(theirs, theirs.dynamic_global_batch_size)
     steps, step = [], []
     for part, scale, last in zip(ours.dynamic_indices, ours.dynamic_sample_loss_scale, ours.dynamic_optimizer_step):
         step.append((part, scale))
@@ -455,3 +461,42 @@ def test_install_rebinds_importable_parts(monkeypatch):
     if os.environ.get("ZORRO_REQUIRE_OPENRLHF"):
         with pytest.raises(ImportError, match="No module named"):
             zo.install()  # OpenRLHF's Ray package imports vLLM (docs/trainers.md: what stops the launcher)
+
+
+def two_rank_dynamic(seed: int) -> dict:
+    """On one of 2 gloo ranks: a GroupedReplayBuffer of this rank's rows (rank 1's responses longer, so the
+    ranks' own micro-batch counts differ), OpenRLHF's setup_dynamic_batch, then the logger entries."""
+    torch.cuda.current_device = lambda: 0  # a device name for the buffer's constructor (module doc)
+    rank = dist.get_rank()
+    buffer = zb.GroupedReplayBuffer(4, 0, True, False, True)
+    torch.cuda.current_device = lambda: "cpu"
+    samples = rollout(6, 4, seed=seed + rank, rlen=(1, 4) if rank == 0 else (5, 8))  # every group within 48
+    buffer.append(Experience.concat_experiences(samples, 0))
+    args = dynamic_args(48, steps=2, max_tokens=48)
+    args.actor.num_gpus_per_node = 2
+    zb.BATCHING.report()
+    buffer.setup_dynamic_batch(Strategy(args))
+    parts = [[pids(buffer.items[i])[0] for i in part] for part in buffer.dynamic_indices]
+    from zorro_core.plan.balance import partition_micro_batches
+
+    # what this rank alone would need for its first step (12 rows) under the budget
+    own = partition_micro_batches(zb.grouped_lengths(buffer.items[:12]), args.train.max_tokens_per_gpu).parts
+    return {
+        "parts": parts,
+        "steps": list(buffer.dynamic_optimizer_step),
+        "status": status_entries(None, zb.BATCHING.report()),
+        "own_first_step": len(own),
+    }
+
+
+def test_dynamic_batching_two_ranks_keep_openrlhf_counts():
+    """2 gloo ranks whose rows need different micro-batch counts: both get OpenRLHF's all-reduced count,
+    every micro-batch whole groups, and the logger entries are the same on both ranks."""
+    from zorro_core.distributed.launch import launch
+
+    out = launch(two_rank_dynamic, 2, 0)
+    assert out[0]["own_first_step"] < out[1]["own_first_step"]  # the ranks alone would differ
+    assert len(out[0]["parts"]) == len(out[1]["parts"]) and out[0]["steps"] == out[1]["steps"]
+    for r in out:
+        assert_whole(r["parts"], "micro-batches")
+    assert out[0]["status"] == out[1]["status"] and out[0]["status"]["zorro/batching_dedup"] == 4.0

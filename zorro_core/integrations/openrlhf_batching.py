@@ -19,10 +19,11 @@ them, and what replaces each here (`install()` in `zorro_core.integrations.openr
   rows (a `DataLoader` with `shuffle=True`); dynamic batching partitions each step's rows by length.
   `GroupedReplayBuffer` (a `NaiveReplayBuffer`): fixed: groups shuffled whole, then cut into
   micro-batches of `train.micro_batch_size` rows (the DataLoader then shuffles those micro-batches);
-  dynamic: OpenRLHF's own `setup_dynamic_batch` (the number of micro-batches per step, synchronised
-  over the ranks, and the loss normalisation), then each step's rows re-partitioned into that many
-  micro-batches of whole groups, balanced by zorro's cost, and the per-micro-batch loss scale
-  (`len(partition) / rows of the step`) recomputed for the new partition.
+  dynamic: OpenRLHF's own `setup_dynamic_batch` (its optimizer steps and each step's loss
+  normalisation), then each step's rows re-partitioned into micro-batches of whole groups, as many as
+  zorro needs under the budget (the maximum over the ranks, all-reduced as OpenRLHF all-reduces its
+  own count), balanced by zorro's cost, and the per-micro-batch loss scale (`len(partition) / rows of
+  the step`) recomputed for the new partition.
 
 A group costs its prompt once plus its responses (`zorro_core.plan.balance`, with the attention term
 of `verl_balance.ATTENTION_WEIGHT`). Where sizes do not divide, a boundary between two ranks or two
@@ -56,6 +57,7 @@ from openrlhf.trainer.ppo_utils.experience import (
 )
 from openrlhf.trainer.ppo_utils.experience import balance_experiences as openrlhf_balance_experiences
 from openrlhf.trainer.ppo_utils.replay_buffer import NaiveReplayBuffer
+from openrlhf.utils.seqlen_balancing import get_seqlen_balanced_partitions
 from openrlhf.utils.utils import zero_pad_sequences
 
 from zorro_core.integrations.core import Fallback
@@ -319,6 +321,10 @@ class GroupedReplayBuffer(NaiveReplayBuffer):
     items: list[Experience]
     dynamic_indices: list[list[int]]
     dynamic_batch: bool
+    dynamic_batch_num_tokens: list[float]
+    dynamic_global_batch_size: list[float]
+    dynamic_sample_loss_scale: list[float]
+    dynamic_optimizer_step: list[int]
 
     def __init__(self, sample_batch_size: int, *args: Any, **kwargs: Any) -> None:
         self._plan: Optional[list[list[int]]] = None
@@ -398,43 +404,66 @@ class GroupedReplayBuffer(NaiveReplayBuffer):
         return super().collate_fn(batch)
 
     def setup_dynamic_batch(self, strategy: Any) -> None:
-        """OpenRLHF's dynamic batching, then each step's micro-batches re-formed from whole groups."""
+        """OpenRLHF's dynamic batching (its steps and their loss normalisation), then each step's rows
+        re-partitioned into micro-batches of whole groups; the count per step is what zorro needs under
+        `train.max_tokens_per_gpu` (tokens it computes), the maximum over the DP ranks, as OpenRLHF
+        all-reduces its own count (every rank runs as many backward passes)."""
         args = strategy.args
+        work: Optional[GroupedLengths] = None
         try:
             _refuse_ring(args)
             work = grouped_lengths(self.items)
         except _Refused as e:
             BATCHING.fallback.fall_back(str(e))
-            return super().setup_dynamic_batch(strategy)
-        # Groups contiguous (stable: the order balance_experiences gave is kept), so OpenRLHF's step
-        # slices of train.batch_size / dp rows cut at most one group each.
-        order = [r for rows in work.rows_of_group for r in rows]
-        self.items = [self.items[i] for i in order]
-        work = _sub(work, order)
+        if work is not None:
+            # Groups contiguous (stable: the order balance_experiences gave is kept), so OpenRLHF's step
+            # slices of train.batch_size / dp rows cut at most one group each.
+            order = [r for rows in work.rows_of_group for r in rows]
+            self.items = [self.items[i] for i in order]
+            work = _sub(work, order)
         super().setup_dynamic_batch(strategy)
-        steps: list[list[list[int]]] = [[]]
-        for part, last in zip(self.dynamic_indices, self.dynamic_optimizer_step):
-            steps[-1].append(part)
+        steps: list[list[int]] = [[]]  # the micro-batch indices of each optimizer step
+        for i, last in enumerate(self.dynamic_optimizer_step):
+            steps[-1].append(i)
             if last:  # OpenRLHF steps the optimizer after a step's last micro-batch
                 steps.append([])
+        steps = [s for s in steps if s]
+        if not steps:
+            return
+        rows = [[r for i in step for r in self.dynamic_indices[i]] for step in steps]
+        budget = args.train.max_tokens_per_gpu
+        need = [
+            len(partition_micro_batches(_sub(work, r), budget, attention_weight=ATTENTION_WEIGHT).parts)
+            if work is not None
+            else len(step)
+            for r, step in zip(rows, steps)
+        ]
+        counts = strategy.all_reduce(torch.tensor(need, dtype=torch.int, device=torch.cuda.current_device()), op="max")
         indices: list[list[int]] = []
         scales: list[float] = []
-        for step in steps:
-            parts = step
-            if not parts:
-                continue
-            rows = [r for p in parts for r in p]
-            try:
-                new = budget_micro_batches(work, rows, args.train.max_tokens_per_gpu, len(parts))
-            except _Refused as e:
-                BATCHING.fallback.fall_back(str(e))
-                new = parts
-            else:
-                BATCHING.fallback.served()
-            BATCHING.split_groups += _split_count(work, new)
-            BATCHING.micro_batch_dedup += [_dedup(work, m) for m in new]
+        tokens: list[float] = []
+        sizes: list[float] = []
+        flags: list[int] = []
+        for step, step_rows, count in zip(steps, rows, counts.tolist()):
+            new: Optional[list[list[int]]] = None
+            if work is not None:
+                try:
+                    new = budget_micro_batches(work, step_rows, budget, count)
+                except _Refused as e:
+                    BATCHING.fallback.fall_back(str(e))
+                else:
+                    BATCHING.fallback.served()
+                    BATCHING.split_groups += _split_count(work, new)
+                    BATCHING.micro_batch_dedup += [_dedup(work, m) for m in new]
+            if new is None:  # OpenRLHF's own partition, into the count the ranks agreed on
+                lengths = [int(self.items[r].total_length.item()) for r in step_rows]
+                new = [[step_rows[j] for j in p] for p in get_seqlen_balanced_partitions(lengths, count, False)]
             indices += new
-            scales += [len(p) / len(rows) for p in new]
-        self.dynamic_indices = indices
-        self.dynamic_sample_loss_scale = scales
+            scales += [len(p) / len(step_rows) for p in new]
+            tokens += [self.dynamic_batch_num_tokens[step[0]]] * len(new)
+            sizes += [self.dynamic_global_batch_size[step[0]]] * len(new)
+            flags += [0] * (len(new) - 1) + [1]
+        self.dynamic_indices, self.dynamic_sample_loss_scale = indices, scales
+        self.dynamic_batch_num_tokens, self.dynamic_global_batch_size = tokens, sizes
+        self.dynamic_optimizer_step = flags
         self.zorro_micro_batches = indices
