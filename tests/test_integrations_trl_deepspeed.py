@@ -16,7 +16,8 @@ log-probs. float32 (DeepSpeed's ZeRO optimizers hold float32 masters).
 The floor is measured in the same run: TRL against TRL again (a second trainer and engine, the same
 computation: run to run) and TRL with eager attention against TRL with sdpa (two correct float32
 computations differing in rounding). zorro must be within 10x of the larger (the other TRL and OpenRLHF
-DeepSpeed tests' margin), or of one float32 rounding of the value where that floor is 0.
+DeepSpeed tests' margin), or of one float32 rounding of the value where that floor is 0. A planted bug (the
+DDP test's: every rank's regrouped rows restored from the next rank) fails by orders of magnitude.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed here; run .ci/trl_deepspeed_tests", allow_module_level=True)
 trl = pytest.importorskip("trl")
 
-from test_integrations_trl_dist import _rank_inputs, spawn  # noqa: E402
+from test_integrations_trl_dist import _plant_wrong_rank_restore, _rank_inputs, spawn  # noqa: E402
 
 MARGIN = 10.0
 EPS32 = float(torch.finfo(torch.float32).eps)
-ARMS = [("trl", "sdpa"), ("trl_again", "sdpa"), ("trl_eager", "eager"), ("zorro", "sdpa")]
+ARMS = [("trl", "sdpa"), ("trl_again", "sdpa"), ("trl_eager", "eager"), ("zorro", "sdpa"), ("zorro+bug", "sdpa")]
+"""zorro+bug: the planted bug of the DDP test (every rank's regrouped rows restored from the next rank)."""
 
 
 def _deepspeed_env(stage: int) -> None:
@@ -98,6 +100,8 @@ def deepspeed_rank(path: str, stage: int) -> dict:
     from test_integrations_trl import make_grpo_trainer
     from trl import GRPOTrainer
 
+    import zorro_core.integrations.trl as zt
+    from zorro_core.distributed.regroup import regroup
     from zorro_core.integrations.trl import DedupGRPOTrainer
 
     torch.set_num_threads(1)
@@ -112,7 +116,10 @@ def deepspeed_rank(path: str, stage: int) -> dict:
     for name, attn in ARMS:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
-        cls = DedupGRPOTrainer if name == "zorro" else GRPOTrainer
+        cls = DedupGRPOTrainer if name.startswith("zorro") else GRPOTrainer
+        zt.regroup = regroup
+        if name == "zorro+bug":
+            _plant_wrong_rank_restore()
         trainer = make_grpo_trainer(
             cls, path, f"/tmp/zorro_ds{stage}_{name}_{rank}", torch.float32, attn, use_cpu=False
         )
@@ -139,6 +146,7 @@ def deepspeed_rank(path: str, stage: int) -> dict:
         }
         model.zero_grad()
         del trainer, model
+    zt.regroup = regroup
     return out
 
 
@@ -190,7 +198,11 @@ def test_deepspeed_zero_two_ranks_equal_trl(tiny_checkpoint, stage):
         run_to_run = figures(arms["trl"], arms["trl_again"])
         rounding = figures(arms["trl"], arms["trl_eager"])
         got = figures(arms["trl"], ours)
-        print(f"ZeRO-{stage} rank {rank}: TRL vs TRL {run_to_run}; eager vs sdpa {rounding}; zorro vs TRL {got}")
+        bug = figures(arms["trl"], arms["zorro+bug"])
+        print(
+            f"ZeRO-{stage} rank {rank}: TRL vs TRL {run_to_run}; eager vs sdpa {rounding}; zorro vs TRL {got}; bug {bug}"
+        )
+        assert bug["lp"] > 1e-2 and bug["grad"] > 1e-2, bug  # the planted bug fails by orders of magnitude
         assert 0 < rounding["grad"] < 1e-4, rounding  # a floor of rounding, not of a different computation
         scale = {
             "lp": EPS32 * float(abs(torch.as_tensor(arms["trl"]["lp"])).max()),
