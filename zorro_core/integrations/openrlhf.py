@@ -5,7 +5,9 @@
 
 or, for OpenRLHF's own Ray launcher (`openrlhf.cli.train_ppo_ray`), `install()` rebinds the `Actor` name its
 trainer modules build the policy and the reference model with (`trainer/ray/ppo_actor.py`, `trainer/ray/launcher.py`),
-in the process that calls it; it must run in every Ray worker (docs/trainers.md).
+and the names of its batching and its PPO trainer (whole prompt groups per rank and micro-batch:
+`openrlhf_batching`; "zorro/..." logger entries: `openrlhf_status`), in the process that calls it; it must
+run in every Ray worker (docs/trainers.md).
 
 OpenRLHF computes every policy, old and reference log-prob in `Actor.forward(sequences, action_mask,
 attention_mask, ...)`. In 0.11 a micro-batch holds one row per sample, prompt + response (or a multi-turn
@@ -110,8 +112,10 @@ __all__ = [
     "RowSplit",
     "ZorroFallbackWarning",
     "check_openrlhf",
+    "grouped_experience_maker",
     "install",
     "split_rows",
+    "status_trainer",
 ]
 
 
