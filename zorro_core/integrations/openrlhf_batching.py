@@ -70,8 +70,11 @@ __all__ = [
     "BatchingRecord",
     "GroupedReplayBuffer",
     "balance_experiences",
+    "budget_micro_batches",
+    "equal_micro_batches",
     "fixed_micro_batches",
     "grouped_lengths",
+    "rank_rows",
     "rollout_micro_batches",
     "split_rollout_samples",
 ]
@@ -332,7 +335,7 @@ class GroupedReplayBuffer(NaiveReplayBuffer):
         super().__init__(sample_batch_size, *args, **kwargs)
         self.micro_batch_rows = sample_batch_size
         self.zorro_micro_batches: list[list[int]] = []
-        """The rows of each training micro-batch of the last plan (tests and the logger read it)."""
+        """The rows (indices into `items`) of each training micro-batch of the last plan."""
 
     @property
     def sample_batch_size(self) -> int:
