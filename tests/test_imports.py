@@ -130,7 +130,7 @@ OPTIONAL = {
         f"zorro_core.integrations.{m}"
         for m in ("verl_engine", "verl_cpu", "verl_rows", "verl_batching", "verl_trainer", "needs_verl")
     ),
-    "openrlhf": ("zorro_core.integrations.openrlhf",),
+    "openrlhf": ("zorro_core.integrations.openrlhf", "zorro_core.integrations.openrlhf_batching"),
 }
 
 
