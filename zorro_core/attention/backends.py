@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 from zorro_core.attention.head_dims import crop, same_head_dim
-from zorro_core.attention.kernels import CpuFlashPair, FlashAttnPair, KernelPair, TorchFlashPair
+from zorro_core.attention.kernels import CpuFlashPair, FlashAttnPair, KernelPair, TorchFlashPair, flash_attn_missing
 from zorro_core.attention.merged import MergedSplitAttention, VarlenCall, merge_refusal
 from zorro_core.attention.padded import (
     attend,
@@ -67,9 +67,9 @@ class AttentionBackend:
         if self.pair is None:
             return False
         why = merge_refusal(plan, window)
-        if why is not None:
-            warnings.warn(f"zorro: {self.name} runs the gather path for this plan: {why}", RuntimeWarning, stacklevel=3)
-            return False
+        if why:
+            warnings.warn(f"zorro: {self.name} runs the gather path for this plan: {why}", RuntimeWarning, stacklevel=2)
+        return why is None
         return True
 
     def varlen(self, q, k, v, seg: Segments, scale: float, window: Optional[int] = None) -> torch.Tensor:
@@ -250,7 +250,7 @@ class TorchVarlenBackend(CudaVarlenBackend):
     def missing(self):
         if importlib.util.find_spec("torch.nn.attention.varlen") is None:
             return f"torch {torch.__version__} has no torch.nn.attention.varlen"
-        return None
+        return self.pair.unavailable(torch.device("cuda")) if self.pair is not None else None
 
 
 class FlashAttnBackend(CudaVarlenBackend):
@@ -274,9 +274,7 @@ class FlashAttnBackend(CudaVarlenBackend):
         )
 
     def missing(self):
-        if importlib.util.find_spec("flash_attn") is None:
-            return "the flash-attn package is not installed (pip install 'zorro[gpu]')"
-        return None
+        return flash_attn_missing()
 
 
 BACKENDS: dict[str, AttentionBackend] = {

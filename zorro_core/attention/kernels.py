@@ -170,7 +170,9 @@ class CpuFlashPair(KernelPair):
         tq, hq, dv = q.shape[0], q.shape[1], v.shape[-1]
         pad = _Padding(cu_q, cu_k, q.device)
         if pad.n == 0:
-            return q.new_zeros(tq, hq, dv), torch.full((hq, tq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
+            return q.new_zeros(tq, hq, dv), torch.full(
+                (hq, tq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device
+            )
         qf, kf, vf = _pad_head_dims(q, k, v)
         rep = hq // k.shape[1]
         qp = pad.pad_q(qf)
@@ -250,14 +252,31 @@ class TorchFlashPair(KernelPair):
         unused = torch.empty(0, device=q.device)
         seed = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the rng state is unread
         dq, dk, dvv = self.ops._flash_attention_backward(
-            dout_f.contiguous(), qf, kf, vf, out_f, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, seed, unused, scale=scale
+            dout_f.contiguous(),
+            qf,
+            kf,
+            vf,
+            out_f,
+            lse,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            0.0,
+            causal,
+            seed,
+            unused,
+            scale=scale,
         )
         return dq[..., :dq_dim], dk[..., :dq_dim], dvv[..., :dv]
 
     def unavailable(self, device):
         if device.type != "cuda":
             return f"torch_varlen needs a CUDA device (got {device.type})"
-        for op, names in (("_flash_attention_forward", self.FORWARD_ARGS), ("_flash_attention_backward", self.BACKWARD_ARGS)):
+        for op, names in (
+            ("_flash_attention_forward", self.FORWARD_ARGS),
+            ("_flash_attention_backward", self.BACKWARD_ARGS),
+        ):
             have = _schema_names(getattr(self.ops, op))
             missing = [n for n in (*names, "scale") if n not in have]
             if missing:
@@ -317,16 +336,18 @@ class FlashAttnPair(KernelPair):
 
     @property
     def interface(self) -> Any:
-        if self._interface is None:
-            # lazy: flash-attn is an optional package (unavailable() checks it first)
-            self._interface = importlib.import_module("flash_attn.flash_attn_interface")
-        return self._interface
+        if self._interface is not None:
+            return self._interface
+        # lazy, and looked up per call (a dict hit): flash-attn is optional (unavailable() checks it first)
+        return importlib.import_module("flash_attn.flash_attn_interface")
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
         dv = v.shape[-1]
         qf, kf, vf = _pad_head_dims(q, k, v, multiple=8)
         given = dict(q=qf, k=kf, v=vf, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
-        out, lse, *_ = _call_by_name(self.interface._flash_attn_varlen_forward, {**given, "softmax_scale": scale, "causal": causal})
+        out, lse, *_ = _call_by_name(
+            self.interface._flash_attn_varlen_forward, {**given, "softmax_scale": scale, "causal": causal}
+        )
         return out[..., :dv], lse
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
@@ -371,5 +392,7 @@ def flash_attn_missing() -> Optional[str]:
     except importlib.metadata.PackageNotFoundError:
         version = "0"
     if _version_tuple(version) < FLASH_ATTN_MIN:
-        return f"flash-attn {version} is older than {'.'.join(map(str, FLASH_ATTN_MIN))} (its varlen lse layout differs)"
+        return (
+            f"flash-attn {version} is older than {'.'.join(map(str, FLASH_ATTN_MIN))} (its varlen lse layout differs)"
+        )
     return None

@@ -120,10 +120,13 @@ def _ordered(plan: Plan) -> bool:
 
 
 def merge_refusal(plan: Plan, window: Optional[int]) -> Optional[str]:
-    """Why `plan`'s split attention cannot run gather-free with `window`, or None."""
+    """Why `plan`'s split attention cannot run gather-free with `window`, or None. A plan with
+    nothing shared is one self-causal call either way: "" (no reason to say) when windowed."""
     if not isinstance(plan, (DedupPlan, TriePlan)):
         return f"no gather-free calls for a {type(plan).__name__}"
     if window is not None and window < longest_path(plan):
+        if isinstance(plan, DedupPlan) and plan.cross is None:
+            return ""
         return f"the sliding window ({window}) cuts a prompt: its keys are not a block of the packed row"
     if not _ordered(plan):
         return "the trie's levels are not grouped by ancestor"
@@ -174,7 +177,9 @@ class MergedSplitAttention(torch.autograd.Function):
         pair, scale = ctx.pair, ctx.scale
         dout = dout.contiguous()
         whole, parts = ctx.calls[0], ctx.calls[1:]
-        dq, dk, dv = pair.backward(dout, q, k, v, out, lse, whole.cu_q, whole.cu_k, whole.max_q, whole.max_k, True, scale)
+        dq, dk, dv = pair.backward(
+            dout, q, k, v, out, lse, whole.cu_q, whole.cu_k, whole.max_q, whole.max_k, True, scale
+        )
         for c in parts:
             qs, ks = slice(c.q0, c.q1), slice(c.k0, c.k1)
             gq, gk, gv = pair.backward(
