@@ -66,6 +66,8 @@ def _prompt_calls(plan: DedupPlan) -> list[VarlenCall]:
     calls = [_call(0, t, 0, t, own, own, True)]
     # The responses of group g (adjacent, groups in the order of their causal segments) as one
     # query segment against causal segment g; a lone group's segment gets no queries.
+    if cross.kv_group is None:
+        raise ValueError("cross segments without their groups (kv_group)")
     per_group = torch.zeros(causal.num_segments, dtype=torch.long, device=own.device)
     per_group.index_add_(0, cross.kv_group.to(own.device), cross.lens_q)
     calls.append(_call(tc, t, 0, tc, per_group, causal.lens_k, False))
