@@ -35,8 +35,10 @@ import torch
 from zorro_core.actor.actor import BaselineActor, DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.models.presets import build_model, preset_config
+from zorro_core.models.registry import model_shape
 from zorro_core.plan.batch import create_dummy_batch
 from zorro_core.plan.dtypes import DTYPES
+from zorro_harness.bench.footprint import parameter_count
 
 PATHS = ("packed", "zorro", "zorro-gather")
 BACKEND_OF = {"packed": "flash_cpu", "zorro": "flash_cpu", "zorro-gather": "flash_cpu_gather"}
@@ -217,10 +219,12 @@ def count_case(case: MemoryCase, seed: int = 0) -> list[MemoryRow]:
 
 
 def parameter_bytes(model: str) -> int:
-    """Weights, gradients and AdamW state of the full preset (OPTIMIZER_BYTES_PER_PARAM each)."""
-    with torch.device("meta"):
-        m = build_model(preset_config(model), dtype=torch.bfloat16, device="meta")
-    return OPTIMIZER_BYTES_PER_PARAM * sum(p.numel() for p in m.parameters())
+    """Weights, gradients and AdamW state of the full preset (OPTIMIZER_BYTES_PER_PARAM each), from
+    the cost model's shape (nothing is built)."""
+    cfg = preset_config(model)
+    return OPTIMIZER_BYTES_PER_PARAM * parameter_count(
+        model_shape(cfg), bool(getattr(cfg, "tie_word_embeddings", False))
+    )
 
 
 def longest_prompt(rows_short: Iterable[MemoryRow], rows_long: Iterable[MemoryRow], budget: float) -> dict[str, float]:
