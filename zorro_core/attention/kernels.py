@@ -71,18 +71,34 @@ class KernelPair:
         return None
 
 
-class _Padding:
-    """The padded batch of one call's non-empty segments: slot indices, built per call (cheap
-    index math next to the kernel). Segments without queries are left out: they compute nothing."""
+def _buckets(cu_q: torch.Tensor, cu_k: torch.Tensor) -> list[torch.Tensor]:
+    """The segments with queries, grouped so that lengths within a group differ by less than 2x
+    (by the power of two above each query and key length): padding a group to its longest then
+    wastes at most 2x per dimension, where one padded batch of a long prompt and short responses
+    would pad every response to the prompt."""
+    cq, ck = cu_q.long(), cu_k.long()
+    lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
+    keep = (lq > 0).nonzero().flatten()
+    if keep.numel() == 0:
+        return []
+    bits = lambda x: torch.ceil(torch.log2(x.clamp(min=1).double())).long()  # noqa: E731
+    key = bits(lq[keep]) * 64 + bits(lk[keep])
+    return [keep[key == k] for k in torch.unique(key).tolist()]
 
-    def __init__(self, cu_q: torch.Tensor, cu_k: torch.Tensor, device: torch.device) -> None:
+
+class _Padding:
+    """The padded batch of some segments of one call (`segments`, indices of segments with
+    queries): slot indices, built per call (cheap index math next to the kernel)."""
+
+    def __init__(self, cu_q: torch.Tensor, cu_k: torch.Tensor, segments: torch.Tensor) -> None:
+        device = segments.device
         cq, ck = cu_q.to(device).long(), cu_k.to(device).long()
         lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
-        keep = (lq > 0).nonzero().flatten()
+        keep = segments
         self.lq, self.lk = lq[keep], lk[keep]
         self.n = keep.numel()
-        self.len_q = int(self.lq.max()) if self.n else 0
-        self.len_k = int(self.lk.max()) if self.n else 0
+        self.len_q = int(self.lq.max())
+        self.len_k = int(self.lk.max())
         aq = torch.arange(self.len_q, device=device)
         ak = torch.arange(self.len_k, device=device)
         self.valid_q = aq[None, :] < self.lq[:, None]
@@ -91,7 +107,7 @@ class _Padding:
         self.rows_k = (ck[:-1][keep][:, None] + ak[None, :])[self.valid_k]
         self.slots_q = self.valid_q.flatten().nonzero().flatten()
         self.slots_k = self.valid_k.flatten().nonzero().flatten()
-        self.ragged_k = bool((self.lk != self.len_k).any()) if self.n else False
+        self.ragged_k = bool((self.lk != self.len_k).any())
 
     def pad_q(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """[Tq, H, D] -> [n, H, Lq, D]; padding slots hold `fill` (finite: a padding slot still
@@ -106,17 +122,16 @@ class _Padding:
         buf.index_copy_(0, slots, x.index_select(0, rows))
         return buf.view(self.n, length, *x.shape[1:]).transpose(1, 2)
 
-    def unpad_q(self, xp: torch.Tensor, total: int) -> torch.Tensor:
-        """[n, H, Lq, D] -> [Tq, H, D] (rows of segments without queries: zero)."""
-        return self._unpad(xp, self.rows_q, self.slots_q, total)
+    def unpad_q(self, xp: torch.Tensor, into: torch.Tensor) -> None:
+        """[n, H, Lq, D] -> the real query rows of `into` [Tq, H, D]."""
+        self._unpad(xp, self.rows_q, self.slots_q, into)
 
-    def unpad_k(self, xp: torch.Tensor, total: int) -> torch.Tensor:
-        return self._unpad(xp, self.rows_k, self.slots_k, total)
+    def unpad_k(self, xp: torch.Tensor, into: torch.Tensor) -> None:
+        self._unpad(xp, self.rows_k, self.slots_k, into)
 
-    def _unpad(self, xp, rows, slots, total):
-        flat = xp.transpose(1, 2).reshape(-1, *xp.shape[1:2], xp.shape[-1])
-        out = flat.new_zeros(total, *flat.shape[1:])
-        return out.index_copy_(0, rows, flat.index_select(0, slots))
+    def _unpad(self, xp, rows, slots, into):
+        flat = xp.transpose(1, 2).reshape(-1, xp.shape[1], xp.shape[-1])
+        into.index_copy_(0, rows, flat.index_select(0, slots).to(into.dtype))
 
     def mask(self, causal: bool, dtype: torch.dtype) -> tuple[Optional[torch.Tensor], bool]:
         """(additive mask or None, is_causal) for the kernel: self-causal segments of equal query and
@@ -159,7 +174,7 @@ class CpuFlashPair(KernelPair):
     """torch's CPU flash kernel over a padded batch built and dropped inside each call.
 
     The kernel takes [n, H, L, D] with one head dim and equal head counts: segments are padded to
-    the longest, K/V heads repeated for GQA and head dims zero-padded for MLA, all transients of the
+    the longest of their length class (_buckets, one kernel call each), K/V heads repeated for GQA and head dims zero-padded for MLA, all transients of the
     call. Causal segments are padded at their end, where top-left `is_causal` is exact for the real
     queries; ragged key segments get an additive mask on their padding keys. In backward the
     padding queries get an lse of +inf, so their probabilities are exactly 0."""
@@ -168,46 +183,45 @@ class CpuFlashPair(KernelPair):
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
         tq, hq, dv = q.shape[0], q.shape[1], v.shape[-1]
-        pad = _Padding(cu_q, cu_k, q.device)
-        if pad.n == 0:
-            return q.new_zeros(tq, hq, dv), torch.full(
-                (hq, tq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device
-            )
         qf, kf, vf = _pad_head_dims(q, k, v)
         rep = hq // k.shape[1]
-        qp = pad.pad_q(qf)
-        kp, vp = _repeat_heads(pad.pad_k(kf), rep), _repeat_heads(pad.pad_k(vf), rep)
-        mask, top_left = pad.mask(causal, q.dtype)
-        out_p, lse_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qp, kp, vp, 0.0, top_left, attn_mask=mask, scale=scale
-        )
-        out = pad.unpad_q(out_p, tq)[..., :dv]
-        # every query row belongs to a kept segment, so every lse entry is written
-        lse = pad.unpad_q(lse_p.to(lse_dtype(q.dtype))[..., None], tq)[..., 0].T.contiguous()
-        return out, lse
+        out = q.new_zeros(tq, hq, qf.shape[-1])
+        lse = torch.full((tq, hq, 1), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
+        for segments in _buckets(cu_q.to(q.device), cu_k.to(q.device)):
+            pad = _Padding(cu_q, cu_k, segments)
+            qp = pad.pad_q(qf)
+            kp, vp = _repeat_heads(pad.pad_k(kf), rep), _repeat_heads(pad.pad_k(vf), rep)
+            mask, top_left = pad.mask(causal, q.dtype)
+            out_p, lse_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qp, kp, vp, 0.0, top_left, attn_mask=mask, scale=scale
+            )
+            pad.unpad_q(out_p, out)
+            pad.unpad_q(lse_p[..., None], lse)
+        # MLA (Dv < Dq): the output is saved for backward, so not as a view of the padded buffer
+        return out[..., :dv].contiguous(), lse[..., 0].T.contiguous()
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
-        tk, hq = k.shape[0], q.shape[1]
-        pad = _Padding(cu_q, cu_k, q.device)
-        if pad.n == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dq_dim, dv = q.shape[-1], v.shape[-1]
+        hq, dq_dim, dv = q.shape[1], q.shape[-1], v.shape[-1]
         qf, kf, vf = _pad_head_dims(q, k, v)
         d = qf.shape[-1]
         dout_f, out_f = (x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1])) for x in (dout, out))
         rep = hq // k.shape[1]
-        qp, op, gp = pad.pad_q(qf), pad.pad_q(out_f), pad.pad_q(dout_f)
-        kp, vp = _repeat_heads(pad.pad_k(kf), rep), _repeat_heads(pad.pad_k(vf), rep)
-        # The kernel keeps the lse as float32 (float64 for float64 inputs), [n, H, Lq].
-        lse_p = pad.pad_q(lse.T[..., None], fill=float("inf"))[..., 0]
-        mask, top_left = pad.mask(causal, q.dtype)
-        dq_p, dk_p, dv_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            gp.contiguous(), qp, kp, vp, op, lse_p.contiguous(), 0.0, top_left, attn_mask=mask, scale=scale
-        )
-        dq = pad.unpad_q(dq_p, q.shape[0])[..., :dq_dim]
-        dk = pad.unpad_k(_fold_heads(dk_p, rep), tk)[..., :dq_dim]
-        dvv = pad.unpad_k(_fold_heads(dv_p, rep), tk)[..., :dv]
-        return dq, dk, dvv
+        dq, dk, dvv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
+        for segments in _buckets(cu_q.to(q.device), cu_k.to(q.device)):
+            pad = _Padding(cu_q, cu_k, segments)
+            qp, op, gp = pad.pad_q(qf), pad.pad_q(out_f), pad.pad_q(dout_f)
+            kp, vp = _repeat_heads(pad.pad_k(kf), rep), _repeat_heads(pad.pad_k(vf), rep)
+            # The kernel keeps the lse as float32 (float64 for float64 inputs), [n, H, Lq]; padding
+            # queries get +inf, so their probabilities are exactly 0.
+            lse_p = pad.pad_q(lse.T[..., None], fill=float("inf"))[..., 0]
+            mask, top_left = pad.mask(causal, q.dtype)
+            dq_p, dk_p, dv_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                gp.contiguous(), qp, kp, vp, op, lse_p.contiguous(), 0.0, top_left, attn_mask=mask, scale=scale
+            )
+            pad.unpad_q(dq_p, dq)
+            pad.unpad_k(_fold_heads(dk_p, rep), dk)
+            pad.unpad_k(_fold_heads(dv_p, rep), dvv)
+        return dq[..., :dq_dim], dk[..., :dq_dim], dvv[..., :dv]
 
     def unavailable(self, device):
         if device.type != "cpu":
