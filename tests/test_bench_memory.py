@@ -58,3 +58,18 @@ def test_cli_writes_rows_and_refuses_bad_input(tmp_path):
         res = runner.invoke(app, argv)
         assert res.exit_code == 2 and what in res.output, (what, res.output)
     assert not (tmp_path / "elsewhere.csv").exists()
+
+
+def test_packed_baseline_scales_exactly_with_its_rows():
+    """The packed baseline counted on 2 of 8 rows and scaled equals it counted on all 8 (its
+    sequences are independent and alike): every saved tensor is per token."""
+    case = MemoryCase("tiny-qwen3", 8, 24, 6, 2, "compute", "float32", layers=2, narrow=2)
+    from zorro_harness.bench import memory
+
+    memory._PACKED.clear()
+    scaled = {r.path: r for r in count_case(case)}["packed"]
+    memory._PACKED.clear()
+    whole = {r.path: r for r in count_case(MemoryCase(**{**case.__dict__, "packed_rows": 0}))}["packed"]
+    assert scaled.tokens == whole.tokens
+    assert scaled.per_layer == pytest.approx(whole.per_layer, rel=1e-9)
+    assert scaled.outside_layers == pytest.approx(whole.outside_layers, rel=2e-3)  # the plan's index tensors

@@ -5,7 +5,8 @@ forward keeps for backward. This counts it tensor by tensor (torch.autograd.grap
 each storage once, parameters left out, attributed to the decoder layer running when it was saved)
 for one forward of each path over the same batch:
 
-- `packed`: the baseline, every sequence packed without padding, one self-causal call per layer;
+- `packed`: the baseline, every sequence packed without padding, one self-causal call per layer
+  (counted on `packed_rows` of the rows and scaled: its sequences are independent and alike);
 - `zorro`: the deduplicated actor on the gather-free split path (`flash_cpu`: the GPU path's code);
 - `zorro-gather`: the same plan on the pre-merge GPU path (`flash_cpu_gather`: each response's
   [prompt | own] keys gathered and saved by the kernel call, the two outputs concatenated);
@@ -69,6 +70,9 @@ class MemoryCase:
     """Decoder layers built and counted (the totals scale to the preset's own count)."""
     narrow: int = 8
     """Widths divided by this (head dims kept), counts multiplied back."""
+    packed_rows: int = 2
+    """Rows the packed baseline is counted on, scaled to `batch` (0: all of them): its sequences are
+    independent and of one shape, so its saved bytes are `batch / packed_rows` times theirs."""
 
 
 @dataclass
@@ -188,6 +192,7 @@ def count_case(case: MemoryCase, seed: int = 0) -> list[MemoryRow]:
     )
     counted = {}
     packed_key = dataclasses.replace(case, unique=1)  # the baseline does not depend on U
+    rows = case.packed_rows if 0 < case.packed_rows < case.batch else case.batch
     for path in PATHS:
         if path == "packed" and packed_key in _PACKED:
             counted[path] = _PACKED[packed_key]
@@ -195,14 +200,16 @@ def count_case(case: MemoryCase, seed: int = 0) -> list[MemoryRow]:
         config = ActorConfig(varlen_backend=BACKEND_OF[path], logits_mode=case.logits_mode)
         actor = (BaselineActor if path == "packed" else DeduplicatedActor)(model=model, config=config)
         plan_tokens: list[int] = []
+        arm_batch = batch if path != "packed" else _rows(batch, rows)
 
-        def run(actor=actor, plan_tokens=plan_tokens):
-            out = actor.forward(batch)
+        def run(actor=actor, plan_tokens=plan_tokens, arm_batch=arm_batch):
+            out = actor.forward(arm_batch)
             plan_tokens.append(out.plan.num_tokens)
             return out
 
         layers, outside = count_saved(model, run)
-        counted[path] = (plan_tokens[0], sum(layers) / len(layers), outside)
+        f = case.batch / rows if path == "packed" else 1
+        counted[path] = (round(plan_tokens[0] * f), f * sum(layers) / len(layers), f * outside)
         if path == "packed":
             _PACKED[packed_key] = counted[path]
     scale = case.narrow
@@ -216,6 +223,11 @@ def count_case(case: MemoryCase, seed: int = 0) -> list[MemoryRow]:
         total = scale * (layer * full_layers + out)
         rows.append(MemoryRow(case, path, tokens, scale * layer, scale * out, total, total / ideal_total))
     return rows
+
+
+def _rows(batch, n: int):
+    """The first n rows of a RolloutBatch."""
+    return type(batch)(batch.prompts[:n], batch.prompt_mask[:n], batch.responses[:n], batch.response_mask[:n])
 
 
 def parameter_bytes(model: str) -> int:
