@@ -124,7 +124,7 @@ def memory(
                     full = count_case(case)
                     short = count_case(MemoryCase(model, batch, short_p, response_len, u, mode, dtype, layers, narrow))
                 rows += [r.as_dict() for r in full]
-                fits.append((mode, u, longest_prompt(short, full, budget)))
+                fits.append((mode, u, longest_prompt(short, full, budget), longest_prompt(short, full, budget, True)))
     except ValueError as e:
         fail(str(e))
     table = Table(title=f"saved for backward: {escape(model)}, B={batch}, P={prompt_len}, R={response_len}, {dtype}")
@@ -141,15 +141,21 @@ def memory(
             f"{r['vs_ideal']:.3f}",
         )
     console.print(table)
-    fit = Table(title=f"longest prompt whose saved bytes fit {gpu_gib:g} GiB ({shards} FSDP shards of the state)")
-    for col in ("logits", "U", "packed", "zorro", "zorro-gather"):
+    fit = Table(
+        title=f"longest prompt that fits {gpu_gib:g} GiB at B={batch}, R={response_len} "
+        f"(weights, grads and AdamW state over {shards} FSDP shards)"
+    )
+    for col in ("logits", "U", "packed", "zorro", "zorro-gather", "packed ckpt", "zorro ckpt", "zorro-gather ckpt"):
         fit.add_column(col, justify="right")
-    for mode, u, lens in fits:
-        fit.add_row(mode, str(u), *(f"{lens[p]:,.0f}" for p in ("packed", "zorro", "zorro-gather")))
+    for mode, u, lens, lens_ckpt in fits:
+        cells = [f"{d[p]:,.0f}" for d in (lens, lens_ckpt) for p in ("packed", "zorro", "zorro-gather")]
+        fit.add_row(mode, str(u), *cells)
     console.print(fit)
     console.print(
-        f"Counted on CPU with {layers} decoder layer(s) and widths / {narrow} (head dims kept), scaled back; "
-        "no gradient checkpointing. The kernel saves what flash-attn 2 saves (q, k, v, out, lse)."
+        f"Counted on CPU with {layers} decoder layer(s) and widths / {narrow} (head dims kept), scaled back. "
+        "The kernel saves what flash-attn 2 saves (q, k, v, out, lse). 'ckpt': with gradient checkpointing "
+        "of every layer, derived (each layer keeps its input; one layer's saved set at a time in backward). "
+        "0: not even P/8 fits."
     )
     if out is not None:
         _write(rows, out)

@@ -91,6 +91,10 @@ class MemoryRow:
     """per_layer x the model's layers + outside_layers."""
     vs_ideal: float
     """total / the ideal's total (1.0 for the ideal itself)."""
+    checkpointed: float = 0.0
+    """The peak under gradient checkpointing of every decoder layer, derived: each layer keeps its
+    input hidden states (tokens x hidden x dtype bytes) and one layer at a time re-saves its
+    per_layer bytes during backward, plus outside_layers."""
 
     def as_dict(self) -> dict:
         c = dataclasses.asdict(self.case)
@@ -102,6 +106,7 @@ class MemoryRow:
             "outside_layers_bytes": round(self.outside_layers),
             "total_bytes": round(self.total),
             "vs_ideal": round(self.vs_ideal, 4),
+            "checkpointed_bytes": round(self.checkpointed),
         }
 
 
@@ -219,9 +224,11 @@ def count_case(case: MemoryCase, seed: int = 0) -> list[MemoryRow]:
     ideal_out = base_out * zorro_tokens / base_tokens
     ideal_total = scale * (ideal_layer * full_layers + ideal_out)
     rows = []
+    hidden_bytes = cfg.hidden_size * scale * DTYPES[case.dtype].itemsize
     for path, (tokens, layer, out) in [*counted.items(), ("ideal", (zorro_tokens, ideal_layer, ideal_out))]:
         total = scale * (layer * full_layers + out)
-        rows.append(MemoryRow(case, path, tokens, scale * layer, scale * out, total, total / ideal_total))
+        ckpt = full_layers * tokens * hidden_bytes + scale * (layer + out)
+        rows.append(MemoryRow(case, path, tokens, scale * layer, scale * out, total, total / ideal_total, ckpt))
     return rows
 
 
@@ -239,15 +246,18 @@ def parameter_bytes(model: str) -> int:
     )
 
 
-def longest_prompt(rows_short: Iterable[MemoryRow], rows_long: Iterable[MemoryRow], budget: float) -> dict[str, float]:
-    """Per path, the prompt length whose saved bytes reach `budget`, from the same case counted at two
-    prompt lengths (linear in P at the other shapes fixed); 0 when even the shorter does not fit."""
+def longest_prompt(
+    rows_short: Iterable[MemoryRow], rows_long: Iterable[MemoryRow], budget: float, checkpointed: bool = False
+) -> dict[str, float]:
+    """Per path, the prompt length whose saved bytes (or, `checkpointed`, the checkpointed peak) reach
+    `budget`, from the same case counted at two prompt lengths (linear in P at the other shapes
+    fixed); 0 when even the shorter does not fit."""
     a = {r.path: r for r in rows_short}
     b = {r.path: r for r in rows_long}
     out = {}
     for path in a:
         p0, p1 = a[path].case.prompt_len, b[path].case.prompt_len
-        y0, y1 = a[path].total, b[path].total
+        y0, y1 = (a[path].checkpointed, b[path].checkpointed) if checkpointed else (a[path].total, b[path].total)
         slope = (y1 - y0) / (p1 - p0)
         out[path] = 0.0 if y0 > budget and slope >= 0 else (math.inf if slope <= 0 else p0 + (budget - y0) / slope)
     return out
