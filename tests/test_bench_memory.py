@@ -52,11 +52,16 @@ def test_cli_writes_rows_and_refuses_bad_input(tmp_path):
         "symbolic link": [*args, "--out", str(link), "--narrow", "2"],
         "unknown preset": ["bench", "memory", "--model", "nope"],
         "must divide": [*args, "--narrow", "3"],
-        "multiple of --unique": [*args, "--unique", "3", "--narrow", "2"],
     }
     for what, argv in bad.items():
         res = runner.invoke(app, argv)
         assert res.exit_code == 2 and what in res.output, (what, res.output)
+    # a case that cannot run is a row with its reason, the others are kept, and the exit code says it
+    res = runner.invoke(app, [*args, "--unique", "3,2", "--logits-mode", "memory", "--narrow", "2", "--out", str(out)])
+    assert res.exit_code == 1 and "multiple of --unique" in res.output
+    rows = list(csv.DictReader(out.open()))
+    assert [r["status"] for r in rows][0].startswith("--batch 4 must be a multiple")
+    assert [r["path"] for r in rows[1:]] == ["packed", "zorro", "zorro-gather", "ideal"]
     assert not (tmp_path / "elsewhere.csv").exists()
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -13,7 +14,7 @@ from rich.table import Table
 
 from zorro_cli.console import console, escape, fail
 from zorro_core.models.presets import PRESETS
-from zorro_harness.bench.memory import MemoryCase, count_case, longest_prompt, parameter_bytes
+from zorro_harness.bench.memory import MemoryCase, count_isolated, longest_prompt, narrowed_config, parameter_bytes
 
 GIB = 1024**3
 
@@ -114,23 +115,33 @@ def memory(
         if path is not None:
             _check_out(path, flag)
     short_p = max(2, prompt_len // 8)
-    rows, fits = [], []
+    rows, fits, failed = [], [], []
     try:
         budget = gpu_gib * GIB - parameter_bytes(model) / shards
-        for mode in modes:
-            for u in uniques:
-                case = MemoryCase(model, batch, prompt_len, response_len, u, mode, dtype, layers, narrow)
-                with console.status(f"counting {escape(model)} U={u} logits {mode}"):
-                    full = count_case(case)
-                    short = count_case(MemoryCase(model, batch, short_p, response_len, u, mode, dtype, layers, narrow))
-                rows += [r.as_dict() for r in full]
-                fits.append((mode, u, longest_prompt(short, full, budget), longest_prompt(short, full, budget, True)))
+        narrowed_config(model, layers, narrow)  # refuse a shape before any process starts
     except ValueError as e:
         fail(str(e))
+    for mode in modes:
+        for u in uniques:
+            case = MemoryCase(model, batch, prompt_len, response_len, u, mode, dtype, layers, narrow)
+            try:
+                if batch % u:
+                    raise ValueError(f"--batch {batch} must be a multiple of --unique {u}")
+                with console.status(f"counting {escape(model)} U={u} logits {mode}"):
+                    full = count_isolated(case)
+                    short = count_isolated(dataclasses.replace(case, prompt_len=short_p))
+            except ValueError as e:  # a case that fails is a row with its reason; the others go on
+                failed.append(str(e))
+                rows.append({**dataclasses.asdict(case), "path": "", "status": str(e)})
+                continue
+            rows += [{**r.as_dict(), "status": "ok"} for r in full]
+            fits.append((mode, u, longest_prompt(short, full, budget), longest_prompt(short, full, budget, True)))
     table = Table(title=f"saved for backward: {escape(model)}, B={batch}, P={prompt_len}, R={response_len}, {dtype}")
     for col in ("logits", "U", "path", "tokens", "per layer GiB", "total GiB", "vs ideal"):
         table.add_column(col, justify="left" if col in ("logits", "path") else "right")
     for r in rows:
+        if r["status"] != "ok":
+            continue
         table.add_row(
             r["logits_mode"],
             str(r["unique"]),
@@ -159,5 +170,7 @@ def memory(
     )
     if out is not None:
         _write(rows, out)
-    if plot is not None:
-        _plot(rows, plot)
+    if plot is not None and fits:
+        _plot([r for r in rows if r["status"] == "ok"], plot)
+    if failed:
+        fail("; ".join(failed), code=1)

@@ -27,6 +27,7 @@ two moments: 16 bytes a parameter, unsharded) is read off the two lengths counte
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
@@ -40,6 +41,7 @@ from zorro_core.models.registry import model_shape
 from zorro_core.plan.batch import create_dummy_batch
 from zorro_core.plan.dtypes import DTYPES
 from zorro_harness.bench.footprint import parameter_count
+from zorro_harness.bench.isolation import run_isolated
 
 PATHS = ("packed", "zorro", "zorro-gather")
 BACKEND_OF = {"packed": "flash_cpu", "zorro": "flash_cpu", "zorro-gather": "flash_cpu_gather"}
@@ -173,6 +175,9 @@ def count_saved(model, run: Callable[[], object]) -> tuple[list[int], int]:
         del out
     finally:
         remove()
+        # the graph can sit in a reference cycle (an output holding its plan and route): free it now,
+        # not at the next collection, so that one count's activations never meet the next's
+        gc.collect()
     return per_layer, outside[0]
 
 
@@ -230,6 +235,28 @@ def count_case(case: MemoryCase, seed: int = 0) -> list[MemoryRow]:
         ckpt = full_layers * tokens * hidden_bytes + scale * (layer + out)
         rows.append(MemoryRow(case, path, tokens, scale * layer, scale * out, total, total / ideal_total, ckpt))
     return rows
+
+
+def _count_child(case: MemoryCase, conn) -> None:
+    """count_case in a case process: the rows back through `conn`, or the error."""
+    try:
+        conn.send({"rows": count_case(case)})
+    except Exception as e:  # noqa: BLE001 - any failure is the case's status, said in the parent
+        conn.send({"status": "error", "error": f"{type(e).__name__}: {e}"})
+    finally:
+        conn.close()
+
+
+def count_isolated(case: MemoryCase, timeout_s: float = 1800.0) -> list[MemoryRow]:
+    """count_case in its own process (zorro_harness.bench.isolation): allocator state and any
+    memory one count leaves behind never reach the next, and a count that would exhaust the
+    machine is stopped (ValueError with the reason) instead of the machine."""
+    result = run_isolated(_count_child, (case,), timeout_s)
+    if result.status != "ok":
+        raise ValueError(
+            f"{case.model} U={case.unique} P={case.prompt_len} {case.logits_mode}: {result.status}: {result.error}"
+        )
+    return result.payload["rows"]
 
 
 def _rows(batch, n: int):
