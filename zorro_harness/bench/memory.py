@@ -181,7 +181,7 @@ def count_saved(model, run: Callable[[], object]) -> tuple[list[int], int]:
     return per_layer, outside[0]
 
 
-_PACKED: dict[MemoryCase, tuple[int, float, int]] = {}
+_PACKED: dict[MemoryCase, tuple[int, float, float]] = {}
 """The packed baseline's count per case less U (same seed, same model), counted once per process."""
 
 
@@ -200,9 +200,9 @@ def count_case(case: MemoryCase, seed: int = 0) -> list[MemoryRow]:
         vocab_size=cfg.vocab_size,
         seed=seed,
     )
-    counted = {}
+    counted: dict[str, tuple[int, float, float]] = {}
     packed_key = dataclasses.replace(case, unique=1)  # the baseline does not depend on U
-    rows = case.packed_rows if 0 < case.packed_rows < case.batch else case.batch
+    packed_n = case.packed_rows if 0 < case.packed_rows < case.batch else case.batch
     for path in PATHS:
         if path == "packed" and packed_key in _PACKED:
             counted[path] = _PACKED[packed_key]
@@ -210,7 +210,7 @@ def count_case(case: MemoryCase, seed: int = 0) -> list[MemoryRow]:
         config = ActorConfig(varlen_backend=BACKEND_OF[path], logits_mode=case.logits_mode)
         actor = (BaselineActor if path == "packed" else DeduplicatedActor)(model=model, config=config)
         plan_tokens: list[int] = []
-        arm_batch = batch if path != "packed" else _rows(batch, rows)
+        arm_batch = batch if path != "packed" else _rows(batch, packed_n)
 
         def run(actor=actor, plan_tokens=plan_tokens, arm_batch=arm_batch):
             out = actor.forward(arm_batch)
@@ -218,7 +218,7 @@ def count_case(case: MemoryCase, seed: int = 0) -> list[MemoryRow]:
             return out
 
         layers, outside = count_saved(model, run)
-        f = case.batch / rows if path == "packed" else 1
+        f = case.batch / packed_n if path == "packed" else 1.0
         counted[path] = (round(plan_tokens[0] * f), f * sum(layers) / len(layers), f * outside)
         if path == "packed":
             _PACKED[packed_key] = counted[path]
@@ -228,7 +228,7 @@ def count_case(case: MemoryCase, seed: int = 0) -> list[MemoryRow]:
     ideal_layer = base_layer * zorro_tokens / base_tokens
     ideal_out = base_out * zorro_tokens / base_tokens
     ideal_total = scale * (ideal_layer * full_layers + ideal_out)
-    rows = []
+    rows: list[MemoryRow] = []
     hidden_bytes = cfg.hidden_size * scale * DTYPES[case.dtype].itemsize
     for path, (tokens, layer, out) in [*counted.items(), ("ideal", (zorro_tokens, ideal_layer, ideal_out))]:
         total = scale * (layer * full_layers + out)
