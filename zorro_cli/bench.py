@@ -16,6 +16,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from zorro_cli import bench_memory
 from zorro_cli.choices import Attn, Baseline, DType, LogitsMode, Phase, Sharing
 from zorro_cli.console import console, escape, fail, resolve_device, warn
 from zorro_core.plan.dtypes import DTYPES
@@ -392,6 +393,9 @@ def run(
         with console.status(f"running {escape(case.case_id)}"):
             rows = case_rows(case, measure, max_memory=limit)
     _finish(rows, out, "zorro bench run")
+
+
+bench_app.command("memory")(bench_memory.memory)
 
 
 def register(app: typer.Typer) -> None:
