@@ -16,7 +16,7 @@ from zorro_core.actor.logprobs import LOGITS_MODES
 from zorro_core.models.moe import AUX_WEIGHTINGS
 from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, SHARINGS, check_sharing
 
-VARLEN_BACKENDS = ("reference", "sdpa", "torch_varlen", "flash_attn")
+VARLEN_BACKENDS = ("reference", "sdpa", "flash_cpu", "torch_varlen", "flash_attn", "flash_cpu_gather")
 """The names `varlen_backend` takes (zorro_core.attention.backends.BACKENDS has one backend of each)."""
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "auto")
 """The names `attn_implementation` takes, besides any name registered in transformers' AttentionInterface."""
