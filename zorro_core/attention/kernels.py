@@ -57,12 +57,27 @@ class KernelPair:
     name: str = ""
 
     def forward(
-        self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float
+        self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, cache: Optional[dict] = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cache`: a dict that lives as long as these cu_seqlens (one per call of a plan), where a
+        pair may keep index math it derives from them for the next layer."""
         raise NotImplementedError
 
     def backward(
-        self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float
+        self,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_q,
+        cu_k,
+        max_q: int,
+        max_k: int,
+        causal: bool,
+        scale: float,
+        cache: Optional[dict] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
@@ -108,16 +123,29 @@ class _Padding:
         self.slots_q = self.valid_q.flatten().nonzero().flatten()
         self.slots_k = self.valid_k.flatten().nonzero().flatten()
         self.ragged_k = bool((self.lk != self.len_k).any())
+        # Every segment full and the segments adjacent: the padded batch is a view of the rows.
+        self.view_q = self._first_if_dense(self.rows_q, self.n * self.len_q)
+        self.view_k = self._first_if_dense(self.rows_k, self.n * self.len_k)
+
+    @staticmethod
+    def _first_if_dense(rows: torch.Tensor, slots: int) -> Optional[int]:
+        """The first row when `rows` is rows[0] .. rows[0] + slots - 1 (no padding, no gap), else None."""
+        if rows.numel() != slots or slots == 0:
+            return None
+        first = int(rows[0])
+        return first if int(rows[-1]) - first == slots - 1 else None
 
     def pad_q(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """[Tq, H, D] -> [n, H, Lq, D]; padding slots hold `fill` (finite: a padding slot still
         enters the kernel's products)."""
-        return self._pad(x, self.rows_q, self.slots_q, self.len_q, fill)
+        return self._pad(x, self.rows_q, self.slots_q, self.len_q, fill, self.view_q)
 
     def pad_k(self, x: torch.Tensor) -> torch.Tensor:
-        return self._pad(x, self.rows_k, self.slots_k, self.len_k, 0.0)
+        return self._pad(x, self.rows_k, self.slots_k, self.len_k, 0.0, self.view_k)
 
-    def _pad(self, x, rows, slots, length, fill):
+    def _pad(self, x, rows, slots, length, fill, first):
+        if first is not None:
+            return x[first : first + self.n * length].view(self.n, length, *x.shape[1:]).transpose(1, 2)
         buf = x.new_full((self.n * length, *x.shape[1:]), fill)
         buf.index_copy_(0, slots, x.index_select(0, rows))
         return buf.view(self.n, length, *x.shape[1:]).transpose(1, 2)
@@ -131,6 +159,9 @@ class _Padding:
 
     def _unpad(self, xp, rows, slots, into):
         flat = xp.transpose(1, 2).reshape(-1, xp.shape[1], xp.shape[-1])
+        if rows.numel() == flat.shape[0] and (first := self._first_if_dense(rows, rows.numel())) is not None:
+            into[first : first + rows.numel()] = flat
+            return
         into.index_copy_(0, rows, flat.index_select(0, slots).to(into.dtype))
 
     def mask(self, causal: bool, dtype: torch.dtype) -> tuple[Optional[torch.Tensor], bool]:
@@ -152,6 +183,41 @@ class _Padding:
             allowed = allowed | (~self.valid_q[:, :, None] & (ak[None, None, :] == 0))
         mask = torch.zeros(self.n, 1, self.len_q if causal else 1, self.len_k, dtype=dtype, device=dev)
         return mask.masked_fill_(~(allowed if causal else self.valid_k[:, None, :])[:, None], float("-inf")), False
+
+
+def _paddings(cu_q: torch.Tensor, cu_k: torch.Tensor, device: torch.device, cache: Optional[dict]) -> list[_Padding]:
+    """The padded layouts of a call's length classes, from `cache` when the call has one (every layer
+    and the backward reuse them)."""
+    key = ("cpu_paddings", device)
+    if cache is not None and key in cache:
+        return cache[key]
+    cq, ck = cu_q.to(device), cu_k.to(device)
+    pads = [_Padding(cq, ck, segments) for segments in _buckets(cq, ck)]
+    if cache is not None:
+        cache[key] = pads
+    return pads
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flash_gqa() -> bool:
+    """Whether torch's CPU flash kernel takes fewer K/V heads than query heads (forward and
+    backward), checked once on a tiny case against the heads repeated; otherwise they are repeated."""
+    try:
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            g = torch.Generator().manual_seed(0)
+            q, gr = (torch.randn(1, 4, 5, 8, generator=g, dtype=torch.float64) for _ in range(2))
+            k, v = (torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64) for _ in range(2))
+            fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+            bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+            o, lse = fwd(q, k, v, 0.0, True, scale=0.3)
+            grads = bwd(gr, q, k, v, o, lse, 0.0, True, scale=0.3)
+            kr, vr = _repeat_heads(k, 2), _repeat_heads(v, 2)
+            o2, lse2 = fwd(q, kr, vr, 0.0, True, scale=0.3)
+            dq2, dk2, dv2 = bwd(gr, q, kr, vr, o2, lse2, 0.0, True, scale=0.3)
+            want = (o2, dq2, _fold_heads(dk2, 2), _fold_heads(dv2, 2))
+            return all(a.shape == b.shape and bool(torch.allclose(a, b, atol=1e-12)) for a, b in zip((o, *grads), want))
+    except Exception:  # noqa: BLE001 - any failure means "repeat the heads"
+        return False
 
 
 def _repeat_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
@@ -181,14 +247,13 @@ class CpuFlashPair(KernelPair):
 
     name = "flash_cpu"
 
-    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, cache=None):
         tq, hq, dv = q.shape[0], q.shape[1], v.shape[-1]
         qf, kf, vf = _pad_head_dims(q, k, v)
-        rep = hq // k.shape[1]
+        rep = 1 if cpu_flash_gqa() else hq // k.shape[1]
         out = q.new_zeros(tq, hq, qf.shape[-1])
         lse = torch.full((tq, hq, 1), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
-        for segments in _buckets(cu_q.to(q.device), cu_k.to(q.device)):
-            pad = _Padding(cu_q, cu_k, segments)
+        for pad in _paddings(cu_q, cu_k, q.device, cache):
             qp = pad.pad_q(qf)
             kp, vp = _repeat_heads(pad.pad_k(kf), rep), _repeat_heads(pad.pad_k(vf), rep)
             mask, top_left = pad.mask(causal, q.dtype)
@@ -200,15 +265,14 @@ class CpuFlashPair(KernelPair):
         # MLA (Dv < Dq): the output is saved for backward, so not as a view of the padded buffer
         return out[..., :dv].contiguous(), lse[..., 0].T.contiguous()
 
-    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, cache=None):
         hq, dq_dim, dv = q.shape[1], q.shape[-1], v.shape[-1]
         qf, kf, vf = _pad_head_dims(q, k, v)
         d = qf.shape[-1]
         dout_f, out_f = (x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1])) for x in (dout, out))
-        rep = hq // k.shape[1]
+        rep = 1 if cpu_flash_gqa() else hq // k.shape[1]
         dq, dk, dvv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
-        for segments in _buckets(cu_q.to(q.device), cu_k.to(q.device)):
-            pad = _Padding(cu_q, cu_k, segments)
+        for pad in _paddings(cu_q, cu_k, q.device, cache):
             qp, op, gp = pad.pad_q(qf), pad.pad_q(out_f), pad.pad_q(dout_f)
             kp, vp = _repeat_heads(pad.pad_k(kf), rep), _repeat_heads(pad.pad_k(vf), rep)
             # The kernel keeps the lse as float32 (float64 for float64 inputs), [n, H, Lq]; padding
@@ -250,7 +314,7 @@ class TorchFlashPair(KernelPair):
     def ops(self) -> Any:
         return self._ops if self._ops is not None else torch.ops.aten
 
-    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, cache=None):
         dv = v.shape[-1]
         qf, kf, vf = _pad_head_dims(q, k, v, multiple=8)
         out, lse, *_ = self.ops._flash_attention_forward(
@@ -258,7 +322,7 @@ class TorchFlashPair(KernelPair):
         )
         return out[..., :dv], lse
 
-    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, cache=None):
         dq_dim, dv = q.shape[-1], v.shape[-1]
         qf, kf, vf = _pad_head_dims(q, k, v, multiple=8)
         d = qf.shape[-1]
@@ -355,7 +419,7 @@ class FlashAttnPair(KernelPair):
         # lazy, and looked up per call (a dict hit): flash-attn is optional (unavailable() checks it first)
         return importlib.import_module("flash_attn.flash_attn_interface")
 
-    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, cache=None):
         dv = v.shape[-1]
         qf, kf, vf = _pad_head_dims(q, k, v, multiple=8)
         given = dict(q=qf, k=kf, v=vf, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
@@ -364,7 +428,7 @@ class FlashAttnPair(KernelPair):
         )
         return out[..., :dv], lse
 
-    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, cache=None):
         dq_dim, dv = q.shape[-1], v.shape[-1]
         qf, kf, vf = _pad_head_dims(q, k, v, multiple=8)
         d = qf.shape[-1]

@@ -21,7 +21,7 @@ a prompt (or an ancestor path) cannot be a rectangle of keys: those plans keep t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -49,6 +49,8 @@ class VarlenCall:
     max_k: int
     causal: bool
     """Self-causal segments (queries = keys); otherwise every query sees its segment's keys."""
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
+    """What a kernel pair derives from the cu_seqlens, kept for every layer of the plan."""
 
 
 def _call(q0, q1, k0, k1, lens_q: torch.Tensor, lens_k: torch.Tensor, causal: bool) -> VarlenCall:
@@ -163,10 +165,19 @@ class MergedSplitAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, calls: list[VarlenCall], pair: KernelPair, scale: float):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         whole, parts = calls[0], calls[1:]
-        out, lse = pair.forward(q, k, v, whole.cu_q, whole.cu_k, whole.max_q, whole.max_k, True, scale)
+        out, lse = pair.forward(q, k, v, whole.cu_q, whole.cu_k, whole.max_q, whole.max_k, True, scale, whole.cache)
         for c in parts:
             o, s = pair.forward(
-                q[c.q0 : c.q1], k[c.k0 : c.k1], v[c.k0 : c.k1], c.cu_q, c.cu_k, c.max_q, c.max_k, c.causal, scale
+                q[c.q0 : c.q1],
+                k[c.k0 : c.k1],
+                v[c.k0 : c.k1],
+                c.cu_q,
+                c.cu_k,
+                c.max_q,
+                c.max_k,
+                c.causal,
+                scale,
+                c.cache,
             )
             _merge_into(out[c.q0 : c.q1], lse[:, c.q0 : c.q1], o, s)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -185,7 +196,19 @@ class MergedSplitAttention(torch.autograd.Function):
         for c in parts:
             qs, ks = slice(c.q0, c.q1), slice(c.k0, c.k1)
             gq, gk, gv = pair.backward(
-                dout[qs], q[qs], k[ks], v[ks], out[qs], lse[:, qs], c.cu_q, c.cu_k, c.max_q, c.max_k, c.causal, scale
+                dout[qs],
+                q[qs],
+                k[ks],
+                v[ks],
+                out[qs],
+                lse[:, qs],
+                c.cu_q,
+                c.cu_k,
+                c.max_q,
+                c.max_k,
+                c.causal,
+                scale,
+                c.cache,
             )
             dq[qs] += gq
             dk[ks] += gk
