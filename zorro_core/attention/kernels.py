@@ -42,6 +42,14 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _backward_inputs(q, k, v, dout, out, multiple: int = 1):
+    """q, k, v, dout, out zero-padded to the head dim the kernel ran with (_pad_head_dims)."""
+    qf, kf, vf = _pad_head_dims(q, k, v, multiple)
+    d = qf.shape[-1]
+    dout_f, out_f = (x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1])) for x in (dout, out))
+    return qf, kf, vf, dout_f, out_f
+
+
 def _pad_head_dims(q, k, v, multiple: int = 1):
     """q, k, v zero-padded to one head dim (a multiple of `multiple`); v's own dim to crop to.
     Zero columns change no score and give zero output columns (zorro_core.attention.head_dims)."""
@@ -267,9 +275,7 @@ class CpuFlashPair(KernelPair):
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, cache=None):
         hq, dq_dim, dv = q.shape[1], q.shape[-1], v.shape[-1]
-        qf, kf, vf = _pad_head_dims(q, k, v)
-        d = qf.shape[-1]
-        dout_f, out_f = (x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1])) for x in (dout, out))
+        qf, kf, vf, dout_f, out_f = _backward_inputs(q, k, v, dout, out)
         rep = 1 if cpu_flash_gqa() else hq // k.shape[1]
         dq, dk, dvv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
         for pad in _paddings(cu_q, cu_k, q.device, cache):
@@ -324,9 +330,7 @@ class TorchFlashPair(KernelPair):
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, cache=None):
         dq_dim, dv = q.shape[-1], v.shape[-1]
-        qf, kf, vf = _pad_head_dims(q, k, v, multiple=8)
-        d = qf.shape[-1]
-        dout_f, out_f = (x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1])) for x in (dout, out))
+        qf, kf, vf, dout_f, out_f = _backward_inputs(q, k, v, dout, out, multiple=8)
         unused = torch.empty(0, device=q.device)
         seed = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the rng state is unread
         dq, dk, dvv = self.ops._flash_attention_backward(
@@ -430,9 +434,7 @@ class FlashAttnPair(KernelPair):
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, cache=None):
         dq_dim, dv = q.shape[-1], v.shape[-1]
-        qf, kf, vf = _pad_head_dims(q, k, v, multiple=8)
-        d = qf.shape[-1]
-        dout_f, out_f = (x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1])) for x in (dout, out))
+        qf, kf, vf, dout_f, out_f = _backward_inputs(q, k, v, dout, out, multiple=8)
         dq, dk, dvv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
         given = dict(
             dout=dout_f.contiguous(),

@@ -164,21 +164,9 @@ class MergedSplitAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, calls: list[VarlenCall], pair: KernelPair, scale: float):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        whole, parts = calls[0], calls[1:]
-        out, lse = pair.forward(q, k, v, whole.cu_q, whole.cu_k, whole.max_q, whole.max_k, True, scale, whole.cache)
-        for c in parts:
-            o, s = pair.forward(
-                q[c.q0 : c.q1],
-                k[c.k0 : c.k1],
-                v[c.k0 : c.k1],
-                c.cu_q,
-                c.cu_k,
-                c.max_q,
-                c.max_k,
-                c.causal,
-                scale,
-                c.cache,
-            )
+        out, lse = _forward(pair, calls[0], q, k, v, scale)  # the whole row: [0, T) for queries and keys
+        for c in calls[1:]:
+            o, s = _forward(pair, c, q, k, v, scale)
             _merge_into(out[c.q0 : c.q1], lse[:, c.q0 : c.q1], o, s)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.calls, ctx.pair, ctx.scale = calls, pair, scale
@@ -187,33 +175,28 @@ class MergedSplitAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        pair, scale = ctx.pair, ctx.scale
         dout = dout.contiguous()
-        whole, parts = ctx.calls[0], ctx.calls[1:]
-        dq, dk, dv = pair.backward(
-            dout, q, k, v, out, lse, whole.cu_q, whole.cu_k, whole.max_q, whole.max_k, True, scale
-        )
-        for c in parts:
-            qs, ks = slice(c.q0, c.q1), slice(c.k0, c.k1)
-            gq, gk, gv = pair.backward(
-                dout[qs],
-                q[qs],
-                k[ks],
-                v[ks],
-                out[qs],
-                lse[:, qs],
-                c.cu_q,
-                c.cu_k,
-                c.max_q,
-                c.max_k,
-                c.causal,
-                scale,
-                c.cache,
-            )
-            dq[qs] += gq
-            dk[ks] += gk
-            dv[ks] += gv
+        dq, dk, dv = _backward(ctx.pair, ctx.calls[0], dout, q, k, v, out, lse, ctx.scale)
+        for c in ctx.calls[1:]:
+            gq, gk, gv = _backward(ctx.pair, c, dout, q, k, v, out, lse, ctx.scale)
+            dq[c.q0 : c.q1] += gq
+            dk[c.k0 : c.k1] += gk
+            dv[c.k0 : c.k1] += gv
         return dq, dk, dv, None, None, None
+
+
+def _forward(pair: KernelPair, c: VarlenCall, q, k, v, scale: float):
+    """The pair's forward of call `c` on its slices of the row."""
+    ks = slice(c.k0, c.k1)
+    return pair.forward(q[c.q0 : c.q1], k[ks], v[ks], c.cu_q, c.cu_k, c.max_q, c.max_k, c.causal, scale, c.cache)
+
+
+def _backward(pair: KernelPair, c: VarlenCall, dout, q, k, v, out, lse, scale: float):
+    """The pair's backward of call `c`, handed the merged output and lse of its queries."""
+    qs, ks = slice(c.q0, c.q1), slice(c.k0, c.k1)
+    return pair.backward(
+        dout[qs], q[qs], k[ks], v[ks], out[qs], lse[:, qs], c.cu_q, c.cu_k, c.max_q, c.max_k, c.causal, scale, c.cache
+    )
 
 
 def merged_split_attention(plan: Plan, q, k, v, scale: float, pair: KernelPair) -> torch.Tensor:
