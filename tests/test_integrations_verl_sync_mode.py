@@ -104,6 +104,7 @@ def _config(mode: str, tmp: Path):
         "skip.rollout_tq.enable=True",
         f"skip.rollout_tq.dump_dir={tmp / 'rollout_cache'}",
         "trainer.logger=[console]",
+        "data.dataloader_num_workers=0",
     ]
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         return compose(config_name="ppo_trainer", overrides=overrides)

@@ -151,12 +151,12 @@ def common_args(args: argparse.Namespace, model: Path, train: Path, val: Path, c
         "actor_rollout_ref.actor.kl_loss_coef=0.001",
         "actor_rollout_ref.actor.use_torch_compile=False",
         "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
-        f"actor_rollout_ref.actor.fsdp_config.mixed_precision={fp32}",
+        f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={fp32}",
         "actor_rollout_ref.actor.optim.lr=1e-4",
         "actor_rollout_ref.ref.strategy=fsdp2",
         "actor_rollout_ref.ref.use_torch_compile=False",
         "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False",
-        f"actor_rollout_ref.ref.fsdp_config.mixed_precision={fp32}",
+        f"+actor_rollout_ref.ref.fsdp_config.mixed_precision={fp32}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={args.micro_batch}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.micro_batch}",
         "actor_rollout_ref.rollout.name=vllm",
@@ -201,6 +201,8 @@ def cpu_env(metrics: Path) -> dict[str, str]:
     env["VERL_FILE_LOGGER_PATH"] = str(metrics)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB for vLLM's KV cache on CPU
     env.setdefault("RAY_DEDUP_LOGS", "0")
+    # Ray kills workers when the host (not the job) nears its memory limit; a CI host may be shared.
+    env.setdefault("RAY_memory_monitor_refresh_ms", "0")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return env
