@@ -37,6 +37,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -144,6 +145,7 @@ def common_args(args: argparse.Namespace, model: Path, train: Path, val: Path, c
         "data.dataloader_num_workers=0",
         f"actor_rollout_ref.model.path={model}",
         "actor_rollout_ref.model.use_remove_padding=True",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",  # no flash-attn on CPU
         "actor_rollout_ref.actor.strategy=fsdp2",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch}",
@@ -187,8 +189,11 @@ def common_args(args: argparse.Namespace, model: Path, train: Path, val: Path, c
         f"skip.rollout_tq.dump_dir={cache}",
         "skip.rollout_tq.steps=[1]",
         "skip.rollout_tq.action=cache",
+        # Ray schedules verl's workers by a "GPU" resource (one slot: actor, reference and vLLM
+        # colocated); logical CPUs for verl's and TransferQueue's helper actors.
         f"+ray_kwargs.ray_init.num_cpus={args.ray_cpus}",
         "+ray_kwargs.ray_init.num_gpus=1",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=2",
     ]
 
 
@@ -216,7 +221,14 @@ def run_arm(name: str, argv: list[str], work: Path, timeout: float) -> tuple[lis
     print(f"[{name}] {' '.join(cmd)}\n[{name}] log: {log}", flush=True)
     t0 = time.perf_counter()
     with open(log, "w") as fh:
-        proc = subprocess.run(cmd, env=cpu_env(metrics), stdout=fh, stderr=subprocess.STDOUT, timeout=timeout, cwd=work)
+        # Its own process group: on a timeout the job's Ray processes go with it.
+        proc = subprocess.Popen(cmd, env=cpu_env(metrics), stdout=fh, stderr=subprocess.STDOUT, cwd=work, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+            raise
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         tail = log.read_text()[-6000:]
@@ -301,7 +313,7 @@ def main() -> None:
     ap.add_argument("--prompt-length", type=int, default=64)
     ap.add_argument("--response-length", type=int, default=32)
     ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--ray-cpus", type=int, default=4)
+    ap.add_argument("--ray-cpus", type=int, default=16, help="Ray's logical CPUs (not cores)")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per arm")
     ap.add_argument("--check", action="store_true", help="assert the module doc's checks")
     ap.add_argument("--csv", type=Path, default=None, help="write the per-step timings here")

