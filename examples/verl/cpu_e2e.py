@@ -166,6 +166,9 @@ def common_args(args: argparse.Namespace, model: Path, train: Path, val: Path, c
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         "actor_rollout_ref.rollout.dtype=float32",
         "actor_rollout_ref.rollout.enforce_eager=True",
+        # vLLM has no sleep mode on CPU: the rollout keeps its weights and KV cache between steps.
+        "+actor_rollout_ref.rollout.enable_sleep_mode=False",
+        "actor_rollout_ref.rollout.free_cache_engine=False",
         "actor_rollout_ref.rollout.calculate_log_probs=True",
         f"actor_rollout_ref.rollout.max_model_len={prompt_len + args.response_length}",
         f"actor_rollout_ref.rollout.max_num_batched_tokens={max(1024, prompt_len + args.response_length)}",
