@@ -16,7 +16,6 @@ verl's dtype. Checked on one process, FSDP2, bf16:
 from __future__ import annotations
 
 import pytest
-import torch
 
 verl = pytest.importorskip("verl", reason="verl is not installed (run .ci/verl_tests for the verl suite)")
 from test_integrations_verl_engine import _run, groups, model_dir  # noqa: E402
@@ -68,7 +67,10 @@ def bf16_case(path: str) -> dict:
     for name, train in (("infer", False), ("train", True)):
         theirs = _run(verl16, padded, rows, train, **dict(FIXED))
         ours = _run(ours16, padded, rows, train, **dict(FIXED))
-        out[name] = {"verl": (str(theirs[0].dtype), str(theirs[1].dtype)), "zorro": (str(ours[0].dtype), str(ours[1].dtype))}
+        out[name] = {
+            "verl": (str(theirs[0].dtype), str(theirs[1].dtype)),
+            "zorro": (str(ours[0].dtype), str(ours[1].dtype)),
+        }
         if name == "infer":
             ref = _run(verl32, padded, rows, False, **dict(FIXED))[0].double()
             out["err_zorro_bf16"] = float((ours[0].double() - ref)[mask].abs().max())

@@ -71,7 +71,7 @@ RTOL, ATOL = 1e-4, 1e-6
 rows) of a 2-layer model, aggregated; verl's bf16 default differs by ~0.35% (docs/trainers.md)."""
 
 
-def build_model(out: Path, seed: int = 0) -> Path:
+def build_model(out: Path, seed: int = 0) -> tuple[Path, int]:
     """A tiny random Qwen3 with the example tokenizer, saved where verl and vLLM load it."""
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
@@ -101,7 +101,7 @@ def build_model(out: Path, seed: int = 0) -> Path:
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = eos
     model.save_pretrained(out)
-    return out
+    return out, config.vocab_size
 
 
 def make_dataset(out: Path, rows: int, seed: int = 0) -> tuple[Path, Path]:
@@ -225,7 +225,9 @@ def run_arm(name: str, argv: list[str], work: Path, timeout: float) -> tuple[lis
     t0 = time.perf_counter()
     with open(log, "w") as fh:
         # Its own process group: on a timeout the job's Ray processes go with it.
-        proc = subprocess.Popen(cmd, env=cpu_env(metrics), stdout=fh, stderr=subprocess.STDOUT, cwd=work, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=cpu_env(metrics), stdout=fh, stderr=subprocess.STDOUT, cwd=work, start_new_session=True
+        )
         try:
             proc.wait(timeout=timeout)
         except BaseException:
@@ -245,8 +247,23 @@ def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=RTOL, abs_tol=ATOL)
 
 
-def check(plain: list[dict], zorro: list[dict], steps: int, n: int) -> list[str]:
+def rollout_cache_lines(work: Path, arm: str) -> list[str]:
+    """verl's rollout-cache messages in an arm's log (dumped by the plain arm, injected in the zorro one)."""
+    return [
+        line.split("[RolloutTqSkip()] ", 1)[1]
+        for line in (work / f"{arm}.log").read_text().splitlines()
+        if "[RolloutTqSkip()] " in line
+    ]
+
+
+def check(plain: list[dict], zorro: list[dict], steps: int, n: int, prompts: int, work: Path) -> list[str]:
     """The assertions of the module doc; returns the step-1 comparison lines."""
+    dumped = [line for line in rollout_cache_lines(work, "plain") if "Dump TQ batch at step 1" in line]
+    injected = [line for line in rollout_cache_lines(work, "zorro") if "Injected" in line and "from step 1" in line]
+    assert dumped and f"GBS{prompts}_N{n}_" in dumped[0], f"the plain arm dumped no step-1 rollout: {dumped}"
+    assert injected and f"({prompts} prompts x {n})" in injected[0], (
+        f"the zorro arm did not load the plain arm's step-1 rollout (is zorro_sync verl's sync mode?): {injected}"
+    )
     for name, arm in (("plain", plain), ("zorro", zorro)):
         got = [s["step"] for s in arm]
         assert got == list(range(1, steps + 1)), f"{name}: steps logged {got}, expected 1..{steps}"
@@ -275,7 +292,23 @@ def check(plain: list[dict], zorro: list[dict], steps: int, n: int) -> list[str]
     return lines
 
 
-def write_csv(path: Path, arms: dict[str, list[dict]], walls: dict[str, float], args: argparse.Namespace) -> None:
+def ideal(m: dict, prompts: int, n: int, vocab: int) -> dict[str, float]:
+    """The cost model's ideal speedups (zorro_core.plan.cost) of a step's batch: the tiny Qwen3's
+    shape, every prompt and response of the step's mean lengths (verl's `prompt_length/mean`,
+    `response_length/mean`); "forward" for old_log_prob and ref, "forward_backward" for update_actor."""
+    from zorro_core.plan.cost import ModelShape, compare, uniform_workloads
+
+    shape = ModelShape(
+        hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, vocab_size=vocab
+    )
+    p, r = round(m["prompt_length/mean"]), max(1, round(m["response_length/mean"]))
+    c = compare(shape, *uniform_workloads(p, prompts, n, r))
+    return {"forward": c.ideal_speedup("forward"), "forward_backward": c.ideal_speedup("forward_backward")}
+
+
+def write_csv(
+    path: Path, arms: dict[str, list[dict]], walls: dict[str, float], args: argparse.Namespace, vocab: int
+) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
@@ -283,6 +316,7 @@ def write_csv(path: Path, arms: dict[str, list[dict]], walls: dict[str, float], 
             ["arm", "step", "prompts", "n", "prompt_length", "response_length", "job_wall_s"]
             + [f"{p}_s" for p in PHASES]
             + ["zorro_prompt_dedup", "zorro_computed_over_logical", "grad_norm", "pg_loss"]
+            + ["ideal_forward", "ideal_forward_backward"]
         )
         for arm, steps in arms.items():
             for s in steps:
@@ -304,6 +338,7 @@ def write_csv(path: Path, arms: dict[str, list[dict]], walls: dict[str, float], 
                         m.get("actor/grad_norm", ""),
                         m.get("actor/pg_loss", ""),
                     ]
+                    + [f"{v:.3f}" for v in ideal(m, args.prompts, args.n, vocab).values()]
                 )
 
 
@@ -327,7 +362,7 @@ def main() -> None:
         shutil.rmtree(work)
     work.mkdir(parents=True)
     t0 = time.perf_counter()
-    model = build_model(work / "model")
+    model, vocab = build_model(work / "model")
     train, val = make_dataset(work / "data", rows=args.prompts * (args.steps + 1))
     base = common_args(args, model, train, val, work / "rollout_cache")
     plain, plain_wall = run_arm("plain", base, work, args.timeout)
@@ -339,11 +374,11 @@ def main() -> None:
             phases = " ".join(f"{p} {m[f'timing_s/{p}']:.2f}" for p in PHASES if f"timing_s/{p}" in m)
             print(f"[{arm}] step {s['step']}: {phases}  grad_norm {m.get('actor/grad_norm')}")
     if args.check:
-        for line in check(plain, zorro, args.steps, args.n):
+        for line in check(plain, zorro, args.steps, args.n, args.prompts, work):
             print("step 1 " + line)
         print("checks passed")
     if args.csv:
-        write_csv(args.csv, {"plain": plain, "zorro": zorro}, walls, args)
+        write_csv(args.csv, {"plain": plain, "zorro": zorro}, walls, args, vocab)
         print(f"wrote {args.csv}")
     print(f"total {time.perf_counter() - t0:.0f}s (plain {plain_wall:.0f}s, zorro {zorro_wall:.0f}s)")
 
