@@ -104,19 +104,26 @@ def build_model(out: Path, seed: int = 0) -> tuple[Path, int]:
     return out, config.vocab_size
 
 
-def make_dataset(out: Path, rows: int, seed: int = 0) -> tuple[Path, Path]:
-    """verl's RL parquet: chat prompts "What is a + b?", the sum as ground truth."""
+FILLER = "check every step and say which rule you apply then add the digits and carry".split()
+
+
+def make_dataset(out: Path, rows: int, seed: int = 0, system_words: int = 0) -> tuple[Path, Path]:
+    """verl's RL parquet: chat prompts "What is a + b?", the sum as ground truth; `system_words`
+    more words of instructions in the (shared) system prompt make the prompts longer."""
     import pandas as pd
 
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
+    system = " ".join(
+        ["You add numbers. Answer with the sum only."] + [FILLER[i % len(FILLER)] for i in range(system_words)]
+    )
 
     def row(i: int) -> dict:
         a, b = rng.randint(10, 999), rng.randint(10, 999)
         return {
             "data_source": "zorro_cpu_add",
             "prompt": [
-                {"role": "system", "content": "You add numbers. Answer with the sum only."},
+                {"role": "system", "content": system},
                 {"role": "user", "content": f"What is {a} + {b}?"},
             ],
             "ability": "math",
@@ -351,6 +358,7 @@ def main() -> None:
     ap.add_argument("--prompt-length", type=int, default=64)
     ap.add_argument("--response-length", type=int, default=32)
     ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--system-words", type=int, default=0, help="longer prompts: words added to the system prompt")
     ap.add_argument("--ray-cpus", type=int, default=16, help="Ray's logical CPUs (not cores)")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per arm")
     ap.add_argument("--check", action="store_true", help="assert the module doc's checks")
@@ -363,7 +371,7 @@ def main() -> None:
     work.mkdir(parents=True)
     t0 = time.perf_counter()
     model, vocab = build_model(work / "model")
-    train, val = make_dataset(work / "data", rows=args.prompts * (args.steps + 1))
+    train, val = make_dataset(work / "data", rows=args.prompts * (args.steps + 1), system_words=args.system_words)
     base = common_args(args, model, train, val, work / "rollout_cache")
     plain, plain_wall = run_arm("plain", base, work, args.timeout)
     zorro, zorro_wall = run_arm("zorro", base + ZORRO_LINES, work, args.timeout)
