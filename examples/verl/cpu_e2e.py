@@ -51,7 +51,7 @@ ZORRO_LINES = [
     "trainer.v1.trainer_mode=zorro_sync",
 ]
 """The README's two lines: zorro's engine for the actor and the reference, zorro's balance."""
-PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
+PHASES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
 """verl's per-step timers (`timing_s/<phase>`) written to the CSV."""
 COMPARED = (
     "actor/entropy",
