@@ -320,7 +320,7 @@ def write_csv(
     with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(
-            ["arm", "step", "prompts", "n", "prompt_length", "response_length", "job_wall_s"]
+            ["arm", "step", "prompts", "n", "max_prompt_length", "max_response_length", "job_wall_s"]
             + [f"{p}_s" for p in PHASES]
             + ["zorro_prompt_dedup", "zorro_computed_over_logical", "grad_norm", "pg_loss"]
             + ["ideal_forward", "ideal_forward_backward"]
@@ -349,6 +349,53 @@ def write_csv(
                 )
 
 
+def plot_phases(csv_path: Path, png: Path) -> None:
+    """Per-phase seconds, plain vs zorro, medians over the steps after the first (which carry each
+    arm's one-time set-up), with the measured ratio and the cost model's ideal above each pair."""
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(csv_path) as fh:
+        rows = [r for r in csv.DictReader(fh) if int(r["step"]) > 1]
+    phases = ("old_log_prob", "ref", "update_actor")
+    ideal_of = {"old_log_prob": "ideal_forward", "ref": "ideal_forward", "update_actor": "ideal_forward_backward"}
+    med = {
+        (arm, ph): statistics.median(float(r[f"{ph}_s"]) for r in rows if r["arm"] == arm)
+        for arm in ("plain", "zorro")
+        for ph in phases
+    }
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    x = range(len(phases))
+    ax.bar([i - 0.2 for i in x], [med["plain", ph] for ph in phases], 0.4, label="verl")
+    ax.bar([i + 0.2 for i in x], [med["zorro", ph] for ph in phases], 0.4, label="verl + zorro")
+    for i, ph in enumerate(phases):
+        ideal_x = statistics.median(float(r[ideal_of[ph]]) for r in rows)
+        top = max(med["plain", ph], med["zorro", ph])
+        ax.text(
+            i,
+            top * 1.03,
+            f"{med['plain', ph] / med['zorro', ph]:.2f}x\n(ideal {ideal_x:.2f}x)",
+            ha="center",
+            fontsize=8,
+        )
+    r0 = rows[0]
+    ax.set_xticks(list(x), list(phases))
+    ax.set_ylabel("seconds per step (median)")
+    ax.set_ylim(0, max(med.values()) * 1.35)
+    ax.set_title(
+        f"verl main_ppo GRPO on CPU: {r0['prompts']} prompts x {r0['n']}, steps 2-{max(int(r['step']) for r in rows)}",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "zorro_verl_cpu_e2e")
@@ -363,7 +410,12 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per arm")
     ap.add_argument("--check", action="store_true", help="assert the module doc's checks")
     ap.add_argument("--csv", type=Path, default=None, help="write the per-step timings here")
+    ap.add_argument("--plot", type=Path, default=None, help="draw the per-phase figure from --csv here")
+    ap.add_argument("--replot", action="store_true", help="only draw --plot from an existing --csv")
     args = ap.parse_args()
+    if args.replot:
+        plot_phases(args.csv, args.plot)
+        return
 
     work = args.work.resolve()
     if work.exists():
@@ -388,6 +440,9 @@ def main() -> None:
     if args.csv:
         write_csv(args.csv, {"plain": plain, "zorro": zorro}, walls, args, vocab)
         print(f"wrote {args.csv}")
+        if args.plot:
+            plot_phases(args.csv, args.plot)
+            print(f"wrote {args.plot}")
     print(f"total {time.perf_counter() - t0:.0f}s (plain {plain_wall:.0f}s, zorro {zorro_wall:.0f}s)")
 
 
