@@ -1,20 +1,29 @@
-"""Per-call prompt dedup that OpenRLHF 0.11's own micro-batching leaves each DP rank, fixed and dynamic.
+"""Per-call prompt dedup on each DP rank of OpenRLHF 0.11: its own batching beside zorro's, 2-32 ranks.
 
-    DS_ACCELERATOR=cpu PYTHONPATH=. .venv-openrlhf/bin/python benchmarks/openrlhf_dp_dedup.py [--ranks 2
-        --prompts 16 --n 8 --seed 0 --out results/openrlhf_dp_dedup.csv]
+    DS_ACCELERATOR=cpu PYTHONPATH=. .venv-openrlhf/bin/python benchmarks/openrlhf_dp_dedup.py [--ranks 2 4 8 32
+        --prompts-per-rank 8 --n 8 --seed 0 --out results/openrlhf_dp_dedup.csv]
 
-No model runs: rows are (prompt length, response length) pairs, n siblings per prompt in rollout order.
-The partitions are made by OpenRLHF's own functions where it has them, in the order its trainer applies them:
+No model runs: rows are (prompt length, response length) pairs, n siblings per prompt in rollout order,
+`--prompts-per-rank` prompts per rank (the rollout grows with the ranks, as `rollout.batch_size` does).
+`balance=openrlhf`: the partitions of OpenRLHF's own functions, in the order its trainer applies them:
 - log-prob calls (old / reference, `PolicyModelActor.forward`): `split_rollout_samples` (fixed: contiguous
   chunks of `rollout.micro_batch_size`; dynamic: `get_seqlen_balanced_partitions` over total lengths into
   a multiple of the ranks, as many as `get_minimum_num_micro_batch_size` needs under
-  `rollout.max_tokens_per_gpu`), then `RayActorGroup.async_run_method_batch` (contiguous chunks of those
-  micro-batches per rank).
-- training calls (`ActorPPOTrainer.training_step`): fixed: the rank's contiguous share of the rollout, its
-  replay buffer read by a shuffled DataLoader in `train.micro_batch_size` rows (torch's RandomSampler, as
-  `ppo_train` builds it); dynamic: `balance_experiences` (sort by length, interleave) across ranks, then
-  each rank's `setup_dynamic_batch` partitions (`get_seqlen_balanced_partitions`, `train.max_tokens_per_gpu`).
-The figure per call is zorro's prompt dedup ratio: 1 - unique prompt tokens / prompt tokens of the call's rows.
+  `rollout.max_tokens_per_gpu`), then `RayActorGroup.async_run_method_batch` (contiguous chunks per rank).
+- training calls (`ActorPPOTrainer.ppo_train`): fixed: the rank's share of the rollout, its replay buffer
+  read by a shuffled DataLoader in `train.micro_batch_size` rows (drop_last); dynamic: `balance_experiences`
+  across ranks, then each rank's `setup_dynamic_batch` (steps of `train.batch_size / dp` rows, the number of
+  micro-batches of each step the maximum over the ranks, `get_seqlen_balanced_partitions`).
+`balance=zorro`: zorro's functions that `install()` puts in their place
+(`zorro_core.integrations.openrlhf_batching`): `rollout_micro_batches` for the log-prob calls,
+`rank_rows` (`balance_experiences`) and the `GroupedReplayBuffer`'s partitions for training
+(`fixed_micro_batches`; dynamic: per step the micro-batches zorro needs under the budget, the maximum
+over the ranks, `budget_micro_batches`).
+Figures per (ranks, batching, call, balance): the mean / min prompt dedup of the calls
+(1 - distinct prompt tokens / prompt tokens of the call's rows), the rollout's dedup (each prompt once,
+what sharing can reach) and the ratio of the two; each rank's cost (zorro's cost model: every call's
+prompts once plus its responses, summed over the rank's calls) as max/mean and max - min, beside the
+largest group's cost (zorro's spread may exceed OpenRLHF's by at most that); groups split.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ import os
 import random
 import statistics
 import sys
+import time
+from types import SimpleNamespace as ns
 
 import torch
 
@@ -38,85 +49,199 @@ def dedup(rows, plen):
     return 1.0 - sum(plen[p] for p in set(prompts)) / total if total else 0.0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--rollout-micro", type=int, default=16, help="rollout.micro_batch_size")
-    ap.add_argument("--train-micro", type=int, default=8, help="train.micro_batch_size")
-    ap.add_argument("--max-tokens", type=int, default=8192, help="rollout/train.max_tokens_per_gpu")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results/openrlhf_dp_dedup.csv")
-    args = ap.parse_args()
+def call_cost(rows, plen):
+    """zorro's cost model of one call (linear tokens: each distinct prompt once plus every response)."""
+    return sum(plen[p] for p in {r[0] for r in rows}) + sum(r[1] for r in rows)
 
-    import openrlhf_setup  # noqa: F401  (the flash-attn stand-in before OpenRLHF imports)
+
+def config(w, rows, a):
+    return ns(
+        actor=ns(num_nodes=1, num_gpus_per_node=w),
+        ds=ns(ring_attn_size=1, tensor_parallel_size=1),
+        train=ns(dynamic_batch_enable=False, batch_size=rows // a.steps, max_tokens_per_gpu=a.max_tokens),
+        rollout=ns(micro_batch_size=a.rollout_micro, max_tokens_per_gpu=a.max_tokens),
+    )
+
+
+def openrlhf_calls(rows, plen, w, a, seed):
+    """{(batching, call): [[rows of each call] per rank]} from OpenRLHF's own functions."""
     from openrlhf.trainer.ppo_utils.experience import Experience, balance_experiences
     from openrlhf.utils.seqlen_balancing import get_minimum_num_micro_batch_size, get_seqlen_balanced_partitions
 
-    rng = random.Random(args.seed)
-    plen = [rng.randint(64, 512) for _ in range(args.prompts)]
-    rows = [(p, rng.randint(32, 1024)) for p in range(args.prompts) for _ in range(args.n)]  # rollout order
     total = [plen[p] + r for p, r in rows]
-    w = args.ranks
-    out: list[tuple[str, str, int, float]] = []  # (path, batching, rank, dedup of one call)
+    out = {}
 
-    def to_ranks(micro):  # async_run_method_batch: contiguous chunks of the micro-batch list per rank
+    def to_ranks(micro):
         size = -(-len(micro) // w)
         return [micro[i * size : (i + 1) * size] for i in range(w)]
 
-    # log-prob calls
-    fixed = [list(range(i, min(i + args.rollout_micro, len(rows)))) for i in range(0, len(rows), args.rollout_micro)]
-    need = get_minimum_num_micro_batch_size(total, args.max_tokens, 1, 1) // w * w
+    fixed = [list(range(i, min(i + a.rollout_micro, len(rows)))) for i in range(0, len(rows), a.rollout_micro)]
+    need = get_minimum_num_micro_batch_size(total, a.max_tokens, 1, 1) // w * w
     dyn = get_seqlen_balanced_partitions(total, max(need, w), False)
-    for name, micro in (("fixed", fixed), ("dynamic", dyn)):
-        for rank, calls in enumerate(to_ranks(micro)):
-            out += [("logprob", name, rank, dedup([rows[i] for i in c], plen)) for c in calls]
-
-    # training calls, fixed: each rank's share (what its log-prob calls held), shuffled into micro-batches
-    g = torch.Generator().manual_seed(args.seed)
-    for rank, calls in enumerate(to_ranks(fixed)):
+    out["fixed", "logprob"] = to_ranks(fixed)
+    out["dynamic", "logprob"] = to_ranks(dyn)
+    g = torch.Generator().manual_seed(seed)
+    train = []
+    for calls in to_ranks(fixed):
         mine = [i for c in calls for i in c]
         order = [mine[j] for j in torch.randperm(len(mine), generator=g).tolist()]
-        for s in range(0, len(order) - args.train_micro + 1, args.train_micro):  # drop_last=True
-            out.append(("train", "fixed", rank, dedup([rows[i] for i in order[s : s + args.train_micro]], plen)))
-    # training calls, dynamic: OpenRLHF's balance_experiences on the experiences of the log-prob micro-batches
-    exps = []
-    for c in dyn:
-        exps.append(
-            Experience(
-                sequences=torch.zeros((len(c), 1), dtype=torch.long),
-                total_length=torch.tensor([total[i] for i in c]),
-                index=list(c),
-                info={"row": torch.tensor(list(c))},
-            )
+        train.append([order[s : s + a.train_micro] for s in range(0, len(order) - a.train_micro + 1, a.train_micro)])
+    out["fixed", "train"] = train
+    exps = [
+        Experience(
+            sequences=torch.zeros((len(c), 1), dtype=torch.long),
+            total_length=torch.tensor([total[i] for i in c]),
+            info={"row": torch.tensor(list(c))},
         )
-    ns = argparse.Namespace
-    cfg = ns(actor=ns(num_nodes=1, num_gpus_per_node=w), ds=ns(ring_attn_size=1, tensor_parallel_size=1))
-    per_rank = balance_experiences(exps, cfg)
-    for rank, exp in enumerate(per_rank):
-        ids = [int(x) for x in exp.info["row"]]
-        lengths = [total[i] for i in ids]
-        k = get_minimum_num_micro_batch_size(lengths, args.max_tokens, 1, 1)
-        for part in get_seqlen_balanced_partitions(lengths, k, equal_size=False):
-            out.append(("train", "dynamic", rank, dedup([rows[ids[j]] for j in part], plen)))
+        for c in dyn
+    ]
+    cfg = config(w, len(rows), a)
+    per_rank = [[int(x) for x in e.info["row"]] for e in balance_experiences(exps, cfg)]
+    out["dynamic", "train"] = dynamic_steps(per_rank, total, cfg, None)
+    return out
 
-    whole = dedup(rows, plen)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w", newline="") as f:
+
+def dynamic_steps(per_rank, total, cfg, zorro_partition, zorro_need=None):
+    """`setup_dynamic_batch` on each rank: steps of train.batch_size / dp rows, each step's micro-batch
+    count the maximum over ranks (its all-reduce; zorro's: of what zorro needs), then OpenRLHF's
+    partition or zorro's."""
+    from openrlhf.utils.seqlen_balancing import get_minimum_num_micro_batch_size, get_seqlen_balanced_partitions
+
+    w = len(per_rank)
+    local = cfg.train.batch_size // w
+    steps = min(len(r) for r in per_rank) // local
+    need = zorro_need or (
+        lambda ids: get_minimum_num_micro_batch_size([total[i] for i in ids], cfg.train.max_tokens_per_gpu, 1, 1)
+    )
+    counts = [max(need(r[s * local : (s + 1) * local]) for r in per_rank) for s in range(steps)]
+    out = []
+    for r in per_rank:
+        calls = []
+        for s, k in enumerate(counts):
+            ids = r[s * local : (s + 1) * local]
+            if zorro_partition is None:
+                parts = get_seqlen_balanced_partitions([total[i] for i in ids], k, equal_size=False)
+                calls += [[ids[j] for j in p] for p in parts]
+            else:
+                calls += zorro_partition(ids, k)
+        out.append(calls)
+    return out
+
+
+def zorro_calls(rows, plen, w, a, seed):
+    """The same calls from zorro's batching (what install() registers)."""
+    from zorro_core.integrations import openrlhf_batching as zb
+    from zorro_core.plan.balance import GroupedLengths, partition_micro_batches
+
+    prompts = sorted({p for p, _ in rows})
+    gid = {p: i for i, p in enumerate(prompts)}
+    work = GroupedLengths([gid[p] for p, _ in rows], [plen[p] for p in prompts], [r for _, r in rows])
+    total = [plen[p] + r for p, r in rows]
+    out = {}
+    for batching in ("fixed", "dynamic"):
+        cfg = config(w, len(rows), a)
+        cfg.train.dynamic_batch_enable = batching == "dynamic"
+        micro = zb.rollout_micro_batches(work, cfg)
+        per = len(micro) // w
+        out[batching, "logprob"] = [micro[i * per : (i + 1) * per] for i in range(w)]
+    cfg = config(w, len(rows), a)
+    ranks = [[i for c in calls for i in c] for calls in out["fixed", "logprob"]]  # fixed: the log-prob shares
+    g = torch.Generator().manual_seed(seed)
+    train = []
+    for mine in ranks:
+        sub = zb._sub(work, mine)
+        plan = zb.fixed_micro_batches(sub, a.train_micro, torch.randperm(len(sub.prompt_lens), generator=g).tolist())
+        train.append([[mine[j] for j in m] for m in plan])
+    out["fixed", "train"] = train
+    per_rank = zb.rank_rows(work, cfg)
+
+    def part(ids, k):
+        return zb.budget_micro_batches(work, ids, cfg.train.max_tokens_per_gpu, k)
+
+    def need(ids):  # GroupedReplayBuffer.setup_dynamic_batch: what zorro needs under the budget
+        return len(partition_micro_batches(zb._sub(work, ids), cfg.train.max_tokens_per_gpu, zb.ATTENTION_WEIGHT).parts)
+
+    out["dynamic", "train"] = dynamic_steps(per_rank, total, cfg, part, need)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 32])
+    ap.add_argument("--prompts-per-rank", type=int, default=8)
+    ap.add_argument("--n", type=int, nargs="+", default=[8, 6], help="samples per prompt (6: sizes that do not divide)")
+    ap.add_argument("--rollout-micro", type=int, default=16, help="rollout.micro_batch_size")
+    ap.add_argument("--train-micro", type=int, default=8, help="train.micro_batch_size")
+    ap.add_argument(
+        "--steps", type=int, default=2, help="optimizer steps per rollout (train.batch_size = rows / steps)"
+    )
+    ap.add_argument("--max-tokens", type=int, default=8192, help="rollout/train.max_tokens_per_gpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results/openrlhf_dp_dedup.csv")
+    a = ap.parse_args()
+
+    import openrlhf_setup  # noqa: F401  (the flash-attn stand-in before OpenRLHF imports)
+
+    header = [
+        "ranks", "prompts", "n", "batching", "call", "balance", "calls", "mean_dedup", "min_dedup",
+        "rollout_dedup", "dedup_ratio", "rank_cost_max_over_mean", "rank_cost_spread", "max_group_cost",
+        "split_groups", "plan_seconds",
+    ]  # fmt: skip
+    table = []
+    for n, w in ((n, w) for n in a.n for w in a.ranks):
+        rng = random.Random(a.seed)
+        prompts = a.prompts_per_rank * w
+        plen = [rng.randint(64, 512) for _ in range(prompts)]
+        rows = [(p, rng.randint(32, 1024)) for p in range(prompts) for _ in range(n)]  # rollout order
+        whole = dedup(rows, plen)
+        group_cost = max(call_cost([r for r in rows if r[0] == p], plen) for p in range(prompts))
+        for balance, make in (("openrlhf", openrlhf_calls), ("zorro", zorro_calls)):
+            t0 = time.perf_counter()
+            calls = make(rows, plen, w, a, a.seed)
+            seconds = time.perf_counter() - t0
+            for (batching, call), per_rank in sorted(calls.items()):
+                flat = [c for r in per_rank for c in r]
+                assert sorted(i for c in flat for i in c) == sorted(set(i for c in flat for i in c)), (
+                    "a row in two calls"
+                )
+                ds = [dedup([rows[i] for i in c], plen) for c in flat]
+                costs = [sum(call_cost([rows[i] for i in c], plen) for c in r) for r in per_rank]
+                holders: dict[int, int] = {}
+                for c in flat:
+                    for p in {rows[i][0] for i in c}:
+                        holders[p] = holders.get(p, 0) + 1
+                mean = statistics.mean(ds)
+                table.append(
+                    [
+                        w,
+                        prompts,
+                        n,
+                        batching,
+                        call,
+                        balance,
+                        len(flat),
+                        mean,
+                        min(ds),
+                        whole,
+                        mean / whole,
+                        max(costs) / statistics.mean(costs),
+                        max(costs) - min(costs),
+                        group_cost,
+                        sum(1 for v in holders.values() if v > 1),
+                        seconds,
+                    ]  # fmt: skip
+                )
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w", newline="") as f:
         wr = csv.writer(f)
-        wr.writerow(["path", "batching", "rank", "calls", "mean_dedup", "min_dedup", "max_dedup", "rollout_dedup"])
-        print(f"{args.prompts} prompts x {args.n}, {w} ranks; dedup of the whole rollout {whole:.3f}")
-        for path in ("logprob", "train"):
-            for name in ("fixed", "dynamic"):
-                for rank in range(w):
-                    xs = [d for p, b, r, d in out if (p, b, r) == (path, name, rank)]
-                    row = [path, name, rank, len(xs), statistics.mean(xs), min(xs), max(xs), whole]
-                    wr.writerow([*row[:4], *(f"{x:.3f}" for x in row[4:])])
-                    print(
-                        f"{path:8s} {name:8s} rank {rank}: {len(xs)} calls, dedup mean {row[4]:.3f} "
-                        f"[{row[5]:.3f}, {row[6]:.3f}]"
-                    )
+        wr.writerow(header)
+        for row in table:
+            wr.writerow([f"{x:.3f}" if isinstance(x, float) else x for x in row])
+    print(f"{'ranks':>5} {'n':>2} {'batching':8} {'call':8} {'balance':8} {'calls':>5} {'mean':>6} {'min':>6} {'ratio':>6} "
+          f"{'max/mean':>8} {'spread':>7} {'group':>6} {'split':>5}")  # fmt: skip
+    for r in table:
+        print(f"{r[0]:>5} {r[2]:>2} {r[3]:8} {r[4]:8} {r[5]:8} {r[6]:>5} {r[7]:6.3f} {r[8]:6.3f} {r[10]:6.3f} {r[11]:8.3f} "
+              f"{r[12]:>7} {r[13]:>6} {r[14]:>5}")  # fmt: skip
 
 
 if __name__ == "__main__":

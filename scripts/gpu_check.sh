@@ -6,7 +6,8 @@
 #      LoRA/QLoRA, fla's varlen delta rule on CUDA and the PyTorch one chosen for CPU tensors with
 #      fla installed (pytest's CUDA cases; each skips with its reason when its package is absent);
 #   2. `zorro verify gradients` on CUDA (bf16/fp32 against a float64 reference), then again
-#      with gradient checkpointing (training mode, non-reentrant and reentrant);
+#      with gradient checkpointing (training mode, non-reentrant and reentrant); the gather-free
+#      path's peak memory on the device beside the CPU count of saved bytes (scripts/gpu_memory_check.py);
 #   3. the GPU suites' timings (seed shapes; OOM cases become rows, nothing is lost);
 #   4. the cumulative stack (baseline, +flash attention, +liger, +dedup, +split attention).
 # Run from the repository root. Results land in $OUT (default results/gpu).
@@ -39,6 +40,7 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 echo "== 1. GPU paths against the reference"
 timeout "$(left 200)" $PY -m pytest -q -rs -p no:cacheprovider tests/test_varlen.py tests/test_flex.py tests/test_liger.py \
   tests/test_lora.py tests/test_precision.py tests/test_auto.py tests/test_families_linear.py tests/test_trie_gpu_paths.py tests/test_fla_device.py \
+  tests/test_merged_attention.py \
   2>&1 | tee "$OUT/pytest.txt"
 
 echo "== 2. zorro verify gradients on CUDA"
@@ -51,6 +53,9 @@ for flavour in "" "--reentrant"; do
     --dtype bfloat16 --logits-mode compute --checkpointing $flavour --json > "$OUT/$name.json" 2> "$OUT/$name.err"
   echo "verify --checkpointing $flavour exit code: $?"
 done
+
+# the gather-free path's saved bytes against the device's own count, once (zorro bench memory counts on CPU)
+timeout "$(left 350)" $PY scripts/gpu_memory_check.py --out "$OUT/memory_check.json" 2>&1 | tail -5
 
 echo "== 3. GPU suite timings"
 # flash-attn is a compiled extension the device image may lack: then the sdpa suite (PyTorch's

@@ -12,6 +12,7 @@ from conftest import SUITE
 from typer.testing import CliRunner
 
 from zorro_cli.main import app
+from zorro_harness.bench import files, results
 from zorro_harness.bench.results import COLUMNS, REQUIRED_COLUMNS, read_rows
 
 runner = CliRunner()
@@ -60,22 +61,24 @@ def test_a_disk_that_fills_mid_sweep_keeps_every_whole_row(fake, tmp_path, monke
 
 def test_a_disk_that_fills_at_the_final_sidecar_update(fake, tmp_path, monkeypatch):
     out = tmp_path / "side.csv"
-    real = pathlib.Path.write_text
     seen = {"n": 0}
 
-    def write_text(self, data, *a, **k):
-        if self.name == "side.json.tmp":
-            seen["n"] += 1
-            if seen["n"] == 2:  # the end-of-run update
-                real(self, data[:10], *a, **k)
-                raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, data, *a, **k)
+    def write_bytes_atomically(path, data):
+        seen["n"] += 1
+        if seen["n"] == 2:  # the end-of-run update: the temporary file fills up
 
-    monkeypatch.setattr(pathlib.Path, "write_text", write_text)
+            def fill(f):
+                f.write(data[:10])
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            return files.replace_atomically(path, fill)
+        return files.write_bytes_atomically(path, data)
+
+    monkeypatch.setattr(results, "write_bytes_atomically", write_bytes_atomically)
     res = fake("--out", out)
     monkeypatch.undo()
     one_line_error(res, "every row is written", "No space left on device")
-    assert len(read_rows(out)) == 3 and not (tmp_path / "side.json.tmp").exists()
+    assert len(read_rows(out)) == 3 and not list(tmp_path.glob(".side.json.*"))
 
 
 @pytest.mark.parametrize(

@@ -96,36 +96,29 @@ def test_a_broken_glue_is_caught(setups, monkeypatch):
     from zorro_core.attention import backends
 
     be = backends.BACKENDS["flash_attn"]
-    real = be.varlen
+    pair = be.pair
     model = copy.deepcopy(m64).to(torch.bfloat16)
     base = _errors(BaselineActor(model=model, varlen_backend="flash_attn"), batch, w, ref)
     # int64 offsets: the real kernel refuses them, and so does the stand-in
-    monkeypatch.setattr(
-        be,
-        "varlen",
-        lambda q, k, v, seg, scale, window=None: real(
-            q, k, v, type(seg)(**{**seg.__dict__, "cu_q": seg.cu_q.long()}), scale, window
-        ),
-    )
+    broken = copy.copy(pair)
+    broken.forward = lambda q, k, v, cu_q, cu_k, *rest: pair.forward(q, k, v, cu_q.long(), cu_k, *rest)
+    monkeypatch.setattr(be, "pair", broken)
     with pytest.raises(ContractError, match="int32"):
         DeduplicatedActor(model=model, varlen_backend="flash_attn").forward(batch)
-    # the cross call without causality (responses see their own future): caught by the reference comparison
-    monkeypatch.setattr(
-        be,
-        "varlen",
-        lambda q, k, v, seg, scale, window=None: flash_attn_varlen_func(
-            q,
-            k,
-            v,
-            seg.cu_q.to(q.device),
-            seg.cu_k.to(q.device),
-            seg.max_q,
-            seg.max_k,
-            softmax_scale=scale,
-            causal=seg.q_is_k,
-            window_size=(-1, -1),
-        ),
-    )
+    # backward handed each partial's own lse instead of the merged one: caught by the reference comparison
+    partial_lse = {}
+
+    def forward(q, k, v, cu_q, cu_k, *rest):
+        out, lse = pair.forward(q, k, v, cu_q, cu_k, *rest)
+        partial_lse[id(cu_q)] = lse
+        return out, lse
+
+    def backward(dout, q, k, v, out, lse, cu_q, *rest):
+        return pair.backward(dout, q, k, v, out, partial_lse.get(id(cu_q), lse), cu_q, *rest)
+
+    broken = copy.copy(pair)
+    broken.forward, broken.backward = forward, backward
+    monkeypatch.setattr(be, "pair", broken)
     dedup = _errors(DeduplicatedActor(model=model, varlen_backend="flash_attn"), batch, w, ref)
     assert judge("bfloat16", dedup, base)[2]
 

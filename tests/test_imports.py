@@ -128,9 +128,9 @@ def test_no_private_name_is_imported_across_packages():
 OPTIONAL = {
     "verl": tuple(
         f"zorro_core.integrations.{m}"
-        for m in ("verl_engine", "verl_cpu", "verl_rows", "verl_batching", "verl_trainer")
+        for m in ("verl_engine", "verl_cpu", "verl_rows", "verl_batching", "verl_trainer", "needs_verl")
     ),
-    "openrlhf": ("zorro_core.integrations.openrlhf",),
+    "openrlhf": ("zorro_core.integrations.openrlhf", "zorro_core.integrations.openrlhf_batching"),
 }
 
 

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+from zorro_core.actor.config import ActorConfig  # noqa: E402
 from zorro_core.integrations.trl import (  # noqa: E402
     DedupGRPOTrainer,
     ZorroFallbackWarning,
@@ -153,10 +154,12 @@ def _plain_float64(model, ids, mask, keep, batch_size=None, compute_entropy=Fals
     return lp, ent, None
 
 
+@pytest.mark.parametrize("varlen_backend", [None, "flash_cpu"])
 @pytest.mark.parametrize("batch_size", [None, 3])
-def test_logps_equal_trl_float64(checkpoint, tmp_path, batch_size):
+def test_logps_equal_trl_float64(checkpoint, tmp_path, batch_size, varlen_backend):
     path, _ = checkpoint
-    trainer = _trainer(DedupGRPOTrainer, path, tmp_path, dtype=torch.float64)
+    kwargs = {"zorro_config": ActorConfig(varlen_backend=varlen_backend)} if varlen_backend else {}
+    trainer = _trainer(DedupGRPOTrainer, path, tmp_path, dtype=torch.float64, trainer_kwargs=kwargs)
     ids, mask, keep = _joined_inputs()
     weights = torch.rand(ids.shape[0], keep, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) + 0.5
     # The policy (in training mode, with entropy, as in the loss) and the reference model (eval, log-probs

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from zorro_cli import analyze_data
 from zorro_cli.choices import Batching, LogitsMode
-from zorro_cli.console import console, escape, fail, print_json
+from zorro_cli.console import check_name, console, escape, fail, print_json
 from zorro_core.models.local_files import hub_offline, refuse_remote_code
 from zorro_harness.analyze.analysis import workload_report
 
@@ -97,6 +97,7 @@ def analyze(
     ),
 ) -> None:
     """Total, unique and redundant tokens of a workload and the ideal speedup of each kind of work."""
+    check_name("--plots", plots)
     if data is not None:
         if tokenizer is not None and os.path.isdir(tokenizer):
             try:

@@ -3,17 +3,20 @@ The sweep itself is zorro_harness.bench.sweep; this module parses arguments and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
+import signal
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from zorro_cli import bench_memory
 from zorro_cli.choices import Attn, Baseline, DType, LogitsMode, Phase, Sharing
 from zorro_cli.console import console, escape, fail, resolve_device, warn
 from zorro_core.plan.dtypes import DTYPES
@@ -21,7 +24,7 @@ from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS
 from zorro_harness.bench.guard import ranks_too_many
 from zorro_harness.bench.inputs import model_config
 from zorro_harness.bench.measure import LARGE, format_speedup
-from zorro_harness.bench.results import sidecar_path
+from zorro_harness.bench.results import check_out, sidecar_path
 from zorro_harness.bench.runner import ARMS, case_rows, refused_arms
 from zorro_harness.bench.suite import CASE_ACTOR, Case, Measure, Suite, load_suite
 from zorro_harness.bench.sweep import FAILED, run_suite, unresolved_models
@@ -114,6 +117,10 @@ def parse_size(text: Optional[str]) -> Optional[int]:
 
 def _sweep(suite: Suite, out: Path, mode: str, max_memory: Optional[int]) -> list[dict]:
     """run_suite with a progress bar and a line per row."""
+    try:  # refused before the progress bar starts: the refusal is the one line printed
+        check_out(out, mode, protect=(suite.source,) if suite.source else ())
+    except ValueError as e:
+        fail(str(e))
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -134,13 +141,54 @@ def _sweep(suite: Suite, out: Path, mode: str, max_memory: Optional[int]) -> lis
             f"{escape(str(row['status']))}"
         )
 
-    with progress:
-        try:
-            rows = run_suite(suite, out, mode=mode, notify=warn, on_case=on_case, on_row=on_row, max_memory=max_memory)
-        except ValueError as e:  # the results file is locked by another sweep, damaged, or not ours
-            fail(str(e))
-        progress.update(task, completed=progress.tasks[0].total or 0)
+    written = []
+    try:
+        with stopped_by_signals(), progress:
+            try:
+                rows = run_suite(
+                    suite,
+                    out,
+                    mode=mode,
+                    notify=warn,
+                    on_case=on_case,
+                    on_row=lambda row: (written.append(row), on_row(row)),
+                    max_memory=max_memory,
+                )
+            except ValueError as e:  # the results file is locked by another sweep, damaged, or not ours
+                fail(str(e))
+            progress.update(task, completed=progress.tasks[0].total or 0)
+    except Interrupted as e:
+        again = f"zorro bench sweep {suite.source} --out {out} --resume" if suite.source else f"--out {out} --resume"
+        fail(
+            f"interrupted by {e.signal.name}: {len(written)} row(s) written by this run are kept in {out} (every "
+            f"finished row is); `{again}` runs the rest",
+            code=128 + e.signal,
+        )
     return rows
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the sweep (a BaseException: no `except Exception` on the way holds it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signal = signal.Signals(signum)
+
+
+@contextlib.contextmanager
+def stopped_by_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise Interrupted inside the block (its case process is killed on the way
+    out, zorro_harness.bench.isolation); the handlers before are put back after."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 def _finish(rows: list[dict], out: Optional[Path], title: str) -> None:
@@ -345,6 +393,9 @@ def run(
         with console.status(f"running {escape(case.case_id)}"):
             rows = case_rows(case, measure, max_memory=limit)
     _finish(rows, out, "zorro bench run")
+
+
+bench_app.command("memory")(bench_memory.memory)
 
 
 def register(app: typer.Typer) -> None:

@@ -32,7 +32,7 @@ EXIT_USAGE = 2
 
 def fail(reason: str, code: int = EXIT_USAGE) -> NoReturn:
     """Print `error: <reason>` (plain text, markup escaped) on stderr and exit with `code`."""
-    err_console.print(f"[red]error:[/] {escape(str(reason))}")
+    err_console.print(f"[red]error:[/] {escape(str(reason))}", soft_wrap=True)  # one line, however long
     raise typer.Exit(code)
 
 
@@ -51,6 +51,15 @@ def refuse_writing_onto_inputs(option: str, out: Path, inputs: Sequence[Path]) -
                 continue
             if same:
                 fail(f"{option} {out} is {what}: writing there would replace it; write to another file")
+
+
+def check_name(option: str, path: Optional[str | Path]) -> None:
+    """fail (one line, exit 2) when `path` is too long a name for its file system, before anything runs."""
+    from zorro_harness.bench.files import name_too_long
+
+    why = name_too_long(path, option) if path is not None else None
+    if why:
+        fail(why)
 
 
 def write_or_fail(option: str, path: Path, write: Any) -> Any:
@@ -130,6 +139,7 @@ __all__ = [
     "print_json",
     "refuse_writing_onto_inputs",
     "write_or_fail",
+    "check_name",
     "warn",
     "EXIT_USAGE",
     "STATUS_STYLE",

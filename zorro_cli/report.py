@@ -13,8 +13,9 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from zorro_cli.choices import Metric, Phase
-from zorro_cli.console import console, escape, fail, refuse_writing_onto_inputs, write_or_fail
+from zorro_cli.console import check_name, console, escape, fail, refuse_writing_onto_inputs, write_or_fail
 from zorro_cli.report_stack import stack
+from zorro_harness.bench.files import write_bytes_atomically
 from zorro_harness.bench.measure import format_number
 from zorro_harness.bench.report import (
     compare_frames,
@@ -85,6 +86,8 @@ def show(
     ),
 ) -> None:
     """Merge result CSVs and pivot `value` by prompt dedup ratio x prompt length, per configuration."""
+    check_name("--csv", csv_out)
+    check_name("--plots", plots)
     if plots is not None and plots.exists() and not plots.is_dir():
         fail(f"--plots {plots} is a file; it takes a directory to write the PNGs into")
     if csv_out is not None and csv_out.is_dir():
@@ -125,7 +128,7 @@ def show(
             typer.echo(line) if markdown else console.print(escape(line))
     if csv_out is not None:
         frame = spreadsheet_frame(pivot_frame(tables, value))
-        write_or_fail("--csv", csv_out, lambda: frame.to_csv(csv_out, index=False))
+        write_or_fail("--csv", csv_out, lambda: write_bytes_atomically(csv_out, frame.to_csv(index=False).encode()))
         console.print(f"pivot written to {escape(str(csv_out))}")
     if plots is not None:
         for p in write_or_fail("--plots", plots, lambda: plot(df, plots)):

@@ -15,7 +15,8 @@ import typer
 from rich.table import Table
 
 from zorro_cli.choices import Phase
-from zorro_cli.console import console, escape, fail, refuse_writing_onto_inputs, write_or_fail
+from zorro_cli.console import check_name, console, escape, fail, refuse_writing_onto_inputs, write_or_fail
+from zorro_harness.bench.files import write_bytes_atomically
 from zorro_harness.bench.report import load_results, spreadsheet_frame
 from zorro_harness.bench.stack_table import WORKLOAD, missing_configs, stack_needs, stack_report
 
@@ -92,6 +93,7 @@ def stack(
     csv_out: Optional[Path] = typer.Option(None, "--csv", help="Write the stack tables to this CSV."),
 ) -> None:
     """The cumulative table: baseline, + flash attention, + liger, + dedup, + split attention (see suites/stack.toml)."""
+    check_name("--csv", csv_out)
     if csv_out is not None:
         if csv_out.is_dir():
             fail(f"--csv {csv_out} is a directory; it takes a CSV file path")
@@ -132,5 +134,5 @@ def stack(
             console.print(f"  note: {escape(n)}")
     if csv_out is not None:
         frame = spreadsheet_frame(table)
-        write_or_fail("--csv", csv_out, lambda: frame.to_csv(csv_out, index=False))
+        write_or_fail("--csv", csv_out, lambda: write_bytes_atomically(csv_out, frame.to_csv(index=False).encode()))
         console.print(f"stack table written to {escape(str(csv_out))}")

@@ -24,6 +24,7 @@ from zorro_cli.console import (
 )
 from zorro_core.actor.config import ActorConfig
 from zorro_core.actor.logprobs import LOGITS_MODES
+from zorro_core.attention.backends import BACKENDS
 from zorro_core.models.presets import PRESETS
 from zorro_core.verify.gradients import (
     ATTNS,
@@ -143,6 +144,12 @@ def gradients(
     logits_mode: Optional[list[str]] = typer.Option(
         None, "--logits-mode", help=f"actor.logits_mode values ({', '.join(LOGITS_MODES)}; default all)."
     ),
+    varlen_backend: Optional[list[str]] = typer.Option(
+        None,
+        "--varlen-backend",
+        help=f"actor.varlen_backend values for split cases ({', '.join(BACKENDS)}; default: the attention's own, "
+        "e.g. sdpa on CPU). `--varlen-backend flash_cpu` runs the GPU path's gather-free code on CPU.",
+    ),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
     factor: float = typer.Option(
         FACTOR, "--factor", help="Low-precision allowance: dedup error <= factor x baseline error + float64 floor."
@@ -193,6 +200,7 @@ def gradients(
         _split(mode, MODES, list(MODES), "--mode"),
         _split(logits_mode, LOGITS_MODES, list(LOGITS_MODES), "--logits-mode"),
         ActorConfig(sharing=sharing.value, min_shared_tokens=min_shared_tokens),
+        _split(varlen_backend, list(BACKENDS), [], "--varlen-backend") or [None],
     )
     bug = _bug(inject_bug)
     t0 = time.perf_counter()

@@ -24,7 +24,7 @@ from zorro_cli.console import (
     resolve_device,
 )
 from zorro_core.actor.config import ActorConfig
-from zorro_core.distributed.launch import RANK_VARIABLES, set_by_torchrun, under_torchrun
+from zorro_core.distributed.launch import RANK_VARIABLES, rank_variables_problem, set_by_torchrun, under_torchrun
 from zorro_core.models.presets import PRESETS
 from zorro_core.verify.distributed import BUGS, RULE, DistributedConfig, VariantResult, verify_distributed
 from zorro_core.verify.gradients import VerifyCase, case_unavailable
@@ -91,6 +91,10 @@ def distributed(
         fail(f"--model: unknown preset {model!r}; presets: {', '.join(PRESETS)}")
     if self_test and inject_bug:
         fail("--inject-bug with --self-test: --self-test runs every bug already")
+    if under_torchrun() and (why := rank_variables_problem()):
+        fail(
+            f"{why}: no process group to join; unset RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT to let zorro start its own ranks (--nproc), or fix them"
+        )
     if not under_torchrun():  # under torchrun the ranks are torchrun's
         why = ranks_too_many(nproc, model) or (verify_too_large([model]) if nproc == 1 else None)
         if why:

@@ -7,6 +7,7 @@ fair baseline), or with `padded=True` as the plain HF forward trainers run today
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -27,13 +28,31 @@ from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.families import aux_loss_of, forward_kwargs, install_family_adapters, wants_router_logits
 from zorro_core.models.parts import check_layers_served, check_trainable_state, model_parts
 from zorro_core.models.presets import load_model
-from zorro_core.plan.batch import RolloutBatch
+from zorro_core.plan.batch import RolloutBatch, check_batch
 from zorro_core.plan.build import build_dedup_plan
 from zorro_core.plan.dtypes import resolve_dtype
 from zorro_core.plan.protocol import Plan
 from zorro_core.stack.auto import AUTO, AttentionChoice, choose_attention
 
 __all__ = ["ActorConfig", "ActorOutput", "BaselineActor", "DeduplicatedActor"]
+
+
+def warn_past_positions(batch: RolloutBatch, config: Any) -> None:
+    """Warn (naming both numbers) when a row's prompt + response is longer than the model's
+    max_position_embeddings: the model computes it, as the plain HF forward does, but past the
+    positions it was trained on. Free when the padded widths fit (no device sync)."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    limit = getattr(text, "max_position_embeddings", None)
+    if not isinstance(limit, int) or batch.prompts.shape[1] + batch.responses.shape[1] <= limit:
+        return
+    longest = int((batch.prompt_mask.bool().sum(1) + batch.response_mask.bool().sum(1)).max())
+    if longest > limit:
+        warnings.warn(
+            f"a row of the batch is {longest} tokens (prompt + response), longer than the model's "
+            f"max_position_embeddings {limit}: its log-probs are computed at positions the model was not "
+            "trained on",
+            stacklevel=3,
+        )
 
 
 class _Actor:
@@ -166,10 +185,19 @@ class _Actor:
             min_shared_tokens=self.config.min_shared_tokens,
         )
 
-    def check_call(self, temperature: float) -> None:
-        """Refuse a temperature that is not a finite number > 0, and a model moved or cast since
-        the actor was built (its backends and attention choice were made for the old one)."""
+    def check_call(self, temperature: float, batch: RolloutBatch, calculate_entropy: bool) -> None:
+        """Refuse what is not a RolloutBatch (TypeError), a batch changed in place into an invalid
+        one since it was built, a calculate_entropy that is not a bool, a temperature that is not a
+        finite number > 0, and a model moved or cast since the actor was built (its backends and
+        attention choice were made for the old one). Warn when a row is longer than the model's
+        positions."""
+        check_batch(batch)
+        if not isinstance(calculate_entropy, bool):
+            raise TypeError(
+                f"calculate_entropy must be True or False, got {type(calculate_entropy).__name__} {calculate_entropy!r}"
+            )
         check_temperature(temperature)
+        warn_past_positions(batch, self.model.config)
         p = next(self.model.parameters())
         if (p.device, p.dtype) != self._built_for:
             was, now = self._built_for, (p.device, p.dtype)
@@ -192,7 +220,7 @@ class _Actor:
         this with the same batch; each runs its slice of the packed row and all get every log-prob.
         `router_aux_loss`: whether this call computes an MoE model's router aux loss (None: as the
         model config's `output_router_logits` says); passed to the model as a forward kwarg."""
-        self.check_call(temperature)
+        self.check_call(temperature, batch, calculate_entropy)
         check_trainable_state(self.model)
         if sequence_parallel is not None and sequence_parallel.size == 1:
             sequence_parallel = None

@@ -14,7 +14,28 @@ from typing import Any, Optional
 
 from zorro_core.actor.logprobs import LOGITS_MODES
 from zorro_core.models.moe import AUX_WEIGHTINGS
-from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, check_sharing
+from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, SHARINGS, check_sharing
+
+VARLEN_BACKENDS = ("reference", "sdpa", "flash_cpu", "torch_varlen", "flash_attn", "flash_cpu_gather")
+"""The names `varlen_backend` takes (zorro_core.attention.backends.BACKENDS has one backend of each)."""
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "auto")
+"""The names `attn_implementation` takes, besides any name registered in transformers' AttentionInterface."""
+
+
+def _registered_attention() -> list[str]:
+    """The attention names transformers knows here (its own and any registered with AttentionInterface)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return list(ALL_ATTENTION_FUNCTIONS.valid_keys())
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...], none_ok: bool, more: tuple[str, ...] = ()) -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, str) and (value in allowed or value in more):
+        return
+    choices = ", ".join(map(repr, allowed)) + (" or None" if none_ok else "")
+    raise ValueError(f"ActorConfig.{name} must be one of {choices}; got {type(value).__name__} {value!r}")
 
 
 @dataclass(frozen=True)
@@ -48,14 +69,24 @@ class ActorConfig:
     """sharing="prefix": shared runs shorter than this are not split off (>= 1)."""
 
     def __post_init__(self) -> None:
-        if self.logits_mode not in LOGITS_MODES:
-            raise ValueError(f"unknown logits_mode {self.logits_mode!r}; choose one of {LOGITS_MODES}")
-        if self.router_aux_weighting not in AUX_WEIGHTINGS:
+        """Every field's type and choices, checked here once: ValueError naming the field and what it takes."""
+        if not isinstance(self.use_split_attention, bool):
             raise ValueError(
-                f"unknown router_aux_weighting {self.router_aux_weighting!r}; choose one of {AUX_WEIGHTINGS}"
+                f"ActorConfig.use_split_attention must be True or False (split or mask mode); got "
+                f"{type(self.use_split_attention).__name__} {self.use_split_attention!r}"
             )
+        attn = self.attn_implementation
+        if not (isinstance(attn, str) and attn in ATTN_IMPLEMENTATIONS):
+            _check_choice("attn_implementation", attn, ATTN_IMPLEMENTATIONS, True, more=tuple(_registered_attention()))
+        _check_choice("varlen_backend", self.varlen_backend, VARLEN_BACKENDS, True)
+        _check_choice("logits_mode", self.logits_mode, LOGITS_MODES, False)
+        _check_choice("router_aux_weighting", self.router_aux_weighting, AUX_WEIGHTINGS, False)
+        if not isinstance(self.sharing, str):
+            _check_choice("sharing", self.sharing, SHARINGS, False)
         budget = self.logits_memory_budget_mib
-        if budget is not None and not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
+        if budget is not None and not (
+            isinstance(budget, (int, float)) and not isinstance(budget, bool) and math.isfinite(budget) and budget > 0
+        ):
             raise ValueError(f"logits_memory_budget_mib must be a finite number > 0, got {budget!r}")
         for name in ("logits_chunk_size", "max_seq_len"):
             value = getattr(self, name)

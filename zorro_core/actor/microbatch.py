@@ -25,8 +25,14 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from zorro_core.actor.config import ActorConfig
-from zorro_core.plan.balance import GroupedLengths, Partition, partition_micro_batches, select_rows
-from zorro_core.plan.batch import RolloutBatch
+from zorro_core.plan.balance import (
+    GroupedLengths,
+    Partition,
+    check_attention_weight,
+    partition_micro_batches,
+    select_rows,
+)
+from zorro_core.plan.batch import RolloutBatch, check_batch
 from zorro_core.plan.build import plan_type
 from zorro_core.plan.prompt import DedupPlan
 from zorro_core.plan.trie import TriePlan
@@ -76,7 +82,13 @@ def forward_backward(
     `rows`, a 1-D long tensor of indices into the full batch) and returns a scalar (see the
     module doc for normalisation). `.grad` is accumulated, not reset: zero it before.
     """
+    check_batch(batch, "forward_backward")
+    if not callable(loss_fn):
+        raise TypeError(
+            f"loss_fn must be a callable loss_fn(out, rows) -> scalar tensor, got {type(loss_fn).__name__} {loss_fn!r}"
+        )
     check_budget(max_tokens_per_micro_batch)
+    check_attention_weight(attention_weight)
     if not torch.is_grad_enabled():
         raise ValueError(
             "forward_backward needs gradients: it was called under torch.no_grad() or torch.inference_mode() "

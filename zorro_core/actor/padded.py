@@ -32,7 +32,7 @@ class PaddedActor(Protocol):
     def vocab_size(self) -> int: ...
     @property
     def attn_implementation(self) -> str: ...
-    def check_call(self, temperature: float) -> None: ...
+    def check_call(self, temperature: float, batch: RolloutBatch, calculate_entropy: bool) -> None: ...
     def install_hooks(self) -> str: ...
     def logprobs_at(
         self, hidden: torch.Tensor, index: torch.Tensor, labels: torch.Tensor, temperature: float, entropy: bool
@@ -57,7 +57,7 @@ def padded_forward(
         raise UnsupportedModelError(
             "the padded baseline does not run an FSDP2-sharded model (fully_shard); use BaselineActor(padded=False)"
         )
-    actor.check_call(temperature)
+    actor.check_call(temperature, batch, calculate_entropy)
     batch = batch.to(actor.device)
     batch.check_vocab(actor.vocab_size)
     check_trainable_state(actor.model)

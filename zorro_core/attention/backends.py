@@ -16,8 +16,17 @@ be a multiple of Hkv. v's head dim may differ from q's and k's (MLA): out is [Tq
 - `reference`: explicit softmax(QK^T)V over a padded batch of segments, softmax in float32
   (float64 for float64 inputs). Exact, runs anywhere; the oracle for the others.
 - `sdpa`: the same padded batch through F.scaled_dot_product_attention (CPU or GPU).
-- `torch_varlen`: torch.nn.attention.varlen.varlen_attn (CUDA only).
-- `flash_attn`: flash_attn.flash_attn_varlen_func (CUDA, needs the flash-attn package).
+- `flash_cpu`: torch's CPU flash kernel through the gather-free split path (below): the GPU
+  path's own code on CPU.
+- `torch_varlen`: torch's CUDA flash kernel (the ops under torch.nn.attention.varlen.varlen_attn).
+- `flash_attn`: flash-attn 2's varlen kernel (CUDA, needs the flash-attn package).
+- `flash_cpu_gather`: `flash_cpu`'s kernel on the pre-merge GPU path (a copy of the prompt's K/V
+  gathered per response, causal and cross outputs concatenated); kept to measure what the merged
+  path saves (`zorro bench memory`), exact like the rest.
+
+The backends with a kernel pair (`pair`: zorro_core.attention.kernels) run split mode gather-free
+(`gather_free`, zorro_core.attention.merged): the prompt's keys in place, partial outputs merged by
+log-sum-exp into one output. A sliding window that cuts a prompt keeps the gather path (said once).
 """
 
 from __future__ import annotations
@@ -25,12 +34,23 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import warnings
 from typing import Optional
 
 import torch
 
 from zorro_core.attention.head_dims import crop, same_head_dim
-from zorro_core.attention.padded import attend, cross_attention, cross_blocks_attention, from_padded, to_padded
+from zorro_core.attention.kernels import CpuFlashPair, FlashAttnPair, KernelPair, TorchFlashPair, flash_attn_missing
+from zorro_core.attention.merged import MergedSplitAttention, VarlenCall, merge_refusal
+from zorro_core.attention.padded import (
+    attend,
+    cpu_flash_unavailable,
+    cross_attention,
+    cross_blocks_attention,
+    from_padded,
+    to_padded,
+)
+from zorro_core.plan.protocol import Plan
 from zorro_core.plan.segments import Segments
 from zorro_core.plan.trie import TreeLevel
 
@@ -39,6 +59,18 @@ class AttentionBackend:
     """One way to run variable-length attention; `causal` and `cross` are the plan's two calls."""
 
     name: str = ""
+    pair: Optional[KernelPair] = None
+    """The kernel's forward/backward pair when it runs the gather-free split path."""
+
+    def gather_free(self, plan: Plan, q: torch.Tensor, window: Optional[int]) -> bool:
+        """Whether split mode over `plan` runs gather-free (zorro_core.attention.merged) here."""
+        if self.pair is None:
+            return False
+        why = merge_refusal(plan, window)
+        if why:
+            warnings.warn(f"zorro: {self.name} runs the gather path for this plan: {why}", RuntimeWarning, stacklevel=2)
+        return why is None
+        return True
 
     def varlen(self, q, k, v, seg: Segments, scale: float, window: Optional[int] = None) -> torch.Tensor:
         """Segments of q and k, v back to back, causal aligned bottom-right -> [Tq, Hq, D]."""
@@ -112,6 +144,38 @@ class SdpaBackend(PaddedBackend):
         return cross_attention(q, k, v, seg, scale, window, exact=False)
 
 
+def pair_varlen(q, k, v, seg: Segments, scale: float, pair: KernelPair) -> torch.Tensor:
+    """One causal (bottom-right) varlen call through a kernel pair, saving what flash-attn saves."""
+    call = VarlenCall(0, seg.total_q, 0, seg.total_k, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, True)
+    return MergedSplitAttention.apply(q, k, v, [call], pair, scale)
+
+
+class FlashCpuBackend(SdpaBackend):
+    """torch's CPU flash kernel on the GPU path's code: split mode gather-free through the kernel
+    pair; a window that cuts a prompt (and a dtype whose kernel probe failed) runs sdpa's path."""
+
+    name = "flash_cpu"
+    pair = CpuFlashPair()
+
+    def gather_free(self, plan, q, window):
+        return cpu_flash_unavailable(q.dtype) is None and super().gather_free(plan, q, window)
+
+
+class FlashCpuGatherBackend(AttentionBackend):
+    """The pre-merge GPU path with the CPU flash kernel: each response's [prompt | own] keys gathered
+    and saved by the kernel's call, the causal and cross outputs concatenated (for comparisons)."""
+
+    name = "flash_cpu_gather"
+
+    def varlen(self, q, k, v, seg, scale, window=None):
+        if window is not None:
+            return SdpaBackend.varlen(BACKENDS["sdpa"], q, k, v, seg, scale, window)
+        return pair_varlen(q, k, v, seg, scale, CpuFlashPair())
+
+    def unavailable(self, device):
+        return CpuFlashPair().unavailable(device)
+
+
 @functools.lru_cache(maxsize=None)
 def _varlen_attn_takes(name: str) -> bool:
     # lazy: not every torch has torch.nn.attention.varlen (unavailable() says so first)
@@ -158,6 +222,7 @@ class TorchVarlenBackend(CudaVarlenBackend):
     """torch.nn.attention.varlen.varlen_attn on cu_seqlens (CUDA)."""
 
     name = "torch_varlen"
+    pair = TorchFlashPair()
 
     def kernel(self, q, k, v, seg, scale, window):
         # lazy: not every torch has it (see _varlen_attn_takes)
@@ -185,13 +250,14 @@ class TorchVarlenBackend(CudaVarlenBackend):
     def missing(self):
         if importlib.util.find_spec("torch.nn.attention.varlen") is None:
             return f"torch {torch.__version__} has no torch.nn.attention.varlen"
-        return None
+        return self.pair.unavailable(torch.device("cuda")) if self.pair is not None else None
 
 
 class FlashAttnBackend(CudaVarlenBackend):
     """flash_attn.flash_attn_varlen_func on cu_seqlens (CUDA, the flash-attn package)."""
 
     name = "flash_attn"
+    pair = FlashAttnPair()
 
     def kernel(self, q, k, v, seg, scale, window):
         # lazy: flash-attn is an optional package (unavailable() checks it)
@@ -208,13 +274,19 @@ class FlashAttnBackend(CudaVarlenBackend):
         )
 
     def missing(self):
-        if importlib.util.find_spec("flash_attn") is None:
-            return "the flash-attn package is not installed (pip install 'zorro[gpu]')"
-        return None
+        return flash_attn_missing()
 
 
 BACKENDS: dict[str, AttentionBackend] = {
-    b.name: b for b in (ReferenceBackend(), SdpaBackend(), TorchVarlenBackend(), FlashAttnBackend())
+    b.name: b
+    for b in (
+        ReferenceBackend(),
+        SdpaBackend(),
+        FlashCpuBackend(),
+        TorchVarlenBackend(),
+        FlashAttnBackend(),
+        FlashCpuGatherBackend(),
+    )
 }
 
 

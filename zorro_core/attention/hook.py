@@ -28,6 +28,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from zorro_core.attention.backends import BACKENDS
 from zorro_core.attention.flex import block_mask as flex_block_mask
 from zorro_core.attention.flex import flex_packed_attention
+from zorro_core.attention.merged import merged_split_attention
 from zorro_core.attention.tree import tree_block_mask, tree_split_attention
 from zorro_core.distributed.ulysses import SequenceParallel
 from zorro_core.errors import UnsupportedModelError
@@ -126,6 +127,8 @@ def split_attention(plan: Plan, q, k, v, scale: float, window: Optional[int], ba
 def _(plan: DedupPlan, q, k, v, scale: float, window: Optional[int], backend: str) -> torch.Tensor:
     """The prompt plan: the causal call, then the cross call of shared groups' responses."""
     be = BACKENDS[backend]
+    if be.pair is not None and be.gather_free(plan, q, window):
+        return merged_split_attention(plan, q, k, v, scale, be.pair)
     if plan.cross is None:
         return be.causal(q, k, v, plan.causal, scale, window)
     tc = plan.causal.total_q

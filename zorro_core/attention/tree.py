@@ -24,12 +24,15 @@ import torch.nn.functional as F
 
 from zorro_core.attention.backends import BACKENDS
 from zorro_core.attention.flex import BLOCK
+from zorro_core.attention.merged import merged_split_attention
 from zorro_core.plan.trie import TriePlan
 
 
 def tree_split_attention(plan: TriePlan, q, k, v, scale: float, window: Optional[int], backend: str) -> torch.Tensor:
     """Split mode over a trie's packed row: q [T, Hq, D], k, v [T, Hkv, D] -> [T, Hq, D]."""
     be = BACKENDS[backend]
+    if be.pair is not None and be.gather_free(plan, q, window):
+        return merged_split_attention(plan, q, k, v, scale, be.pair)
     roots = plan.levels[0].seg
     t0 = roots.total_q
     outs = [be.causal(q[:t0], k[:t0], v[:t0], roots, scale, window)]

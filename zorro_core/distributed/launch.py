@@ -17,13 +17,13 @@ import socket
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zorro_core.distributed.lifetime import die_with
+from zorro_core.distributed.lifetime import children_ignore_sigint, die_with
 
 
 def default_backend(device: str) -> str:
@@ -52,6 +52,38 @@ def under_torchrun() -> bool:
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def rank_variables_problem() -> Optional[str]:
+    """Why the rank variables in the environment name no process group this process could join
+    (None when they could): RANK and WORLD_SIZE integers with 0 <= RANK < WORLD_SIZE, LOCAL_RANK
+    (if set) >= 0, MASTER_ADDR not empty, MASTER_PORT in 1..65535. Checked before joining: a bad
+    set waits for ranks that never come, then dumps c10d's stack frames."""
+    env = os.environ
+
+    def number(name: str) -> Optional[int]:
+        try:
+            return int(env[name])
+        except ValueError:
+            return None
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
+        if name in env and number(name) is None:
+            return f"{name}={env[name]!r} in the environment is not an integer"
+    rank, world, port = number("RANK"), number("WORLD_SIZE"), number("MASTER_PORT")
+    if world is not None and world < 1:
+        return f"WORLD_SIZE={world} in the environment: a process group has at least 1 rank"
+    if rank is not None and rank < 0:
+        return f"RANK={rank} in the environment: ranks count from 0"
+    if rank is not None and world is not None and rank >= world:
+        return f"RANK={rank} with WORLD_SIZE={world} in the environment: ranks are 0 to {world - 1}"
+    if "LOCAL_RANK" in env and (number("LOCAL_RANK") or 0) < 0:
+        return f"LOCAL_RANK={env['LOCAL_RANK']} in the environment: ranks count from 0"
+    if port is not None and not 1 <= port <= 65535:
+        return f"MASTER_PORT={port} in the environment: a port is 1 to 65535"
+    if "MASTER_ADDR" in env and not env["MASTER_ADDR"].strip():
+        return "MASTER_ADDR in the environment is empty: it names the host of rank 0"
+    return None
+
+
 def set_by_torchrun() -> bool:
     """Whether torchrun's agent started this process (it sets TORCHELASTIC_RUN_ID): rank
     variables without it may be stale ones exported in a shell, naming ranks that never come."""
@@ -62,6 +94,9 @@ def init_from_env(backend: str, timeout_s: float = 300.0) -> None:
     """Join the process group torchrun describes in the environment (no-op if already joined)."""
     check_fsdp_backend(backend)
     if not dist.is_initialized():
+        why = rank_variables_problem()
+        if why:
+            raise ValueError(f"{why}; unset the rank variables or fix them")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
@@ -138,8 +173,9 @@ def launch(
         )
         for r in range(nproc)
     ]
-    for p in procs:
-        p.start()
+    with children_ignore_sigint():  # Ctrl-C is the launcher's to handle: it stops the ranks below
+        for p in procs:
+            p.start()
     out: dict[int, Any] = {}
     try:
         while len(out) < nproc:

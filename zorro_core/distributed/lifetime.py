@@ -13,10 +13,30 @@ import select
 import signal
 import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 _PR_SET_PDEATHSIG = 1
 POLL_S = 0.1
 """How often a child polls its parent where pidfds are missing."""
+
+
+@contextmanager
+def children_ignore_sigint() -> Iterator[None]:
+    """Processes started inside the block ignore SIGINT. A terminal's Ctrl-C reaches every process
+    of the foreground group: the parent alone handles it (and ends its children), instead of each
+    child printing a KeyboardInterrupt traceback from wherever it was (a fork server importing
+    torch, a case computing). An ignored signal stays ignored across exec, and Python then
+    installs no KeyboardInterrupt handler. The parent ignores it only while it starts them (a
+    Ctrl-C in those milliseconds is lost); outside the main thread nothing is changed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def die_with(sweep_pid: int) -> None:

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from zorro_core.distributed.routing import Routing, plan_routing
-from zorro_core.plan.batch import RolloutBatch
+from zorro_core.plan.balance import check_attention_weight
+from zorro_core.plan.batch import RolloutBatch, check_batch
 from zorro_core.plan.prompt import group_rows
 
 
@@ -161,6 +162,10 @@ def regroup(
     `equal_rows=True` gives every rank the same number of rows (the total must divide evenly);
     otherwise groups stay whole. `attention_weight` weighs attention's query-key pairs in the cost.
     """
+    check_batch(batch, "regroup")
+    check_attention_weight(attention_weight)
+    if not isinstance(equal_rows, bool):
+        raise TypeError(f"equal_rows must be True or False, got {type(equal_rows).__name__} {equal_rows!r}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("regroup is a collective: call torch.distributed.init_process_group first")
     batch.validate()

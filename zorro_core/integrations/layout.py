@@ -25,6 +25,10 @@ def layout_problem(attention_mask: torch.Tensor, response_width: int) -> Optiona
     if attention_mask.dim() != 2:
         return f"attention_mask must be 2-D [batch, prompt + response], got shape {tuple(attention_mask.shape)}"
     width = attention_mask.shape[1]
+    if isinstance(response_width, bool) or not isinstance(response_width, int):
+        return f"response_width must be an int, got {type(response_width).__name__} {response_width!r}"
+    if attention_mask.dtype != torch.bool and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        return "attention_mask must hold only 0 and 1"
     if not 0 < response_width < width:
         return f"response width {response_width} leaves no prompt column in a row of {width} columns"
     mask = attention_mask.bool()
@@ -36,6 +40,34 @@ def layout_problem(attention_mask: torch.Tensor, response_width: int) -> Optiona
     if bool((~response[:, :-1] & response[:, 1:]).any()):
         return "a response is not right-padded (a 1 follows a 0 in attention_mask's response columns)"
     return None
+
+
+def check_joined_arguments(input_ids: object, attention_mask: object, rows_per_call: object) -> None:
+    """ValueError naming the argument: input_ids a 2-D integer tensor, attention_mask a tensor of
+    the same shape, rows_per_call None or an int >= 1."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in _ID_DTYPES:
+        what = (
+            f"a {input_ids.dtype} tensor of shape {tuple(input_ids.shape)}"
+            if isinstance(input_ids, torch.Tensor)
+            else type(input_ids).__name__
+        )
+        raise ValueError(f"input_ids must be a 2-D integer tensor [batch, prompt + response], got {what}")
+    if not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids shape "
+            f"{tuple(input_ids.shape)}: one mask row per row of input_ids"
+        )
+    if rows_per_call is not None and (
+        isinstance(rows_per_call, bool) or not isinstance(rows_per_call, int) or rows_per_call < 1
+    ):
+        raise ValueError(
+            f"rows_per_call must be an int >= 1 or None, got {type(rows_per_call).__name__} {rows_per_call!r}"
+        )
+
+
+_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 
 def joined_logprobs(
@@ -54,9 +86,10 @@ def joined_logprobs(
     `rows_per_call` caps the rows of one actor call (a trainer's memory chunking); rows with the
     same prompt are put next to each other first, so that a chunk holds whole groups where it can.
     `router_aux_loss` is passed to the actor's forward (an MoE model's aux loss is not returned here).
-    Raises ValueError (from `layout_problem`) on a layout it does not serve; at least one row
-    must have a response token.
+    Raises ValueError naming the argument (check_joined_arguments, then `layout_problem`) on
+    arguments or a layout it does not serve; at least one row must have a response token.
     """
+    check_joined_arguments(input_ids, attention_mask, rows_per_call)
     problem = layout_problem(attention_mask, response_width)
     if problem:
         raise ValueError(problem)

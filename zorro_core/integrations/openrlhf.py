@@ -5,7 +5,9 @@
 
 or, for OpenRLHF's own Ray launcher (`openrlhf.cli.train_ppo_ray`), `install()` rebinds the `Actor` name its
 trainer modules build the policy and the reference model with (`trainer/ray/ppo_actor.py`, `trainer/ray/launcher.py`),
-in the process that calls it; it must run in every Ray worker (docs/trainers.md).
+and the names of its batching and its PPO trainer (whole prompt groups per rank and micro-batch:
+`openrlhf_batching`; "zorro/..." logger entries: `openrlhf_status`), in the process that calls it; it must
+run in every Ray worker (docs/trainers.md).
 
 OpenRLHF computes every policy, old and reference log-prob in `Actor.forward(sequences, action_mask,
 attention_mask, ...)`. In 0.11 a micro-batch holds one row per sample, prompt + response (or a multi-turn
@@ -42,15 +44,20 @@ import sys
 from typing import Any, Optional
 
 import torch
-from openrlhf.models import Actor
 from packaging.version import Version
 
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.integrations.core import Fallback, ZorroFallbackWarning, require_attributes
+from zorro_core.integrations.openrlhf_rows import RowSplit, split_rows
+from zorro_core.integrations.openrlhf_status import CallStats
+from zorro_core.integrations.requires import require_trainer
 from zorro_core.integrations.wrappers import Wrapped, unwrap
-from zorro_core.plan.batch import RolloutBatch
+
+# Before any of OpenRLHF's names is imported (an older release lacks them); TESTED_OPENRLHF below.
+require_trainer("openrlhf", __name__, "openrlhf", "OpenRLHF 0.11", minimum="0.11")
+from openrlhf.models import Actor  # noqa: E402
 
 TESTED_OPENRLHF = ("0.11",)
 """OpenRLHF minor versions whose `Actor.forward` this module reproduces (0.11.2 tested)."""
@@ -109,8 +116,10 @@ __all__ = [
     "RowSplit",
     "ZorroFallbackWarning",
     "check_openrlhf",
+    "grouped_experience_maker",
     "install",
     "split_rows",
+    "status_trainer",
 ]
 
 
@@ -138,6 +147,8 @@ class DedupActor(Actor):
         self._zorro_actor: Optional[tuple[tuple[int, torch.device, torch.dtype], Any]] = None
         self._zorro_fallback = Fallback("OpenRLHF's own Actor.forward serves this call")
         self.zorro_calls = self._zorro_fallback.counts
+        self.zorro_stats = CallStats()
+        """Tokens of the calls since the last report (OpenRLHF's logger entries: openrlhf_status)."""
         if _NEWER:
             self._zorro_fallback.note(_NEWER)
 
@@ -218,6 +229,7 @@ class DedupActor(Actor):
                     return action_log_probs, output
         assert reason is not None
         self._zorro_fallback.fall_back(reason)
+        self.zorro_stats.fell_back(reason, attention_mask)
         return super().forward(
             sequences,
             action_mask,
@@ -234,6 +246,7 @@ class DedupActor(Actor):
     def _compute(self, actor, sequences: torch.Tensor, split: "RowSplit", calculate_entropy: bool):
         batch = split.batch(sequences)
         out = actor.forward(batch, temperature=float(self.temperature), calculate_entropy=calculate_entropy)
+        self.zorro_stats.served(batch.prompts, batch.prompt_mask, batch.response_mask)
         # A tuple of tensors only: DeepSpeed's engine (like DDP) looks for the outputs its backward waits on in it.
         if calculate_entropy:
             return split.place(out.log_probs), split.place(out.entropy)
@@ -255,86 +268,87 @@ class _Output(dict):
         self[name] = value
 
 
-class RowSplit:
-    """Where each row of OpenRLHF's micro-batch splits into zorro's prompt and response.
-
-    `live` are the rows with at least one scored token; for those, `start` is the first real token,
-    `first` the first scored token (the response starts there), `end` one past the last real token.
-    """
-
-    def __init__(self, live, start, first, end, rows: int, width: int) -> None:
-        self.live, self.start, self.first, self.end = live, start, first, end
-        self.rows, self.width = rows, width
-        self.plen, self.rlen = first - start, end - first
-
-    def batch(self, sequences: torch.Tensor) -> RolloutBatch:
-        seq = sequences[self.live]
-        dev = seq.device
-        pw, rw = int(self.plen.max()), int(self.rlen.max())
-        pcol = torch.arange(pw, device=dev)[None]
-        pmask = pcol >= (pw - self.plen)[:, None]
-        psrc = (self.start[:, None] + pcol - (pw - self.plen)[:, None]).clamp(0, seq.shape[1] - 1)
-        rcol = torch.arange(rw, device=dev)[None]
-        rmask = rcol < self.rlen[:, None]
-        rsrc = (self.first[:, None] + rcol).clamp(max=seq.shape[1] - 1)
-        prompts = torch.where(pmask, seq.gather(1, psrc), 0)
-        responses = torch.where(rmask, seq.gather(1, rsrc), 0)
-        return RolloutBatch(prompts, pmask.long(), responses, rmask.long())
-
-    def place(self, values: torch.Tensor) -> torch.Tensor:
-        """`[live, R]` per-response-token values -> OpenRLHF's `[B, T - 1]` log-prob columns, float32, 0 elsewhere."""
-        rows = self.live[:, None].expand_as(values)
-        cols = self.first[:, None] - 1 + torch.arange(values.shape[1], device=values.device)[None]
-        keep = torch.arange(values.shape[1], device=values.device)[None] < self.rlen[:, None]
-        out = values.new_zeros((self.rows, self.width - 1))
-        # index_put keeps the values differentiable; positions left out stay exactly 0.
-        return out.index_put((rows[keep], cols[keep]), values[keep]).float()
-
-
-def split_rows(attention_mask: torch.Tensor, action_mask: torch.Tensor) -> "RowSplit | str":
-    """The RowSplit of a micro-batch, or why its layout is not served."""
-    if attention_mask.dim() != 2 or action_mask.dim() != 2:
-        return (
-            f"attention_mask and action_mask must be 2-D, got {tuple(attention_mask.shape)}, {tuple(action_mask.shape)}"
-        )
-    b, t = attention_mask.shape
-    a = action_mask.shape[1]
-    if action_mask.shape[0] != b or not 0 < a <= t - 1:
-        return f"action_mask {tuple(action_mask.shape)} does not fit sequences of shape {(b, t)}"
-    mask = attention_mask.bool()
-    scored = torch.zeros((b, t - 1), dtype=torch.bool, device=mask.device)
-    scored[:, t - 1 - a :] = action_mask.bool()
-    lengths = mask.sum(1)
-    start = mask.long().argmax(1)
-    end = start + lengths
-    cols = torch.arange(t, device=mask.device)[None]
-    if bool((mask != ((cols >= start[:, None]) & (cols < end[:, None]))).any()):
-        return "a row's real tokens (attention_mask 1) are not one contiguous run"
-    # Column j scores token j + 1: a scored padding token would get OpenRLHF's padded-forward value.
-    if bool((scored & ~mask[:, 1:]).any()):
-        return "action_mask marks a padding token (attention_mask 0)"
-    has = scored.any(1)
-    live = has.nonzero().flatten()
-    if live.numel() == 0:
-        return "no token of the call is scored (action_mask is 0 everywhere)"
-    first = scored.long().argmax(1) + 1
-    if bool((first[live] <= start[live]).any()):
-        return "a row's first real token is scored (nothing precedes it)"
-    return RowSplit(live, start[live], first[live], end[live], b, t)
-
-
 def install() -> None:
-    """Make OpenRLHF's Ray trainer build `DedupActor` for the policy and the reference model, in this process.
+    """Make OpenRLHF's Ray trainer use zorro, in this process: `DedupActor` for the policy and the
+    reference model, whole prompt groups in its batching, zorro's entries in its logger status.
 
-    Rebinds the name `Actor` in `openrlhf.trainer.ray.ppo_actor` and `openrlhf.trainer.ray.launcher` (the
-    modules whose `init_model_from_pretrained` builds them); OpenRLHF's strategy still recognises the class
-    (`isinstance(model, Actor)` holds for the subclass). Ray workers are separate processes: pass this
-    function as Ray's `worker_process_setup_hook` (docs/trainers.md).
+    Rebinds, in the modules that look them up when they build their objects (no OpenRLHF file changes):
+    - `Actor` in `openrlhf.trainer.ray.ppo_actor` and `openrlhf.trainer.ray.launcher` (the modules whose
+      `init_model_from_pretrained` builds the models) to `DedupActor`; OpenRLHF's strategy still
+      recognises the class (`isinstance(model, Actor)` holds for the subclass);
+    - `NaiveReplayBuffer` in `ppo_actor` to `openrlhf_batching.GroupedReplayBuffer` (training micro-batches);
+    - `ActorPPOTrainer` in `ppo_actor` to a subclass whose `ppo_train` adds the "zorro/..." status entries
+      (`openrlhf_status`);
+    - `balance_experiences` and `RemoteExperienceMaker` in `openrlhf.trainer.ppo_trainer` to zorro's
+      `balance_experiences` and a subclass whose `split_rollout_samples` is zorro's (`openrlhf_batching`).
+    Ray workers are separate processes: pass this function as Ray's `worker_process_setup_hook`
+    (docs/trainers.md); the trainer itself (`PPOTrainer`) is a Ray actor too, so the hook reaches it.
     """
     import importlib
+
+    from zorro_core.integrations import openrlhf_batching as batching
 
     for name in ("openrlhf.trainer.ray.ppo_actor", "openrlhf.trainer.ray.launcher"):
         module = sys.modules.get(name) or importlib.import_module(name)
         if getattr(module, "Actor", None) is not Actor and getattr(module, "Actor", None) is not DedupActor:
             raise ImportError(f"{name}.Actor is {module.Actor!r}, not OpenRLHF's Actor: something else replaced it")
         module.Actor = DedupActor  # type: ignore[attr-defined]
+    ppo_actor = sys.modules["openrlhf.trainer.ray.ppo_actor"]
+    _rebind(ppo_actor, "NaiveReplayBuffer", batching.NaiveReplayBuffer, batching.GroupedReplayBuffer)
+    _rebind(ppo_actor, "ActorPPOTrainer", None, status_trainer(ppo_actor.ActorPPOTrainer))
+    trainer = importlib.import_module("openrlhf.trainer.ppo_trainer")
+    _rebind(trainer, "balance_experiences", batching.openrlhf_balance_experiences, batching.balance_experiences)
+    _rebind(trainer, "RemoteExperienceMaker", None, grouped_experience_maker(trainer.RemoteExperienceMaker))
+
+
+def _rebind(module: Any, name: str, original: Any, replacement: Any) -> None:
+    """`module.name = replacement`, unless something other than OpenRLHF's `original` (or zorro's
+    replacement, from an earlier install) is there: then the ImportError names it."""
+    have = getattr(module, name)
+    if have is not replacement and original is not None and have is not original:
+        raise ImportError(f"{module.__name__}.{name} is {have!r}, not OpenRLHF's: something else replaced it")
+    setattr(module, name, replacement)
+
+
+_SUBCLASSES: dict[tuple[str, type], type] = {}
+
+
+def status_trainer(base: type) -> type:
+    """`ActorPPOTrainer` (OpenRLHF's, `base`) whose `ppo_train` status carries zorro's entries."""
+    if getattr(base, "_zorro_status", False):
+        return base
+    key = ("status", base)
+    if key not in _SUBCLASSES:
+        from zorro_core.integrations import openrlhf_batching, openrlhf_status
+
+        def ppo_train(self: Any, kl_ctl: float) -> dict:
+            status = base.ppo_train(self, kl_ctl)  # type: ignore[attr-defined]
+            stats = self.actor.zorro_stats.take() if isinstance(self.actor, DedupActor) else None
+            group = self.strategy.ds_device_mesh["dp"].get_group() if hasattr(self.strategy, "ds_device_mesh") else None
+            status.update(openrlhf_status.status_entries(stats, openrlhf_batching.BATCHING.report(), group))
+            return status
+
+        _SUBCLASSES[key] = type(
+            base.__name__, (base,), {"ppo_train": ppo_train, "_zorro_status": True, "__module__": __name__}
+        )
+    return _SUBCLASSES[key]
+
+
+def grouped_experience_maker(base: type) -> type:
+    """`RemoteExperienceMaker` (OpenRLHF's, `base`) whose log-prob micro-batches hold whole groups."""
+    if getattr(base, "_zorro_groups", False):
+        return base
+    key = ("groups", base)
+    if key not in _SUBCLASSES:
+        from zorro_core.integrations import openrlhf_batching
+
+        def split_rollout_samples(self: Any, rollout_samples: list) -> list:
+            ours = openrlhf_batching.split_rollout_samples(rollout_samples, self.args, self.tokenizer.pad_token_id)
+            return base.split_rollout_samples(self, rollout_samples) if ours is None else ours  # type: ignore[attr-defined]
+
+        _SUBCLASSES[key] = type(
+            base.__name__,
+            (base,),
+            {"split_rollout_samples": split_rollout_samples, "_zorro_groups": True, "__module__": __name__},
+        )
+    return _SUBCLASSES[key]

@@ -59,9 +59,7 @@ from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
-import trl
 from packaging.version import Version
-from trl import GRPOConfig, GRPOTrainer
 
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
@@ -69,14 +67,20 @@ from zorro_core.distributed.regroup import regroup
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.integrations.core import Fallback, ZorroFallbackWarning, prompt_dedup_ratio, require_attributes
 from zorro_core.integrations.layout import joined_logprobs, layout_problem
+from zorro_core.integrations.requires import require_trainer
 from zorro_core.integrations.wrappers import Wrapped, unwrap
 from zorro_core.models.parts import check_trainable_state
 from zorro_core.plan.batch import RolloutBatch
 
-__all__ = ["TESTED_TRL", "DedupGRPOTrainer", "ZorroFallbackWarning", "check_trl_version", "prompt_dedup_ratio"]
-
 TESTED_TRL = ("1.15", "1.16")
 """TRL minor versions whose `_get_per_token_logps_and_entropies` this module reproduces."""
+
+# Before any of TRL's names is imported: an older TRL lacks them (GRPOConfig), and the user reads this instead.
+trl = require_trainer("trl", __name__, "trl", f"TRL {' or '.join(TESTED_TRL)}", minimum=TESTED_TRL[0])
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+__all__ = ["TESTED_TRL", "DedupGRPOTrainer", "ZorroFallbackWarning", "check_trl_version", "prompt_dedup_ratio"]
+
 _SIGNATURE = (
     "self",
     "model",

@@ -41,6 +41,10 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
+
+import zorro_core.integrations.needs_verl  # noqa: F401 -- first: refuses a missing or too old verl
+
+# isort: split
 import verl
 from verl.plugin.platform import platform_manager
 from verl.plugin.platform.platform_cuda import PlatformCUDA

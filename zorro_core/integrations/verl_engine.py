@@ -92,6 +92,10 @@ from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
+
+import zorro_core.integrations.needs_verl  # noqa: F401 -- first: refuses a missing or too old verl
+
+# isort: split
 import verl
 from packaging.version import Version
 from verl.utils import tensordict_utils as tu

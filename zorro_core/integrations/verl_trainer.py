@@ -37,6 +37,9 @@ import logging
 import math
 from typing import Any, Optional
 
+import zorro_core.integrations.needs_verl  # noqa: F401 -- first: refuses a missing or too old verl
+
+# isort: split
 import verl
 from omegaconf import open_dict
 from verl.single_controller.base.worker import Worker

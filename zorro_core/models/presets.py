@@ -107,6 +107,12 @@ def load_model(
             stacklevel=2,
         )
     path = local_checkpoint(name_or_path)
+    if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(
+            f"model {name_or_path!r} is not a model directory: {os.path.abspath(path)!r} holds no config.json "
+            "(a checkpoint directory holds config.json and the weights); give a checkpoint directory, a model in "
+            f"the local Hugging Face cache, or a preset ({', '.join(PRESETS)})"
+        )
     if path is not None:
         with hub_offline():
             model = AutoModelForCausalLM.from_pretrained(

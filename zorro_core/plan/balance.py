@@ -202,6 +202,19 @@ def _split_group(work: GroupedLengths, g: int, rows: list[int], budget: int) -> 
     return [[rows[i] for i in b] for b in _first_fit_decreasing(sizes, budget - work.prompt_lens[g])]
 
 
+def check_attention_weight(attention_weight: object) -> None:
+    """ValueError unless `attention_weight` is a finite number >= 0 (not a bool, not a string)."""
+    if (
+        isinstance(attention_weight, bool)
+        or not isinstance(attention_weight, (int, float))
+        or not math.isfinite(attention_weight)
+        or attention_weight < 0
+    ):
+        raise ValueError(
+            f"attention_weight must be a finite number >= 0, got {type(attention_weight).__name__} {attention_weight!r}"
+        )
+
+
 def partition_micro_batches(
     work: GroupedLengths,
     max_tokens: Optional[int] = None,

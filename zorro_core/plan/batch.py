@@ -1,17 +1,31 @@
-"""RolloutBatch: the trainer's layout (verl's): left-padded prompts, right-padded responses."""
+"""RolloutBatch: the trainer's layout (verl's): left-padded prompts, right-padded responses.
+
+A batch is validated once, when it is built, and is immutable: its fields cannot be reassigned
+(a frozen dataclass), and a tensor changed in place since (`batch.prompts[0, 0] = -1`) is seen by
+its version counter, which every in-place write bumps: `check_unchanged` (run by the actor at
+every call) validates such a batch again. Reading four counters costs microseconds.
+"""
 
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import torch
 
 META_BATCH = "the batch is on the meta device: its tensors hold no token ids (build it on a real device)"
 
 
-@dataclass
+def _versions(tensors: Sequence[torch.Tensor]) -> Optional[tuple[int, ...]]:
+    """The in-place write counters of `tensors`; None where one has none (an inference-mode tensor)."""
+    try:
+        return tuple(t._version for t in tensors)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+@dataclass(frozen=True)
 class RolloutBatch:
     """One batch of sampled sequences, as RL trainers hold it."""
 
@@ -23,9 +37,24 @@ class RolloutBatch:
     """[B, R] token ids, right-padded."""
     response_mask: torch.Tensor
     """[B, R] 1 for a real response token, 0 for padding."""
+    _validated_at: Optional[tuple[int, ...]] = field(default=None, init=False, repr=False, compare=False)
+    """The tensors' version counters when the batch was last validated (None: unknown)."""
 
     def __post_init__(self) -> None:
         self.validate()  # the one structural check; a moved copy or a sub-batch is not checked again
+
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.prompts, self.prompt_mask, self.responses, self.response_mask
+
+    def _stamp(self) -> None:
+        object.__setattr__(self, "_validated_at", _versions(self._tensors()))
+
+    def check_unchanged(self) -> None:
+        """Validate the batch again when a tensor was written in place since it was validated (or
+        when that cannot be told: a tensor made under torch.inference_mode has no counter)."""
+        now = _versions(self._tensors())
+        if now is None or now != self._validated_at:
+            self.validate()
 
     @classmethod
     def of_validated(
@@ -33,12 +62,11 @@ class RolloutBatch:
     ) -> "RolloutBatch":
         """A batch of tensors taken from a validated batch (moved, or some of its rows): not checked again."""
         batch = cls.__new__(cls)
-        batch.prompts, batch.prompt_mask, batch.responses, batch.response_mask = (
-            prompts,
-            prompt_mask,
-            responses,
-            response_mask,
-        )
+        for name, t in zip(
+            ("prompts", "prompt_mask", "responses", "response_mask"), (prompts, prompt_mask, responses, response_mask)
+        ):
+            object.__setattr__(batch, name, t)
+        batch._stamp()
         return batch
 
     @property
@@ -113,6 +141,7 @@ class RolloutBatch:
                 raise ValueError(f"{name} holds a negative token id ({int(real.min())}) at a real position")
         if vocab_size is not None:
             self.check_vocab(vocab_size)
+        self._stamp()
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ValueError if a real token id is >= `vocab_size` (the rest is checked at construction)."""
@@ -168,6 +197,17 @@ class RolloutBatch:
         ps = [row[m.bool()].tolist() for row, m in zip(self.prompts.cpu(), self.prompt_mask.cpu())]
         rs = [row[m.bool()].tolist() for row, m in zip(self.responses.cpu(), self.response_mask.cpu())]
         return ps, rs
+
+
+def check_batch(batch: object, who: str = "the actor") -> None:
+    """TypeError unless `batch` is a RolloutBatch; ValueError when one was changed in place into an
+    invalid batch since it was validated (RolloutBatch.check_unchanged)."""
+    if not isinstance(batch, RolloutBatch):
+        raise TypeError(
+            f"{who} takes a zorro_core.RolloutBatch (prompts, prompt_mask, responses, response_mask), got "
+            f"{type(batch).__name__}; build one with RolloutBatch(...) or RolloutBatch.from_lists(prompts, responses)"
+        )
+    batch.check_unchanged()
 
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)

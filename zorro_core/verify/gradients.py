@@ -88,6 +88,8 @@ class VerifyCase:
     def name(self) -> str:
         a = self.actor
         mode = "split" if a.use_split_attention else "mask"
+        if a.use_split_attention and a.varlen_backend:
+            mode = f"split:{a.varlen_backend}"
         return f"{self.model}/{a.attn_implementation}/{self.dtype}/{self.layout}/{mode}/{a.logits_mode}"
 
 
@@ -481,14 +483,21 @@ def expand_cases(
     modes: Iterable[str],
     logits_modes: Iterable[str],
     actor: Optional[ActorConfig] = None,
+    varlen_backends: Iterable[Optional[str]] = (None,),
 ) -> list[VerifyCase]:
     """Every combination, in a stable order (model outermost); each case's actor options are
-    `actor`'s (default ActorConfig()) with its attention, split or mask mode and logits mode."""
+    `actor`'s (default ActorConfig()) with its attention, split or mask mode and logits mode. Split
+    cases run once per varlen backend (None: the attention's default); mask cases take none."""
     actor = actor or ActorConfig()
-    return [
-        VerifyCase(m, d, lay, actor.replace(attn_implementation=a, use_split_attention=mode == "split", logits_mode=lm))
-        for m, d, lay, a, mode, lm in itertools.product(models, dtypes, layouts, attns, modes, logits_modes)
-    ]
+    backends = list(varlen_backends)
+    cases = []
+    for m, d, lay, a, mode, lm in itertools.product(models, dtypes, layouts, attns, modes, logits_modes):
+        for be in backends if mode == "split" else [None]:
+            options = dict(attn_implementation=a, use_split_attention=mode == "split", logits_mode=lm)
+            if be is not None:
+                options["varlen_backend"] = be
+            cases.append(VerifyCase(m, d, lay, actor.replace(**options)))
+    return cases
 
 
 def verify_cases(

@@ -35,6 +35,7 @@ from typing import Any, Callable, Collection, Optional, Sequence
 import numpy as np
 
 from zorro_core.models.local_files import hub_offline, refuse_remote_code
+from zorro_harness.analyze.large_lines import LARGE_LINE_BYTES, loads_large
 
 # Chat templates are compiled by transformers' own sandboxed compiler, so the rendering has the
 # globals and filters the tokenizer's would. Its name is private: probed once here, and without it
@@ -70,7 +71,8 @@ COMPLETION_SAMPLE = 10_000
 only their length distribution is needed, that is enough, and it halves the tokenizer's work."""
 
 MAX_LINE_BYTES = 64 * 2**20
-"""The longest JSON line read (a row): a line is parsed whole, and Python's objects for it take ~10x its size."""
+"""The longest JSON line read (a row). A line is parsed whole; a line of LARGE_LINE_BYTES or more
+has its long token-id arrays parsed by numpy (large_lines): peak memory ~2x the line, not ~10x."""
 RENDER_SECONDS = 10.0
 """The longest one row's chat-template rendering may take (a template's loops are otherwise unbounded)."""
 MAX_RENDER_CHARS = 64 * 2**20
@@ -120,7 +122,7 @@ class Ragged:
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(lens, out=offsets[1:])
         if rows and all(isinstance(r, np.ndarray) for r in rows):
-            return cls(np.concatenate(rows).astype(np.int64, copy=False), offsets)
+            return cls(np.concatenate(rows, dtype=np.int64), offsets)  # one copy, whatever the rows' dtype
         flat = np.fromiter((t for r in rows for t in r), dtype=np.int64, count=int(offsets[-1]))
         return cls(flat, offsets)
 
@@ -231,17 +233,24 @@ def _read_jsonl(path: str, keep: frozenset) -> dict[str, Any]:
                 )
             if n == 1 and raw.startswith(codecs.BOM_UTF8):
                 raw = raw[len(codecs.BOM_UTF8) :]
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DatasetError(f"{path}: line {n} is not UTF-8 (byte {e.start + 1}: {e.reason})") from None
-            if not line.strip():
-                continue
-            if not rows and line.lstrip().startswith("["):
-                raise DatasetError(
-                    f"{path}: line {n} starts a JSON array; zorro reads JSON lines, one JSON object per line"
-                )
-            obj = _json_line(path, n, line)
+            if len(raw) >= LARGE_LINE_BYTES:  # its long id arrays parsed by numpy, not as Python ints
+                if not rows and raw.lstrip().startswith(b"["):
+                    raise DatasetError(
+                        f"{path}: line {n} starts a JSON array; zorro reads JSON lines, one JSON object per line"
+                    )
+                obj = _json_line(path, n, raw)
+            else:
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DatasetError(f"{path}: line {n} is not UTF-8 (byte {e.start + 1}: {e.reason})") from None
+                if not line.strip():
+                    continue
+                if not rows and line.lstrip().startswith("["):
+                    raise DatasetError(
+                        f"{path}: line {n} starts a JSON array; zorro reads JSON lines, one JSON object per line"
+                    )
+                obj = _json_line(path, n, line)
             for k, v in obj.items():
                 if k not in names:
                     names[k] = None
@@ -259,9 +268,12 @@ def _read_jsonl(path: str, keep: frozenset) -> dict[str, Any]:
     return {k: kept.get(k) for k in names}
 
 
-def _json_line(path: str, n: int, line: str) -> dict:
+def _json_line(path: str, n: int, line: str | bytes) -> dict:
+    """Line `n` parsed (bytes: a large line, its long id arrays as numpy arrays: large_lines)."""
     try:
-        obj = json.loads(line)
+        obj = json.loads(line) if isinstance(line, str) else loads_large(line, json.loads)
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path}: line {n} is not UTF-8 (byte {e.start + 1}: {e.reason})") from None
     except json.JSONDecodeError as e:
         raise DatasetError(f"{path}: line {n} is not JSON ({e.msg})") from None
     except RecursionError:

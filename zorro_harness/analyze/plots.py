@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from zorro_harness.bench.files import replace_atomically
+
 
 def write_plots(report: dict, folder: str) -> list[str]:
     """Write ideal_vs_group_size.png and shared_prefix_lengths.png into `folder`; their paths."""
@@ -29,7 +31,7 @@ def write_plots(report: dict, folder: str) -> list[str]:
     ax.legend()
     paths.append(os.path.join(folder, "ideal_vs_group_size.png"))
     fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
+    replace_atomically(paths[-1], lambda f: fig.savefig(f, format="png", dpi=120))  # never through a link
     plt.close(fig)
     hist = report["shared_prefix_lengths"]["histogram"]
     edges, counts = hist["edges"], hist["counts"]
@@ -42,6 +44,6 @@ def write_plots(report: dict, folder: str) -> list[str]:
     ax.set_title("shared-prefix lengths")
     paths.append(os.path.join(folder, "shared_prefix_lengths.png"))
     fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
+    replace_atomically(paths[-1], lambda f: fig.savefig(f, format="png", dpi=120))  # never through a link
     plt.close(fig)
     return paths

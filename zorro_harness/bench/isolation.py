@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from zorro_core.distributed.lifetime import die_with
+from zorro_core.distributed.lifetime import children_ignore_sigint, die_with
 from zorro_harness.bench.footprint import GIB, available_memory
 
 PRELOAD = ["zorro_harness.bench.runner", "zorro_core.actor.actor"]
@@ -41,6 +41,22 @@ def context() -> Any:  # a multiprocessing context (forkserver, else spawn)
         else:  # pragma: no cover (macOS/Windows)
             _CTX = mp.get_context("spawn")
     return _CTX
+
+
+def _start(ctx: Any, proc: Any) -> None:
+    """Start `proc` so that it ignores SIGINT (the sweep handles Ctrl-C and ends it). The fork
+    server is started first, on its own: its case processes inherit what it ignored when it
+    started, and starting a case waits for the server's imports (seconds), during which the
+    sweep itself must still see a Ctrl-C."""
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        with children_ignore_sigint():
+            forkserver.ensure_running()
+        proc.start()
+        return
+    with children_ignore_sigint():  # pragma: no cover (spawn: macOS/Windows)
+        proc.start()
 
 
 def _entry(target: Callable, sweep_pid: int, *args) -> None:
@@ -110,7 +126,7 @@ def run_isolated(target: Callable, args: tuple, timeout_s: float, max_memory: Op
     ctx = context()
     reader, writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_entry, args=(target, os.getpid(), *args, writer), daemon=True)
-    proc.start()
+    _start(ctx, proc)
     writer.close()
     try:
         stopped = _watch(proc, reader, timeout_s, max_memory)
@@ -134,5 +150,9 @@ def run_isolated(target: Callable, args: tuple, timeout_s: float, max_memory: Op
         if "error" in payload and "phases" not in payload:
             return ChildResult(payload.get("status", "error"), payload, payload["error"])
         return ChildResult("ok", payload)
+    except BaseException:  # the sweep interrupted (a signal): the case ends now, not when it notices
+        proc.kill()
+        proc.join()
+        raise
     finally:
         reader.close()

@@ -8,6 +8,7 @@ import math
 import re
 from pathlib import Path
 
+from zorro_harness.bench.files import replace_atomically
 from zorro_harness.bench.measure import format_speedup
 from zorro_harness.bench.results import (
     SETUP_COLUMNS,
@@ -264,7 +265,7 @@ def _save(fig, title: str, path: Path) -> Path:
 
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    replace_atomically(path, lambda f: fig.savefig(f, format="png", dpi=110))  # never through a link
     plt.close(fig)
     return path
 

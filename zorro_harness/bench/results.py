@@ -13,8 +13,10 @@
 - Only a zorro sidecar is rewritten: it carries the field `zorro_sidecar` (one written before
   that field existed has a "runs" table); any other JSON table of that name is the user's, left
   alone, and the sweep is refused naming it (check_out).
-- The sidecar is replaced atomically (written beside, then renamed; the `.tmp` is removed when
-  the write fails). A damaged sidecar (not JSON, not UTF-8, not a {"runs": [...]} table) is kept
+- Never through a link (zorro_harness.bench.files): the CSV, the sidecar and the lock are opened
+  with O_NOFOLLOW, and a link where one of them would go is refused with one line naming it.
+- The sidecar is replaced atomically (written to a temporary file with a random name beside it,
+  created with O_EXCL, then renamed; the temporary file is removed when the write fails). A damaged sidecar (not JSON, not UTF-8, not a {"runs": [...]} table) is kept
   as a numbered backup before a new one is started, and the caller is told.
 - `--out` is checked first (check_out): only a regular results file is ever moved aside or
   appended to; a device, a directory, the suite file itself, a file that is not a results CSV,
@@ -43,6 +45,8 @@ import stat
 import sys
 from pathlib import Path
 from typing import Any, Optional
+
+from zorro_harness.bench.files import name_too_long, open_no_follow, refuse_link, short_name, write_bytes_atomically
 
 # What a case runs (the model and the arms' settings): part of the required columns, and the
 # start of the report's configuration key (zorro_harness.bench.report.GROUP_COLUMNS).
@@ -194,6 +198,11 @@ def check_out(out: str | Path, mode: str, protect: tuple[str | Path, ...] = ()) 
         raise ValueError(
             f"--out {out}: its JSON sidecar would be {side}, the file itself; give the results file a .csv name"
         )
+    for p, what in ((out, "--out"), (side, "its sidecar"), (lock_path(out), "its lock")):
+        why = name_too_long(p, what)
+        if why:
+            raise ValueError(f"--out {short_name(out)}: {why}" if p != out else why)
+        refuse_link(p, what)
     for p, what in ((out, "--out"), (side, "its sidecar")):
         try:
             st = os.stat(p)
@@ -247,7 +256,7 @@ class ResultsLock:
 
     def __enter__(self) -> "ResultsLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_no_follow(self.path, os.O_RDWR | os.O_CREAT, what="the results lock")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -277,11 +286,11 @@ def backup(csv_path: str | Path) -> Path:
     csv_path = Path(csv_path)
     side = sidecar_path(csv_path)
     n = 1
-    while any(p.with_name(f"{p.name}.{n}.bak").exists() for p in (csv_path, side)):
+    while any(os.path.lexists(p.with_name(f"{p.name}.{n}.bak")) for p in (csv_path, side)):
         n += 1
     kept = csv_path.with_name(f"{csv_path.name}.{n}.bak")
     csv_path.replace(kept)
-    if side.exists():
+    if os.path.lexists(side):
         side.replace(side.with_name(f"{side.name}.{n}.bak"))
     return kept
 
@@ -354,14 +363,14 @@ def _header(path: Path) -> list[str] | None:
 def _drop_partial_line(path: Path) -> None:
     """A process killed mid-write can leave a last line without its newline: drop it (that row
     never finished, so a resumed sweep runs it again) rather than glue the next row onto it."""
+    refuse_link(path, "--out")
     if not path.exists() or path.stat().st_size == 0:
         return
-    data = path.read_bytes()
-    if data.endswith(b"\n"):
-        return
-    cut = data.rfind(b"\n") + 1
-    with path.open("r+b") as f:
-        f.truncate(cut)
+    fd = open_no_follow(path, os.O_RDWR, what="--out")
+    with os.fdopen(fd, "r+b") as f:
+        data = f.read()
+        if not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
 
 
 def _line(values: list[Any]) -> bytes:
@@ -378,7 +387,7 @@ def _write_whole(path: Path, data: bytes) -> None:
     write fails (a full disk) what was written of `data` is cut back off: whole or not at all.
     ResultsWriteError naming the file and the cause."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, what="--out")
     except OSError as e:
         raise ResultsWriteError(f"cannot write {path}: {e.strerror or e}") from None
     try:
@@ -404,6 +413,7 @@ class ResultWriter:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        refuse_link(self.path, "--out")
         if self.path.is_dir():
             raise ValueError(f"{self.path} is a directory, not a results CSV")
         _drop_partial_line(self.path)
@@ -445,13 +455,13 @@ def done_keys(path: str | Path) -> set[tuple[str, str]]:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    """Replace `path` atomically: a kill leaves the old file or the new one, never half of one."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Replace `path` atomically: a kill leaves the old file or the new one, never half of one.
+    A link at `path` is refused (a rename would replace the link, but the sidecar the user
+    pointed at would silently stop being the one written)."""
+    refuse_link(path, "the sidecar")
     try:
-        tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-        os.replace(tmp, path)
+        write_bytes_atomically(path, (json.dumps(data, indent=2, default=str) + "\n").encode())
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise ResultsWriteError(f"cannot write {path}: {e.strerror or e}") from None
 
 
@@ -482,6 +492,7 @@ def write_sidecar(path: str | Path, run: dict[str, Any]) -> tuple[Optional[Path]
     sidecar is first moved to the first free `<json>.<n>.bak` (never lost): (that backup, why it
     was damaged); (None, "") otherwise."""
     path = Path(path)
+    refuse_link(path, "the sidecar")
     kept, why = None, ""
     try:
         data = read_sidecar(path)
@@ -490,7 +501,7 @@ def write_sidecar(path: str | Path, run: dict[str, Any]) -> tuple[Optional[Path]
     except ValueError as e:
         why = str(e)
         n = 1
-        while path.with_name(f"{path.name}.{n}.bak").exists():
+        while os.path.lexists(path.with_name(f"{path.name}.{n}.bak")):
             n += 1
         kept = path.with_name(f"{path.name}.{n}.bak")
         try:

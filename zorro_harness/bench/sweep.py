@@ -43,23 +43,34 @@ FAILED = ("error", "crashed", "timeout")
 """Statuses that make a sweep fail (exit 1); ok, oom and skipped are results."""
 
 
-def git_state() -> dict[str, Any]:
-    """Commit and dirty flag of the checkout the code runs from (None outside git)."""
-    root = Path(__file__).resolve().parents[2]
+GIT_SAFE = ("-c", "core.fsmonitor=", "-c", "core.hooksPath=/dev/null", "--no-optional-locks")
+"""What every git call here runs with: no fsmonitor command, no hook (from the environment, the
+user's or the repository's config), no index written."""
+
+
+def git_state(root: Optional[Path] = None) -> dict[str, Any]:
+    """Commit and dirty flag of the checkout the code runs from (`root`: zorro's own folder);
+    None for both when it is not a git checkout (an installed package): git is then not run.
+    git is asked about that folder only (no GIT_* variable from the environment reaches it, it
+    does not look above `root`), with hooks and fsmonitor off (GIT_SAFE)."""
+    root = Path(__file__).resolve().parents[2] if root is None else root
+    none: dict[str, Any] = {"git_sha": None, "git_dirty": None}
+    if not (root / ".git").exists():
+        return none
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env["GIT_CEILING_DIRECTORIES"] = str(root.parent)
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *GIT_SAFE, *args], cwd=root, env=env, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
+        sha = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no") if sha else ""
         return {"git_sha": sha or None, "git_dirty": bool(dirty) if sha else None}
     except (OSError, subprocess.SubprocessError):
-        return {"git_sha": None, "git_dirty": None}
+        return none
 
 
 def command_line() -> str:

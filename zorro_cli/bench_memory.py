@@ -1,0 +1,176 @@
+"""`zorro bench memory`: saved-for-backward bytes per path and the longest prompt that fits
+(zorro_harness.bench.memory counts; this module parses options, prints and writes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from zorro_cli.console import console, escape, fail
+from zorro_core.models.presets import PRESETS
+from zorro_harness.bench.memory import MemoryCase, count_isolated, longest_prompt, narrowed_config, parameter_bytes
+
+GIB = 1024**3
+
+
+def _ints(values: Optional[list[str]], default: list[int], flag: str) -> list[int]:
+    out = [v.strip() for item in (values or []) for v in item.split(",") if v.strip()] or [str(d) for d in default]
+    try:
+        nums = [int(v) for v in out]
+    except ValueError:
+        fail(f"{flag}: whole numbers, comma-separated, got {', '.join(out)}")
+    if any(n < 1 for n in nums):
+        fail(f"{flag}: every value must be >= 1, got {', '.join(out)}")
+    return list(dict.fromkeys(nums))
+
+
+def _check_out(out: Path, flag: str) -> None:
+    if out.is_symlink():
+        fail(f"{flag} {escape(str(out))} is a symbolic link; name a regular file")
+    if not out.parent.is_dir():
+        fail(f"{flag}: folder {escape(str(out.parent))} does not exist")
+
+
+def _write(rows: list[dict], out: Path) -> None:
+    """The CSV through a temporary file in the target folder and an atomic rename; never through a link."""
+    import pandas as pd
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    with os.fdopen(fd, "w", newline="") as f:
+        pd.DataFrame(rows).to_csv(f, index=False)
+    os.replace(tmp, out)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = sorted({r["logits_mode"] for r in rows})
+    uniques = sorted({r["unique"] for r in rows})
+    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 3.6), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        for i, path_name in enumerate(("zorro-gather", "zorro")):
+            ys = [
+                next(
+                    r["vs_ideal"]
+                    for r in rows
+                    if r["logits_mode"] == mode and r["unique"] == u and r["path"] == path_name
+                )
+                for u in uniques
+            ]
+            ax.bar([j + 0.38 * i for j in range(len(uniques))], ys, width=0.36, label=path_name)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--", label="ideal")
+        ax.set_xticks([j + 0.19 for j in range(len(uniques))], [f"U={u}" for u in uniques])
+        ax.set_ylim(0.9, max(1.3, max(r["vs_ideal"] for r in rows if r["path"] != "packed") + 0.05))
+        ax.set_title(f"logits {mode}")
+        ax.set_ylabel("saved bytes / ideal")
+        ax.legend(fontsize=8)
+    r0 = rows[0]
+    fig.suptitle(
+        f"{r0['model']}: B={r0['batch']}, P={r0['prompt_len']}, R={r0['response_len']}, {r0['dtype']}", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def memory(
+    model: str = typer.Option("Qwen/Qwen3-8B", "--model", help="A preset (its shape, random weights)."),
+    batch: int = typer.Option(16, "--batch", min=1, help="B, rows of the batch."),
+    prompt_len: int = typer.Option(8192, "--prompt-len", min=2, help="P, tokens of every prompt."),
+    response_len: int = typer.Option(1024, "--response-len", min=1, help="R, tokens of every response."),
+    unique: Optional[list[str]] = typer.Option(None, "--unique", help="U values, comma-separated (default 1,2,4)."),
+    logits_mode: Optional[list[str]] = typer.Option(
+        None, "--logits-mode", help="actor.logits_mode values: compute and/or memory (default both)."
+    ),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="Model dtype (bfloat16 or float32)."),
+    layers: int = typer.Option(1, "--layers", min=1, help="Decoder layers built and counted (scaled to the model's)."),
+    narrow: int = typer.Option(8, "--narrow", min=1, help="Divide widths (heads, hidden, MLP, vocabulary) by this."),
+    gpu_gib: float = typer.Option(141.0, "--gpu-gib", help="GPU memory for the longest-prompt estimate (H200: 141)."),
+    shards: int = typer.Option(
+        8, "--shards", min=1, help="FSDP ranks sharing weights, gradients and AdamW state (16 bytes a parameter)."
+    ),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the rows as CSV here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a bar plot (PNG) of each path against the ideal."),
+) -> None:
+    """Bytes saved for backward per decoder layer and in total: packed baseline, zorro (gather-free,
+    flash_cpu), zorro's pre-merge GPU path, and the ideal; counted exactly on CPU."""
+    if model not in PRESETS:
+        fail(f"--model: unknown preset {escape(model)!r} (`zorro env` lists them)")
+    if dtype not in ("bfloat16", "float32"):
+        fail(f"--dtype must be bfloat16 or float32, got {escape(dtype)}")
+    modes = [v.strip() for item in (logits_mode or ["compute,memory"]) for v in item.split(",") if v.strip()]
+    if bad := [m for m in modes if m not in ("compute", "memory")]:
+        fail(f"--logits-mode: unknown value(s) {', '.join(map(escape, bad))}; choose compute and/or memory")
+    uniques = _ints(unique, [1, 2, 4], "--unique")
+    for path, flag in ((out, "--out"), (plot, "--plot")):
+        if path is not None:
+            _check_out(path, flag)
+    short_p = max(2, prompt_len // 8)
+    rows, fits, failed = [], [], []
+    try:
+        budget = gpu_gib * GIB - parameter_bytes(model) / shards
+        narrowed_config(model, layers, narrow)  # refuse a shape before any process starts
+    except ValueError as e:
+        fail(str(e))
+    for mode in modes:
+        for u in uniques:
+            case = MemoryCase(model, batch, prompt_len, response_len, u, mode, dtype, layers, narrow)
+            try:
+                if batch % u:
+                    raise ValueError(f"--batch {batch} must be a multiple of --unique {u}")
+                with console.status(f"counting {escape(model)} U={u} logits {mode}"):
+                    full = count_isolated(case)
+                    short = count_isolated(dataclasses.replace(case, prompt_len=short_p))
+            except ValueError as e:  # a case that fails is a row with its reason; the others go on
+                failed.append(str(e))
+                rows.append({**dataclasses.asdict(case), "path": "", "status": str(e)})
+                continue
+            rows += [{**r.as_dict(), "status": "ok"} for r in full]
+            fits.append((mode, u, longest_prompt(short, full, budget), longest_prompt(short, full, budget, True)))
+    table = Table(title=f"saved for backward: {escape(model)}, B={batch}, P={prompt_len}, R={response_len}, {dtype}")
+    for col in ("logits", "U", "path", "tokens", "per layer GiB", "total GiB", "vs ideal"):
+        table.add_column(col, justify="left" if col in ("logits", "path") else "right")
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        table.add_row(
+            r["logits_mode"],
+            str(r["unique"]),
+            r["path"],
+            str(r["tokens"]),
+            f"{r['per_layer_bytes'] / GIB:.3f}",
+            f"{r['total_bytes'] / GIB:.1f}",
+            f"{r['vs_ideal']:.3f}",
+        )
+    console.print(table)
+    fit = Table(
+        title=f"longest prompt that fits {gpu_gib:g} GiB at B={batch}, R={response_len} "
+        f"(weights, grads and AdamW state over {shards} FSDP shards)"
+    )
+    for col in ("logits", "U", "packed", "zorro", "zorro-gather", "packed ckpt", "zorro ckpt", "zorro-gather ckpt"):
+        fit.add_column(col, justify="right")
+    for mode, u, lens, lens_ckpt in fits:
+        cells = [f"{d[p]:,.0f}" for d in (lens, lens_ckpt) for p in ("packed", "zorro", "zorro-gather")]
+        fit.add_row(mode, str(u), *cells)
+    console.print(fit)
+    console.print(
+        f"Counted on CPU with {layers} decoder layer(s) and widths / {narrow} (head dims kept), scaled back. "
+        "The kernel saves what flash-attn 2 saves (q, k, v, out, lse). 'ckpt': with gradient checkpointing "
+        "of every layer, derived (each layer keeps its input; one layer's saved set at a time in backward). "
+        "0: not even P/8 fits."
+    )
+    if out is not None:
+        _write(rows, out)
+    if plot is not None and fits:
+        _plot([r for r in rows if r["status"] == "ok"], plot)
+    if failed:
+        fail("; ".join(failed), code=1)
