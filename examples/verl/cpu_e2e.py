@@ -66,9 +66,6 @@ COMPARED = (
     "actor/grad_norm",
 )
 """Step-1 metrics both arms must agree on (same weights, same rollout)."""
-RTOL, ATOL = 1e-4, 1e-6
-"""float32 on both arms: two computation orders (zorro's deduplicated rows against verl's padded-free
-rows) of a 2-layer model, aggregated; verl's bf16 default differs by ~0.35% (docs/trainers.md)."""
 
 
 def build_model(out: Path, seed: int = 0) -> tuple[Path, int]:
@@ -251,7 +248,10 @@ def run_arm(name: str, argv: list[str], work: Path, timeout: float) -> tuple[lis
 
 
 def _close(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=RTOL, abs_tol=ATOL)
+    # float32 on both arms (zorro_core.verify.tolerances); verl's bf16 default differs by ~0.35%.
+    from zorro_core.verify.tolerances import TRAINER_FLOAT32_ATOL, TRAINER_FLOAT32_RTOL
+
+    return math.isclose(a, b, rel_tol=TRAINER_FLOAT32_RTOL, abs_tol=TRAINER_FLOAT32_ATOL)
 
 
 def rollout_cache_lines(work: Path, arm: str) -> list[str]:
