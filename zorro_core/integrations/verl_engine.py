@@ -23,6 +23,14 @@ and reference passes all go `TrainingWorker.infer_batch` / `train_batch` ->
   does; logits are divided by it before log-softmax and entropy, as in verl.
 - the loss: verl's own `loss_function(model_output=..., data=micro_batch, dp_group=...)`, under the
   same autocast verl uses, so training is verl's policy loss and backward on zorro's log-probs.
+- dtypes: log-probs and entropy in the dtypes verl's own forward step returns them under this
+  engine's autocast, read from verl's own functions (`logprobs_from_logits`, the entropy function)
+  on the engine's device: bf16 under bf16 mixed precision on the log-softmax path (CPU, or no
+  flash-attn), float32 log-probs where verl uses flash-attn's cross-entropy; with float32 or
+  float64 parameters (no autocast) the model's dtype. zorro computes them in float32 and rounds
+  to that dtype, so a pass whose micro-batches are part zorro's and part verl's (a fallback) is
+  one dtype (verl's `postprocess_batch_func` builds one nested tensor from all micro-batches and
+  refuses mixed dtypes), and every consumer sees what it sees from verl's engine.
 
 `forward_backward_batch` is verl's, with one change when micro-batches have a fixed size
 (`use_dynamic_bsz=False`): the rank's rows are first ordered so that rows with the same prompt are
@@ -91,6 +99,7 @@ import zorro_core.integrations.needs_verl  # noqa: F401 -- first: refuses a miss
 import verl
 from packaging.version import Version
 from verl.utils import tensordict_utils as tu
+from verl.utils import torch_functional as verl_F
 from verl.utils.device import get_device_id, get_device_name, get_vendor
 from verl.workers.config import HFModelConfig
 from verl.workers.engine import utils as engine_utils
@@ -229,16 +238,37 @@ class ZorroFSDPEngine(FSDPEngineWithLMHead):
         dtype = self._autocast_dtype
         return nullcontext() if dtype == torch.float32 else torch.autocast(device_type=get_device_name(), dtype=dtype)
 
+    def _verl_dtypes(self) -> tuple[Optional[torch.dtype], Optional[torch.dtype]]:
+        """(log-probs, entropy) dtypes of verl's own forward step under this engine's autocast, from
+        verl's functions on a 1 x 2 logits tensor (module doc); (None, None) without autocast."""
+        cached = self.__dict__.get("_zorro_verl_dtypes")
+        if cached is None:
+            dtype = self._autocast_dtype
+            if dtype == torch.float32:
+                cached = (None, None)
+            else:
+                logits = torch.zeros(1, 2, dtype=dtype, device=get_device_id())
+                labels = torch.zeros(1, dtype=torch.long, device=logits.device)
+                chunked = getattr(self.engine_config, "entropy_from_logits_with_chunking", False)
+                entropy = verl_F.entropy_from_logits_with_chunking if chunked else verl_F.entropy_from_logits
+                with torch.no_grad():
+                    cached = (verl_F.logprobs_from_logits(logits, labels).dtype, entropy(logits).dtype)
+            self._zorro_verl_dtypes = cached
+        return cached
+
     def _zorro_forward_step(self, actor, rows: VerlRows, temperature, micro_batch, loss_function, forward_only):
         calculate_entropy = flag(micro_batch, "calculate_entropy")
         sp = sequence_parallel_of(self)
+        lp_dtype, ent_dtype = self._verl_dtypes()
         with self._autocast():
             out = actor.forward(
                 rows.batch, temperature=temperature, calculate_entropy=calculate_entropy, sequence_parallel=sp
             )
-            model_output = {"log_probs": rows.to_nested(out.log_probs)}
+            log_probs = out.log_probs if lp_dtype is None else out.log_probs.to(lp_dtype)
+            model_output = {"log_probs": rows.to_nested(log_probs)}
             if calculate_entropy:
-                model_output["entropy"] = rows.to_nested(out.entropy)
+                entropy = out.entropy if ent_dtype is None else out.entropy.to(ent_dtype)
+                model_output["entropy"] = rows.to_nested(entropy)
             if loss_function is not None:
                 loss, metrics = loss_function(
                     model_output=model_output, data=micro_batch, dp_group=self.get_data_parallel_group()

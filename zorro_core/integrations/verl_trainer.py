@@ -14,6 +14,16 @@ Which rows share a PPO mini-batch changes (as verl's own balance changes it, by 
 `actor.shuffle=True` (or `critic.shuffle=True`) verl's worker draws mini-batches at random and
 only the ranks' groups are kept whole.
 
+verl's V1 trainer also compares the trainer-mode *string* with "sync" (verl 0.9.1's
+`trainer_base.py`: the replay buffer class, `data.gen_batch_size`, how prompts are persisted in
+TransferQueue, the async checkpoint/restore of TransferQueue state; its rollout cache reads the
+mode's `parameter_sync_step` from the config). The name "zorro_sync" only selects this class: its
+constructor sets `trainer.v1.trainer_mode` back to "sync" before verl's constructor reads it, so
+every one of those decisions (and every later reader of the config: workers, rollout cache) is
+verl's sync trainer's. The verl suite (tests/test_integrations_verl_sync_mode.py) compares those
+choices with plain verl's sync trainer and scans the installed verl for every read of the mode,
+failing on any reader or comparison verl 0.9.1 does not have.
+
 Turning it on: zorro's package registers the name with verl's plugin group (`verl_plugin`), so
 one line selects it, beside the engine's `external_lib`::
 
@@ -31,6 +41,7 @@ import zorro_core.integrations.needs_verl  # noqa: F401 -- first: refuses a miss
 
 # isort: split
 import verl
+from omegaconf import open_dict
 from verl.single_controller.base.worker import Worker
 from verl.single_controller.base.worker_group import WorkerGroup
 from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
@@ -41,9 +52,12 @@ from verl.utils.seqlen_balancing import log_seqlen_unbalance
 from zorro_core.integrations.core import require_assigned, require_attributes, require_parameters
 from zorro_core.integrations.verl_balance import Balance, balance_tags, group_of_keys, split_key
 
-__all__ = ["TRAINER_NAME", "ZorroPPOTrainerSync", "balance_metrics", "mini_batch_rows"]
+__all__ = ["SYNC_MODE", "TRAINER_NAME", "ZorroPPOTrainerSync", "balance_metrics", "mini_batch_rows"]
 
 TRAINER_NAME = "zorro_sync"
+"""The name that selects this trainer (`trainer.v1.trainer_mode`)."""
+SYNC_MODE = "sync"
+"""The mode verl sees once the trainer is selected: verl's own sync trainer's."""
 
 _RELEASE, _TESTED, _READER = f"verl {verl.__version__}", "verl 0.9.1", "zorro_core.integrations.verl_trainer"
 require_parameters(
@@ -53,6 +67,8 @@ require_parameters(
     _TESTED,
     _READER,
 )
+# The constructor rewrites the mode before verl's reads it (module doc).
+require_parameters(PPOTrainerSync.__init__, ("self", "config"), _RELEASE, _TESTED, _READER)
 require_attributes(PPOTrainerSync, ("_get_required_batch_multiple",), _RELEASE, _TESTED, _READER)
 # The actor's data-parallel size, read as verl's own _balance_batch reads it.
 require_assigned(WorkerGroup, ("__init__",), ("_dispatch_info",), _RELEASE, _TESTED, _READER)
@@ -103,6 +119,20 @@ def _group_names(keys: list[str]) -> dict[int, str]:
 @register_trainer(TRAINER_NAME)
 class ZorroPPOTrainerSync(PPOTrainerSync):
     """verl's sync trainer; `_balance_batch` keeps prompt groups whole on each rank (module doc)."""
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any):
+        selected = config.trainer.v1.trainer_mode
+        if selected not in (TRAINER_NAME, SYNC_MODE):
+            raise ValueError(
+                f"zorro: ZorroPPOTrainerSync is selected by trainer.v1.trainer_mode={TRAINER_NAME!r}, got {selected!r}"
+            )
+        # verl decides by the mode string (module doc): from here on it is verl's sync mode.
+        with open_dict(config):
+            config.trainer.v1.trainer_mode = SYNC_MODE
+        if selected != SYNC_MODE:
+            _log.info("zorro: trainer %r runs as verl's %r trainer with zorro's balance", selected, SYNC_MODE)
+        self.selected_trainer_mode = selected
+        super().__init__(config, *args, **kwargs)
 
     def _actor_dp_size(self) -> int:
         # verl's _balance_batch reads the actor's data-parallel size this way.

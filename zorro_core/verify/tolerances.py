@@ -16,3 +16,10 @@ GRAD_RTOL = 1e-5
 LOW_PRECISION_FACTOR = 4.0
 """float32/bfloat16: dedup's error against ref64 may be this many times the baseline actor's
 (the dtype's own noise), plus the float64 floor above."""
+TRAINER_FLOAT32_RTOL = 1e-4
+"""float32, a trainer run twice on the same weights and rollout (verl's main_ppo, plain and with
+zorro: examples/verl/cpu_e2e.py): the largest relative difference of a step's aggregated metrics
+(entropy, losses, grad norm), two computation orders of the same sums; observed <= 2.5e-7."""
+TRAINER_FLOAT32_ATOL = 1e-6
+"""The same comparison's absolute floor, for metrics that are ~0 (a batch's mean advantage ~1e-8,
+rollout-vs-actor probability differences ~1e-9)."""
