@@ -259,6 +259,9 @@ _COMMON = (
     "out_proj",
 )
 _MIN_TRANSFORMERS = Version("5.15.0")
+_FIRST_UNTESTED = Version("5.25.0")
+"""5.25 wraps the module's kernels as `kernels` hub Funcs and its layer no longer equals the written-out
+forward bitwise: refused (fail closed) until the adapter follows it; pyproject caps the range there too."""
 _CHOOSER = "zorro_delta_rule"
 """A layer's instance attribute: (module kernel, query) -> the delta rule its forwards run (`delta_rule_of`)."""
 
@@ -269,6 +272,11 @@ def check_adaptable(layer: nn.Module) -> None:
         raise UnsupportedModelError(
             f"transformers {transformers.__version__}: the gated DeltaNet adapter needs >= {_MIN_TRANSFORMERS} "
             "(older releases' layers call the kernels bound on the layer)"
+        )
+    if Version(transformers.__version__) >= _FIRST_UNTESTED:
+        raise UnsupportedModelError(
+            f"transformers {transformers.__version__}: the gated DeltaNet adapter is tested up to 5.24 "
+            f"({_FIRST_UNTESTED} changed the layer's kernels); use transformers < {_FIRST_UNTESTED}"
         )
     mod = sys.modules[type(layer).__module__]
     missing = [name for name in (_CONV_FN, _DELTA_FN) if not callable(getattr(mod, name, None))]
