@@ -170,15 +170,6 @@ def _split_count(work: GroupedLengths, parts: Sequence[Sequence[int]]) -> int:
     return sum(1 for n in holders.values() if n > 1)
 
 
-def _sub(work: GroupedLengths, rows: Sequence[int]) -> GroupedLengths:
-    ids: dict[int, int] = {}
-    gor = [ids.setdefault(work.group_of_row[r], len(ids)) for r in rows]
-    plens = [0] * len(ids)
-    for g, local in ids.items():
-        plens[local] = work.prompt_lens[g]
-    return GroupedLengths(gor, plens, [work.response_lens[r] for r in rows])
-
-
 def _by_group(work: GroupedLengths, rows: Sequence[int]) -> list[int]:
     return sorted(rows, key=lambda r: (work.group_of_row[r], r))
 
@@ -191,7 +182,7 @@ def equal_micro_batches(work: GroupedLengths, rows: Sequence[int], size: int) ->
     if k <= 1:
         return [_by_group(work, rows)]
     if len(rows) % size == 0:
-        p = partition_ranks(_sub(work, rows), k, attention_weight=ATTENTION_WEIGHT, bounded_splits=True)
+        p = partition_ranks(work.subset(rows), k, attention_weight=ATTENTION_WEIGHT, bounded_splits=True)
         return [_by_group(work, [rows[i] for i in part]) for part in p.parts]
     ordered = _by_group(work, rows)  # groups contiguous: a cut every `size` rows splits at most one group
     return [ordered[s : s + size] for s in range(0, len(ordered), size)]
@@ -204,7 +195,7 @@ def budget_micro_batches(work: GroupedLengths, rows: Sequence[int], max_tokens: 
     rows = list(rows)
     if count > len(rows):
         raise _Refused(f"{len(rows)} rows cannot fill {count} micro-batches")
-    sub = _sub(work, rows)
+    sub = work.subset(rows)
     p = partition_micro_batches(sub, max_tokens, attention_weight=ATTENTION_WEIGHT, min_micro_batches=count)
     parts = [[rows[i] for i in part] for part in p.parts]
     if len(parts) > count:
@@ -254,7 +245,7 @@ def rollout_micro_batches(work: GroupedLengths, args: Any) -> list[list[int]]:
     if args.train.dynamic_batch_enable:
         max_tokens = args.rollout.max_tokens_per_gpu
         count = max(
-            len(partition_micro_batches(_sub(work, rows), max_tokens, attention_weight=ATTENTION_WEIGHT).parts)
+            len(partition_micro_batches(work.subset(rows), max_tokens, attention_weight=ATTENTION_WEIGHT).parts)
             for rows in bal.ranks
         )
         per = [budget_micro_batches(work, rows, max_tokens, count) for rows in bal.ranks]
@@ -427,7 +418,7 @@ class GroupedReplayBuffer(NaiveReplayBuffer):
             # slices of train.batch_size / dp rows cut at most one group each.
             order = [r for rows in work.rows_of_group for r in rows]
             self.items = [self.items[i] for i in order]
-            work = _sub(work, order)
+            work = work.subset(order)
         super().setup_dynamic_batch(strategy)
         steps: list[list[int]] = [[]]  # the micro-batch indices of each optimizer step
         for i, last in enumerate(self.dynamic_optimizer_step):
@@ -440,7 +431,7 @@ class GroupedReplayBuffer(NaiveReplayBuffer):
         rows = [[r for i in step for r in self.dynamic_indices[i]] for step in steps]
         budget = args.train.max_tokens_per_gpu
         need = [
-            len(partition_micro_batches(_sub(work, r), budget, attention_weight=ATTENTION_WEIGHT).parts)
+            len(partition_micro_batches(work.subset(r), budget, attention_weight=ATTENTION_WEIGHT).parts)
             if work is not None
             else len(step)
             for r, step in zip(rows, steps)

@@ -96,20 +96,11 @@ def _dedup(work: GroupedLengths, rows_by_slot: Sequence[Sequence[int]]) -> float
     return 1.0 - computed / logical if logical else 0.0
 
 
-def _sub(work: GroupedLengths, rows: Sequence[int]) -> GroupedLengths:
-    ids: dict[int, int] = {}
-    gor = [ids.setdefault(work.group_of_row[r], len(ids)) for r in rows]
-    plens = [0] * len(ids)
-    for g, local in ids.items():
-        plens[local] = work.prompt_lens[g]
-    return GroupedLengths(gor, plens, [work.response_lens[r] for r in rows])
-
-
 def _split(work: GroupedLengths, rows: list[int], parts: int) -> list[list[int]]:
     """`rows` into `parts` equal row counts, whole groups where sizes allow (<= parts - 1 cuts)."""
     if parts == 1:
         return [sorted(rows, key=lambda r: (work.group_of_row[r], r))]
-    sub = _sub(work, rows)
+    sub = work.subset(rows)
     p = partition_ranks(sub, parts, attention_weight=ATTENTION_WEIGHT, bounded_splits=True)
     # partition_ranks sorts parts by cost; any order of equal-sized parts is a valid split, and the
     # heaviest first keeps rank 0 (the rank verl's logs read) representative.

@@ -71,6 +71,15 @@ class GroupedLengths:
             plens[g] = plen_row[row]
         return cls(gor, plens, batch.response_mask.bool().sum(1).tolist())
 
+    def subset(self, rows: Sequence[int]) -> "GroupedLengths":
+        """The workload of `rows` (in that order), its groups renumbered from 0 by first appearance."""
+        ids: dict[int, int] = {}
+        gor = [ids.setdefault(self.group_of_row[r], len(ids)) for r in rows]
+        plens = [0] * len(ids)
+        for g, local in ids.items():
+            plens[local] = self.prompt_lens[g]
+        return GroupedLengths(gor, plens, [self.response_lens[r] for r in rows])
+
     @property
     def rows_of_group(self) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in self.prompt_lens]
