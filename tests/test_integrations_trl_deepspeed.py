@@ -1,6 +1,6 @@
 """DedupGRPOTrainer against TRL's GRPOTrainer under accelerate's DeepSpeed plugin, ZeRO-2 and ZeRO-3, on 2
 CPU ranks (DeepSpeed's CPU accelerator, gloo). Runs where DeepSpeed is installed (.ci/trl_deepspeed_tests:
-its own venv, zorro's [trl] extra + deepspeed 0.19.6 built without ops); skipped elsewhere.
+its own venv, zorro's [trl] extra + deepspeed 0.19.8 built without ops); skipped elsewhere.
 
 Each rank is set up as `accelerate launch --use_deepspeed --zero_stage N` sets one up (its environment:
 ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_ZERO_STAGE; accelerate is given gloo as its backend on this

@@ -170,10 +170,10 @@ class FlashCpuGatherBackend(AttentionBackend):
     def varlen(self, q, k, v, seg, scale, window=None):
         if window is not None:
             return SdpaBackend.varlen(BACKENDS["sdpa"], q, k, v, seg, scale, window)
-        return pair_varlen(q, k, v, seg, scale, CpuFlashPair())
+        return pair_varlen(q, k, v, seg, scale, FlashCpuBackend.pair)
 
     def unavailable(self, device):
-        return CpuFlashPair().unavailable(device)
+        return FlashCpuBackend.pair.unavailable(device)
 
 
 @functools.lru_cache(maxsize=None)

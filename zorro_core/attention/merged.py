@@ -125,7 +125,14 @@ def _ordered(plan: Plan) -> bool:
 
 def merge_refusal(plan: Plan, window: Optional[int]) -> Optional[str]:
     """Why `plan`'s split attention cannot run gather-free with `window`, or None. A plan with
-    nothing shared is one self-causal call either way: "" (no reason to say) when windowed."""
+    nothing shared is one self-causal call either way: "" (no reason to say) when windowed.
+    Decided once per plan and window (every layer asks; the trie's check reads its parents)."""
+    if not isinstance(plan, (DedupPlan, TriePlan)):
+        return f"no gather-free calls for a {type(plan).__name__}"
+    return plan.derived(("merge_refusal", window), lambda: _refusal(plan, window))
+
+
+def _refusal(plan: Plan, window: Optional[int]) -> Optional[str]:
     if not isinstance(plan, (DedupPlan, TriePlan)):
         return f"no gather-free calls for a {type(plan).__name__}"
     if window is not None and window < longest_path(plan):
