@@ -95,3 +95,36 @@ def test_hub_offline_nests_and_restores(monkeypatch):
             assert hub.is_offline_mode()
         assert hub.HF_HUB_OFFLINE is True
     assert hub.HF_HUB_OFFLINE is False and "HF_HUB_OFFLINE" not in os.environ
+
+
+def test_an_uncached_hub_name_warns_of_random_weights(no_network, monkeypatch):
+    """A preset named like a hub model, not in the cache, is built from its shape with random weights:
+    the user is told (a RandomWeightsWarning naming the model and "random weights"), with no request made."""
+    import zorro_core.models.presets as presets
+
+    built: list[str] = []
+    # The 0.6B model itself is not built: the warning and the choice of source are what is tested.
+    monkeypatch.setattr(presets, "build_model", lambda config, **kw: built.append(config.model_type) or "model")
+    assert presets.weights_source("Qwen/Qwen3-0.6B") == "random"
+    with pytest.warns(presets.RandomWeightsWarning, match=r"'Qwen/Qwen3-0\.6B'.*random weights"):
+        assert presets.load_model("Qwen/Qwen3-0.6B") == "model"
+    assert built == ["qwen3"]
+    assert no_network == []
+
+
+def test_a_zorro_preset_name_loads_without_the_random_weights_warning(recwarn):
+    """tiny-* and small-* names are zorro's own presets, random by definition: no warning."""
+    from zorro_core.models.presets import RandomWeightsWarning, load_model, weights_source
+
+    load_model("tiny-qwen3")
+    assert weights_source("tiny-qwen3") == "random"
+    assert not [w for w in recwarn if issubclass(w.category, RandomWeightsWarning)]
+
+
+def test_weights_source_of_a_checkpoint_directory(tmp_path):
+    from zorro_core.models.presets import load_model, weights_source
+
+    load_model("tiny-llama").save_pretrained(tmp_path / "ckpt")
+    assert weights_source(str(tmp_path / "ckpt")) == "checkpoint"
+    with pytest.raises(ValueError, match="cannot resolve"):
+        weights_source("someorg/not-in-any-cache-either")

@@ -28,6 +28,20 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+class RandomWeightsWarning(UserWarning):
+    """A hub name was loaded as zorro's preset of that shape, with random weights (it is not in the local cache)."""
+
+
+def weights_source(name_or_path: str) -> str:
+    """Where `load_model(name_or_path)` takes its weights: "checkpoint" (a local directory or the local
+    Hugging Face cache) or "random" (a preset). Unresolvable names raise as in load_model."""
+    if local_checkpoint(name_or_path) is not None:
+        return "checkpoint"
+    if name_or_path in PRESETS:
+        return "random"
+    raise ValueError(f"cannot resolve model {name_or_path!r}: not a local directory, not cached, not a preset")
+
+
 def _config_class(family: str):
     return type(AutoConfig.for_model(family))
 
@@ -125,6 +139,15 @@ def load_model(
         nn.Module.to(model, device)  # in place
         return model
     if name_or_path in PRESETS:
+        if "/" in name_or_path:
+            # A hub name reads as the published model; its log-probs here are noise (timings and memory are not).
+            warnings.warn(
+                f"{name_or_path!r} is not in the local Hugging Face cache: building zorro's preset of its published "
+                "shape with random weights (speed and memory are the model's; log-probs and losses are not). "
+                "Download it first (huggingface-cli download) to load the real weights.",
+                RandomWeightsWarning,
+                stacklevel=2,
+            )
         return build_model(
             preset_config(name_or_path), dtype=dtype, device=device, seed=seed, attn_implementation=attn_implementation
         )
