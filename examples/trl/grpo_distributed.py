@@ -1,9 +1,11 @@
 """GRPO with TRL on 2+ processes, with and without zorro: time in TRL's log-prob method, dedup per call.
 
-    torchrun --nproc-per-node 2 examples/trl_grpo_distributed.py           # CPU: gloo + DDP, a few minutes
-    accelerate launch --num_processes 2 examples/trl_grpo_distributed.py   # the same through accelerate
+    torchrun --nproc-per-node 2 examples/trl/grpo_distributed.py           # CPU: gloo + DDP, a few minutes
+    accelerate launch --num_processes 2 examples/trl/grpo_distributed.py   # the same through accelerate
+    torchrun --nproc-per-node 2 examples/trl/grpo_distributed.py --tiny --check   # CI's run: exits 1 unless
+        # zorro served every call and each arm's losses equal TRL's
     # GPUs, FSDP2: accelerate launch --num_processes 2 --use_fsdp --fsdp_version 2 \\
-    #     --fsdp_transformer_layer_cls_to_wrap Qwen3DecoderLayer examples/trl_grpo_distributed.py
+    #     --fsdp_transformer_layer_cls_to_wrap Qwen3DecoderLayer examples/trl/grpo_distributed.py
 
 Three arms, one after the other in the same processes, from the same seed: plain `GRPOTrainer`,
 `DedupGRPOTrainer(zorro_regroup=False)` (each rank dedups its own rows) and `DedupGRPOTrainer` (each
@@ -29,11 +31,11 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from trl import GRPOConfig, GRPOTrainer
 
 # The one-process example's pieces (the same tokenizer, reward and timer); this folder is on sys.path
 # when the example runs as a script.
-from trl_grpo import checkpoint, train_timed  # noqa: E402
+from grpo import checkpoint, train_timed  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer
 
 from zorro_core.integrations.trl import DedupGRPOTrainer
 from zorro_core.models.presets import preset_config
@@ -47,7 +49,11 @@ def main() -> None:
     parser.add_argument("--per-device", type=int, default=6, help="per_device_train_batch_size")
     parser.add_argument("--steps-per-generation", type=int, default=2)
     parser.add_argument("--completion-len", type=int, default=16)
+    parser.add_argument("--tiny", action="store_true", help="2 steps, 16-token prompts x 4 completions of 4")
+    parser.add_argument("--check", action="store_true", help="exit 1 unless zorro served every call and losses agree")
     args = parser.parse_args()
+    if args.tiny:
+        args.steps, args.prompt_len, args.generations, args.per_device, args.completion_len = 2, 16, 4, 6, 4
     cpu = not torch.cuda.is_available()
     if cpu:
         torch.set_num_threads(1)
@@ -128,6 +134,29 @@ def main() -> None:
                     f"ranks {recs[0]['split_groups']} -> {recs[0]['split_groups_regrouped']})"
                 )
             print(line)
+    if args.check:
+        plain = summary["TRL"][0]["losses"]
+        problems = [
+            f"{name}: {why}"
+            for name, per_rank in summary.items()
+            if name != "TRL"
+            for why in (
+                [
+                    f"calls {r['calls']}"
+                    for r in per_rank
+                    if r["calls"].get("fallback", 0) or not r["calls"].get("dedup")
+                ]
+                # same seed, same generations: the losses agree to float32 rounding (tests/ prove the gradients)
+                + (
+                    [f"losses {per_rank[0]['losses']} vs TRL's {plain}"]
+                    if len(per_rank[0]["losses"]) != len(plain)
+                    or any(abs(a - b) > 1e-4 for a, b in zip(per_rank[0]["losses"], plain))
+                    else []
+                )
+            )
+        ]
+        if problems:
+            raise SystemExit("check failed: " + "; ".join(problems))
 
 
 if __name__ == "__main__":

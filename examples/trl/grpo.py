@@ -1,7 +1,9 @@
 """GRPO with TRL on CPU, with and without zorro: a few steps each, and the time spent in log-probs.
 
     pip install -e ".[trl]"        # trl>=1.15,<2 (CPU torch kept)
-    python examples/trl_grpo.py     # about a minute on 2 CPU cores
+    python examples/trl/grpo.py     # about a minute on 2 CPU cores
+    python examples/trl/grpo.py --tiny --check   # CI's run (~20 s): exits 1 unless zorro served every call
+                                                 # and each step's loss equals TRL's
 
 A small Qwen3 (the `small-qwen3` preset: 4 layers, hidden 256, vocab 4096, random weights) and a
 word-level tokenizer are built in code; nothing is downloaded. Each prompt is long (256 tokens)
@@ -96,7 +98,11 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--completion-len", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each arm, alternated (the first warms up)")
+    parser.add_argument("--tiny", action="store_true", help="1 step, 16-token prompts x 2 completions of 4, 1 run")
+    parser.add_argument("--check", action="store_true", help="exit 1 unless zorro served every call and losses agree")
     args = parser.parse_args()
+    if args.tiny:
+        args.steps, args.prompt_len, args.generations, args.completion_len, args.repeats = 1, 16, 2, 4, 1
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
     config = preset_config("small-qwen3", eos_token_id=1, pad_token_id=0)
@@ -105,6 +111,8 @@ def main() -> None:
 
     arms = {"TRL": GRPOTrainer, "TRL + zorro": DedupGRPOTrainer}
     results: dict[str, list[float]] = {name: [] for name in arms}
+    problems: list[str] = []
+    plain_losses: list[float] = []
     for repeat in range(args.repeats):
         for name, cls in arms.items():
             with warnings.catch_warnings():
@@ -132,6 +140,14 @@ def main() -> None:
             results[name].append(sum(seconds))
             losses = [round(h["loss"], 5) for h in trainer.state.log_history if "loss" in h]
             served = f", served by zorro/TRL: {trainer.zorro_calls}" if hasattr(trainer, "zorro_calls") else ""
+            if hasattr(trainer, "zorro_calls"):
+                if trainer.zorro_calls.get("fallback", 0) or not trainer.zorro_calls.get("dedup", 0):
+                    problems.append(f"run {repeat + 1}: zorro did not serve every call: {trainer.zorro_calls}")
+                # Same seed, same generations: the losses agree to float32 rounding (tests/ prove the gradients).
+                if len(losses) != len(plain_losses) or any(abs(a - b) > 1e-4 for a, b in zip(losses, plain_losses)):
+                    problems.append(f"run {repeat + 1}: losses {losses} differ from TRL's {plain_losses}")
+            else:
+                plain_losses = losses
             print(
                 f"run {repeat + 1} {name:11s} log-probs {sum(seconds):6.2f} s over {len(seconds)} calls (median "
                 f"{statistics.median(seconds) * 1e3:.0f} ms), train() {total:6.2f} s, loss per step {losses}{served}"
@@ -142,6 +158,8 @@ def main() -> None:
         f"{base / dedup:.2f}x less; prompt {args.prompt_len} tokens x {args.generations} completions "
         f"of <= {args.completion_len} tokens"
     )
+    if args.check and problems:
+        raise SystemExit("check failed: " + "; ".join(problems))
 
 
 if __name__ == "__main__":
