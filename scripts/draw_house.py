@@ -9,6 +9,12 @@ longest chain of imports beneath them: everything a box imports is drawn lower. 
 
 writes house.png (matplotlib, Agg backend). Nothing is imported from the project: the graph comes
 from parsing the files, so the picture cannot hide an import that only happens at run time.
+
+    python scripts/draw_house.py --tree
+
+prints the file list of docs/architecture.md (every package and module with the first sentence of its
+docstring); --write-tree puts it between that file's tree markers, and tests/test_imports.py checks
+that the file holds what the tree gives, so the list cannot go stale.
 """
 
 from __future__ import annotations
@@ -123,10 +129,60 @@ def draw(out: Path) -> Path:
     return path
 
 
+TREE_START = "<!-- tree: python scripts/draw_house.py --write-tree -->"
+TREE_END = "<!-- /tree -->"
+
+
+def _summary(path: Path) -> str:
+    """The first sentence of a module's docstring (a package's: its __init__'s), on one line."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    text = " ".join(doc.split("\n\n")[0].split())
+    end = text.find(". ")
+    return text if end < 0 else text[: end + 1]
+
+
+def module_tree(root: Path = ROOT) -> str:
+    """Every package and module of the three top packages, indented by depth, with its summary."""
+    lines: list[tuple[str, str]] = []
+
+    def walk(folder: Path, depth: int) -> None:
+        init = folder / "__init__.py"
+        lines.append(("  " * depth + folder.name + "/", _summary(init) if init.exists() else ""))
+        for path in sorted(folder.iterdir()):
+            if path.is_dir() and (path / "__init__.py").exists():
+                walk(path, depth + 1)
+            elif path.suffix == ".py" and path.name != "__init__.py":
+                lines.append(("  " * (depth + 1) + path.name, _summary(path)))
+
+    for top in TOPS:
+        walk(root / top, 0)
+    width = max(len(name) for name, _ in lines) + 2
+    return "\n".join(f"{name:{width}s}{summary}".rstrip() for name, summary in lines)
+
+
+def tree_block(root: Path = ROOT) -> str:
+    return f"{TREE_START}\n```\n{module_tree(root)}\n```\n{TREE_END}"
+
+
+def write_tree(doc: Path = ROOT / "docs" / "architecture.md") -> Path:
+    text = doc.read_text()
+    start, end = text.index(TREE_START), text.index(TREE_END) + len(TREE_END)
+    doc.write_text(text[:start] + tree_block() + text[end:])
+    return doc
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img", help="folder for house.png")
-    print(draw(parser.parse_args().out))
+    parser.add_argument("--tree", action="store_true", help="print docs/architecture.md's file list instead")
+    parser.add_argument("--write-tree", action="store_true", help="write that list into docs/architecture.md")
+    args = parser.parse_args()
+    if args.tree:
+        print(module_tree())
+    elif args.write_tree:
+        print(write_tree())
+    else:
+        print(draw(args.out))
 
 
 if __name__ == "__main__":
