@@ -28,6 +28,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from zorro_core.attention.backends import BACKENDS
 from zorro_core.attention.flex import block_mask as flex_block_mask
 from zorro_core.attention.flex import flex_packed_attention
+from zorro_core.attention.layouts import layouts_of
 from zorro_core.attention.merged import merged_split_attention
 from zorro_core.attention.tree import tree_block_mask, tree_split_attention
 from zorro_core.distributed.ulysses import SequenceParallel
@@ -129,11 +130,12 @@ def _(plan: DedupPlan, q, k, v, scale: float, window: Optional[int], backend: st
     be = BACKENDS[backend]
     if be.pair is not None and be.gather_free(plan, q, window):
         return merged_split_attention(plan, q, k, v, scale, be.pair)
+    layouts = layouts_of(plan)
     if plan.cross is None:
-        return be.causal(q, k, v, plan.causal, scale, window)
+        return be.causal(q, k, v, plan.causal, scale, window, layouts)
     tc = plan.causal.total_q
-    out_c = be.causal(q[:tc], k[:tc], v[:tc], plan.causal, scale, window)
-    out_x = be.cross(q[tc:], k, v, plan.cross, scale, window)
+    out_c = be.causal(q[:tc], k[:tc], v[:tc], plan.causal, scale, window, layouts)
+    out_x = be.cross(q[tc:], k, v, plan.cross, scale, window, layouts)
     return torch.cat([out_c, out_x])
 
 

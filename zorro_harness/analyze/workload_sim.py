@@ -18,7 +18,7 @@ trie: the sequence i contributes its tokens from depth lcp(i-1, i) on, so the tr
 sum(len_i - lcp_i) tokens and sum(T(len_i) - T(lcp_i)) attended pairs (T(n) = n(n+1)/2, each token at
 depth d attends to d + 1 keys), exactly `sharing="prefix"` with min_shared_tokens=1 (tested against
 build_trie_plan). Simulated responses are distinct (sampled text shares nothing), so each is a leaf.
-Larger min_shared_tokens fold short inner nodes (zorro_core.plan.trie.shared_nodes, one Python walk per
+Larger min_shared_tokens fold short inner nodes (zorro_core.plan.trie_radix.shared_nodes, one Python walk per
 call).
 """
 
@@ -32,7 +32,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from zorro_core.plan.cost import COMPONENTS, ForwardWork, ModelShape, compare
-from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, shared_nodes
+from zorro_core.plan.sharing import DEFAULT_MIN_SHARED_TOKENS
+from zorro_core.plan.trie_radix import shared_nodes
 from zorro_harness.analyze.analysis import token_counts
 from zorro_harness.analyze.dataset import Progress, Ragged, TokenizedData, ragged_arange
 
@@ -286,7 +287,7 @@ def count_calls(
 
 
 def _folded(tcall, tlens, tlcp, tplen, n: int, num_calls: int) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens and pairs of each call's trie with min_shared_tokens=n (zorro_core.plan.trie.shared_nodes)."""
+    """Tokens and pairs of each call's trie with min_shared_tokens=n (zorro_core.plan.trie_radix.shared_nodes)."""
     tok = np.zeros(num_calls, dtype=np.int64)
     prs = np.zeros(num_calls, dtype=np.int64)
     bounds = np.flatnonzero(np.diff(tcall)) + 1
