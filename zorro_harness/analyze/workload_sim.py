@@ -35,7 +35,9 @@ from zorro_core.plan.cost import COMPONENTS, ForwardWork, ModelShape, compare
 from zorro_core.plan.sharing import DEFAULT_MIN_SHARED_TOKENS
 from zorro_core.plan.trie_radix import shared_nodes
 from zorro_harness.analyze.analysis import token_counts
-from zorro_harness.analyze.dataset import Progress, Ragged, TokenizedData, ragged_arange
+from zorro_harness.analyze.dataset import TokenizedData
+from zorro_harness.analyze.ragged import Ragged, ragged_arange
+from zorro_harness.analyze.tokenize import Progress
 
 BATCHINGS = ("trl", "verl", "groups")
 SWEEP_GROUP_SIZES = (1, 2, 4, 8, 16, 32, 64)
