@@ -15,7 +15,8 @@ from zorro_core.plan.build import build_dedup_plan, build_plain_plan
 from zorro_core.plan.cost import compare, plan_workload, shape_workloads
 from zorro_core.plan.trie import build_trie_plan
 from zorro_harness.analyze.dataset import DatasetError, Ragged, load_dataset
-from zorro_harness.analyze.workload_sim import PrefixIndex, count_calls, data_report, simulate_calls
+from zorro_harness.analyze.prefix_index import PrefixIndex
+from zorro_harness.analyze.workload_sim import count_calls, data_report, simulate_calls
 
 runner = CliRunner()
 SYSTEM = "You are a helpful assistant. Answer with one number and explain every step of the way."

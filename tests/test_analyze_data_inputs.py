@@ -9,8 +9,8 @@ from test_analyze_data import TEMPLATE, chat_rows, tok_dir, write_jsonl, write_p
 from typer.testing import CliRunner
 
 from zorro_cli.main import app
+from zorro_harness.analyze.prefix_index import PrefixIndex
 from zorro_harness.analyze.ragged import Ragged
-from zorro_harness.analyze.workload_sim import PrefixIndex
 
 runner = CliRunner()
 
