@@ -3,10 +3,10 @@
 import pytest
 import torch
 from helpers import ACTOR_BATCHES, GRAD_RTOL, LP_ATOL, MODES, check, mixed_batch
-from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
 from zorro_core.verify.planted_bugs import BUGS, inject_bug
+from zorro_core.verify.reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 
 FAMILIES = ["tiny-qwen3", "tiny-llama", "tiny-qwen2"]
 BATCHES = ACTOR_BATCHES
