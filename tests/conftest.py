@@ -33,7 +33,7 @@ def per_sequence_reference():
     """get(key, model, make_batch, temperature, seed) -> (batch, weights, (log-probs, entropy, grads)):
     the independent per-sequence reference of `model()` on `make_batch()`, computed once per key
     within a test module (keys need only be unique there)."""
-    from reference import per_sequence, token_weights
+    from zorro_core.verify.reference import per_sequence, token_weights
 
     cache = {}
 

@@ -5,13 +5,13 @@ Plain functions live here (test files import them); fixtures live in conftest.py
 
 import pytest
 import torch
-from reference import actor_run, max_rel_grad_error
 from versions import QWEN3_NEXT_ADAPTABLE, QWEN3_NEXT_REASON
 
 from zorro_core import RolloutBatch, create_dummy_batch
 from zorro_core.models.linear_attention import LINEAR_LAYER_TYPES
 from zorro_core.models.presets import PRESETS
 from zorro_core.models.registry import FAMILIES
+from zorro_core.verify.reference import actor_run, max_rel_grad_error
 from zorro_core.verify.tolerances import GRAD_RTOL
 from zorro_core.verify.tolerances import LOGPROB_ATOL as LP_ATOL
 

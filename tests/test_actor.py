@@ -3,10 +3,10 @@
 import pytest
 import torch
 from helpers import ACTOR_BATCHES, GRAD_RTOL, LP_ATOL, MODES, check, mixed_batch
-from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
-from zorro_core.verify.gradients import BUGS, inject_bug
+from zorro_core.verify.planted_bugs import BUGS, inject_bug
+from zorro_core.verify.reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 
 FAMILIES = ["tiny-qwen3", "tiny-llama", "tiny-qwen2"]
 BATCHES = ACTOR_BATCHES
@@ -91,7 +91,7 @@ def test_low_precision_close_to_baseline(dtype, atol):
 
 @pytest.mark.parametrize("what", list(BUGS))
 def test_bugs_fail_by_orders_of_magnitude(tiny_models, references, what):
-    """A real bug (zorro_core.verify.gradients.BUGS, the plans `zorro verify` corrupts) must fail
+    """A real bug (zorro_core.verify.planted_bugs.BUGS, the plans `zorro verify` corrupts) must fail
     the comparison by far more than the tolerance."""
     batch, w, ref = references("tiny-qwen3", "mixed", 0.7)
     actor = DeduplicatedActor(model=tiny_models("tiny-qwen3"))

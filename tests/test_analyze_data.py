@@ -15,7 +15,8 @@ from zorro_core.plan.build import build_dedup_plan, build_plain_plan
 from zorro_core.plan.cost import compare, plan_workload, shape_workloads
 from zorro_core.plan.trie import build_trie_plan
 from zorro_harness.analyze.dataset import DatasetError, Ragged, load_dataset
-from zorro_harness.analyze.workload_sim import PrefixIndex, count_calls, data_report, simulate_calls
+from zorro_harness.analyze.prefix_index import PrefixIndex
+from zorro_harness.analyze.workload_sim import count_calls, data_report, simulate_calls
 
 runner = CliRunner()
 SYSTEM = "You are a helpful assistant. Answer with one number and explain every step of the way."
@@ -343,3 +344,31 @@ def test_dataset_error_is_a_value_error(tmp_path):
 def test_the_synthetic_path_still_needs_its_shapes():
     res = runner.invoke(app, ["analyze", "--prompt-len", "10"])
     assert res.exit_code == 2 and "--data FILE" in res.output
+
+
+@pytest.mark.parametrize(
+    "name, home",
+    [
+        ("MAX_LINE_BYTES", "zorro_harness.analyze.readers"),
+        ("SPLIT_CHECK_ROWS", "zorro_harness.analyze.tokenize"),
+        ("TOKENIZER_FILES", "zorro_harness.analyze.tokenize"),
+        ("RENDER_SECONDS", "zorro_harness.analyze.chat_template"),
+        ("MAX_RENDER_CHARS", "zorro_harness.analyze.chat_template"),
+        ("MAX_TEMPLATE_CHARS", "zorro_harness.analyze.chat_template"),
+    ],
+)
+def test_moved_limits_still_import_from_dataset_with_a_warning(name, home):
+    import importlib
+
+    import zorro_harness.analyze.dataset as dataset
+
+    with pytest.warns(DeprecationWarning, match=f"{home}.{name} .removed after 2027-06-01"):
+        got = getattr(dataset, name)
+    assert got is getattr(importlib.import_module(home), name)
+
+
+def test_dataset_has_no_other_moved_name():
+    import zorro_harness.analyze.dataset as dataset
+
+    with pytest.raises(AttributeError):
+        dataset.no_such_limit  # noqa: B018

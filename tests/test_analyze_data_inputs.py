@@ -9,8 +9,8 @@ from test_analyze_data import TEMPLATE, chat_rows, tok_dir, write_jsonl, write_p
 from typer.testing import CliRunner
 
 from zorro_cli.main import app
-from zorro_harness.analyze.dataset import Ragged
-from zorro_harness.analyze.workload_sim import PrefixIndex
+from zorro_harness.analyze.prefix_index import PrefixIndex
+from zorro_harness.analyze.ragged import Ragged
 
 runner = CliRunner()
 
@@ -196,16 +196,16 @@ def test_a_fifo_is_read(tmp_path):
 
 
 def test_an_oversized_line_is_refused_with_its_size(tmp_path, monkeypatch):
-    import zorro_harness.analyze.dataset as dataset
+    import zorro_harness.analyze.readers as readers
 
-    monkeypatch.setattr(dataset, "MAX_LINE_BYTES", 1000)
+    monkeypatch.setattr(readers, "MAX_LINE_BYTES", 1000)
     path = ids_file(tmp_path, [[1, 2], list(range(1, 1000))])
     refused(analyze("--data", path, "-r", "2"), path, "line 2", "bytes", "over")
 
 
 def test_reading_keeps_only_the_columns_it_uses(tmp_path):
     """A large unused column is not kept (memory bounded by what is analysed)."""
-    from zorro_harness.analyze.dataset import read_columns
+    from zorro_harness.analyze.readers import read_columns
 
     path = write_jsonl(tmp_path / "w.jsonl", [{"prompt_ids": [1, 2], "junk": "x" * 1000}] * 3)
     fmt, columns = read_columns(path)
@@ -256,9 +256,9 @@ def _template_file(tmp_path, text):
     ids=["looping", "huge-output"],
 )
 def test_a_runaway_template_is_stopped_naming_it(tok_dir, tmp_path, monkeypatch, limit, value, body, named):  # noqa: F811
-    import zorro_harness.analyze.dataset as dataset
+    import zorro_harness.analyze.chat_template as chat_template
 
-    monkeypatch.setattr(dataset, limit, value)
+    monkeypatch.setattr(chat_template, limit, value)
     template = _template_file(tmp_path, body + TEMPLATE)
     tok = _tokenizer_without_template(tok_dir, tmp_path)
     path = write_jsonl(tmp_path / "c.jsonl", chat_rows(2))
@@ -299,10 +299,10 @@ def _tokenizer_without_template(tok_dir, tmp_path):  # noqa: F811
 
 
 def test_chat_rows_without_transformers_template_compiler_are_refused_with_the_reason(tok_dir, tmp_path, monkeypatch):  # noqa: F811
-    import zorro_harness.analyze.dataset as dataset
+    import zorro_harness.analyze.chat_template as chat_template
 
-    assert callable(dataset._COMPILE_TEMPLATE)  # the tested transformers release has it
-    monkeypatch.setattr(dataset, "_COMPILE_TEMPLATE", None)
-    monkeypatch.setattr(dataset, "_NO_TEMPLATE_COMPILER", "no _compile_jinja_template in this transformers")
+    assert callable(chat_template._COMPILE_TEMPLATE)  # the tested transformers release has it
+    monkeypatch.setattr(chat_template, "_COMPILE_TEMPLATE", None)
+    monkeypatch.setattr(chat_template, "_NO_TEMPLATE_COMPILER", "no _compile_jinja_template in this transformers")
     path = write_jsonl(tmp_path / "c.jsonl", chat_rows(2))
     refused(analyze("--data", path, "--tokenizer", tok_dir), "_compile_jinja_template")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from zorro_harness.analyze import large_lines
-from zorro_harness.analyze.dataset import read_columns
+from zorro_harness.analyze.readers import read_columns
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -55,7 +55,7 @@ def test_a_large_line_reads_as_json_loads_reads_it(tmp_path, monkeypatch, i):
     if all(isinstance(x, int) and abs(x) < 2**31 for x in LINES[i]["prompt_ids"]):
         assert isinstance(ids, np.ndarray) and ids.dtype == np.int32
     # and through the reader, a large line taking this path
-    monkeypatch.setattr("zorro_harness.analyze.dataset.LARGE_LINE_BYTES", 16)
+    monkeypatch.setattr("zorro_harness.analyze.readers.LARGE_LINE_BYTES", 16)
     path = tmp_path / "d.jsonl"
     path.write_bytes(raw + b"\n" + json.dumps({"prompt_ids": [1, 2]}).encode() + b"\n")
     _, cols = read_columns(str(path))
@@ -63,7 +63,7 @@ def test_a_large_line_reads_as_json_loads_reads_it(tmp_path, monkeypatch, i):
 
 
 def test_bad_json_in_a_large_line_is_still_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr("zorro_harness.analyze.dataset.LARGE_LINE_BYTES", 16)
+    monkeypatch.setattr("zorro_harness.analyze.readers.LARGE_LINE_BYTES", 16)
     monkeypatch.setattr(large_lines, "LONG_ARRAY_BYTES", 16)
     path = tmp_path / "d.jsonl"
     path.write_bytes(b'{"prompt_ids": [' + b"1, " * 100 + b'2], "x": }\n')

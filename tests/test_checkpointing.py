@@ -15,12 +15,12 @@ import pytest
 import torch
 from fla_devices import exact_kernels
 from helpers import TINY_PRESETS, check
-from reference import actor_run, per_sequence, token_weights
 from test_actor import BATCHES
 
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.models.parts import model_parts
 from zorro_core.models.presets import build_model, preset_config
+from zorro_core.verify.reference import actor_run, per_sequence, token_weights
 
 FAMILIES = TINY_PRESETS
 LAYOUTS = ["dummy_padded", "dummy_unpadded"]

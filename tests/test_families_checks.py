@@ -7,7 +7,6 @@ import pytest
 import torch
 from fla_devices import pytorch_delta_rule_on_cpu
 from helpers import LP_ATOL, mixed_batch
-from reference import sequence_forward
 
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.attention.hook import Route, route_mask
@@ -15,6 +14,7 @@ from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.parts import model_parts
 from zorro_core.models.presets import PRESETS, build_model, preset_config
 from zorro_core.plan.build import build_dedup_plan
+from zorro_core.verify.reference import sequence_forward
 
 
 def fresh(name="tiny-qwen3", **overrides):

@@ -17,13 +17,13 @@ sharing) in the shared system prefix; test_wrong_window_fails shows a window off
 import pytest
 import torch
 from helpers import GRAD_RTOL, LP_ATOL, MODES, check
-from reference import max_rel_grad_error, per_sequence, token_weights
 from test_checkpointing import checkpointing
 
 from zorro_core import BaselineActor, DeduplicatedActor, create_dummy_batch
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.presets import build_model, preset_config
 from zorro_core.models.registry import FAMILIES, family_support
+from zorro_core.verify.reference import max_rel_grad_error, per_sequence, token_weights
 
 MODELS = ["tiny-gemma3", "tiny-olmo3"]
 WINDOW = 5

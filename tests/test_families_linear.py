@@ -16,7 +16,6 @@ import pytest
 import torch
 from fla_devices import KERNEL, exact_kernels, family_module, pytorch_delta_rule_on_cpu
 from helpers import GRAD_RTOL, LP_ATOL, check
-from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 from versions import skip_module_without_qwen3_next_adapter
 
 import zorro_core
@@ -30,6 +29,7 @@ from zorro_core.models.linear_attention import (
 )
 from zorro_core.plan.build import build_dedup_plan
 from zorro_core.verify.delta_rule import chunk_gated_delta_rule_exact
+from zorro_core.verify.reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 
 skip_module_without_qwen3_next_adapter()
 pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")

@@ -21,7 +21,6 @@ import copy
 import pytest
 import torch
 from helpers import ACTOR_BATCHES, LP_ATOL, MODES, check, mixed_batch
-from reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
 from test_checkpointing import checkpointing
 from test_microbatch import check_micro_batches
 from test_trie_actor import BATCHES as TREE_BATCHES
@@ -43,6 +42,7 @@ from zorro_core.models.parts import model_parts
 from zorro_core.models.presets import build_model, preset_config
 from zorro_core.plan.segments import Segments, cu_seqlens
 from zorro_core.verify.gradients import Errors, judge
+from zorro_core.verify.reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
 
 FAMILIES = ["tiny-deepseek-v3", "tiny-glm4-moe"]
 TEMPERATURE = 0.8

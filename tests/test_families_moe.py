@@ -7,12 +7,12 @@ import pytest
 import torch
 from fla_devices import exact_kernels
 from helpers import ACTOR_BATCHES, GRAD_RTOL, MODES, check, mixed_batch
-from reference import max_rel_grad_error
 from versions import QWEN3_NEXT_ADAPTABLE, QWEN3_NEXT_REASON
 
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.models.moe import load_balancing_loss
 from zorro_core.plan.build import build_dedup_plan
+from zorro_core.verify.reference import max_rel_grad_error
 
 BATCHES = ACTOR_BATCHES
 AUX_RTOL = 1e-7  # measured 1.7e-10 relative in float64 (router softmax runs in float32 upstream)

@@ -8,10 +8,10 @@ here, so both split calls (prompt->prompt and response->(prompt+response)) cut i
 import pytest
 import torch
 from helpers import MODES, check, mixed_batch
-from reference import per_sequence, token_weights
 
 from zorro_core import BaselineActor, DeduplicatedActor, create_dummy_batch
 from zorro_core.models.presets import preset_config
+from zorro_core.verify.reference import per_sequence, token_weights
 
 FAMILIES = ["tiny-mistral", "tiny-qwen2-sliding", "tiny-qwen3-sliding"]
 OVERRIDES = {"tiny-qwen3-sliding": ("tiny-qwen3", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1))}

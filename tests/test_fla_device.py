@@ -8,12 +8,12 @@ import pytest
 import torch
 from fla_devices import KERNEL, assert_refuses_cpu, device_aware, family_module, qwen3_next_module, simulate_fla
 from helpers import LP_ATOL
-from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 from versions import skip_module_without_qwen3_next_adapter
 
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch
 from zorro_core.models import linear_attention
 from zorro_core.models.linear_attention import delta_rule_kernel, fla_available
+from zorro_core.verify.reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 
 skip_module_without_qwen3_next_adapter()
 pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")

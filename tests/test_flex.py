@@ -109,7 +109,8 @@ def test_flex_gradients_match_per_sequence_on_cuda(tiny_models, family, sharing)
     import copy
 
     from helpers import mixed_batch
-    from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
+
+    from zorro_core.verify.reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 
     model64 = tiny_models(family)
     batch = mixed_batch()

@@ -12,12 +12,12 @@ import threading
 import pytest
 import torch
 from helpers import ACTOR_BATCHES, GRAD_RTOL, LP_ATOL, check
-from reference import actor_run, max_rel_grad_error
 from test_families_sliding import BATCHES as SLIDING_BATCHES
 from test_trie_actor import BATCHES as TREE_BATCHES
 
 from zorro_core import DeduplicatedActor, create_dummy_batch
 from zorro_core.attention.flex import flex_unavailable
+from zorro_core.verify.reference import actor_run, max_rel_grad_error
 
 fa = pytest.importorskip("torch.nn.attention.flex_attention")
 if flex_unavailable("cpu"):
@@ -141,9 +141,8 @@ def test_compiled_flex_forward_on_cpu_uses_the_block_tables(tiny_models, monkeyp
     CPU in torch 2.13) over a packed row of several 128-blocks, some skipped: the log-probs equal the
     reference (float32: Inductor's CPU flex takes no float64), and the kernel reads the block tables
     (dropping a block from them changes its output, which the eager kernel ignores)."""
-    from reference import sequence_forward
-
     from zorro_core.attention import flex
+    from zorro_core.verify.reference import sequence_forward
 
     model64 = tiny_models(family)
     model = copy.deepcopy(model64).float()

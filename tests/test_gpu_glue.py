@@ -10,7 +10,6 @@ import copy
 
 import pytest
 import torch
-from reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
 from test_actor import BATCHES
 from varlen_standins import (
     Calls,
@@ -26,6 +25,7 @@ from varlen_standins import (
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.models.presets import build_model, preset_config
 from zorro_core.verify.gradients import Errors, judge
+from zorro_core.verify.reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
 
 INSTALL = {
     "flash_attn": install_flash_attn,

@@ -225,3 +225,24 @@ def test_the_drawn_house_is_the_import_graph():
         (a, b) for a, ts in drawn.items() for b in ts if a.startswith("zorro_core") and b.split(".")[0] != "zorro_core"
     ]
     assert "img/house.png" in (ROOT / "docs" / "architecture.md").read_text()
+
+
+def test_plan_never_imports_attention():
+    """The plan says what is computed; attention owns how its kernels see it (zorro_core.attention.layouts).
+    No module of zorro_core.plan imports zorro_core.attention, not even inside a function."""
+    graph = import_graph()
+    plan = {m for m in graph if package_of(m) == "zorro_core.plan"}
+    assert {"zorro_core.plan.trie", "zorro_core.plan.segments", "zorro_core.plan.trie_levels"} <= plan
+    assert sorted(f"{a} -> {b}" for a in plan for b in graph[a] if b.startswith("zorro_core.attention")) == []
+    assert "zorro_core.plan.trie_levels" in graph["zorro_core.attention.layouts"]
+
+
+def test_attention_owns_its_layouts():
+    """The layout types are attention's: no plan module defines or names them."""
+    names = ("PaddedLayout", "CrossLayout", "Layouts")
+    mods = modules()
+    naming = [
+        m for m, path in mods.items() if m.startswith("zorro_core.plan") and any(n in path.read_text() for n in names)
+    ]
+    assert naming == []
+    assert not (ROOT / "zorro_core" / "plan" / "layouts.py").exists()

@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 from openrlhf_setup import LAYOUTS, OPENRLHF_MISSING, make_actor, samples, save_tiny
-from reference import max_rel_grad_error
+
+from zorro_core.verify.reference import max_rel_grad_error
 
 pytestmark = pytest.mark.skipif(OPENRLHF_MISSING is not None, reason=OPENRLHF_MISSING or "")
 

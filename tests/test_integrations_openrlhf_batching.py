@@ -342,7 +342,7 @@ def test_ppo_step_loss_equals_openrlhf_batching(ckpt, no_cuda, gloo, dynamic):
         actors[name] = make_actor(actor_cls, ckpt, temperature=0.7)
         actors[name].train()
         results[name] = ppo_step(actors[name], buffers[name], strategy, dynamic)
-    from reference import max_rel_grad_error
+    from zorro_core.verify.reference import max_rel_grad_error
 
     ref_loss, ref_grads, ref_seen = results["openrlhf"]
     for name in ("zorro", "openrlhf_actor_zorro_batching"):

@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 from helpers import LP_ATOL
-from reference import per_sequence
 
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
 from zorro_core.models.presets import load_model
+from zorro_core.verify.reference import per_sequence
 
 
 def _batch() -> RolloutBatch:

@@ -10,13 +10,13 @@ import types
 import pytest
 import torch
 from helpers import mixed_batch
-from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 
 import zorro_core.stack.liger as liger_mod
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.models.presets import build_model, preset_config
 from zorro_core.models.registry import FAMILIES
 from zorro_core.stack.liger import FLCE_NOTE, LigerSettings, apply_liger, liger_applied, liger_unavailable
+from zorro_core.verify.reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GPU_REASON = liger_unavailable("qwen3", DEVICE)

@@ -162,7 +162,8 @@ def test_a_directory_without_auto_map_passes_the_check(tmp_path):
 
 def test_local_tokenizer_refuses_custom_code_from_the_library(tmp_path, answers_yes):
     """`LocalTokenizer` (what `analyze --data` uses, also a library class) refuses the directory itself."""
-    from zorro_harness.analyze.dataset import DatasetError, LocalTokenizer
+    from zorro_harness.analyze.readers import DatasetError
+    from zorro_harness.analyze.tokenize import LocalTokenizer
 
     with pytest.raises(DatasetError, match="auto_map"):
         LocalTokenizer(str(evil_tokenizer_dir(tmp_path)))

@@ -4,11 +4,11 @@ against each other in float32, and the memory mode's autograd function on its ow
 import pytest
 import torch
 from helpers import GRAD_RTOL, LP_ATOL, mixed_batch
-from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 from torch import nn
 
 from zorro_core import DeduplicatedActor, create_dummy_batch
 from zorro_core.actor.logprobs import ChunkedLogProbs, chunk_size_for_budget, response_logprobs
+from zorro_core.verify.reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 
 F32_LP_ATOL = 2e-5  # float32, mode vs mode (measured: log-prob 4.8e-7, entropy 3.3e-6, grads 8.7e-7 rel)
 F32_GRAD_RTOL = 1e-5

@@ -8,13 +8,13 @@ and only they) must get the reference's gradient.
 import pytest
 import torch
 from helpers import GRAD_RTOL, LP_ATOL, mixed_batch
-from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.parts import model_parts, unwrap_adapters
 from zorro_core.models.presets import build_model, preset_config
 from zorro_core.stack.lora import LoraSettings, apply_lora, lora_unavailable, trainable_parameters
+from zorro_core.verify.reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install 'zorro[lora]')")
 

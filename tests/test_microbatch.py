@@ -7,9 +7,9 @@ from helpers import (  # float64 floor: packing differs, transformers' float32 n
     LP_ATOL,
     mixed_batch,
 )
-from reference import max_rel_grad_error, token_weights
 
 from zorro_core import BaselineActor, DeduplicatedActor
+from zorro_core.verify.reference import max_rel_grad_error, token_weights
 
 
 def token_mean_loss(batch, weights):

@@ -18,9 +18,9 @@ import copy
 import pytest
 import torch
 from helpers import GRAD_RTOL, LP_ATOL, _tiny_preset
-from reference import loss_of, per_sequence, sequence_forward, token_weights
 
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch
+from zorro_core.verify.reference import loss_of, per_sequence, sequence_forward, token_weights
 
 BAD = 4
 """The token whose embedding is set non-finite."""

@@ -3,10 +3,10 @@
 import pytest
 import torch
 from helpers import GRAD_RTOL, LP_ATOL, MODES, check, mixed_batch
-from reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 from test_trie import tree_batch
 
 from zorro_core import BaselineActor, DeduplicatedActor, create_dummy_batch
+from zorro_core.verify.reference import actor_run, max_rel_grad_error, per_sequence, token_weights
 
 BATCHES = {
     "tree": tree_batch,  # depth 4 at min_shared_tokens=1: a prefix row, identical rows, runs ending in responses

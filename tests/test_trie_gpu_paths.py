@@ -9,6 +9,7 @@ from test_trie import tree_batch
 from zorro_core import BaselineActor, DeduplicatedActor, build_dedup_plan, create_dummy_batch
 from zorro_core.attention.backends import backend_unavailable
 from zorro_core.attention.flex import BLOCK, flex_unavailable
+from zorro_core.attention.layouts import layouts_of
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -43,7 +44,7 @@ def test_level_k_index_lists_each_nodes_path_then_itself():
     mask = plan.attention_mask()
     for level in plan.levels[1:]:
         seg = level.seg
-        idx = level.k_index(torch.device("cpu"))
+        idx = layouts_of(plan).level_k_index(level, torch.device("cpu"))
         assert idx.numel() == seg.total_k
         for i in range(seg.num_segments):
             keys = idx[int(seg.cu_k[i]) : int(seg.cu_k[i + 1])]

@@ -10,7 +10,6 @@ layers and a `tiny-*` preset is covered.
 import pytest
 import torch
 from helpers import GRAD_RTOL, LP_ATOL, MODES, check
-from reference import actor_run, loss_of, max_rel_grad_error, per_sequence, token_weights
 from test_checkpointing import checkpointing
 from versions import skip_module_without_qwen3_next_adapter
 
@@ -21,6 +20,7 @@ from zorro_core.models.registry import FAMILIES
 from zorro_core.plan.build import build_dedup_plan
 from zorro_core.plan.trie import TriePlan
 from zorro_core.verify.delta_rule import device_delta_rule, exact_delta_rule
+from zorro_core.verify.reference import actor_run, loss_of, max_rel_grad_error, per_sequence, token_weights
 
 skip_module_without_qwen3_next_adapter()
 

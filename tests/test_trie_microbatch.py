@@ -14,7 +14,6 @@ import torch
 from helpers import GRAD_RTOL, LP_ATOL
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import loss_of, max_rel_grad_error
 from test_checkpointing import checkpointing
 
 from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
@@ -22,6 +21,7 @@ from zorro_core.actor.microbatch import micro_batch_partition
 from zorro_core.plan.balance import GroupedLengths, partition_micro_batches, select_rows
 from zorro_core.plan.trie import build_trie_plan
 from zorro_core.plan.trie_balance import TrieLengths, partition_trie_micro_batches
+from zorro_core.verify.reference import loss_of, max_rel_grad_error
 
 SYSTEM = [11, 12, 13, 14, 15, 16]  # every row starts with it
 TURNS = {0: [21, 22, 23, 24], 1: [21, 22, 23, 24], 2: [31, 32, 33, 34], 3: [31, 32, 33, 34]}  # groups 0+1, 2+3

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import per_sequence, rel_grad_errors, token_weights
 
 from zorro_core import DeduplicatedActor, RolloutBatch
 from zorro_core.distributed.launch import launch
 from zorro_core.distributed.ulysses import SequenceParallel
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.presets import build_model, preset_config
+from zorro_core.verify.reference import per_sequence, rel_grad_errors, token_weights
 from zorro_core.verify.tolerances import GRAD_RTOL as GRAD_TOL
 from zorro_core.verify.tolerances import LOGPROB_ATOL as LP_TOL
 

@@ -8,7 +8,6 @@ import torch
 from zorro_core import ActorConfig, DeduplicatedActor, build_dedup_plan
 from zorro_core.verify import tolerances
 from zorro_core.verify.gradients import (
-    BUGS,
     FACTOR,
     GRAD_FLOOR,
     LP_FLOOR,
@@ -18,11 +17,11 @@ from zorro_core.verify.gradients import (
     VerifyCase,
     case_unavailable,
     expand_cases,
-    inject_bug,
     judge,
     tiny_models,
     verify_batch,
 )
+from zorro_core.verify.planted_bugs import BUGS, TREE_BUGS, inject_bug
 from zorro_core.verify.reference import per_sequence, sequence_forward, token_weights
 
 
@@ -205,3 +204,12 @@ def test_a_crash_is_an_error_row(verifier, monkeypatch):
     monkeypatch.setattr(DeduplicatedActor, "forward", boom)
     res = verifier.run(case("tiny-qwen3", "eager", "float64", "padded", True, "compute"))
     assert res.status == "error" and "kernel exploded" in res.reason
+
+
+@pytest.mark.parametrize("name", ["BUGS", "TREE_BUGS"])
+def test_the_bug_tables_still_import_from_gradients_with_a_warning(name):
+    import zorro_core.verify.gradients as gradients
+
+    with pytest.warns(DeprecationWarning, match=f"zorro_core.verify.planted_bugs.{name} .removed after 2027-06-01"):
+        got = getattr(gradients, name)
+    assert got is {"BUGS": BUGS, "TREE_BUGS": TREE_BUGS}[name]

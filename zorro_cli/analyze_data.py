@@ -14,7 +14,8 @@ from rich.table import Table
 
 from zorro_cli.console import console, err_console, escape, fail, print_json
 from zorro_core.models.registry import model_shape
-from zorro_harness.analyze.dataset import MAX_TEMPLATE_CHARS, DatasetError, load_dataset
+from zorro_harness.analyze.chat_template import MAX_TEMPLATE_CHARS
+from zorro_harness.analyze.dataset import DatasetError, load_dataset
 from zorro_harness.analyze.workload_sim import data_report
 from zorro_harness.bench.inputs import model_config
 

@@ -7,7 +7,7 @@ from enum import Enum
 from typing import Iterable
 
 from zorro_core.actor.logprobs import LOGITS_MODES
-from zorro_core.plan.trie import SHARINGS
+from zorro_core.plan.sharing import SHARINGS
 from zorro_core.verify.gradients import ATTNS, LAYOUTS
 from zorro_harness.analyze.workload_sim import BATCHINGS
 from zorro_harness.bench.report import METRICS

@@ -28,7 +28,6 @@ from zorro_core.attention.backends import BACKENDS
 from zorro_core.models.presets import PRESETS
 from zorro_core.verify.gradients import (
     ATTNS,
-    BUGS,
     DTYPES,
     FACTOR,
     LAYOUTS,
@@ -38,6 +37,7 @@ from zorro_core.verify.gradients import (
     tiny_models,
     verify_cases,
 )
+from zorro_core.verify.planted_bugs import BUGS
 from zorro_core.verify.training import TRAIN_FACTOR, TRAIN_RULE, TrainConfig, verify_training
 from zorro_harness.bench.guard import verify_too_large
 

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from zorro_core.actor.logprobs import LOGITS_MODES
 from zorro_core.models.moe import AUX_WEIGHTINGS
-from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, SHARINGS, check_sharing
+from zorro_core.plan.sharing import DEFAULT_MIN_SHARED_TOKENS, SHARINGS, check_sharing
 
 VARLEN_BACKENDS = ("reference", "sdpa", "flash_cpu", "torch_varlen", "flash_attn", "flash_cpu_gather")
 """The names `varlen_backend` takes (zorro_core.attention.backends.BACKENDS has one backend of each)."""

@@ -1,8 +1,8 @@
 """Attention backends of split mode: one protocol for the plan's two calls.
 
-    backend.causal(q, k, v, seg, scale, window)   # self-causal segments: q, k, v the same tokens
-    backend.cross(q, k, v, seg, scale, window)    # responses against [their prompt | themselves]
-    backend.tree_level(q, k, v, level, scale, window)  # a trie level's nodes against [parent's path | own]
+    backend.causal(q, k, v, seg, scale, window, layouts)   # self-causal segments: q, k, v the same tokens
+    backend.cross(q, k, v, seg, scale, window, layouts)    # responses against [their prompt | themselves]
+    backend.tree_level(q, k, v, level, scale, window, layouts)  # a trie level's nodes against [parent's path | own]
 
 In `causal`, q [Tq, Hq, D] and k, v [Tk, Hkv, D] hold the segments of `seg` back to back. In
 `cross`, q holds the cross segments' queries and k, v the whole packed row: `seg.k_index` (or,
@@ -12,6 +12,8 @@ bottom-right: query i of a segment with Lq queries and Lk keys sees keys 0..i + 
 (flash-attn's convention; SDPA's `is_causal` aligns top-left, which is wrong when Lq != Lk).
 `window` (if set) also hides keys more than window - 1 positions behind the query. GQA: Hq must
 be a multiple of Hkv. v's head dim may differ from q's and k's (MLA): out is [Tq, Hq, Dv].
+`layouts` is the plan's (zorro_core.attention.layouts.layouts_of): what a backend derives from the
+segments is built once per plan there; None (bare segments) builds it for the call alone.
 
 - `reference`: explicit softmax(QK^T)V over a padded batch of segments, softmax in float32
   (float64 for float64 inputs). Exact, runs anywhere; the oracle for the others.
@@ -41,6 +43,7 @@ import torch
 
 from zorro_core.attention.head_dims import crop, same_head_dim
 from zorro_core.attention.kernels import CpuFlashPair, FlashAttnPair, KernelPair, TorchFlashPair, flash_attn_missing
+from zorro_core.attention.layouts import Layouts
 from zorro_core.attention.merged import MergedSplitAttention, VarlenCall, merge_refusal
 from zorro_core.attention.padded import (
     attend,
@@ -52,7 +55,7 @@ from zorro_core.attention.padded import (
 )
 from zorro_core.plan.protocol import Plan
 from zorro_core.plan.segments import Segments
-from zorro_core.plan.trie import TreeLevel
+from zorro_core.plan.trie_levels import TreeLevel
 
 
 class AttentionBackend:
@@ -70,26 +73,34 @@ class AttentionBackend:
         if why:
             warnings.warn(f"zorro: {self.name} runs the gather path for this plan: {why}", RuntimeWarning, stacklevel=2)
         return why is None
-        return True
 
-    def varlen(self, q, k, v, seg: Segments, scale: float, window: Optional[int] = None) -> torch.Tensor:
+    def varlen(
+        self, q, k, v, seg: Segments, scale: float, window: Optional[int] = None, layouts: Optional[Layouts] = None
+    ) -> torch.Tensor:
         """Segments of q and k, v back to back, causal aligned bottom-right -> [Tq, Hq, D]."""
         raise NotImplementedError
 
-    def causal(self, q, k, v, seg: Segments, scale: float, window: Optional[int] = None) -> torch.Tensor:
+    def causal(
+        self, q, k, v, seg: Segments, scale: float, window: Optional[int] = None, layouts: Optional[Layouts] = None
+    ) -> torch.Tensor:
         """The plan's self-causal segments (queries are keys)."""
-        return self.varlen(q, k, v, seg, scale, window)
+        return self.varlen(q, k, v, seg, scale, window, layouts)
 
-    def cross(self, q, k, v, seg: Segments, scale: float, window: Optional[int] = None) -> torch.Tensor:
+    def cross(
+        self, q, k, v, seg: Segments, scale: float, window: Optional[int] = None, layouts: Optional[Layouts] = None
+    ) -> torch.Tensor:
         """The plan's cross segments: q their queries, k, v the whole packed row."""
-        return self.varlen(q, k[seg.k_index], v[seg.k_index], seg, scale, window)
+        return self.varlen(q, k[seg.k_index], v[seg.k_index], seg, scale, window, layouts)
 
-    def tree_level(self, q, k, v, level: TreeLevel, scale: float, window: Optional[int] = None) -> torch.Tensor:
+    def tree_level(
+        self, q, k, v, level: TreeLevel, scale: float, window: Optional[int] = None, layouts: Optional[Layouts] = None
+    ) -> torch.Tensor:
         """A prefix-tree level (zorro_core.attention.tree): q the level's queries, k, v the whole
         packed row; each node's keys are its parent's path followed by its own tokens. By default
-        one gather of [path | own] per node (`TreeLevel.k_index`) through `varlen`."""
-        idx = level.k_index(q.device)
-        return self.varlen(q, k[idx], v[idx], level.seg, scale, window)
+        one gather of [path | own] per node (`Layouts.level_k_index`) through `varlen`."""
+        layouts = layouts or Layouts()
+        idx = layouts.level_k_index(level, q.device)
+        return self.varlen(q, k[idx], v[idx], level.seg, scale, window, layouts)
 
     def unavailable(self, device: torch.device) -> Optional[str]:
         """Why the backend cannot run on `device` here, or None when it can."""
@@ -103,11 +114,12 @@ class PaddedBackend(AttentionBackend):
     exact = False
     """Explicit scores with a float32 (float64) softmax rather than F.scaled_dot_product_attention."""
 
-    def tree_level(self, q, k, v, level, scale, window=None):
-        lay = level.cross_layout(q.device)
+    def tree_level(self, q, k, v, level, scale, window=None, layouts=None):
+        layouts = layouts or Layouts()
+        lay = layouts.level_cross(level, q.device)
         seg = level.seg
         if not lay.uniform_p:  # the parents' paths are scattered over the packed row: gather them once
-            rows, seg, lay = level.compact(q.device)
+            rows, seg, lay = layouts.level_compact(level, q.device)
             k, v = k[rows], v[rows]
         return cross_blocks_attention(q, k, v, seg, lay, scale, window, self.exact)
 
@@ -118,12 +130,12 @@ class ReferenceBackend(PaddedBackend):
     name = "reference"
     exact = True
 
-    def varlen(self, q, k, v, seg, scale, window=None):
-        lay, qp, kp, vp = to_padded(q, k, v, seg)
+    def varlen(self, q, k, v, seg, scale, window=None, layouts=None):
+        lay, qp, kp, vp = to_padded(q, k, v, seg, layouts)
         return from_padded(attend(qp, kp, vp, lay, window, scale, exact=True), lay)
 
-    def cross(self, q, k, v, seg, scale, window=None):
-        return cross_attention(q, k, v, seg, scale, window, exact=True)
+    def cross(self, q, k, v, seg, scale, window=None, layouts=None):
+        return cross_attention(q, k, v, seg, scale, window, True, layouts)
 
 
 class SdpaBackend(PaddedBackend):
@@ -131,8 +143,8 @@ class SdpaBackend(PaddedBackend):
 
     name = "sdpa"
 
-    def varlen(self, q, k, v, seg, scale, window=None):
-        lay, qp, kp, vp = to_padded(q, k, v, seg)
+    def varlen(self, q, k, v, seg, scale, window=None, layouts=None):
+        lay, qp, kp, vp = to_padded(q, k, v, seg, layouts)
         if seg.q_is_k and window is None:
             # Self-causal segments padded at their end: top-left `is_causal` is then exact for the
             # real queries (padding keys come after them) and lets the kernel skip masked blocks,
@@ -140,8 +152,8 @@ class SdpaBackend(PaddedBackend):
             return from_padded(attend(qp, kp, vp, None, None, scale, exact=False), lay)
         return from_padded(attend(qp, kp, vp, lay, window, scale, exact=False), lay)
 
-    def cross(self, q, k, v, seg, scale, window=None):
-        return cross_attention(q, k, v, seg, scale, window, exact=False)
+    def cross(self, q, k, v, seg, scale, window=None, layouts=None):
+        return cross_attention(q, k, v, seg, scale, window, False, layouts)
 
 
 def pair_varlen(q, k, v, seg: Segments, scale: float, pair: KernelPair) -> torch.Tensor:
@@ -167,9 +179,9 @@ class FlashCpuGatherBackend(AttentionBackend):
 
     name = "flash_cpu_gather"
 
-    def varlen(self, q, k, v, seg, scale, window=None):
+    def varlen(self, q, k, v, seg, scale, window=None, layouts=None):
         if window is not None:
-            return SdpaBackend.varlen(BACKENDS["sdpa"], q, k, v, seg, scale, window)
+            return SdpaBackend.varlen(BACKENDS["sdpa"], q, k, v, seg, scale, window, layouts)
         return pair_varlen(q, k, v, seg, scale, FlashCpuBackend.pair)
 
     def unavailable(self, device):
@@ -200,7 +212,7 @@ class CudaVarlenBackend(AttentionBackend):
     Both kernels take one head dim for q, k and v: with MLA's Dv != Dq they get them zero-padded to
     one and the output is cropped to Dv (exact: zorro_core.attention.head_dims)."""
 
-    def varlen(self, q, k, v, seg, scale, window=None):
+    def varlen(self, q, k, v, seg, scale, window=None, layouts=None):
         q, k, v, dv = same_head_dim(q, k, v)
         return crop(self.kernel(q, k, v, seg, scale, window), dv)
 

@@ -28,6 +28,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from zorro_core.attention.backends import BACKENDS
 from zorro_core.attention.flex import block_mask as flex_block_mask
 from zorro_core.attention.flex import flex_packed_attention
+from zorro_core.attention.layouts import layouts_of
 from zorro_core.attention.merged import merged_split_attention
 from zorro_core.attention.tree import tree_block_mask, tree_split_attention
 from zorro_core.distributed.ulysses import SequenceParallel
@@ -129,11 +130,12 @@ def _(plan: DedupPlan, q, k, v, scale: float, window: Optional[int], backend: st
     be = BACKENDS[backend]
     if be.pair is not None and be.gather_free(plan, q, window):
         return merged_split_attention(plan, q, k, v, scale, be.pair)
+    layouts = layouts_of(plan)
     if plan.cross is None:
-        return be.causal(q, k, v, plan.causal, scale, window)
+        return be.causal(q, k, v, plan.causal, scale, window, layouts)
     tc = plan.causal.total_q
-    out_c = be.causal(q[:tc], k[:tc], v[:tc], plan.causal, scale, window)
-    out_x = be.cross(q[tc:], k, v, plan.cross, scale, window)
+    out_c = be.causal(q[:tc], k[:tc], v[:tc], plan.causal, scale, window, layouts)
+    out_x = be.cross(q[tc:], k, v, plan.cross, scale, window, layouts)
     return torch.cat([out_c, out_x])
 
 
@@ -150,11 +152,15 @@ plan_block_mask.register(DedupPlan, flex_block_mask)
 plan_block_mask.register(TriePlan, tree_block_mask)
 
 
-def _model_eager(module: nn.Module):
-    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    if fn is None:
-        raise ValueError(f"{type(module).__name__} has no eager_attention_forward in its module; use sdpa")
-    return fn
+def original_function(module: nn.Module, original: str):
+    """The attention function `original` names, as the model's own attention layer resolves it: "eager"
+    is the eager_attention_forward of the layer's modeling module, any other name transformers' registry."""
+    if original == "eager":
+        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if fn is None:
+            raise ValueError(f"{type(module).__name__} has no eager_attention_forward in its module; use sdpa")
+        return fn
+    return ALL_ATTENTION_FUNCTIONS[original]
 
 
 def route_mask(device: torch.device | str) -> torch.Tensor:
@@ -224,7 +230,7 @@ def _plain_mode(
     route.calls += 1
     check_attention_call(query, key, kwargs)
     attention = route.spec.attention
-    fn = _model_eager(module) if attention == "eager" else ALL_ATTENTION_FUNCTIONS[attention]
+    fn = original_function(module, attention)
     rest = {k: v for k, v in kwargs.items() if k != "zorro_route"}
     return fn(
         module,
@@ -275,7 +281,7 @@ def _mask_mode(
     if attention == "sdpa":
         out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scale, dropout=0.0, is_causal=False)
     else:
-        out, _ = _model_eager(module)(module, query, key, value, mask, scaling=scale, dropout=0.0)
+        out, _ = original_function(module, "eager")(module, query, key, value, mask, scaling=scale, dropout=0.0)
     return out, None
 
 

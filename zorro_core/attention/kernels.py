@@ -23,6 +23,7 @@ segment may have no queries (its keys then get zero gradient).
   where the varlen lse is [H, Tq]); called by keyword, each argument checked against the installed
   signature, so a release that renames one is refused with its name rather than miscalled.
 """
+# Whole over ~450 lines: one protocol and its three pairs, each bound to keep to it (apart they would drift).
 
 from __future__ import annotations
 

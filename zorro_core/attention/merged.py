@@ -14,7 +14,7 @@ uses: P = exp(S - lse) is then each block's share of the whole softmax, and rows
 whole row's), and sums the gradients. Saved for backward: q, k, v, the output and the lse, what a
 single flash-attn call over the packed row saves; nothing gathered, nothing written twice.
 
-The call lists are pure index code built once per plan (`plan.derived`). A sliding window that cuts
+The call lists are pure index code built once per plan (its Layouts: zorro_core.attention.layouts). A sliding window that cuts
 a prompt (or an ancestor path) cannot be a rectangle of keys: those plans keep the gather path
 (`merged_calls` returns None and says why in `merge_refusal`).
 """
@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from zorro_core.attention.kernels import KernelPair
+from zorro_core.attention.layouts import layouts_of
 from zorro_core.plan.prompt import DedupPlan
 from zorro_core.plan.protocol import Plan
 from zorro_core.plan.segments import cu_seqlens
@@ -129,7 +130,7 @@ def merge_refusal(plan: Plan, window: Optional[int]) -> Optional[str]:
     Decided once per plan and window (every layer asks; the trie's check reads its parents)."""
     if not isinstance(plan, (DedupPlan, TriePlan)):
         return f"no gather-free calls for a {type(plan).__name__}"
-    return plan.derived(("merge_refusal", window), lambda: _refusal(plan, window))
+    return layouts_of(plan).get(("merge_refusal", window), lambda: _refusal(plan, window))
 
 
 def _refusal(plan: Plan, window: Optional[int]) -> Optional[str]:
@@ -146,13 +147,13 @@ def _refusal(plan: Plan, window: Optional[int]) -> Optional[str]:
 
 def longest_path(plan: Plan) -> int:
     """Tokens of the longest path through the plan (a prompt + response; a trie row)."""
-    return plan.derived(("longest_path",), lambda: int(plan.position_ids.max()) + 1)
+    return layouts_of(plan).get(("longest_path",), lambda: int(plan.position_ids.max()) + 1)
 
 
 def merged_calls(plan: Plan) -> list[VarlenCall]:
     """The plan's gather-free kernel calls (module docstring), built once per plan."""
     build = _trie_calls if isinstance(plan, TriePlan) else _prompt_calls
-    return plan.derived(("merged_calls",), lambda: build(plan))  # type: ignore[arg-type]
+    return layouts_of(plan).get(("merged_calls",), lambda: build(plan))  # type: ignore[arg-type]
 
 
 def _merge_into(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:

@@ -1,8 +1,8 @@
 """Padded-batch attention for the CPU-capable backends (`reference`, `sdpa`).
 
 Segments become a [n, H, L, D] batch: a view when every segment has the same length, one
-gather otherwise. The layouts (indices, masks: zorro_core.plan.layouts) are built once per
-plan by its Segments, then reused by every layer.
+gather otherwise. The layouts (indices, masks: zorro_core.attention.layouts) are built once per
+plan (its `Layouts`), then reused by every layer.
 
 The cross call has its own layout: a response's keys are [its group's prompt | itself]. The
 prompt block is gathered once per group and broadcast to the group's responses along the
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from zorro_core.attention.head_dims import crop, same_head_dim
-from zorro_core.plan.layouts import CrossLayout, PaddedLayout
+from zorro_core.attention.layouts import CrossLayout, Layouts, PaddedLayout
 from zorro_core.plan.segments import Segments
 
 
@@ -38,8 +38,12 @@ def pad(x: torch.Tensor, idx: torch.Tensor, uniform: bool, n: int, length: int) 
     return x.view(n, length, *x.shape[1:]).transpose(1, 2)
 
 
-def to_padded(q, k, v, seg: Segments) -> tuple[PaddedLayout, torch.Tensor, torch.Tensor, torch.Tensor]:
-    lay = seg.padded_layout(q.device)
+def to_padded(
+    q, k, v, seg: Segments, layouts: Optional[Layouts] = None
+) -> tuple[PaddedLayout, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The segments' queries and keys/values as a padded batch, over the layout from `layouts`
+    (the plan's; None: built for this call alone)."""
+    lay = (layouts or Layouts()).padded(seg, q.device)
     n = lay.n
     qp = pad(q, lay.idx_q, lay.uniform_q, n, seg.max_q)
     kp = pad(k, lay.idx_k, lay.uniform_k, n, seg.max_k)
@@ -205,13 +209,16 @@ class _Fold:
         return self.out
 
 
-def cross_attention(q, k, v, seg: Segments, scale: float, window: Optional[int], exact: bool) -> torch.Tensor:
+def cross_attention(
+    q, k, v, seg: Segments, scale: float, window: Optional[int], exact: bool, layouts: Optional[Layouts] = None
+) -> torch.Tensor:
     """Responses of shared groups against [their prompt | themselves].
 
     q [Tq, Hq, D] holds the responses' queries (seg's query segments); k, v [T, Hkv, D] are
     the whole packed row's keys/values, with the responses' own at seg.q_start onwards.
     """
-    return cross_blocks_attention(q, k, v, seg, seg.cross_layout(q.device), scale, window, exact)
+    lay = (layouts or Layouts()).cross(seg, q.device)
+    return cross_blocks_attention(q, k, v, seg, lay, scale, window, exact)
 
 
 def cross_blocks_attention(

@@ -16,15 +16,13 @@ treats any name containing it as a flash kernel to load.
 from __future__ import annotations
 
 import re
-import sys
 
 import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from zorro_core.attention.hook import ZORRO_ATTENTION, zorro_attention
+from zorro_core.attention.hook import ZORRO_ATTENTION, original_function, zorro_attention
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.parts import unwrap_adapters
 
@@ -73,16 +71,6 @@ def install_attention(model: nn.Module) -> str:
                 "through transformers' AttentionInterface, so the dedup hook cannot be registered"
             )
     return original
-
-
-def original_function(module: nn.Module, original: str):
-    """The attention function `original` names, as the model's own attention layer resolves it."""
-    if original == "eager":
-        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-        if fn is None:
-            raise ValueError(f"{type(module).__name__} has no eager_attention_forward in its module")
-        return fn
-    return ALL_ATTENTION_FUNCTIONS[original]
 
 
 def _dispatch(original: str):

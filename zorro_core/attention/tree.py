@@ -10,7 +10,8 @@ Split mode, one call per level of the tree (nodes of a level are contiguous in t
   (CPU) backends reuse the cross call's machinery (zorro_core.attention.padded): the parent's
   path is gathered once per distinct parent and broadcast to its children, and the CPU flash
   path saves no copy of it for backward. flash-attn / torch varlen (GPU) take one gather of
-  [path | own] per node (`TreeLevel.k_index`).
+  [path | own] per node (`Layouts.level_k_index`). Every layout is the plan's, built once
+  (zorro_core.attention.layouts).
 Windows are by path position (both calls and masks use positions along the path), which is the
 baseline's rule since a row's positions are its path's.
 """
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from zorro_core.attention.backends import BACKENDS
 from zorro_core.attention.flex import BLOCK
+from zorro_core.attention.layouts import layouts_of
 from zorro_core.attention.merged import merged_split_attention
 from zorro_core.plan.trie import TriePlan
 
@@ -33,12 +35,13 @@ def tree_split_attention(plan: TriePlan, q, k, v, scale: float, window: Optional
     be = BACKENDS[backend]
     if be.pair is not None and be.gather_free(plan, q, window):
         return merged_split_attention(plan, q, k, v, scale, be.pair)
+    layouts = layouts_of(plan)
     roots = plan.levels[0].seg
     t0 = roots.total_q
-    outs = [be.causal(q[:t0], k[:t0], v[:t0], roots, scale, window)]
+    outs = [be.causal(q[:t0], k[:t0], v[:t0], roots, scale, window, layouts)]
     for level in plan.levels[1:]:
         seg = level.seg
-        outs.append(be.tree_level(q[seg.q_start : seg.q_start + seg.total_q], k, v, level, scale, window))
+        outs.append(be.tree_level(q[seg.q_start : seg.q_start + seg.total_q], k, v, level, scale, window, layouts))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.prompt import DedupPlan, build_prompt_plan
 from zorro_core.plan.protocol import Plan
-from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, TriePlan, build_trie_plan, check_sharing
+from zorro_core.plan.sharing import DEFAULT_MIN_SHARED_TOKENS, check_sharing
+from zorro_core.plan.trie import TriePlan, build_trie_plan
 
 
 def build_dedup_plan(

@@ -1,23 +1,15 @@
 """Segments of one varlen attention call over the packed row, and the index helpers both plans use.
 
-Shared by the prompt plan (zorro_core.plan.prompt) and the prefix-tree plan (zorro_core.plan.trie);
-each Segments owns its padded/cross layouts (zorro_core.plan.layouts), built once per plan.
+Shared by the prompt plan (zorro_core.plan.prompt) and the prefix-tree plan (zorro_core.plan.trie).
+How attention's kernels see them (padded layouts, gathers) is attention's: zorro_core.attention.layouts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
-from zorro_core.plan.layouts import CrossLayout, PaddedLayout
-
-
-def same_device(built: torch.device, wanted: torch.device | str) -> bool:
-    """Whether something built on `built` serves `wanted` (a device without an index matches any)."""
-    wanted = torch.device(wanted)
-    return built.type == wanted.type and (wanted.index is None or wanted.index == built.index)
 
 
 @dataclass
@@ -48,26 +40,6 @@ class Segments:
     """Cross call only: [n] length of each segment's prompt."""
     kv_group: Optional[torch.Tensor] = None
     """Cross call only: [n] group of each segment (segments of a group are adjacent)."""
-    _padded: Optional[PaddedLayout] = field(default=None, init=False, repr=False)
-    _cross: Optional[CrossLayout] = field(default=None, init=False, repr=False)
-
-    def padded_layout(self, device: torch.device) -> PaddedLayout:
-        """The segments as a padded batch (built once, reused by every layer)."""
-        if self._padded is None or not same_device(self._padded.device, device):
-            self._padded = PaddedLayout.build(
-                self.cu_q, self.cu_k, self.max_q, self.max_k, self.total_q, self.total_k, device
-            )
-        return self._padded
-
-    def cross_layout(self, device: torch.device) -> CrossLayout:
-        """Cross segments only: [prompt block | own block] keys per segment (built once, reused by every layer)."""
-        if self.kv_group is None or self.kv_prompt_start is None or self.kv_prompt_len is None:
-            raise ValueError("cross_layout needs cross segments (kv_prompt_start, kv_prompt_len, kv_group)")
-        if self._cross is None or not same_device(self._cross.device, device):
-            self._cross = CrossLayout.build_cross(
-                self.padded_layout(device), self.kv_prompt_start, self.kv_prompt_len, self.kv_group, self.lens_q, device
-            )
-        return self._cross
 
     @property
     def q_index(self) -> torch.Tensor:

@@ -33,7 +33,8 @@ import numpy as np
 from zorro_core.plan.balance import GroupedLengths, Partition, partition_micro_batches
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.cost import ForwardWork, tree_workload
-from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS, check_sharing, shared_depths, shared_nodes, sorted_rows
+from zorro_core.plan.sharing import DEFAULT_MIN_SHARED_TOKENS, check_sharing
+from zorro_core.plan.trie_radix import shared_depths, shared_nodes, sorted_rows
 
 
 def _tri(n):

@@ -30,14 +30,8 @@ from zorro_core.models.linear_attention import (
     delta_rule_kernel,
     delta_rule_of,
     fla_available,
-    linear_layers,
 )
 from zorro_core.models.registry import FAMILIES
-
-
-def linear_modules(model: nn.Module) -> set[ModuleType]:
-    """transformers' modeling modules of `model`'s gated DeltaNet layers (each holds the kernel they call)."""
-    return {sys.modules[type(m).__module__] for m in linear_layers(model)}
 
 
 def modeling_module(model_type: str) -> ModuleType:

@@ -5,7 +5,8 @@ attention and a logits mode. For each case the deduplicated actor and the baseli
 backend, no dedup) run one batch with a loss whose per-token weights differ per response; their
 per-token log-probs, entropies and every parameter's gradient are compared with the
 independent per-sequence computation (zorro_core.verify.reference) in float64 on the same weights.
-The pass rule is RULE below; `zorro verify gradients` prints it.
+The pass rule is RULE below; `zorro verify gradients` prints it. The bugs a run may plant to
+prove the check fails are zorro_core.verify.planted_bugs'.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import copy
 import itertools
 import math
 import time
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from transformers import PreTrainedModel
@@ -31,11 +33,11 @@ from zorro_core.models.presets import PRESETS, build_model, preset_config, seede
 from zorro_core.models.registry import FAMILIES
 from zorro_core.plan.batch import RolloutBatch, create_dummy_batch
 from zorro_core.plan.dtypes import DTYPES as TORCH_DTYPES
-from zorro_core.plan.prompt import DedupPlan, build_prompt_plan
-from zorro_core.plan.trie import TriePlan, build_trie_plan
 from zorro_core.stack.checkpointing import checkpointed
 from zorro_core.stack.lora import LoraSettings, apply_lora
+from zorro_core.verify import planted_bugs
 from zorro_core.verify.delta_rule import exact_delta_rule
+from zorro_core.verify.planted_bugs import inject_bug
 from zorro_core.verify.reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
 from zorro_core.verify.tolerances import GRAD_RTOL, LOGPROB_ATOL, LOW_PRECISION_FACTOR
 
@@ -255,122 +257,6 @@ def build_verify_model(name: str, device: str = "cpu", seed: int = 0) -> PreTrai
     )
 
 
-# ---------------------------------------------------------------- deliberate bugs
-# In the package, not in tests/: `zorro verify --inject-bug` proves on the user's own machine that
-# the check fails on a broken plan, and tests/test_actor.py plants the same bugs.
-
-
-def _row0_prompt_on(batch: RolloutBatch, r: int) -> RolloutBatch:
-    """The batch with row 0's prompt in row `r` (its response kept): the wrong_prompt bug's batch."""
-    prompts, mask = batch.prompts.clone(), batch.prompt_mask.clone()
-    prompts[r], mask[r] = prompts[0], mask[0]
-    return RolloutBatch(prompts, mask, batch.responses, batch.response_mask)
-
-
-def _wrong_prompt(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
-    rows = (plan.group_of_row != plan.group_of_row[0]).nonzero().flatten()
-    if not rows.numel():
-        raise ValueError("wrong_prompt needs a batch with two distinct prompts")
-    return build_prompt_plan(_row0_prompt_on(batch, int(rows[0])), dedup=plan.deduplicated)
-
-
-def _positions_restart(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
-    is_resp = plan.token_segment >= plan.num_groups
-    plan.position_ids = torch.where(is_resp, plan.position_ids - plan.prompt_lens[plan.token_group], plan.position_ids)
-    return plan
-
-
-def _first_label_dropped(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
-    first = plan.response_flat_index % plan.response_width == 0
-    plan.logit_index = torch.where(first, plan.logit_index + 1, plan.logit_index)
-    return plan
-
-
-def _first_label_shared(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
-    first = plan.response_flat_index % plan.response_width == 0
-    row = plan.response_flat_index // plan.response_width
-    rep = plan.group_rep_row[plan.group_of_row[row]]
-    plan.labels = torch.where(first, batch.responses.long()[rep, 0], plan.labels)
-    return plan
-
-
-BUGS: dict[str, tuple[str, Callable[[DedupPlan, RolloutBatch], DedupPlan]]] = {
-    "wrong_prompt": ("a response is grouped with (attends to) another row's prompt", _wrong_prompt),
-    "positions_restart": ("response positions restart at 0 instead of continuing after the prompt", _positions_restart),
-    "first_label_dropped": (
-        "each response's first token is read one position late (first label dropped)",
-        _first_label_dropped,
-    ),
-    "first_label_shared": (
-        "every response of a group gets the first response's first-token label (rolled row)",
-        _first_label_shared,
-    ),
-}
-
-
-def _tree_positions_restart(plan, batch: RolloutBatch):
-    plan.position_ids = plan.position_ids - plan.node_depth[plan.token_node]
-    return plan
-
-
-def _tree_wrong_prompt(plan, batch: RolloutBatch):
-    """A row's response hangs in the trie under row 0's prompt."""
-    batch = batch.to(plan.device)
-    p, m = batch.prompts, batch.prompt_mask.bool()
-    differs = ((p != p[0]) & (m | m[0])).any(1) | (m != m[0]).any(1)
-    rows = differs.nonzero().flatten()
-    if not rows.numel():
-        raise ValueError("wrong_prompt needs a batch with two distinct prompts")
-    return build_trie_plan(_row0_prompt_on(batch, int(rows[0])), min_shared_tokens=plan.min_shared_tokens)
-
-
-# The bugs above for a trie plan (sharing="prefix"), by the same names.
-TREE_BUGS = {"positions_restart": _tree_positions_restart, "wrong_prompt": _tree_wrong_prompt}
-
-
-@contextlib.contextmanager
-def inject_bug(name: Optional[str], actor) -> Iterator[dict]:
-    """Corrupt every plan `actor` builds, for proving that verification can fail.
-
-    Only that actor: its `plan` is shadowed by an instance attribute for the block's duration
-    (the class, and every other actor of the process, are untouched), and what it had is put
-    back on exit. Yields a counter; raises RuntimeError at exit if the bug was never applied (so
-    a refactor of the actor cannot silently turn the check into a no-op). name None: nothing is
-    changed.
-    """
-    counter = {"applied": 0}
-    if name is None:
-        yield counter
-        return
-    if name not in BUGS:
-        raise ValueError(f"unknown bug {name!r}; choose one of {sorted(BUGS)}")
-    corrupt = BUGS[name][1]
-    own = actor.__dict__.get("plan")
-    original = actor.plan
-
-    def plan(batch):
-        counter["applied"] += 1
-        built = original(batch)
-        if isinstance(built, TriePlan):  # sharing="prefix": the trie's version of the bug
-            if name not in TREE_BUGS:
-                raise ValueError(f"bug {name!r} has no sharing='prefix' version; choose one of {sorted(TREE_BUGS)}")
-            return TREE_BUGS[name](built, batch)
-        return corrupt(built, batch.to(actor.device))
-
-    actor.plan = plan
-    try:
-        yield counter
-    finally:
-        if own is None:
-            del actor.plan
-        else:
-            actor.plan = own
-    if counter["applied"] == 0:
-        raise RuntimeError(
-            f"bug {name!r} was never injected: {type(actor).__name__} no longer builds plans through .plan()"
-        )
-
-
 # ---------------------------------------------------------------- running cases
 
 
@@ -527,3 +413,16 @@ def verify_cases(
         if on_result is not None:
             on_result(res)
     return results
+
+
+def __getattr__(name: str) -> Any:
+    """The planted bugs' tables, still importable from here with a DeprecationWarning naming their module."""
+    if name in ("BUGS", "TREE_BUGS"):
+        warnings.warn(
+            f"zorro_core.verify.gradients.{name} moved to zorro_core.verify.planted_bugs.{name} "
+            "(removed after 2027-06-01)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(planted_bugs, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

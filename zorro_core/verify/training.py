@@ -34,9 +34,9 @@ from zorro_core.verify.gradients import (
     build_verify_model,
     case_unavailable,
     finite_or_none,
-    inject_bug,
     verify_batch,
 )
+from zorro_core.verify.planted_bugs import inject_bug
 from zorro_core.verify.reference import sequence_forward
 
 # AdamW divides each gradient entry by its running RMS, so an entry whose gradient is near zero

@@ -1,22 +1,32 @@
-"""Padded-batch layouts of a plan's attention segments: pure index code, built once per plan.
+"""How attention's kernels see a plan: padded-batch layouts and gathers, built once per plan.
 
-The CPU-capable attention backends (zorro_core.attention.backends `reference`, `sdpa`) run
-segments as a [n, H, L, D] batch. A layout holds what that needs (gather indices, which slots
-are real, the bottom-right causal pairs, the masks derived from them); every layer of a forward
-reuses the one its Segments built (Segments.padded_layout / Segments.cross_layout).
+The plan says what is computed (its segments, a trie's levels); this module derives, from those
+alone, the index code the backends run it with, and keeps it in one place per plan: `Layouts`,
+stored in the plan's opaque per-plan cache (`plan.derived`) by `layouts_of(plan)` and reused by
+every layer of every forward and backward over that plan.
 
-- PaddedLayout: segment i's queries and keys, each padded to the longest segment.
+- PaddedLayout: segment i's queries and keys, each padded to the longest segment (the CPU-capable
+  backends `reference` and `sdpa` run segments as a [n, H, L, D] batch).
 - CrossLayout: the cross call, where a response's keys are [its group's prompt | itself]. The
   prompt block is gathered once per group and broadcast to the group's responses (the gap
-  between a short prompt and the response block is masked).
+  between a short prompt and the response block is masked). A trie level is the same call with
+  "prompt" generalised to "the parent's path".
+- A trie level's compact key row and its [path | own] gather (`Layouts.level_compact`,
+  `Layouts.level_k_index`).
+The gather-free split path's calls (zorro_core.attention.merged) are kept in the same `Layouts`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
+
+from zorro_core.plan.protocol import Plan
+from zorro_core.plan.segments import Segments
+from zorro_core.plan.trie_levels import TreeLevel
 
 
 def _slots(cu: torch.Tensor, arange: torch.Tensor, valid: torch.Tensor, total: int) -> torch.Tensor:
@@ -170,7 +180,7 @@ class CrossLayout(PaddedLayout):
         """The cross layout from its shared key blocks: block_rows [gs, p_max] packed rows of each block
         (a short block repeats its last row, masked), block_len [n] real length of each segment's
         block, local [n] block of each segment. The prompt plan's blocks are prompts; the prefix-tree
-        plan's are the parents' paths (zorro_core.plan.trie)."""
+        plan's are the parents' paths (zorro_core.plan.trie_levels)."""
         n = own.n
         gs, p_max = block_rows.shape
         prompt_rows = block_rows.flatten()
@@ -190,3 +200,95 @@ class CrossLayout(PaddedLayout):
         inherited = {f.name: getattr(own, f.name) for f in fields(PaddedLayout) if f.init}
         inherited.update(q_pos=q_pos, k_pos=k_pos, allowed=allowed)
         return cls(**inherited, gs=gs, p_max=p_max, prompt_rows=prompt_rows, uniform_p=uniform_p, local=local)
+
+
+class Layouts:
+    """Everything attention derives from one plan: each layout built on first use for a device,
+    then the same object for every layer (and its backward). One per plan (`layouts_of`); a
+    Layouts of its own (no reuse) serves a call on bare segments."""
+
+    def __init__(self) -> None:
+        self._built: dict[tuple, Any] = {}
+        self._held: dict[int, object] = {}
+        """The segments and levels keyed by id(): held, so that no other object takes their id."""
+
+    def _key(self, kind: str, part: object, device: torch.device | str) -> tuple:
+        self._held[id(part)] = part
+        return (kind, id(part), torch.device(device))
+
+    def get(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """`build()` on the first call for `key`, the same object afterwards."""
+        if key not in self._built:
+            self._built[key] = build()
+        return self._built[key]
+
+    def padded(self, seg: Segments, device: torch.device | str) -> PaddedLayout:
+        """The segments as a padded batch."""
+        dev = torch.device(device)
+        return self.get(
+            self._key("padded", seg, dev),
+            lambda: PaddedLayout.build(seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, seg.total_q, seg.total_k, dev),
+        )
+
+    def cross(self, seg: Segments, device: torch.device | str) -> CrossLayout:
+        """Cross segments only: [prompt block | own block] keys per segment."""
+        if seg.kv_group is None or seg.kv_prompt_start is None or seg.kv_prompt_len is None:
+            raise ValueError("a cross layout needs cross segments (kv_prompt_start, kv_prompt_len, kv_group)")
+        dev = torch.device(device)
+        start, plen, group = seg.kv_prompt_start, seg.kv_prompt_len, seg.kv_group
+        return self.get(
+            self._key("cross", seg, dev),
+            lambda: CrossLayout.build_cross(self.padded(seg, dev), start, plen, group, seg.lens_q, dev),
+        )
+
+    def level_cross(self, level: TreeLevel, device: torch.device | str) -> CrossLayout:
+        """A trie level >= 1: the padded layout of [parent path block | own block] keys per node, the
+        prompt plan's cross layout with "prompt" generalised to "the parent's path"."""
+        dev = torch.device(device)
+
+        def build() -> CrossLayout:
+            rows, p_len, local = level.path()
+            own = self.padded(level.seg, dev)
+            return CrossLayout.from_blocks(own, rows.to(dev), p_len.to(dev), local.to(dev), level.seg.lens_q, dev)
+
+        return self.get(self._key("level_cross", level, dev), build)
+
+    def level_compact(self, level: TreeLevel, device: torch.device | str) -> tuple[torch.Tensor, Segments, CrossLayout]:
+        """(rows, seg, layout) of a trie level over a compact key row: the parents' paths gathered
+        once into [paths | the level's own tokens], so that the padded machinery reads contiguous
+        blocks instead of gathering the scattered paths again in every chunk."""
+        dev = torch.device(device)
+
+        def build() -> tuple[torch.Tensor, Segments, CrossLayout]:
+            lay = self.level_cross(level, dev)
+            seg, blocks = level.seg, lay.gs * lay.p_max
+            rows = torch.cat([lay.prompt_rows, seg.q_start + torch.arange(seg.total_q, device=dev)])
+            return (
+                rows,
+                dataclasses.replace(seg, q_start=blocks),
+                dataclasses.replace(lay, prompt_rows=torch.arange(blocks, device=dev), uniform_p=True),
+            )
+
+        return self.get(self._key("level_compact", level, dev), build)
+
+    def level_k_index(self, level: TreeLevel, device: torch.device | str) -> torch.Tensor:
+        """[Tk] packed positions of each node's keys ([parent path | own], node after node): the one
+        gather the cu_seqlens backends (flash-attn, torch varlen) take."""
+        dev = torch.device(device)
+
+        def build() -> torch.Tensor:
+            seg = level.seg
+            rows, p_len, local = (x.to(dev) for x in level.path())
+            aq = torch.arange(seg.max_q, device=dev)
+            ap = torch.arange(rows.shape[1], device=dev)
+            own = seg.q_start + seg.cu_q[:-1].to(dev).long()[:, None] + aq[None, :]
+            idx = torch.cat([rows[local], own], 1)
+            valid = torch.cat([ap[None, :] < p_len[:, None], aq[None, :] < seg.lens_q.to(dev)[:, None]], 1)
+            return idx[valid]
+
+        return self.get(self._key("level_k_index", level, dev), build)
+
+
+def layouts_of(plan: Plan) -> Layouts:
+    """The plan's Layouts: one per plan, kept in its per-plan cache."""
+    return plan.derived(("attention_layouts",), Layouts)
