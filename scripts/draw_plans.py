@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
-from zorro_core import DedupPlan, RolloutBatch, TriePlan, build_dedup_plan  # noqa: E402
+from zorro_core import PromptPlan, RolloutBatch, TriePlan, build_dedup_plan  # noqa: E402
 
 GROUP_COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c"]
 
@@ -48,7 +48,7 @@ def _cell(ax, x: float, y: float, color: str, hatch: str | None = None, label: s
         ax.text(x + 0.5, y + 0.5, label, ha="center", va="center", fontsize=6, color="white")
 
 
-def draw_packed_row(plan: DedupPlan, batch: RolloutBatch, path: Path) -> None:
+def draw_packed_row(plan: PromptPlan, batch: RolloutBatch, path: Path) -> None:
     """Top: what a trainer computes (each row's prompt + response). Bottom: zorro's packed row."""
     b = batch.batch_size
     group = plan.group_of_row.tolist()
@@ -111,7 +111,7 @@ def _pattern(plan, calls: np.ndarray) -> np.ndarray:
     return out
 
 
-def draw_attention(plan: DedupPlan, path: Path) -> None:
+def draw_attention(plan: PromptPlan, path: Path) -> None:
     """Which (query, key) pairs each mode computes, over the same packed row."""
     t = plan.num_tokens
     tc = plan.causal.total_q
@@ -190,7 +190,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     batch = example_batch()
     plan = build_dedup_plan(batch)
-    assert isinstance(plan, DedupPlan)
+    assert isinstance(plan, PromptPlan)
     draw_packed_row(plan, batch, args.out / "packed_row.png")
     draw_attention(plan, args.out / "attention.png")
     trie = build_dedup_plan(trie_batch(), sharing="prefix", min_shared_tokens=1)

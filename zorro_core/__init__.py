@@ -5,7 +5,7 @@ from zorro_core.actor.config import ActorConfig
 from zorro_core.actor.output import ActorOutput
 from zorro_core.plan.batch import RolloutBatch, create_dummy_batch
 from zorro_core.plan.build import build_dedup_plan, build_plain_plan
-from zorro_core.plan.prompt import DedupPlan
+from zorro_core.plan.prompt import PromptPlan
 from zorro_core.plan.protocol import Plan
 from zorro_core.plan.segments import Segments
 from zorro_core.plan.trie import TriePlan
@@ -15,7 +15,7 @@ __all__ = [
     "ActorOutput",
     "BaselineActor",
     "DeduplicatedActor",
-    "DedupPlan",
+    "PromptPlan",
     "Plan",
     "TriePlan",
     "build_plain_plan",
@@ -25,3 +25,17 @@ __all__ = [
     "create_dummy_batch",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # DedupPlan named the baseline's plan as well: it is PromptPlan now; the old name is kept for one release.
+    if name == "DedupPlan":
+        import warnings
+
+        warnings.warn(
+            "zorro_core.DedupPlan is now zorro_core.PromptPlan (removed after 2027-06-01)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return PromptPlan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,7 +8,7 @@ per-token (or per-row) terms scaled by constants of the FULL batch, e.g.
 (token-mean over the batch), or divide per-row sums by each row's length and by B
 (sequence-mean). A per-micro-batch mean would weight the micro-batches wrongly.
 
-Micro-batches, by the type of the plans the actor builds: for a `DedupPlan` (sharing="prompt",
+Micro-batches, by the type of the plans the actor builds: for a `PromptPlan` (sharing="prompt",
 and the baseline) each prompt's rows stay together (zorro_core.plan.balance); for a `TriePlan`
 (sharing="prefix") the batch is cut along its token trie, each micro-batch a run of rows in trie
 order costed by its own plan (zorro_core.plan.trie_balance). The budget is in computed tokens
@@ -34,7 +34,7 @@ from zorro_core.plan.balance import (
 )
 from zorro_core.plan.batch import RolloutBatch, check_batch
 from zorro_core.plan.build import plan_type
-from zorro_core.plan.prompt import DedupPlan
+from zorro_core.plan.prompt import PromptPlan
 from zorro_core.plan.trie import TriePlan
 from zorro_core.plan.trie_balance import TrieLengths, partition_trie_micro_batches
 
@@ -167,7 +167,7 @@ def micro_batch_partition(
 ) -> Partition:
     """The micro-batches `forward_backward` runs, by the type of the plans the actor builds: for a
     `TriePlan` cut along the trie, so a prefix shared by every group is computed once per
-    micro-batch, not once per group (zorro_core.plan.trie_balance); for a `DedupPlan` by prompt
+    micro-batch, not once per group (zorro_core.plan.trie_balance); for a `PromptPlan` by prompt
     group (zorro_core.plan.balance)."""
     kind = plan_type(actor.dedup, actor.config.sharing)
     return _partition.dispatch(kind)(actor, batch, max_tokens, attention_weight)
@@ -180,7 +180,7 @@ def _partition(plan: object, *args: Any) -> Partition:
     raise NotImplementedError(f"no micro-batch partition for a {type(plan).__name__}")
 
 
-@_partition.register(DedupPlan)
+@_partition.register(PromptPlan)
 def _(actor: LogProbActor, batch: RolloutBatch, max_tokens: Optional[int], attention_weight: float) -> Partition:
     return partition_micro_batches(GroupedLengths.of(batch, dedup=actor.dedup), max_tokens, attention_weight)
 

@@ -37,7 +37,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from zorro_core.plan.prompt import DedupPlan
+from zorro_core.plan.prompt import PromptPlan
 
 BLOCK = 128
 
@@ -169,7 +169,7 @@ def _compiled():
     return torch.compile(flex_attention, dynamic=True)
 
 
-def block_mask(plan: DedupPlan, window: Optional[int] = None):
+def block_mask(plan: PromptPlan, window: Optional[int] = None):
     """The plan's mask-mode mask as a BlockMask over the packed length padded to BLOCK."""
     # lazy: as in _compiled
     from torch.nn.attention.flex_attention import create_block_mask

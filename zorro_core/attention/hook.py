@@ -33,7 +33,7 @@ from zorro_core.attention.merged import merged_split_attention
 from zorro_core.attention.tree import tree_block_mask, tree_split_attention
 from zorro_core.distributed.ulysses import SequenceParallel
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.plan.prompt import DedupPlan
+from zorro_core.plan.prompt import PromptPlan
 from zorro_core.plan.protocol import Plan
 from zorro_core.plan.trie import TriePlan
 
@@ -125,7 +125,7 @@ def split_attention(plan: Plan, q, k, v, scale: float, window: Optional[int], ba
 
 
 @split_attention.register
-def _(plan: DedupPlan, q, k, v, scale: float, window: Optional[int], backend: str) -> torch.Tensor:
+def _(plan: PromptPlan, q, k, v, scale: float, window: Optional[int], backend: str) -> torch.Tensor:
     """The prompt plan: the causal call, then the cross call of shared groups' responses."""
     be = BACKENDS[backend]
     if be.pair is not None and be.gather_free(plan, q, window):
@@ -148,7 +148,7 @@ def plan_block_mask(plan: Plan, window: Optional[int]) -> Any:
     raise UnsupportedModelError(f"flex attention has no block mask for a {type(plan).__name__}")
 
 
-plan_block_mask.register(DedupPlan, flex_block_mask)
+plan_block_mask.register(PromptPlan, flex_block_mask)
 plan_block_mask.register(TriePlan, tree_block_mask)
 
 

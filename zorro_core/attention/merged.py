@@ -28,7 +28,7 @@ import torch
 
 from zorro_core.attention.kernels import KernelPair
 from zorro_core.attention.layouts import layouts_of
-from zorro_core.plan.prompt import DedupPlan
+from zorro_core.plan.prompt import PromptPlan
 from zorro_core.plan.protocol import Plan
 from zorro_core.plan.segments import cu_seqlens
 from zorro_core.plan.trie import TriePlan
@@ -59,7 +59,7 @@ def _call(q0, q1, k0, k1, lens_q: torch.Tensor, lens_k: torch.Tensor, causal: bo
     return VarlenCall(q0, q1, k0, k1, cu_seqlens(lens_q), cu_seqlens(lens_k), mq, mk, causal)
 
 
-def _prompt_calls(plan: DedupPlan) -> list[VarlenCall]:
+def _prompt_calls(plan: PromptPlan) -> list[VarlenCall]:
     t = plan.num_tokens
     causal = plan.causal
     if plan.cross is None:
@@ -128,16 +128,16 @@ def merge_refusal(plan: Plan, window: Optional[int]) -> Optional[str]:
     """Why `plan`'s split attention cannot run gather-free with `window`, or None. A plan with
     nothing shared is one self-causal call either way: "" (no reason to say) when windowed.
     Decided once per plan and window (every layer asks; the trie's check reads its parents)."""
-    if not isinstance(plan, (DedupPlan, TriePlan)):
+    if not isinstance(plan, (PromptPlan, TriePlan)):
         return f"no gather-free calls for a {type(plan).__name__}"
     return layouts_of(plan).get(("merge_refusal", window), lambda: _refusal(plan, window))
 
 
 def _refusal(plan: Plan, window: Optional[int]) -> Optional[str]:
-    if not isinstance(plan, (DedupPlan, TriePlan)):
+    if not isinstance(plan, (PromptPlan, TriePlan)):
         return f"no gather-free calls for a {type(plan).__name__}"
     if window is not None and window < longest_path(plan):
-        if isinstance(plan, DedupPlan) and plan.cross is None:
+        if isinstance(plan, PromptPlan) and plan.cross is None:
             return ""
         return f"the sliding window ({window}) cuts a prompt: its keys are not a block of the packed row"
     if not _ordered(plan):

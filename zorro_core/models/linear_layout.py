@@ -7,7 +7,7 @@ in absolute path positions, so each sequence's chunk partition is a one-shot run
 token takes its output from exactly one segment (`out_index`). `conv_sources` gives each token's
 conv inputs along its own sequence. Both dispatch on the plan type:
 
-- `DedupPlan` (sharing="prompt"): head (shared prompts up to their last chunk boundary, and lone
+- `PromptPlan` (sharing="prompt"): head (shared prompts up to their last chunk boundary, and lone
   sequences whole, from zeros), then branch (per response: the prompt's tail replayed, then the
   response, from the head's state). See zorro_core.models.linear_attention.
 - `TriePlan` (sharing="prefix"): node n at path positions [a, e) (a = its depth) runs the segment
@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from zorro_core.plan.prompt import DedupPlan
+from zorro_core.plan.prompt import PromptPlan
 from zorro_core.plan.protocol import Plan
 from zorro_core.plan.segments import concat_ranges, cu_seqlens
 from zorro_core.plan.trie import TriePlan
@@ -107,7 +107,7 @@ def build_linear_layout(plan: Plan, chunk: int = DEFAULT_CHUNK) -> LinearLayout:
 
 
 @conv_sources.register
-def _(plan: DedupPlan, kernel_size: int) -> torch.Tensor:
+def _(plan: PromptPlan, kernel_size: int) -> torch.Tensor:
     dev = plan.device
     t = plan.num_tokens
     # Conv inputs: the d-th predecessor of a response token inside its response is t - d, before
@@ -125,7 +125,7 @@ def _(plan: DedupPlan, kernel_size: int) -> torch.Tensor:
 
 
 @build_linear_layout.register
-def _(plan: DedupPlan, chunk: int = DEFAULT_CHUNK) -> LinearLayout:
+def _(plan: PromptPlan, chunk: int = DEFAULT_CHUNK) -> LinearLayout:
     dev = plan.device
     t = plan.num_tokens
     g_count = plan.num_groups

@@ -27,7 +27,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from zorro_core.plan.prompt import DedupPlan
+from zorro_core.plan.prompt import PromptPlan
 from zorro_core.plan.protocol import Plan
 from zorro_core.plan.trie import TriePlan
 
@@ -237,7 +237,7 @@ def replayed_tokens(plan: Plan, chunk: int = DELTA_RULE_CHUNK) -> int:
 
 
 @replayed_tokens.register
-def _(plan: DedupPlan, chunk: int = DELTA_RULE_CHUNK) -> int:
+def _(plan: PromptPlan, chunk: int = DELTA_RULE_CHUNK) -> int:
     # Every response of a shared prompt but the first replays the prompt's tail past its last boundary.
     extra = (plan.group_size - 1).clamp(min=0) * (plan.prompt_lens % chunk)
     return int(extra.sum())

@@ -16,6 +16,7 @@ synchronisations.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -27,8 +28,11 @@ from zorro_core.plan.segments import Segments, concat_ranges, cu_seqlens
 
 
 @dataclass
-class DedupPlan(PackedPlan):
-    """How one RolloutBatch maps onto the packed row and back. See the module docstring."""
+class PromptPlan(PackedPlan):
+    """How one RolloutBatch maps onto the packed row and back (sharing="prompt"). See the module docstring.
+
+    The baseline's plan is a PromptPlan too, with every row its own group (`deduplicated=False`); it was
+    called DedupPlan until 0.1, a name that still imports with a DeprecationWarning."""
 
     batch_size: int
     """B, rows of the batch."""
@@ -385,7 +389,7 @@ def _cross_segments(groups: _Groups, packed: _PackedOrder, cross: _CrossRows, si
     )
 
 
-def build_prompt_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int | None = None) -> DedupPlan:
+def build_prompt_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int | None = None) -> PromptPlan:
     """The prompt plan of a batch: rows with identical prompts share one group (`dedup=False`: every
     row is its own group, the plain plan the baselines run). Token ids are checked against
     `vocab_size` when given."""
@@ -397,7 +401,7 @@ def build_prompt_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int |
     sizes = _host_sizes(groups, packed, cross_rows)
     token_segment, token_group, input_ids, position_ids = _token_maps(batch, groups, packed, sizes.tokens)
     response_flat_index, logit_index, labels = _response_logprob_index(batch, groups, packed)
-    return DedupPlan(
+    return PromptPlan(
         batch_size=batch.prompts.shape[0],
         response_width=batch.responses.shape[1],
         num_groups=groups.num,
@@ -422,3 +426,15 @@ def build_prompt_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int |
         logical_prompt_tokens=sizes.logical_prompt,
         unique_prompt_tokens=sizes.unique_prompt,
     )
+
+
+def __getattr__(name: str) -> object:
+    # The name before 0.2 (it named the baseline's plan as well): kept for one release.
+    if name == "DedupPlan":
+        warnings.warn(
+            "zorro_core.plan.prompt.DedupPlan is now PromptPlan (removed after 2027-06-01)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return PromptPlan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

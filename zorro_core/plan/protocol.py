@@ -1,6 +1,6 @@
 """What every plan of a batch onto one packed row is asked for: the `Plan` protocol.
 
-Two plans implement it: `DedupPlan` (zorro_core.plan.prompt, `sharing="prompt"`: identical prompts
+Two plans implement it: `PromptPlan` (zorro_core.plan.prompt, `sharing="prompt"`: identical prompts
 grouped) and `TriePlan` (zorro_core.plan.trie, `sharing="prefix"`: a token trie over whole rows).
 The actor, the hook, the model adapters, the cost model and the verifier ask a plan only for what
 is declared here; where an upper layer needs the plan's own structure (split attention's calls, a

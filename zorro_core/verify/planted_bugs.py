@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from zorro_core.plan.batch import RolloutBatch
-from zorro_core.plan.prompt import DedupPlan, build_prompt_plan
+from zorro_core.plan.prompt import PromptPlan, build_prompt_plan
 from zorro_core.plan.trie import TriePlan, build_trie_plan
 
 
@@ -24,26 +24,26 @@ def _row0_prompt_on(batch: RolloutBatch, r: int) -> RolloutBatch:
     return RolloutBatch(prompts, mask, batch.responses, batch.response_mask)
 
 
-def _wrong_prompt(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
+def _wrong_prompt(plan: PromptPlan, batch: RolloutBatch) -> PromptPlan:
     rows = (plan.group_of_row != plan.group_of_row[0]).nonzero().flatten()
     if not rows.numel():
         raise ValueError("wrong_prompt needs a batch with two distinct prompts")
     return build_prompt_plan(_row0_prompt_on(batch, int(rows[0])), dedup=plan.deduplicated)
 
 
-def _positions_restart(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
+def _positions_restart(plan: PromptPlan, batch: RolloutBatch) -> PromptPlan:
     is_resp = plan.token_segment >= plan.num_groups
     plan.position_ids = torch.where(is_resp, plan.position_ids - plan.prompt_lens[plan.token_group], plan.position_ids)
     return plan
 
 
-def _first_label_dropped(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
+def _first_label_dropped(plan: PromptPlan, batch: RolloutBatch) -> PromptPlan:
     first = plan.response_flat_index % plan.response_width == 0
     plan.logit_index = torch.where(first, plan.logit_index + 1, plan.logit_index)
     return plan
 
 
-def _first_label_shared(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
+def _first_label_shared(plan: PromptPlan, batch: RolloutBatch) -> PromptPlan:
     first = plan.response_flat_index % plan.response_width == 0
     row = plan.response_flat_index // plan.response_width
     rep = plan.group_rep_row[plan.group_of_row[row]]
@@ -51,7 +51,7 @@ def _first_label_shared(plan: DedupPlan, batch: RolloutBatch) -> DedupPlan:
     return plan
 
 
-BUGS: dict[str, tuple[str, Callable[[DedupPlan, RolloutBatch], DedupPlan]]] = {
+BUGS: dict[str, tuple[str, Callable[[PromptPlan, RolloutBatch], PromptPlan]]] = {
     "wrong_prompt": ("a response is grouped with (attends to) another row's prompt", _wrong_prompt),
     "positions_restart": ("response positions restart at 0 instead of continuing after the prompt", _positions_restart),
     "first_label_dropped": (
