@@ -61,6 +61,8 @@ class Trial:
     """measure.time_once, or measure.self_timed for arms that return their own seconds."""
     ideal: Optional[float] = None
     """The cost model's ideal speedup of the case, where the benchmark has one."""
+    notes: Mapping[str, Any] = field(default_factory=dict)
+    """What the arms record while they run (tokens, plans) and the rows read back."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class Timings:
 
     samples: Mapping[str, list[float]]
     ideal: Optional[float] = None
+    notes: Mapping[str, Any] = field(default_factory=dict)
+    """The trial's notes."""
 
     def stats(self, arm: str) -> Stats:
         """Median, p20, p80 of the arm (milliseconds)."""
@@ -215,10 +219,8 @@ def run_case(bench: Benchmark, context: Any, case: Case, args: argparse.Namespac
         return bench.compute(context, case, args)
     assert bench.trial is not None
     trial = bench.trial(context, case, args)
-    timings = time_arms(
-        trial.arms, args.rounds, args.warmup, trial.between, trial.device, trial.clock, ideal=trial.ideal
-    )
-    return bench.rows(case, timings, args)
+    timings = time_arms(trial.arms, args.rounds, args.warmup, trial.between, trial.device, trial.clock, trial.ideal)
+    return bench.rows(case, Timings(timings.samples, timings.ideal, trial.notes), args)
 
 
 def _print_rows(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
