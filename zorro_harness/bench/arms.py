@@ -155,7 +155,11 @@ def parser(bench: Benchmark) -> argparse.ArgumentParser:
         "--rounds", "--repeats", dest="rounds", type=int, default=bench.rounds, help="timed rounds, arms alternated"
     )
     ap.add_argument("--warmup", type=int, default=bench.warmup, help="untimed rounds first")
-    ap.add_argument("--quick", action="store_true", help="a tiny size: checks the script runs, figures mean nothing")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny size: checks the script runs, figures mean nothing (writes only an --out given with it)",
+    )
     ap.add_argument("--cases", default=None, help="comma-separated globs or substrings of case ids to run")
     ap.add_argument("--list", action="store_true", help="print the case ids and exit")
     if bench.arguments is not None:
@@ -169,6 +173,8 @@ def parse_args(bench: Benchmark, argv: Optional[Sequence[str]] = None) -> argpar
     if args.rounds < 1 or args.warmup < 0:
         ap.error(f"need --rounds >= 1 and --warmup >= 0, got {args.rounds} and {args.warmup}")
     if args.quick:
+        if args.out == bench.out:  # a tiny run never replaces the committed results file
+            args.out = None
         for key, value in bench.quick.items():
             if getattr(args, key) == ap.get_default(key):  # a value given on the command line wins
                 setattr(args, key, value)
@@ -248,7 +254,12 @@ def main(bench: Benchmark, argv: Optional[Sequence[str]] = None) -> int:
         context = bench.setup(args, cases) if bench.setup is not None else None
     except Exception as e:  # noqa: BLE001 -- every case becomes a failure row that says why
         setup_error = e
-    meta = bench.meta(args) if bench.meta is not None else {}
+    meta: dict[str, Any] = {}
+    if bench.meta is not None and setup_error is None:
+        try:
+            meta = bench.meta(args)
+        except Exception as e:  # noqa: BLE001 -- as a failed setup
+            setup_error = e
     try:
         for case in cases:
             t0 = time.perf_counter()
