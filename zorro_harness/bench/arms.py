@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from zorro_harness.bench.files import refuse_link, replace_atomically
+from zorro_harness.bench.files import LinkRefused, refuse_link, replace_atomically
 from zorro_harness.bench.measure import Speedup, Stats, speedup, summarize, time_interleaved, time_once
 
 STATUS_COLUMNS = ("status", "error")
@@ -246,7 +246,11 @@ def main(bench: Benchmark, argv: Optional[Sequence[str]] = None) -> int:
         print(f"no case matches --cases {args.cases}", file=sys.stderr)
         return 2
     if args.out:
-        refuse_link(args.out, "--out")  # before anything is measured
+        try:
+            refuse_link(args.out, "--out")  # before anything is measured
+        except LinkRefused as e:
+            print(e, file=sys.stderr)
+            return 2
     rows: list[dict[str, Any]] = []
     failed = 0
     context, setup_error = None, None
