@@ -250,3 +250,14 @@ def test_an_integration_benchmark_without_verl_writes_failure_rows(tmp_path):
     assert [(r["phase"], r["status"]) for r in rows] == [("infer", "error"), ("train", "error")]
     assert all("verl" in r["error"] for r in rows)
     assert list(rows[0])[: len(PAIRED_COLUMNS)] == list(PAIRED_COLUMNS)
+
+
+@pytest.mark.parametrize("name", ["case_workload", "CaseSkipped", "_Bench"])
+def test_the_case_process_old_path_warns_and_gives_the_same_object(name):
+    from zorro_harness.bench import case_process, runner
+
+    with pytest.warns(DeprecationWarning, match=f"zorro_harness.bench.case_process.{name}.*2027-06-01"):
+        old = getattr(runner, name)
+    assert old is getattr(case_process, name)
+    with pytest.raises(AttributeError):
+        runner.no_such_name  # noqa: B018
