@@ -3,7 +3,7 @@
 max/ideal: the largest part's cost over (unique tokens / parts), so a split's recomputed
 prompts count against it too.
 
-    PYTHONPATH=. python benchmarks/balance_imbalance.py [--n 300] [--seed 0]
+    PYTHONPATH=. python benchmarks/balance_imbalance.py [--n 300] [--seed 0] [--out imbalance.csv]
 
 Workloads are GRPO-like: G prompts of 64..2048 tokens, each sampled n in {2, 4, 8, 16} times,
 responses of 16..1024 tokens. Micro-batches: budget = (largest group's tokens) x U(0.5, 3), so
@@ -16,8 +16,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
+from typing import Any
 
 from zorro_core.plan.balance import GroupedLengths, partition_micro_batches, partition_ranks
+from zorro_harness.bench.arms import Benchmark, Case, main
 
 
 def workload(rng: random.Random, ranks: int | None = None, whole: bool = True) -> GroupedLengths:
@@ -61,24 +64,59 @@ def figures(n: int = 300, seed: int = 0) -> dict[str, dict[str, list[float]]]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=300)
+def arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--n", type=int, default=300, help="random workloads")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    figs = figures(args.n, args.seed)
+
+
+def cases(args: argparse.Namespace) -> list[Case]:
+    return [Case("random_workloads", {"workloads": args.n, "seed": args.seed})]
+
+
+def compute(context: None, case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
+    out = []
+    for name, f in figures(case["workloads"], case["seed"]).items():
+        imb = sorted(f["imbalance"])
+        scenario, balance = name.split(" / ")
+        out.append(
+            {
+                **case.fields,
+                "scenario": scenario,
+                "balance": balance,
+                "imbalance_mean": round(statistics.mean(imb), 4),
+                "imbalance_p90": round(imb[int(0.9 * len(imb))], 4),
+                "imbalance_worst": round(imb[-1], 4),
+                "recomputed_pct": round(statistics.mean(f["recomputed %"]), 2),
+                "max_over_ideal": round(statistics.mean(f["max/ideal"]), 4),
+                "parts": round(statistics.mean(f["micro-batches"]), 2) if "micro-batches" in f else "",
+            }
+        )
+    return out
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"{args.n} random workloads, seed {args.seed}")
     print(
         f"{'scenario / balancer':34s} {'imbalance mean':>14s} {'p90':>7s} {'worst':>7s} {'recomputed %':>13s} {'max/ideal':>10s} {'parts':>6s}"
     )
-    for name, f in figs.items():
-        imb = sorted(f["imbalance"])
-        parts = f"{statistics.mean(f['micro-batches']):6.2f}" if "micro-batches" in f else "     -"
+    for r in rows:
+        parts = f"{r['parts']:6.2f}" if r["parts"] != "" else "     -"
         print(
-            f"{name:34s} {statistics.mean(imb):14.4f} {imb[int(0.9 * len(imb))]:7.4f} {imb[-1]:7.4f} "
-            f"{statistics.mean(f['recomputed %']):13.2f} {statistics.mean(f['max/ideal']):10.4f} {parts}"
+            f"{r['scenario'] + ' / ' + r['balance']:34s} {r['imbalance_mean']:14.4f} {r['imbalance_p90']:7.4f} "
+            f"{r['imbalance_worst']:7.4f} {r['recomputed_pct']:13.2f} {r['max_over_ideal']:10.4f} {parts}"
         )
 
 
+BENCH = Benchmark(
+    name="balance_imbalance",
+    doc=__doc__ or "",
+    cases=cases,
+    arms=("kk", "greedy"),
+    compute=compute,
+    arguments=arguments,
+    quick={"n": 5},
+    report=report,
+)
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main(BENCH))

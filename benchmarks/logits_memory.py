@@ -1,7 +1,7 @@
 """Peak memory of the log-prob modes none / compute / memory (a benchmark, not a test).
 
     PYTHONPATH=. python benchmarks/logits_memory.py [--vocab 151936] [--hidden 256]
-        [--positions 3072] [--targets 2048] [--budget-mib 256] [--no-entropy]
+        [--positions 3072] [--targets 2048] [--budget-mib 256] [--no-entropy] [--out logits_memory.csv]
 
 Setting: final hidden states [positions, hidden] (a leaf that requires grad, standing in for
 the decoder's output) and an lm_head [vocab, hidden] that requires grad; `targets` of the
@@ -26,13 +26,15 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
+from zorro_harness.bench.arms import Benchmark, Case, main, parse_args
 from zorro_harness.bench.measure import proc_status_kib  # VmRSS / VmHWM of this process, in KiB
 
 MODES = ("none", "compute", "memory")
 
 
-def child(args: argparse.Namespace) -> None:
+def child(args: argparse.Namespace) -> int:
     import torch
     from torch import nn
 
@@ -97,10 +99,10 @@ def child(args: argparse.Namespace) -> None:
             )
         )
     )
+    return 0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--positions", type=int, default=3072)
@@ -112,9 +114,32 @@ def main() -> None:
     )
     ap.add_argument("--no-entropy", dest="entropy", action="store_false")
     ap.add_argument("--child", dest="mode", choices=MODES, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.mode:
-        return child(args)
+
+
+def cases(args: argparse.Namespace) -> list[Case]:
+    return [Case(mode, {"mode": mode}) for mode in MODES]
+
+
+def compute(context: None, case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One mode in a child process of its own (this script with --child)."""
+    sizes = ["--vocab", args.vocab, "--hidden", args.hidden, "--positions", args.positions, "--targets", args.targets]
+    sizes += ["--budget-mib", args.budget_mib, "--temperature", args.temperature, "--threads", args.threads]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        case["mode"],
+        *map(str, sizes),
+        *([] if args.entropy else ["--no-entropy"]),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    if res.returncode:
+        raise RuntimeError(f"exit {res.returncode}: {' '.join(res.stderr.strip().splitlines()[-1:])}")
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    return [{**r, "chunk": r["chunk"] or ""}]
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     weight_mib = args.vocab * args.hidden * 4 / 2**20
     logits_mib = args.positions * args.vocab * 4 / 2**20
     print(
@@ -122,26 +147,31 @@ def main() -> None:
         f"entropy {args.entropy}, float32; weight (and its grad) {weight_mib:.0f} MiB, "
         f"[positions, vocab] logits {logits_mib:.0f} MiB; memory budget {args.budget_mib:g} MiB"
     )
-    rows = {}
-    for mode in MODES:
-        cmd = [sys.executable, __file__, "--child", mode] + [a for a in sys.argv[1:]]
-        res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
-        if res.returncode:
-            print(f"{mode}: failed (exit {res.returncode}): {res.stderr.strip().splitlines()[-1:]}")
-            continue
-        rows[mode] = json.loads(res.stdout.strip().splitlines()[-1])
     print(
         f"{'mode':8s} {'peak RSS MiB':>12s} {'vs none':>8s} {'saved MiB':>10s} {'chunk':>6s} {'step s':>7s} "
         f"{'lp sum':>14s} {'|grad W|':>10s} {'|grad h|':>10s}"
     )
-    base = rows.get("none", {}).get("peak_mib")
-    for mode, r in rows.items():
+    base = next((r["peak_mib"] for r in rows if r["mode"] == "none"), None)
+    for r in rows:
         ratio = f"{r['peak_mib'] / base:8.3f}" if base else "       -"
         print(
-            f"{mode:8s} {r['peak_mib']:12.0f} {ratio} {r['saved_mib']:10.0f} {str(r['chunk'] or '-'):>6s} "
+            f"{r['mode']:8s} {r['peak_mib']:12.0f} {ratio} {r['saved_mib']:10.0f} {str(r['chunk'] or '-'):>6s} "
             f"{r['seconds']:7.2f} {r['lp_sum']:14.4f} {r['grad_w_norm']:10.6f} {r['grad_h_norm']:10.6f}"
         )
 
 
+BENCH = Benchmark(
+    name="logits_memory",
+    doc=__doc__ or "",
+    cases=cases,
+    arms=MODES,
+    compute=compute,
+    arguments=arguments,
+    quick={"vocab": 2048, "hidden": 32, "positions": 128, "targets": 64, "budget_mib": 0.25},
+    columns=("mode", "peak_mib", "saved_mib", "seconds", "chunk", "lp_sum", "grad_w_norm", "grad_h_norm"),
+    report=report,
+)
+
 if __name__ == "__main__":
-    main()
+    child_args = parse_args(BENCH)
+    sys.exit(child(child_args) if child_args.mode else main(BENCH))

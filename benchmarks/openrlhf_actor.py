@@ -11,7 +11,8 @@ in it, which flatters zorro; `--packing off`: the padded path, OpenRLHF's faster
 response per row, right-padded; siblings adjacent, as the rollout delivers them). Phases: "infer" is the
 old/reference log-prob call (`PolicyModelActor.forward`: no grad), "train" the call of
 `ActorPPOTrainer.training_step` (`return_output=True`; entropy off, OpenRLHF's default) plus the backward
-of the summed log-probs. Runs alternate OpenRLHF / zorro after one warm-up of each; the CSV keeps every
+of the summed log-probs. Runs alternate OpenRLHF / zorro after one warm-up round (zorro_harness.bench.arms,
+the order reversed every round); the CSV keeps every
 sample, the summary medians, p20-p80, and the speedup as the ratio of medians with the p20-p80 range of
 the per-pair ratios.
 
@@ -23,36 +24,49 @@ in [response_len / 2, response_len].
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import os
 import platform
-import statistics
 import sys
 import time
-
-import torch
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from verl_engine import quantile  # noqa: E402  (stdlib and torch only at import)
-
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from zorro_harness.bench.arms import (  # noqa: E402
+    PAIRED_COLUMNS,
+    Benchmark,
+    Case,
+    Timings,
+    Trial,
+    main,
+    paired_report,
+    paired_rows,
+)
+from zorro_harness.bench.measure import self_timed  # noqa: E402
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+PHASES = ("infer", "train")
+ARMS = ("openrlhf", "zorro")
+
+
+def arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--preset", default="small-qwen3")
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--responses", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--response-len", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--packing", choices=["on", "off"], default="on", help="OpenRLHF's packing_samples")
-    ap.add_argument("--out", default="results/openrlhf_actor.csv")
-    args = ap.parse_args()
+
+
+def cases(args: argparse.Namespace) -> list[Case]:
+    return [Case(phase, {"phase": phase}) for phase in PHASES]
+
+
+def setup(args: argparse.Namespace, cases: list[Case]) -> dict[str, Any]:
+    import torch
+
     torch.set_num_threads(args.threads)
 
     import openrlhf_setup  # the flash-attn stand-in on sys.path before OpenRLHF imports
@@ -78,21 +92,6 @@ def main() -> None:
         "openrlhf": openrlhf_setup.make_actor(Actor, path, dtype=torch.float32, attn="sdpa", packing_samples=packed),
         "zorro": openrlhf_setup.make_actor(DedupActor, path, dtype=torch.float32, attn="sdpa", packing_samples=packed),
     }
-
-    def step(arm: str, phase: str) -> float:
-        actor = actors[arm]
-        actor.model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        if phase == "infer":
-            actor.eval()
-            with torch.no_grad():
-                actor(seq, act, att)
-        else:
-            actor.train()
-            lp, _ = actor(seq, act, attention_mask=att, return_output=True, return_entropy=False)
-            lp.sum().backward()
-        return time.perf_counter() - t0
-
     shape = model_shape(config)
     base_w, dedup_w = shape_workloads(
         [args.prompt_len] * args.prompts,
@@ -104,21 +103,54 @@ def main() -> None:
         "infer": flops(shape, base_all, "none").forward / flops(shape, dedup_w, "compute").forward,
         "train": flops(shape, base_all, "none").forward_backward / flops(shape, dedup_w, "compute").forward_backward,
     }
+    return {"actors": actors, "inputs": (seq, act, att), "ideal": ideal}
 
-    samples: dict[tuple[str, str], list[float]] = {}
-    for phase in ("infer", "train"):
-        for arm in actors:
-            step(arm, phase)  # warm-up
-        for _ in range(args.repeats):
-            for arm in actors:
-                samples.setdefault((phase, arm), []).append(step(arm, phase))
-                print(phase, arm, f"{samples[(phase, arm)][-1]:.3f} s", flush=True)
-    assert actors["zorro"].zorro_calls["fallback"] == 0, actors["zorro"].zorro_calls
 
+def trial(ctx: dict[str, Any], case: Case, args: argparse.Namespace) -> Trial:
+    import torch
+
+    seq, act, att = ctx["inputs"]
+
+    def step(arm: str, phase: str):
+        def run() -> float:
+            actor = ctx["actors"][arm]
+            actor.model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            if phase == "infer":
+                actor.eval()
+                with torch.no_grad():
+                    actor(seq, act, att)
+            else:
+                actor.train()
+                lp, _ = actor(seq, act, attention_mask=att, return_output=True, return_entropy=False)
+                lp.sum().backward()
+            return time.perf_counter() - t0
+
+        return run
+
+    phase = case["phase"]
+    return Trial(
+        {arm: step(arm, phase) for arm in ARMS},
+        clock=self_timed,
+        ideal=ctx["ideal"][phase],
+        notes={"zorro": ctx["actors"]["zorro"]},
+    )
+
+
+def rows(case: Case, t: Timings, args: argparse.Namespace) -> list[dict[str, Any]]:
+    calls = t.notes["zorro"].zorro_calls
+    if calls["fallback"]:  # the zorro arm would have timed OpenRLHF's own forward
+        raise RuntimeError(f"zorro's actor fell back to OpenRLHF's forward: {calls}")
+    return paired_rows(case["phase"], t, "openrlhf", "zorro")
+
+
+def meta(args: argparse.Namespace) -> dict[str, Any]:
+    import datetime
     from importlib.metadata import version
 
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    meta = {
+    import torch
+
+    return {
         "openrlhf": version("openrlhf"),
         "deepspeed": version("deepspeed"),
         "torch": torch.__version__,
@@ -130,34 +162,32 @@ def main() -> None:
         "shape": f"{args.prompts}x{args.responses} P={args.prompt_len} R<={args.response_len}",
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    with open(args.out, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["kind", "phase", "arm", "value", "p20", "p80", "n", *meta])
-        print(
-            f"openrlhf {meta['openrlhf']}, {meta['shape']}, {args.preset}, packing {args.packing}, {args.threads} threads"
-        )
-        for phase in ("infer", "train"):
-            b, z = samples[(phase, "openrlhf")], samples[(phase, "zorro")]
-            for i, (tb, tz) in enumerate(zip(b, z)):
-                w.writerow(["sample", phase, "openrlhf", f"{tb:.4f}", "", "", i, *meta.values()])
-                w.writerow(["sample", phase, "zorro", f"{tz:.4f}", "", "", i, *meta.values()])
-            for arm, xs in (("openrlhf", b), ("zorro", z)):
-                row = [f"{statistics.median(xs):.4f}", f"{quantile(xs, 0.2):.4f}", f"{quantile(xs, 0.8):.4f}"]
-                w.writerow(["median_s", phase, arm, *row, len(xs), *meta.values()])
-            ratios = [tb / tz for tb, tz in zip(b, z)]
-            speedup = statistics.median(b) / statistics.median(z)
-            eff = speedup / ideal[phase]
-            spread = [f"{quantile(ratios, 0.2):.3f}", f"{quantile(ratios, 0.8):.3f}"]
-            w.writerow(["speedup", phase, "zorro/openrlhf", f"{speedup:.3f}", *spread, len(ratios), *meta.values()])
-            w.writerow(["ideal", phase, "cost model", f"{ideal[phase]:.3f}", "", "", "", *meta.values()])
-            w.writerow(["efficiency", phase, "speedup/ideal", f"{eff:.3f}", "", "", "", *meta.values()])
-            print(
-                f"{phase}: openrlhf {statistics.median(b):.3f} s [{quantile(b, 0.2):.3f}, {quantile(b, 0.8):.3f}], "
-                f"zorro {statistics.median(z):.3f} s [{quantile(z, 0.2):.3f}, {quantile(z, 0.8):.3f}]; "
-                f"speedup {speedup:.2f}x (pairs p20-p80 {spread[0]}-{spread[1]}), "
-                f"ideal {ideal[phase]:.2f}x, efficiency {eff:.2f}"
-            )
 
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(
+        f"{args.prompts}x{args.responses} P={args.prompt_len} R<={args.response_len}, {args.preset}, "
+        f"packing {args.packing}, {args.threads} threads"
+    )
+    paired_report(rows, args)
+
+
+BENCH = Benchmark(
+    name="openrlhf_actor",
+    doc=__doc__ or "",
+    cases=cases,
+    arms=ARMS,
+    setup=setup,
+    trial=trial,
+    rows=rows,
+    arguments=arguments,
+    quick={"responses": 2, "prompt_len": 16, "response_len": 8, "rounds": 1},
+    rounds=5,
+    out="results/openrlhf_actor.csv",
+    columns=PAIRED_COLUMNS,
+    meta=meta,
+    report=report,
+)
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(BENCH))

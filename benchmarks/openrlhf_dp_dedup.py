@@ -29,18 +29,18 @@ largest group's cost (zorro's spread may exceed OpenRLHF's by at most that); gro
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import random
 import statistics
 import sys
 import time
 from types import SimpleNamespace as ns
-
-import torch
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from zorro_harness.bench.arms import Benchmark, Case, main  # noqa: E402
 
 
 def dedup(rows, plen):
@@ -65,6 +65,7 @@ def config(w, rows, a):
 
 def openrlhf_calls(rows, plen, w, a, seed):
     """{(batching, call): [[rows of each call] per rank]} from OpenRLHF's own functions."""
+    import torch
     from openrlhf.trainer.ppo_utils.experience import Experience, balance_experiences
     from openrlhf.utils.seqlen_balancing import get_minimum_num_micro_batch_size, get_seqlen_balanced_partitions
 
@@ -130,6 +131,8 @@ def dynamic_steps(per_rank, total, cfg, zorro_partition, zorro_need=None):
 
 def zorro_calls(rows, plen, w, a, seed):
     """The same calls from zorro's batching (what install() registers)."""
+    import torch
+
     from zorro_core.integrations import openrlhf_batching as zb
     from zorro_core.plan.balance import GroupedLengths, partition_micro_batches
 
@@ -165,8 +168,14 @@ def zorro_calls(rows, plen, w, a, seed):
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+HEADER = (
+    "ranks", "prompts", "n", "batching", "call", "balance", "calls", "mean_dedup", "min_dedup",
+    "rollout_dedup", "dedup_ratio", "rank_cost_max_over_mean", "rank_cost_spread", "max_group_cost",
+    "split_groups", "plan_seconds",
+)  # fmt: skip
+
+
+def arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 32])
     ap.add_argument("--prompts-per-rank", type=int, default=8)
     ap.add_argument("--n", type=int, nargs="+", default=[8, 6], help="samples per prompt (6: sizes that do not divide)")
@@ -177,72 +186,67 @@ def main() -> None:
     )
     ap.add_argument("--max-tokens", type=int, default=8192, help="rollout/train.max_tokens_per_gpu")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results/openrlhf_dp_dedup.csv")
-    a = ap.parse_args()
 
+
+def cases(a: argparse.Namespace) -> list[Case]:
+    return [Case(f"n{n}:ranks{w}", {"ranks": w, "n": n}) for n in a.n for w in a.ranks]
+
+
+def compute(context: None, case: Case, a: argparse.Namespace) -> list[dict[str, Any]]:
     import openrlhf_setup  # noqa: F401  (the flash-attn stand-in before OpenRLHF imports)
 
-    header = [
-        "ranks", "prompts", "n", "batching", "call", "balance", "calls", "mean_dedup", "min_dedup",
-        "rollout_dedup", "dedup_ratio", "rank_cost_max_over_mean", "rank_cost_spread", "max_group_cost",
-        "split_groups", "plan_seconds",
-    ]  # fmt: skip
+    n, w = case["n"], case["ranks"]
+    rng = random.Random(a.seed)
+    prompts = a.prompts_per_rank * w
+    plen = [rng.randint(64, 512) for _ in range(prompts)]
+    rows = [(p, rng.randint(32, 1024)) for p in range(prompts) for _ in range(n)]  # rollout order
+    whole = dedup(rows, plen)
+    group_cost = max(call_cost([r for r in rows if r[0] == p], plen) for p in range(prompts))
     table = []
-    for n, w in ((n, w) for n in a.n for w in a.ranks):
-        rng = random.Random(a.seed)
-        prompts = a.prompts_per_rank * w
-        plen = [rng.randint(64, 512) for _ in range(prompts)]
-        rows = [(p, rng.randint(32, 1024)) for p in range(prompts) for _ in range(n)]  # rollout order
-        whole = dedup(rows, plen)
-        group_cost = max(call_cost([r for r in rows if r[0] == p], plen) for p in range(prompts))
-        for balance, make in (("openrlhf", openrlhf_calls), ("zorro", zorro_calls)):
-            t0 = time.perf_counter()
-            calls = make(rows, plen, w, a, a.seed)
-            seconds = time.perf_counter() - t0
-            for (batching, call), per_rank in sorted(calls.items()):
-                flat = [c for r in per_rank for c in r]
-                assert sorted(i for c in flat for i in c) == sorted(set(i for c in flat for i in c)), (
-                    "a row in two calls"
-                )
-                ds = [dedup([rows[i] for i in c], plen) for c in flat]
-                costs = [sum(call_cost([rows[i] for i in c], plen) for c in r) for r in per_rank]
-                holders: dict[int, int] = {}
-                for c in flat:
-                    for p in {rows[i][0] for i in c}:
-                        holders[p] = holders.get(p, 0) + 1
-                mean = statistics.mean(ds)
-                table.append(
-                    [
-                        w,
-                        prompts,
-                        n,
-                        batching,
-                        call,
-                        balance,
-                        len(flat),
-                        mean,
-                        min(ds),
-                        whole,
-                        mean / whole,
-                        max(costs) / statistics.mean(costs),
-                        max(costs) - min(costs),
-                        group_cost,
-                        sum(1 for v in holders.values() if v > 1),
-                        seconds,
-                    ]  # fmt: skip
-                )
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w", newline="") as f:
-        wr = csv.writer(f)
-        wr.writerow(header)
-        for row in table:
-            wr.writerow([f"{x:.3f}" if isinstance(x, float) else x for x in row])
+    for balance, make in (("openrlhf", openrlhf_calls), ("zorro", zorro_calls)):
+        t0 = time.perf_counter()
+        calls = make(rows, plen, w, a, a.seed)
+        seconds = time.perf_counter() - t0
+        for (batching, call), per_rank in sorted(calls.items()):
+            flat = [c for r in per_rank for c in r]
+            assert sorted(i for c in flat for i in c) == sorted(set(i for c in flat for i in c)), "a row in two calls"
+            ds = [dedup([rows[i] for i in c], plen) for c in flat]
+            costs = [sum(call_cost([rows[i] for i in c], plen) for c in r) for r in per_rank]
+            holders: dict[int, int] = {}
+            for c in flat:
+                for p in {rows[i][0] for i in c}:
+                    holders[p] = holders.get(p, 0) + 1
+            mean = statistics.mean(ds)
+            values = [
+                w, prompts, n, batching, call, balance, len(flat), mean, min(ds), whole, mean / whole,
+                max(costs) / statistics.mean(costs), max(costs) - min(costs), group_cost,
+                sum(1 for v in holders.values() if v > 1), seconds,
+            ]  # fmt: skip
+            table.append({k: f"{x:.3f}" if isinstance(x, float) else x for k, x in zip(HEADER, values)})
+    return table
+
+
+def report(table: list[dict[str, Any]], a: argparse.Namespace) -> None:
     print(f"{'ranks':>5} {'n':>2} {'batching':8} {'call':8} {'balance':8} {'calls':>5} {'mean':>6} {'min':>6} {'ratio':>6} "
           f"{'max/mean':>8} {'spread':>7} {'group':>6} {'split':>5}")  # fmt: skip
     for r in table:
-        print(f"{r[0]:>5} {r[2]:>2} {r[3]:8} {r[4]:8} {r[5]:8} {r[6]:>5} {r[7]:6.3f} {r[8]:6.3f} {r[10]:6.3f} {r[11]:8.3f} "
-              f"{r[12]:>7} {r[13]:>6} {r[14]:>5}")  # fmt: skip
+        print(f"{r['ranks']:>5} {r['n']:>2} {r['batching']:8} {r['call']:8} {r['balance']:8} {r['calls']:>5} "
+              f"{r['mean_dedup']:>6} {r['min_dedup']:>6} {r['dedup_ratio']:>6} {r['rank_cost_max_over_mean']:>8} "
+              f"{r['rank_cost_spread']:>7} {r['max_group_cost']:>6} {r['split_groups']:>5}")  # fmt: skip
 
+
+BENCH = Benchmark(
+    name="openrlhf_dp_dedup",
+    doc=__doc__ or "",
+    cases=cases,
+    arms=("openrlhf", "zorro"),
+    compute=compute,
+    arguments=arguments,
+    quick={"ranks": [2], "n": [4], "prompts_per_rank": 2},
+    out="results/openrlhf_dp_dedup.csv",
+    columns=HEADER,
+    report=report,
+)
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(BENCH))

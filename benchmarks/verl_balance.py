@@ -14,7 +14,8 @@ and backward, FSDP2 over both ranks, float32, verl's padded sdpa path as in
 - `zorro_engine+zorro_balance`: zorro's engine on the rows the "zorro_sync" trainer's balance
   gives each rank (`zorro_core.integrations.verl_balance`: whole groups per rank).
 Rows arrive shuffled, as rollouts do. The step's time is the slower rank's (FSDP's collectives
-make the ranks wait for each other); arms alternate after one warm-up each; medians are reported
+make the ranks wait for each other); arms alternate after one warm-up round (zorro_harness.bench.arms,
+the order reversed every round); medians are reported
 with the per-rank prompt dedup each partition leaves, and the ideal from `zorro_core.plan.cost`
 (FLOPs of linear layers, attention pairs and lm_head; verl computes logits at every token, zorro
 only at response tokens; training = 3 x forward) of the slower rank against verl's slower rank.
@@ -23,18 +24,24 @@ only at response tokens; training = 3 x forward) of the slower rank against verl
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import functools
 import os
 import platform
 import statistics
+import sys
 import time
+from typing import Any
 
-import torch
+from zorro_harness.bench.arms import Benchmark, Case, main, time_arms
+from zorro_harness.bench.measure import self_timed
+
+ARMS = ("verl", "zorro_engine+verl_balance", "zorro_engine+zorro_balance")
+BALANCE_OF = {"verl": "verl", "zorro_engine+verl_balance": "verl", "zorro_engine+zorro_balance": "zorro"}
 
 
 def make_rows(args, vocab: int):
+    import torch
+
     g = torch.Generator().manual_seed(args.seed)
     prompts, responses, uids = [], [], []
     for u in range(args.prompts):
@@ -49,6 +56,7 @@ def make_rows(args, vocab: int):
 
 
 def partitions(prompts, responses, uids, dp: int) -> dict[str, list[list[int]]]:
+    import torch
     from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
 
     from zorro_core.integrations.verl_balance import balance_rows
@@ -77,6 +85,7 @@ def rank_figures(shape, prompts, responses, uids, rows):
 
 
 def rank_main(args, path: str) -> dict:
+    import torch
     import torch.distributed as dist
 
     from zorro_core.integrations.verl_cpu import build_engine, engine_batch, padded_batch, use_cpu_platform
@@ -134,31 +143,26 @@ def rank_main(args, path: str) -> dict:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step waits for the slower rank
         return float(elapsed)
 
-    samples: dict[str, list[float]] = {arm: [] for arm in arms}
-    for arm in arms:
-        step(arm)
-    for _ in range(args.repeats):
-        for arm in arms:
-            samples[arm].append(step(arm))
-            if rank == 0:
-                print(arm, f"{samples[arm][-1]:.3f} s", flush=True)
-    return {"samples": samples, "parts": parts}
+    samples = time_arms({arm: functools.partial(step, arm) for arm in arms}, args.rounds, args.warmup, clock=self_timed)
+    return {"samples": dict(samples.samples), "parts": parts}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--preset", default="small-qwen3")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--responses", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--response-len", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results/verl_balance.csv")
-    args = ap.parse_args()
 
-    import verl
+
+def cases(args: argparse.Namespace) -> list[Case]:
+    return [Case("actor_update", {})]
+
+
+def compute(context: None, case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
 
     from zorro_core.distributed.launch import launch
     from zorro_core.integrations.verl_cpu import save_model
@@ -180,9 +184,37 @@ def main() -> None:
         "zorro_engine+verl_balance": verl_flops / max(f[2] for f in figures["verl"]),
         "zorro_engine+zorro_balance": verl_flops / max(f[2] for f in figures["zorro"]),
     }
-    balance_of = {"verl": "verl", "zorro_engine+verl_balance": "verl", "zorro_engine+zorro_balance": "zorro"}
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    meta = {
+    base = statistics.median(samples["verl"]) / 1e3
+    batch_dedup = 1 - args.prompts / len(prompts)
+    rows = []
+    for arm in ARMS:
+        xs = [ms / 1e3 for ms in samples[arm]]
+        dedup = [f[0] for f in figures[BALANCE_OF[arm]]]
+        med = statistics.median(xs)
+        rows.append(
+            {
+                "arm": arm,
+                "median_s": f"{med:.4f}",
+                "min_s": f"{min(xs):.4f}",
+                "max_s": f"{max(xs):.4f}",
+                "n": len(xs),
+                "speedup_vs_verl": f"{base / med:.3f}",
+                "ideal": f"{ideal[arm]:.3f}",
+                "dedup_rank0": f"{dedup[0]:.3f}",
+                "dedup_rank1": f"{dedup[1]:.3f}",
+                "batch_dedup": f"{batch_dedup:.3f}",
+            }
+        )
+    return rows
+
+
+def meta(args: argparse.Namespace) -> dict[str, Any]:
+    import datetime
+
+    import torch
+    import verl
+
+    return {
         "verl": verl.__version__,
         "torch": torch.__version__,
         "host": platform.node(),
@@ -190,52 +222,46 @@ def main() -> None:
         "ranks": 2,
         "preset": args.preset,
         "shape": f"{args.prompts}x{args.responses} P={args.prompt_len} R<={args.response_len}",
-        "time": stamp,
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    base = statistics.median(samples["verl"])
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(
-            [
-                "arm",
-                "median_s",
-                "min_s",
-                "max_s",
-                "n",
-                "speedup_vs_verl",
-                "ideal",
-                "dedup_rank0",
-                "dedup_rank1",
-                "batch_dedup",
-                *meta,
-            ]
-        )
-        batch_dedup = 1 - args.prompts / len(prompts)
-        print(f"verl {verl.__version__}, {meta['shape']}, {args.preset}, 2 ranks x {args.threads} threads")
-        for arm, xs in samples.items():
-            dedup = [f[0] for f in figures[balance_of[arm]]]
-            med = statistics.median(xs)
-            w.writerow(
-                [
-                    arm,
-                    f"{med:.4f}",
-                    f"{min(xs):.4f}",
-                    f"{max(xs):.4f}",
-                    len(xs),
-                    f"{base / med:.3f}",
-                    f"{ideal[arm]:.3f}",
-                    f"{dedup[0]:.3f}",
-                    f"{dedup[1]:.3f}",
-                    f"{batch_dedup:.3f}",
-                    *meta.values(),
-                ]
-            )
-            print(
-                f"{arm}: {med:.3f} s [{min(xs):.3f}, {max(xs):.3f}], {base / med:.2f}x verl's engine "
-                f"(ideal {ideal[arm]:.2f}x); per-rank prompt dedup {dedup[0]:.3f}, {dedup[1]:.3f} (batch {batch_dedup:.3f})"
-            )
 
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(
+        f"{args.prompts}x{args.responses} P={args.prompt_len} R<={args.response_len}, {args.preset}, 2 ranks x {args.threads} threads"
+    )
+    for r in rows:
+        print(
+            f"{r['arm']}: {r['median_s']} s [{r['min_s']}, {r['max_s']}], {r['speedup_vs_verl']}x verl's engine "
+            f"(ideal {r['ideal']}x); per-rank prompt dedup {r['dedup_rank0']}, {r['dedup_rank1']} (batch {r['batch_dedup']})"
+        )
+
+
+BENCH = Benchmark(
+    name="verl_balance",
+    doc=__doc__ or "",
+    cases=cases,
+    arms=ARMS,
+    compute=compute,
+    arguments=arguments,
+    quick={"responses": 2, "prompt_len": 16, "response_len": 8, "rounds": 1},
+    rounds=3,
+    out="results/verl_balance.csv",
+    columns=(
+        "arm",
+        "median_s",
+        "min_s",
+        "max_s",
+        "n",
+        "speedup_vs_verl",
+        "ideal",
+        "dedup_rank0",
+        "dedup_rank1",
+        "batch_dedup",
+    ),  # fmt: skip
+    meta=meta,
+    report=report,
+)
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(BENCH))

@@ -10,8 +10,8 @@ autocast, verl's sdpa, remove-padding off: on CPU verl's remove-padding path run
 packed row with a dense block mask, quadratic in the pack, which would flatter zorro; the padded
 path is verl's fast CPU path and zorro's engine serves both the same way): `FSDPEngineWithLMHead` (baseline) and zorro's
 `ZorroFSDPEngine`. One micro-batch holds the whole batch (`micro_batch_size_per_gpu` = rows), so
-each prompt's rows share it. Runs alternate baseline / zorro (after one warm-up of each) and the
-CSV keeps every sample; the summary reports medians, p20-p80, and the speedup as the ratio of
+each prompt's rows share it. Runs alternate baseline / zorro (zorro_harness.bench.arms: after one
+warm-up round, the order reversed every round) and the CSV keeps every sample; the summary reports medians, p20-p80, and the speedup as the ratio of
 medians with the p20-p80 range of the per-pair ratios.
 
 Ideal (zorro_core.plan.cost): verl's forward computes logits at every token (logits mode "none"),
@@ -22,21 +22,17 @@ lm_head; training = 3 x forward. Responses have random lengths in [response_len 
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
+import functools
 import os
 import platform
-import statistics
+import sys
 import time
+from typing import Any
 
-import torch
+from zorro_harness.bench.arms import PAIRED_COLUMNS, Benchmark, Case, Timings, Trial, main, paired_report, paired_rows
+from zorro_harness.bench.measure import self_timed
 
-
-def quantile(xs, q):
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+PHASES = ("infer", "train")
 
 
 def engine_step(engine, padded, rows: int, loss_fn, phase: str, use_remove_padding: bool) -> float:
@@ -62,18 +58,22 @@ def engine_step(engine, padded, rows: int, loss_fn, phase: str, use_remove_paddi
     return time.perf_counter() - t0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--preset", default="small-qwen3")
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--responses", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--response-len", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results/verl_engine.csv")
-    args = ap.parse_args()
+
+
+def cases(args: argparse.Namespace) -> list[Case]:
+    return [Case(phase, {"phase": phase}) for phase in PHASES]
+
+
+def setup(args: argparse.Namespace, cases: list[Case]) -> dict[str, Any]:
+    import torch
 
     torch.set_num_threads(args.threads)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -85,7 +85,6 @@ def main() -> None:
     from zorro_core.integrations.verl_cpu import build_engine, padded_batch, save_model, use_cpu_platform
 
     use_cpu_platform()
-    import verl
     from verl.workers.config import FSDPActorConfig
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.utils.losses import ppo_loss
@@ -110,23 +109,17 @@ def main() -> None:
             responses.append(torch.randint(2, vocab, (n,), generator=g).tolist())
     order = torch.randperm(len(prompts), generator=g).tolist()  # rows arrive shuffled
     prompts, responses = [prompts[i] for i in order], [responses[i] for i in order]
-    padded = padded_batch(prompts, responses, seed=args.seed)
     rows = len(prompts)
-
     engines = {
         "verl": build_engine(FSDPEngineWithLMHead, path, precision="fp32", use_remove_padding=False),
         "zorro": build_engine(ZorroFSDPEngine, path, precision="fp32", use_remove_padding=False),
     }
-    loss_fn = __import__("functools").partial(
+    loss_fn = functools.partial(
         ppo_loss,
         config=FSDPActorConfig(
             strategy="fsdp2", rollout_n=args.responses, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=rows
         ),
     )
-
-    def step(arm: str, phase: str) -> float:
-        return engine_step(engines[arm], padded, rows, loss_fn, phase, use_remove_padding=False)
-
     shape = model_shape(config)
     base_w, dedup_w = shape_workloads(
         [args.prompt_len] * args.prompts,
@@ -138,74 +131,71 @@ def main() -> None:
         "infer": flops(shape, base_all, "none").forward / flops(shape, dedup_w, "compute").forward,
         "train": flops(shape, base_all, "none").forward_backward / flops(shape, dedup_w, "compute").forward_backward,
     }
+    padded = padded_batch(prompts, responses, seed=args.seed)
+    return {"engines": engines, "padded": padded, "rows": rows, "loss_fn": loss_fn, "ideal": ideal}
 
-    samples: dict[tuple[str, str], list[float]] = {}
-    for phase in ("infer", "train"):
-        for arm in ("verl", "zorro"):
-            step(arm, phase)  # warm-up
-        for _ in range(args.repeats):
-            for arm in ("verl", "zorro"):
-                samples.setdefault((phase, arm), []).append(step(arm, phase))
-                print(phase, arm, f"{samples[(phase, arm)][-1]:.3f} s", flush=True)
 
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    meta = {
+def trial(ctx: dict[str, Any], case: Case, args: argparse.Namespace) -> Trial:
+    def step(arm: str):
+        return lambda: engine_step(
+            ctx["engines"][arm], ctx["padded"], ctx["rows"], ctx["loss_fn"], case["phase"], use_remove_padding=False
+        )
+
+    return Trial({arm: step(arm) for arm in ARMS}, clock=self_timed, ideal=ctx["ideal"][case["phase"]])
+
+
+def rows(case: Case, t: Timings, args: argparse.Namespace) -> list[dict[str, Any]]:
+    return paired_rows(case["phase"], t, "verl", "zorro")
+
+
+def meta(args: argparse.Namespace) -> dict[str, Any]:
+    import datetime
+
+    import torch
+    import verl
+
+    return {
         "verl": verl.__version__,
         "torch": torch.__version__,
         "host": platform.node(),
         "threads": args.threads,
         "preset": args.preset,
         "shape": f"{args.prompts}x{args.responses} P={args.prompt_len} R<={args.response_len}",
-        "time": stamp,
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    with open(args.out, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["kind", "phase", "arm", "value", "p20", "p80", "n", *meta])
-        print(f"verl {verl.__version__}, {meta['shape']}, {args.preset}, {args.threads} threads")
-        for phase in ("infer", "train"):
-            b, z = samples[(phase, "verl")], samples[(phase, "zorro")]
-            for i, (tb, tz) in enumerate(zip(b, z)):
-                w.writerow(["sample", phase, "verl", f"{tb:.4f}", "", "", i, *meta.values()])
-                w.writerow(["sample", phase, "zorro", f"{tz:.4f}", "", "", i, *meta.values()])
-            for arm, xs in (("verl", b), ("zorro", z)):
-                w.writerow(
-                    [
-                        "median_s",
-                        phase,
-                        arm,
-                        f"{statistics.median(xs):.4f}",
-                        f"{quantile(xs, 0.2):.4f}",
-                        f"{quantile(xs, 0.8):.4f}",
-                        len(xs),
-                        *meta.values(),
-                    ]
-                )
-            ratios = [tb / tz for tb, tz in zip(b, z)]
-            speedup = statistics.median(b) / statistics.median(z)
-            eff = speedup / ideal[phase]
-            w.writerow(
-                [
-                    "speedup",
-                    phase,
-                    "zorro/verl",
-                    f"{speedup:.3f}",
-                    f"{quantile(ratios, 0.2):.3f}",
-                    f"{quantile(ratios, 0.8):.3f}",
-                    len(ratios),
-                    *meta.values(),
-                ]
-            )
-            w.writerow(["ideal", phase, "cost model", f"{ideal[phase]:.3f}", "", "", "", *meta.values()])
-            w.writerow(["efficiency", phase, "speedup/ideal", f"{eff:.3f}", "", "", "", *meta.values()])
-            print(
-                f"{phase}: verl {statistics.median(b):.3f} s [{quantile(b, 0.2):.3f}, {quantile(b, 0.8):.3f}], "
-                f"zorro {statistics.median(z):.3f} s [{quantile(z, 0.2):.3f}, {quantile(z, 0.8):.3f}]; "
-                f"speedup {speedup:.2f}x (pairs p20-p80 {quantile(ratios, 0.2):.2f}-{quantile(ratios, 0.8):.2f}), "
-                f"ideal {ideal[phase]:.2f}x, efficiency {eff:.2f}"
-            )
+
+
+def teardown(ctx: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
     dist.destroy_process_group()
 
 
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(
+        f"{args.prompts}x{args.responses} P={args.prompt_len} R<={args.response_len}, {args.preset}, {args.threads} threads"
+    )
+    paired_report(rows, args)
+
+
+ARMS = ("verl", "zorro")
+BENCH = Benchmark(
+    name="verl_engine",
+    doc=__doc__ or "",
+    cases=cases,
+    arms=ARMS,
+    setup=setup,
+    trial=trial,
+    rows=rows,
+    teardown=teardown,
+    arguments=arguments,
+    quick={"responses": 2, "prompt_len": 16, "response_len": 8, "rounds": 1, "threads": 1},
+    rounds=5,
+    out="results/verl_engine.csv",
+    columns=PAIRED_COLUMNS,
+    meta=meta,
+    report=report,
+)
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main(BENCH))

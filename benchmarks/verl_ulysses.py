@@ -13,8 +13,9 @@ GPU computation: verl's Ulysses patch wraps flash attention only, so with sdpa o
 attention covers its own slice of the packed row (tokens of the other slice are never attended, no
 all-to-all runs), which is less work than the real thing; its time is a lower bound of verl's SP
 step here and the speedup an underestimate. zorro's arm is exact (tests/test_integrations_verl_ulysses.py).
-One micro-batch holds the whole batch. Runs alternate baseline / zorro after one warm-up of each;
-times are rank 0's (the ranks wait for each other in every collective).
+One micro-batch holds the whole batch. Runs alternate baseline / zorro after one warm-up round
+(zorro_harness.bench.arms.time_arms inside the ranks, the order reversed every round); times are
+rank 0's (the ranks wait for each other in every collective).
 
 Ideal (zorro_core.plan.cost): as benchmarks/verl_engine.py (verl computes logits at every token,
 zorro only where a response token is predicted; training = 3 x forward); SP divides both arms'
@@ -24,21 +25,34 @@ work by the same 2, so the ideal is the single-rank one.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import functools
 import os
 import platform
-import statistics
 import sys
-
-import torch
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from verl_engine import engine_step, quantile  # noqa: E402
+from verl_engine import engine_step  # noqa: E402  (verl is imported inside it, when it runs)
+
+from zorro_harness.bench.arms import (  # noqa: E402
+    PAIRED_COLUMNS,
+    Benchmark,
+    Case,
+    Timings,
+    main,
+    paired_report,
+    paired_rows,
+    time_arms,
+)
+from zorro_harness.bench.measure import self_timed  # noqa: E402
+
+PHASES = ("infer", "train")
+ARMS = ("verl", "zorro")
 
 
 def make_rows(vocab: int, args) -> tuple[list[list[int]], list[list[int]]]:
+    import torch
+
     g = torch.Generator().manual_seed(args.seed)
     prompts, responses = [], []
     for _ in range(args.prompts):
@@ -51,7 +65,7 @@ def make_rows(vocab: int, args) -> tuple[list[list[int]], list[list[int]]]:
     return [prompts[i] for i in order], [responses[i] for i in order]
 
 
-def rank_main(path: str, args) -> dict:
+def rank_main(path: str, args, phases: list[str]) -> dict:
     from zorro_core.integrations.verl_cpu import build_engine, padded_batch, use_cpu_platform
 
     use_cpu_platform()
@@ -76,17 +90,15 @@ def rank_main(path: str, args) -> dict:
         ),
     )
 
-    def step(arm: str, phase: str) -> float:
-        return engine_step(engines[arm], padded, rows, loss_fn, phase, use_remove_padding=True)
+    def step(arm: str, phase: str):
+        return lambda: engine_step(engines[arm], padded, rows, loss_fn, phase, use_remove_padding=True)
 
-    samples: dict[str, list[float]] = {}
-    for phase in ("infer", "train"):
-        for arm in ("verl", "zorro"):
-            step(arm, phase)  # warm-up
-        for _ in range(args.repeats):
-            for arm in ("verl", "zorro"):
-                samples.setdefault(f"{phase} {arm}", []).append(step(arm, phase))
-    return samples
+    return {
+        phase: dict(
+            time_arms({arm: step(arm, phase) for arm in ARMS}, args.rounds, args.warmup, clock=self_timed).samples
+        )
+        for phase in phases
+    }
 
 
 def ideal_speedups(config, prompts, responses, args) -> dict[str, float]:
@@ -106,19 +118,22 @@ def ideal_speedups(config, prompts, responses, args) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--preset", default="small-qwen3")
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--responses", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--response-len", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results/verl_ulysses.csv")
-    args = ap.parse_args()
 
-    import verl
+
+def cases(args: argparse.Namespace) -> list[Case]:
+    return [Case(phase, {"phase": phase}) for phase in PHASES]
+
+
+def setup(args: argparse.Namespace, cases: list[Case]) -> dict[str, Any]:
+    """Both ranks time every selected phase in one launch (the engines are built once)."""
+    import torch
 
     from zorro_core.distributed.launch import launch
     from zorro_core.integrations.verl_cpu import save_model
@@ -128,54 +143,55 @@ def main() -> None:
     path = f"/tmp/zorro_verl_bench_{args.preset}"
     if not os.path.isdir(path):
         save_model(build_model(config, dtype=torch.float32, attn_implementation="sdpa", seed=0), path)
-    samples = launch(rank_main, 2, path, args, threads=1, timeout_s=3000)[0]
+    samples = launch(rank_main, 2, path, args, [c["phase"] for c in cases], threads=1, timeout_s=3000)[0]
     prompts, responses = make_rows(config.vocab_size, args)
-    ideal = ideal_speedups(config, prompts, responses, args)
+    return {"samples": samples, "ideal": ideal_speedups(config, prompts, responses, args)}
 
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    meta = {
+
+def compute(ctx: dict[str, Any], case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
+    phase = case["phase"]
+    return paired_rows(phase, Timings(ctx["samples"][phase], ctx["ideal"][phase]), "verl", "zorro", efficiency=False)
+
+
+def meta(args: argparse.Namespace) -> dict[str, Any]:
+    import datetime
+
+    import torch
+    import verl
+
+    return {
         "verl": verl.__version__,
         "torch": torch.__version__,
         "host": platform.node(),
         "ranks": "2 (SP=2, DP=1), 1 thread each",
         "preset": args.preset,
         "shape": f"{args.prompts}x{args.responses} P={args.prompt_len} R<={args.response_len}",
-        "time": stamp,
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    with open(args.out, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["kind", "phase", "arm", "value", "p20", "p80", "n", *meta])
-        print(f"verl {verl.__version__}, Ulysses SP=2 on 2 ranks, {meta['shape']}, {args.preset}")
-        for phase in ("infer", "train"):
-            b, z = samples[f"{phase} verl"], samples[f"{phase} zorro"]
-            for i, (tb, tz) in enumerate(zip(b, z)):
-                w.writerow(["sample", phase, "verl", f"{tb:.4f}", "", "", i, *meta.values()])
-                w.writerow(["sample", phase, "zorro", f"{tz:.4f}", "", "", i, *meta.values()])
-            for arm, xs in (("verl", b), ("zorro", z)):
-                med, lo, hi = statistics.median(xs), quantile(xs, 0.2), quantile(xs, 0.8)
-                w.writerow(["median_s", phase, arm, f"{med:.4f}", f"{lo:.4f}", f"{hi:.4f}", len(xs), *meta.values()])
-            ratios = [tb / tz for tb, tz in zip(b, z)]
-            speedup = statistics.median(b) / statistics.median(z)
-            r_lo, r_hi = quantile(ratios, 0.2), quantile(ratios, 0.8)
-            w.writerow(
-                [
-                    "speedup",
-                    phase,
-                    "zorro/verl",
-                    f"{speedup:.3f}",
-                    f"{r_lo:.3f}",
-                    f"{r_hi:.3f}",
-                    len(ratios),
-                    *meta.values(),
-                ]
-            )
-            w.writerow(["ideal", phase, "cost model", f"{ideal[phase]:.3f}", "", "", "", *meta.values()])
-            print(
-                f"{phase}: verl {statistics.median(b):.3f} s, zorro {statistics.median(z):.3f} s; speedup "
-                f"{speedup:.2f}x (pairs p20-p80 {r_lo:.2f}-{r_hi:.2f}), ideal {ideal[phase]:.2f}x"
-            )
 
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(
+        f"Ulysses SP=2 on 2 ranks, {args.prompts}x{args.responses} P={args.prompt_len} R<={args.response_len}, {args.preset}"
+    )
+    paired_report(rows, args)
+
+
+BENCH = Benchmark(
+    name="verl_ulysses",
+    doc=__doc__ or "",
+    cases=cases,
+    arms=ARMS,
+    setup=setup,
+    compute=compute,
+    arguments=arguments,
+    quick={"responses": 2, "prompt_len": 16, "response_len": 8, "rounds": 1},
+    rounds=5,
+    out="results/verl_ulysses.csv",
+    columns=PAIRED_COLUMNS,
+    meta=meta,
+    report=report,
+)
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(BENCH))

@@ -12,7 +12,7 @@ from conftest import SUITE
 from typer.testing import CliRunner
 
 from zorro_cli.main import app
-from zorro_harness.bench import files, results
+from zorro_harness.bench import files, sidecar
 from zorro_harness.bench.results import COLUMNS, REQUIRED_COLUMNS, read_rows
 
 runner = CliRunner()
@@ -74,7 +74,7 @@ def test_a_disk_that_fills_at_the_final_sidecar_update(fake, tmp_path, monkeypat
             return files.replace_atomically(path, fill)
         return files.write_bytes_atomically(path, data)
 
-    monkeypatch.setattr(results, "write_bytes_atomically", write_bytes_atomically)
+    monkeypatch.setattr(sidecar, "write_bytes_atomically", write_bytes_atomically)
     res = fake("--out", out)
     monkeypatch.undo()
     one_line_error(res, "every row is written", "No space left on device")

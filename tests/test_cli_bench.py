@@ -254,7 +254,7 @@ def test_liger_case_is_skipped_with_the_reason_here(tmp_path):
 
 def test_checkpointing_axis(tmp_path):
     """--checkpointing: both arms run with transformers' checkpointing in training mode; the row records it."""
-    from zorro_harness.bench.runner import _Bench
+    from zorro_harness.bench.case_process import _Bench
 
     case = Case(
         model="tiny-qwen3", batch_size=4, prompt_len=16, response_len=4, num_unique_prompts=1, checkpointing=True

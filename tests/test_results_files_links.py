@@ -12,7 +12,8 @@ from test_cli_report import row, write
 from typer.testing import CliRunner
 
 from zorro_cli.main import app
-from zorro_harness.bench.results import ResultsLock, ResultWriter, lock_path, sidecar_path, write_sidecar
+from zorro_harness.bench.results import ResultsLock, ResultWriter, lock_path
+from zorro_harness.bench.sidecar import sidecar_path, write_sidecar
 from zorro_harness.bench.suite import Measure, Suite
 from zorro_harness.bench.sweep import run_suite
 

@@ -8,15 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from zorro_harness.bench.results import (
-    SIDECAR_MARKER,
-    ResultsBusy,
-    ResultsLock,
-    lock_path,
-    read_sidecar,
-    sidecar_path,
-    write_sidecar,
-)
+from zorro_harness.bench.results import ResultsBusy, ResultsLock, lock_path
+from zorro_harness.bench.sidecar import SIDECAR_MARKER, read_sidecar, sidecar_path, write_sidecar
 
 VICTIM = b'{\n  "settings": {"theme": "dark"},\n  "keep": "me"\n}\n'
 
@@ -82,3 +75,12 @@ def test_results_files_sharing_a_sidecar_share_one_lock(fake, tmp_path):
         res = fake("--out", tsv_out)
         assert res.exit_code == 2 and "being written by another sweep" in " ".join(res.output.split())
     assert fake("--out", tsv_out).exit_code == 0
+
+
+@pytest.mark.parametrize("name", ["SIDECAR_MARKER", "SIDECAR_FORMAT", "write_sidecar", "update_last_run"])
+def test_the_sidecar_writers_old_path_warns_and_gives_the_same_object(name):
+    from zorro_harness.bench import results, sidecar
+
+    with pytest.warns(DeprecationWarning, match=f"zorro_harness.bench.sidecar.{name}.*2027-06-01"):
+        old = getattr(results, name)
+    assert old is getattr(sidecar, name)

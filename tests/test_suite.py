@@ -199,7 +199,7 @@ def test_sharing_axes():
 
 
 def test_sharing_workload():
-    from zorro_harness.bench.runner import case_workload
+    from zorro_harness.bench.case_process import case_workload
 
     case = Case(
         model="tiny-qwen3",

@@ -156,16 +156,27 @@ def time_once(fn: Callable[[], object], device: torch.device | str) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def self_timed(fn: Callable[[], object], device: torch.device | str) -> float:
+    """Milliseconds of one call of an arm that times itself: fn returns its own seconds."""
+    seconds = fn()
+    if not isinstance(seconds, (int, float)):
+        raise TypeError(f"a self-timed arm returns its seconds, got {type(seconds).__name__}")
+    return float(seconds) * 1e3
+
+
 def time_interleaved(
     arms: Mapping[str, Callable[[], object]],
     device: torch.device | str,
     warmup: int = 1,
     repeats: int = 5,
     between: Optional[Callable[[], None]] = None,
+    clock: Callable[[Callable[[], object], torch.device | str], float] = time_once,
 ) -> dict[str, list[float]]:
     """Times of each arm over `repeats` rounds, arms alternating (order reversed every round).
 
-    `between` runs before every call, outside the clock (e.g. zeroing gradients)."""
+    `between` runs before every call, outside the clock (e.g. zeroing gradients). `clock`: the
+    milliseconds of one call (time_once; self_timed for arms that time their own step, as a step
+    that prepares its input first or waits for the slowest rank does)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     names = list(arms)
@@ -181,7 +192,7 @@ def time_interleaved(
             for name in order:
                 if between is not None:
                     between()
-                ms = time_once(arms[name], device)
+                ms = clock(arms[name], device)
                 if i >= warmup:
                     times[name].append(ms)
     finally:

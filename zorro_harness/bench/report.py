@@ -15,10 +15,9 @@ from zorro_harness.bench.results import (
     check_fields,
     from_spreadsheet_cell,
     read_results_text,
-    read_sidecar,
-    sidecar_path,
     spreadsheet_cell,
 )
+from zorro_harness.bench.sidecar import read_sidecar, sidecar_path
 
 # Columns that define a configuration: one pivot table (and one plot) per combination.
 GROUP_COLUMNS = [

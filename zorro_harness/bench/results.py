@@ -1,4 +1,5 @@
-"""Result files: one CSV row per case and phase, appended as each finishes, and a JSON sidecar.
+"""Result files: one CSV row per case and phase, appended as each finishes (the JSON sidecar beside
+it: sidecar.py).
 
 - Whole rows: each row is one line (no newline inside a value), written with one os.write of
   the whole line on an O_APPEND descriptor and fsynced, so a kill at any moment leaves every
@@ -10,14 +11,10 @@
   dies, however it dies.
 - Backups never overwrite: starting a file afresh renames it to the first free
   `<csv>.<n>.bak` (its sidecar to `<json>.<n>.bak`).
-- Only a zorro sidecar is rewritten: it carries the field `zorro_sidecar` (one written before
-  that field existed has a "runs" table); any other JSON table of that name is the user's, left
-  alone, and the sweep is refused naming it (check_out).
+- Only a zorro sidecar is rewritten (sidecar.py); any other JSON table of that name is the
+  user's, left alone, and the sweep is refused naming it (check_out).
 - Never through a link (zorro_harness.bench.files): the CSV, the sidecar and the lock are opened
   with O_NOFOLLOW, and a link where one of them would go is refused with one line naming it.
-- The sidecar is replaced atomically (written to a temporary file with a random name beside it,
-  created with O_EXCL, then renamed; the temporary file is removed when the write fails). A damaged sidecar (not JSON, not UTF-8, not a {"runs": [...]} table) is kept
-  as a numbered backup before a new one is started, and the caller is told.
 - `--out` is checked first (check_out): only a regular results file is ever moved aside or
   appended to; a device, a directory, the suite file itself, a file that is not a results CSV,
   or a name whose sidecar would be the file itself (`x.json`) is refused with the reason.
@@ -38,7 +35,6 @@ import csv
 import datetime as dt
 import fcntl
 import io
-import json
 import os
 import re
 import stat
@@ -46,7 +42,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from zorro_harness.bench.files import name_too_long, open_no_follow, refuse_link, short_name, write_bytes_atomically
+from zorro_harness.bench.files import name_too_long, open_no_follow, refuse_link, short_name
+from zorro_harness.bench.sidecar import NotASidecar, ResultsWriteError, read_sidecar, sidecar_path
 
 # What a case runs (the model and the arms' settings): part of the required columns, and the
 # start of the report's configuration key (zorro_harness.bench.report.GROUP_COLUMNS).
@@ -119,12 +116,6 @@ COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS + DISTRIBUTED_COLUMNS
 # A row with one of these statuses is done: --resume does not run it again.
 DONE_STATUSES = ("ok", "oom")
 
-SIDECAR_MARKER = "zorro_sidecar"
-"""The field that makes a JSON file a zorro sidecar (its value: the format's version, 1). A sidecar
-written before the marker existed is recognised by its "runs" table."""
-SIDECAR_FORMAT = 1
-
-
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 """What a spreadsheet reads as the start of a formula (OWASP's list for CSV injection)."""
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:inf|infinity|nan)", re.IGNORECASE)
@@ -145,11 +136,6 @@ def from_spreadsheet_cell(text: str) -> str:
     return text
 
 
-def sidecar_path(csv_path: str | Path) -> Path:
-    """results/x.csv -> results/x.json."""
-    return Path(csv_path).with_suffix(".json")
-
-
 def lock_path(csv_path: str | Path) -> Path:
     """results/x.csv -> results/x.json.lock: the sidecar's lock, so that results files sharing a
     sidecar (x.csv and x.tsv both have x.json) are locked together."""
@@ -159,14 +145,6 @@ def lock_path(csv_path: str | Path) -> Path:
 
 class ResultsBusy(ValueError):
     """Another process is writing this results file."""
-
-
-class ResultsWriteError(ValueError):
-    """A results file or its sidecar could not be written (the message names the file and the cause)."""
-
-
-class NotASidecar(ValueError):
-    """A JSON file where a sidecar would go that is not a zorro sidecar: it is never touched."""
 
 
 def _kind(mode: int) -> str:
@@ -454,72 +432,21 @@ def done_keys(path: str | Path) -> set[tuple[str, str]]:
     return {k for k, s in last.items() if s in DONE_STATUSES}
 
 
-def _write_json(path: Path, data: Any) -> None:
-    """Replace `path` atomically: a kill leaves the old file or the new one, never half of one.
-    A link at `path` is refused (a rename would replace the link, but the sidecar the user
-    pointed at would silently stop being the one written)."""
-    refuse_link(path, "the sidecar")
-    try:
-        write_bytes_atomically(path, (json.dumps(data, indent=2, default=str) + "\n").encode())
-    except OSError as e:
-        raise ResultsWriteError(f"cannot write {path}: {e.strerror or e}") from None
+_MOVED = ("SIDECAR_MARKER", "SIDECAR_FORMAT", "write_sidecar", "update_last_run")
 
 
-def read_sidecar(path: str | Path) -> dict[str, Any]:
-    """The sidecar's table ({"runs": [...]}); ValueError naming the file and what is wrong with it
-    when it is not UTF-8, not JSON, or not such a table. A missing file is an empty table."""
-    path = Path(path)
-    if not path.exists():
-        return {"runs": []}
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"sidecar {path} is not UTF-8 text (byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"sidecar {path} is not valid JSON ({e.msg}, line {e.lineno})") from None
-    if isinstance(data, dict) and SIDECAR_MARKER not in data and "runs" not in data:
-        raise NotASidecar(
-            f'{path} is a JSON file but not a zorro sidecar (it has neither a "{SIDECAR_MARKER}" field nor a "runs" table)'
+def __getattr__(name: str) -> Any:
+    """The sidecar's writers moved to zorro_harness.bench.sidecar; the old path warns."""
+    if name in _MOVED:
+        import warnings
+
+        from zorro_harness.bench import sidecar
+
+        warnings.warn(
+            f"zorro_harness.bench.results.{name} moved to zorro_harness.bench.sidecar.{name} "
+            "(removed after 2027-06-01)",
+            DeprecationWarning,
+            stacklevel=2,
         )
-    if not isinstance(data, dict) or not isinstance(data.get("runs", []), list):
-        raise ValueError(f'sidecar {path} is not a zorro sidecar (a JSON table with a "runs" list)')
-    data.setdefault("runs", [])
-    return data
-
-
-def write_sidecar(path: str | Path, run: dict[str, Any]) -> tuple[Optional[Path], str]:
-    """Add one run's record to the sidecar (a resumed sweep adds a second record). A damaged
-    sidecar is first moved to the first free `<json>.<n>.bak` (never lost): (that backup, why it
-    was damaged); (None, "") otherwise."""
-    path = Path(path)
-    refuse_link(path, "the sidecar")
-    kept, why = None, ""
-    try:
-        data = read_sidecar(path)
-    except NotASidecar:
-        raise
-    except ValueError as e:
-        why = str(e)
-        n = 1
-        while os.path.lexists(path.with_name(f"{path.name}.{n}.bak")):
-            n += 1
-        kept = path.with_name(f"{path.name}.{n}.bak")
-        try:
-            path.replace(kept)
-        except OSError as err:
-            raise ResultsWriteError(f"cannot move the damaged sidecar {path} aside: {err.strerror or err}") from None
-        data = {"runs": []}
-    data["runs"].append(run)
-    _write_json(path, {SIDECAR_MARKER: SIDECAR_FORMAT, **data})
-    return kept, why
-
-
-def update_last_run(path: str | Path, **fields: Any) -> None:
-    """Record facts known only at the end of the run (finish time, load)."""
-    path = Path(path)
-    if not path.exists():
-        return
-    data = read_sidecar(path)
-    if data["runs"]:
-        data["runs"][-1].update(fields)
-        _write_json(path, data)
+        return getattr(sidecar, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

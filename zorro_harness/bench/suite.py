@@ -1,5 +1,8 @@
 """Benchmark suites: TOML files of axes, expanded into cases.
 
+(Over 450 lines because a suite file is one format: the Case/Measure fields and the reader that checks
+every key against them; apart, each field's checks would live away from its definition.)
+
     name = "quick"                 # top level: name, description, device, seed
     [measure]                      # warmup, repeats, phases, memory, timeout_s, threads
     repeats = 5

@@ -27,12 +27,9 @@ from zorro_harness.bench.results import (
     check_is_results,
     check_out,
     done_keys,
-    read_sidecar,
-    sidecar_path,
-    update_last_run,
-    write_sidecar,
 )
 from zorro_harness.bench.runner import case_rows
+from zorro_harness.bench.sidecar import read_sidecar, sidecar_path, update_last_run, write_sidecar
 from zorro_harness.bench.suite import Case, Measure, Suite
 
 MODES = ("replace", "resume", "append")
