@@ -162,6 +162,7 @@ def test_quick_suite_subset_end_to_end(tmp_path):
     assert res.exit_code == 0, res.output
     rows = read_rows(out)
     assert [r["status"] for r in rows] == ["ok", "ok"] and rows[0]["model"] == "small-qwen3"
+    assert rows[0]["weights"] == "random"  # a preset: the results say its log-probs are not a real model's
 
 
 @pytest.mark.slow

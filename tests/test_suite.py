@@ -84,7 +84,9 @@ def test_filters():
         case_matches(c, "promptlen=128")
     with pytest.raises(ValueError, match="did you mean 'actor.logits_mode'"):
         case_matches(c, "actor.logits_mod=none")
-    with pytest.deprecated_call(match="'split_attention' is deprecated, write 'actor.use_split_attention'"):
+    with pytest.deprecated_call(
+        match=r"'split_attention' is deprecated, write 'actor.use_split_attention' instead \(read until 2027-06-01\)"
+    ):
         assert case_matches(c, "split_attention=true")
 
 

@@ -99,6 +99,7 @@ EXTRA_COLUMNS = [
     "sharing",
     "shared_prefix_len",
     "min_shared_tokens",
+    "weights",
 ]
 # Cases with nproc > 1 (zorro_harness.bench.distributed): per-rank layout and bytes moved by regroup.
 DISTRIBUTED_COLUMNS = [

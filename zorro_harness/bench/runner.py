@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from zorro_core.attention.backends import backend_unavailable
+from zorro_core.models.presets import weights_source
 from zorro_core.stack.liger import liger_unavailable
 from zorro_harness.bench.case_process import (
     ARMS,
@@ -172,7 +173,17 @@ def case_base_row(case: Case, measure: Measure) -> dict[str, Any]:
         "sharing": a.sharing,
         "shared_prefix_len": case.shared_prefix_len,
         "min_shared_tokens": a.min_shared_tokens if a.sharing != "prompt" else "",
+        "weights": _weights(case.model),
     }
+
+
+def _weights(model: str) -> str:
+    """ "checkpoint" or "random" (a preset: a hub name not in the cache is one); "" for a name that does not
+    resolve, whose case fails with load_model's own message."""
+    try:
+        return weights_source(model)
+    except ValueError:
+        return ""
 
 
 def _fill_workload(row: dict, work: Workload) -> None:

@@ -72,7 +72,8 @@ DEPRECATED_KEYS = {
     "varlen_backend": "varlen_backend",
 }
 """Flat suite and --filter keys of the actor options, before they moved under `actor.`: old key ->
-ActorConfig field. Still read, with a DeprecationWarning naming `actor.<field>`."""
+ActorConfig field. Still read, with a DeprecationWarning naming `actor.<field>`, until 2027-06-01 (the one
+deprecation path of the suite format)."""
 
 
 @dataclass(frozen=True)
@@ -371,7 +372,11 @@ _MEASURE = tuple(f.name for f in fields(Measure))
 def _deprecated(key: str, where: str) -> str:
     """The new spelling of an old flat actor key, with a one-line DeprecationWarning."""
     new = _ACTOR + DEPRECATED_KEYS[key]
-    warnings.warn(f"{where}: {key!r} is deprecated, write {new!r} instead", DeprecationWarning, stacklevel=4)
+    warnings.warn(
+        f"{where}: {key!r} is deprecated, write {new!r} instead (read until 2027-06-01)",
+        DeprecationWarning,
+        stacklevel=4,
+    )
     return new
 
 
