@@ -30,7 +30,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_name
 
 from zorro_core.integrations.core import prompt_groups
-from zorro_core.integrations.verl_balance import ATTENTION_WEIGHT
+from zorro_core.integrations.verl.balance import ATTENTION_WEIGHT
 from zorro_core.plan.balance import GroupedLengths, Partition, partition_micro_batches
 
 __all__ = ["MAX_ROUNDS", "micro_batch_work", "serves_whole_batch", "swap_prepare_micro_batches", "zorro_micro_batches"]
@@ -43,7 +43,7 @@ def micro_batch_work(data) -> Optional[GroupedLengths]:
     """The rank's rows as zorro computes them: groups of identical prompt tokens, each row's
     response; a row with an empty response alone in its group (it is computed whole, if at all).
     None when the rows have no prompt/response split verl's way."""
-    from zorro_core.integrations.verl_rows import rows_of
+    from zorro_core.integrations.verl.rows import rows_of
 
     rows = rows_of(data)
     if isinstance(rows, str):
@@ -72,7 +72,7 @@ def serves_whole_batch(engine, data) -> bool:
     on the whole batch, and the actor built): else a micro-batch of zorro's size could reach verl's
     forward above verl's budget."""
     from zorro_core.errors import UnsupportedModelError
-    from zorro_core.integrations.verl_rows import temperature_of, unserved_reason
+    from zorro_core.integrations.verl.rows import temperature_of, unserved_reason
 
     if tu.get_non_tensor_data(data=data, key="force_group_size", default=1) != 1:
         return False
@@ -80,11 +80,11 @@ def serves_whole_batch(engine, data) -> bool:
         return False
     if "temperature" in data.keys() and isinstance(temperature_of(data), str):
         return False
-    from zorro_core.integrations.verl_rows import REFUSED
+    from zorro_core.integrations.verl.rows import REFUSED
 
     if engine._zorro_fallback.has_fallen_back(REFUSED):
         return False
-    from zorro_core.integrations.verl_rows import sequence_parallel_of
+    from zorro_core.integrations.verl.rows import sequence_parallel_of
 
     try:
         actor = engine._zorro_actor()

@@ -3,11 +3,11 @@
 verl's V1 driver picks its trainer with `get_trainer_cls(config.trainer.v1.trainer_mode)` inside
 the Ray task runner before any `external_lib` is imported, so a trainer name must already be in
 verl's registry when `verl.trainer.ppo.v1` is first imported. This module only arranges that:
-once `verl.trainer.ppo.v1` has executed, `zorro_core.integrations.verl_trainer` is imported and
+once `verl.trainer.ppo.v1` has executed, `zorro_core.integrations.verl.trainer` is imported and
 registers "zorro_sync". It imports nothing of verl itself (verl is mid-import when it runs),
 registers no engine and changes nothing for a job that does not select "zorro_sync".
 
-`after_import` is the same hook for other modules (`verl_cpu` uses it), and `vllm_cpu_plugin` is
+`after_import` is the same hook for other modules (`cpu` uses it), and `vllm_cpu_plugin` is
 vLLM's plugin entry point for zorro's CPU test platform (a no-op unless `VERL_PLATFORM=cpu`).
 """
 
@@ -31,7 +31,7 @@ def register_trainer_name() -> None:
     """Import the zorro trainer, which registers its name with verl (a failure is logged, not raised:
     verl's own trainers must stay usable)."""
     try:
-        importlib.import_module("zorro_core.integrations.verl_trainer")
+        importlib.import_module("zorro_core.integrations.verl.trainer")
     except Exception as e:  # noqa: BLE001 - any failure here must not break verl's import
         _log.warning("zorro: the verl trainer 'zorro_sync' is not registered: %s", e)
 
@@ -98,11 +98,11 @@ def install() -> None:
 
 def vllm_cpu_plugin() -> None:
     """vLLM's general plugin (group "vllm.general_plugins", run in every vLLM process): on zorro's CPU
-    test platform for verl (`VERL_PLATFORM=cpu`) it loads `verl_cpu_vllm`; otherwise it returns at
+    test platform for verl (`VERL_PLATFORM=cpu`) it loads `cpu_vllm`; otherwise it returns at
     once and loads nothing."""
     if os.environ.get("VERL_PLATFORM", "").strip().lower() != "cpu":
         return
-    importlib.import_module("zorro_core.integrations.verl_cpu_vllm")
+    importlib.import_module("zorro_core.integrations.verl.cpu_vllm")
 
 
 install()

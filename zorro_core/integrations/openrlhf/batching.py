@@ -26,7 +26,7 @@ them, and what replaces each here (`install()` in `zorro_core.integrations.openr
   the step`) recomputed for the new partition.
 
 A group costs its prompt once plus its responses (`zorro_core.plan.balance`, with the attention term
-of `verl_balance.ATTENTION_WEIGHT`). Where sizes do not divide, a boundary between two ranks or two
+of `zorro_core.integrations.verl.balance.ATTENTION_WEIGHT`). Where sizes do not divide, a boundary between two ranks or two
 micro-batches cuts at most one group; the split groups are counted (`BatchingRecord.split_groups`).
 Token budgets of dynamic batching (`max_tokens_per_gpu`) count the tokens zorro computes (each
 prompt once per micro-batch).
@@ -38,9 +38,9 @@ rows per optimizer step in fixed batching when groups divide the micro-batches, 
 batching per step always. Only which rows share a micro-batch (and, across steps, which share an
 optimizer step) changes.
 
-Served by OpenRLHF's own function, with a one-time `ZorroFallbackWarning` naming the reason (and
+Served by OpenRLHF's own function, with a one-time `DedupFallbackWarning` naming the reason (and
 counted in `BATCHING.fallback`): ring attention (`ds.ring_attn_size > 1`), rows that cannot be split
-into prompt and response (no `action_mask`, no scored token, another layout: `openrlhf.split_rows`),
+into prompt and response (no `action_mask`, no scored token, another layout: `rows.split_rows`),
 row counts that do not divide over the ranks or micro-batches as the plan needs.
 """
 
@@ -52,9 +52,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from zorro_core.integrations.core import Fallback
-from zorro_core.integrations.openrlhf_rows import split_rows
+from zorro_core.integrations.openrlhf.rows import split_rows
 from zorro_core.integrations.requires import require_trainer
-from zorro_core.integrations.verl_balance import ATTENTION_WEIGHT, balance_rows
+from zorro_core.integrations.verl.balance import ATTENTION_WEIGHT, balance_rows
 from zorro_core.plan.balance import GroupedLengths, partition_micro_batches, partition_ranks
 
 # Before any of OpenRLHF's names is imported (an older release lacks them), as integrations.openrlhf does.
@@ -86,7 +86,7 @@ __all__ = [
 
 @dataclass
 class BatchingRecord:
-    """What zorro's batching did in this process (the logger reads it: `openrlhf_status`)."""
+    """What zorro's batching did in this process (the logger reads it: `status`)."""
 
     fallback: Fallback = field(default_factory=lambda: Fallback("OpenRLHF's own batching forms this batch"))
     """Batchings formed by zorro ("dedup") and handed back to OpenRLHF ("fallback"), with reasons."""
@@ -136,7 +136,7 @@ def grouped_lengths(items: Sequence[Experience]) -> GroupedLengths:
     """The group (prompt content), prompt length and response length of every row of `items`, in order.
 
     A row's prompt is its real tokens before its first scored token (the split `DedupActor` makes:
-    `openrlhf.split_rows`), its response the real tokens from there on. Raises `_Refused` with the
+    `rows.split_rows`), its response the real tokens from there on. Raises `_Refused` with the
     reason when a row does not split.
     """
     rows = [r for item in items for r in _rows(item)]

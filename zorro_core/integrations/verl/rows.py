@@ -1,5 +1,5 @@
 """verl's micro-batch read as zorro's rows: the prompt/response split, what zorro cannot serve, the
-temperature and the Ulysses group. Shared by the engine (zorro_core.integrations.verl_engine) and its
+temperature and the Ulysses group. Shared by the engine (zorro_core.integrations.verl.engine) and its
 micro-batching and metrics modules, which the engine imports.
 """
 

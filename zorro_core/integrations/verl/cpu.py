@@ -26,7 +26,7 @@ no longer, so that it is removed):
 - ipc: not a gap but this platform's answer: `is_ipc_supported()` is False (no CUDA IPC), so
   verl's weight sync into the rollout uses shared memory.
 
-The vLLM side (vLLM's CPU wheel) is in `verl_cpu_vllm`, so that this module imports without vLLM.
+The vLLM side (vLLM's CPU wheel) is in `cpu_vllm`, so that this module imports without vLLM.
 For a CPU job, every Ray process loads both through verl's `VERL_USE_EXTERNAL_MODULES`
 (`CPU_ENV` gives the environment). None of it is loaded unless a job names it, and none of it
 changes what verl computes: these are the answers a CPU gives, for tests and CI.
@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import torch
 
-import zorro_core.integrations.needs_verl  # noqa: F401 -- first: refuses a missing or too old verl
+import zorro_core.integrations.verl.needs  # noqa: F401 -- first: refuses a missing or too old verl
 
 # isort: split
 import verl
@@ -52,9 +52,9 @@ from verl.plugin.platform.platform_manager import PlatformRegistry
 from verl.utils.torch_dtypes import PrecisionType
 
 from zorro_core.integrations.core import require_attributes, require_parameters
-from zorro_core.integrations.verl_plugin import after_import
+from zorro_core.integrations.verl.plugin import after_import
 
-_RELEASE, _TESTED, _READER = f"verl {verl.__version__}", "verl 0.9.1", "zorro_core.integrations.verl_cpu"
+_RELEASE, _TESTED, _READER = f"verl {verl.__version__}", "verl 0.9.1", "zorro_core.integrations.verl.cpu"
 require_attributes(platform_manager, ("_current_platform", "set_platform"), _RELEASE, _TESTED, _READER)
 require_attributes(PlatformRegistry, ("register", "get"), _RELEASE, _TESTED, _READER)
 # allow_float64 wraps this static method: it must still take the precision name alone.
@@ -76,7 +76,7 @@ PLATFORM_NAME = "cpu"
 """verl's platform name for `PlatformCPU` (`VERL_PLATFORM=cpu`)."""
 CPU_ENV = {
     "VERL_PLATFORM": PLATFORM_NAME,
-    "VERL_USE_EXTERNAL_MODULES": "zorro_core.integrations.verl_cpu,zorro_core.integrations.verl_cpu_vllm",
+    "VERL_USE_EXTERNAL_MODULES": "zorro_core.integrations.verl.cpu,zorro_core.integrations.verl.cpu_vllm",
 }
 """The environment of a CPU `main_ppo` job: every Ray process selects and loads the CPU platform."""
 WORKAROUNDS = ("backend_string", "device_module", "pin_memory", "engine_registry")

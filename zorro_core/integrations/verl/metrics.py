@@ -34,7 +34,7 @@ class MicroBatchStats:
 def stats_of(micro_batch: Any, rows: Optional[Any]) -> MicroBatchStats:
     """A micro-batch's figures; `rows` is zorro's `VerlRows` when zorro served it, else None."""
     from zorro_core.integrations.core import prompt_groups
-    from zorro_core.integrations.verl_rows import prompt_lengths
+    from zorro_core.integrations.verl.rows import prompt_lengths
 
     lens = micro_batch["input_ids"].offsets().diff() if micro_batch["input_ids"].is_nested else None
     if lens is None:

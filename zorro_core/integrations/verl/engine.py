@@ -5,7 +5,7 @@ and reference passes all go `TrainingWorker.infer_batch` / `train_batch` ->
 `FSDPEngine.forward_backward_batch` (micro-batches from `prepare_micro_batches`) ->
 `FSDPEngineWithLMHead.forward_step(micro_batch, loss_function, forward_only)`, which runs
 `prepare_model_inputs`, the model, `prepare_model_outputs`, then the loss (`ppo_loss` for the actor).
-`ZorroFSDPEngine` subclasses `FSDPEngineWithLMHead` and replaces `forward_step` only:
+`DedupFSDPEngine` subclasses `FSDPEngineWithLMHead` and replaces `forward_step` only:
 
 - in: verl's micro-batch TensorDict. `input_ids` and `position_ids` are jagged nested tensors over
   each row's real tokens (prompt then response, from `left_right_2_no_padding` in the PPO trainer,
@@ -41,11 +41,11 @@ does not depend on which rows share a micro-batch; per-micro-batch metrics (e.g.
 averaged over micro-batches) can differ in the last digits, as they do under verl's own dynamic
 batching. With dynamic batch sizes (`use_dynamic_bsz=True`) zorro chooses the micro-batches under verl's
 token budget counted in the tokens it computes, groups whole where they fit
-(`zorro_core.integrations.verl_batching`), so fewer micro-batches run. Each pass adds what zorro
-saved to verl's metrics under "zorro/..." (`zorro_core.integrations.verl_metrics`). Groups split
+(`zorro_core.integrations.verl.batching`), so fewer micro-batches run. Each pass adds what zorro
+saved to verl's metrics under "zorro/..." (`zorro_core.integrations.verl.metrics`). Groups split
 across data-parallel ranks (verl's V1 trainer balances rows by length without uids) are computed
 per rank: each rank shares what it holds; the "zorro_sync" trainer
-(`zorro_core.integrations.verl_trainer`) gives each rank whole groups.
+(`zorro_core.integrations.verl.trainer`) gives each rank whole groups.
 
 Ulysses sequence parallelism (`ulysses_sequence_parallel_size > 1`) is served: every rank of the SP
 group holds the same micro-batch and builds the same plan; the deduplicated packed row is padded to a
@@ -56,7 +56,7 @@ with the gradient convention of verl's `gather_outputs_and_unpad` (zorro_core.di
 Under SP the actor refuses, and verl's forward serves with the reason, mask mode, linear-attention
 layers, the MoE router aux loss and head counts the all-to-all cannot split.
 
-Served by verl's own forward, with a one-time `ZorroFallbackWarning` naming the reason (never
+Served by verl's own forward, with a one-time `DedupFallbackWarning` naming the reason (never
 computed wrong): multi-modal inputs or 3-D (mrope) position ids,
 position ids other than 0..len-1 per row, fused kernels, `calculate_sum_pi_squared`, top-k
 distillation, routed-experts replay, an FSDP1 module (`strategy=fsdp`), a micro-batch without a
@@ -67,9 +67,9 @@ Turning it on (every verl worker imports `actor_rollout_ref.model.external_lib` 
 model config, before it builds its engine)::
 
     pip install 'zorro[verl]'
-    python -m verl.trainer.main_ppo ... actor_rollout_ref.model.external_lib=zorro_core.integrations.verl_engine
+    python -m verl.trainer.main_ppo ... actor_rollout_ref.model.external_lib=zorro_core.integrations.verl.engine
 
-Importing this module calls `install()`: `ZorroFSDPEngine` is registered through verl's
+Importing this module calls `install()`: `DedupFSDPEngine` is registered through verl's
 `EngineRegistry.register` for `language_model` x `fsdp`/`fsdp2` on this platform's device and vendor,
 a key verl's registry looks up before the device-only key verl's own engine sits under. To pass
 actor options, point `external_lib` at a module of your own that calls
@@ -93,7 +93,7 @@ from typing import Any, Optional
 
 import torch
 
-import zorro_core.integrations.needs_verl  # noqa: F401 -- first: refuses a missing or too old verl
+import zorro_core.integrations.verl.needs  # noqa: F401 -- first: refuses a missing or too old verl
 
 # isort: split
 import verl
@@ -111,14 +111,15 @@ from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.integrations.core import (
+    DedupFallbackWarning,
     Fallback,
-    ZorroFallbackWarning,
     grouped_order,
     require_assigned,
     require_attributes,
     require_parameters,
 )
-from zorro_core.integrations.verl_rows import (
+from zorro_core.integrations.deprecated import canonical, renamed
+from zorro_core.integrations.verl.rows import (
     REFUSED,
     VerlRows,
     flag,
@@ -130,30 +131,34 @@ from zorro_core.integrations.verl_rows import (
 )
 
 __all__ = [
+    "DedupFSDPEngine",
+    "DedupFallbackWarning",
     "TESTED_VERL",
-    "ZorroFSDPEngine",
-    "ZorroFallbackWarning",
     "config_for",
     "install",
     "rows_of",
     "sequence_parallel_of",
     "unserved_reason",
 ]
+# The old names of the renamed classes (Zorro... -> Dedup..., the trainer class each replaces).
+__getattr__ = renamed(
+    __name__, {"ZorroFSDPEngine": "DedupFSDPEngine", "ZorroFallbackWarning": "DedupFallbackWarning"}, globals()
+)
 
 TESTED_VERL = ("0.9",)
 """verl minor versions whose `FSDPEngineWithLMHead.forward_step` this module reproduces."""
 MIN_VERL = Version("0.8.0")
-"""The first release without the legacy workers (`zorro_core.integrations.verl` serves those)."""
+"""The first release without the legacy workers (`zorro_core.integrations.verl.legacy` serves those)."""
 
 if Version(verl.__version__) < MIN_VERL:
     raise ImportError(
-        f"zorro_core.integrations.verl_engine needs verl >= {MIN_VERL} (found {verl.__version__}); "
-        "for verl <= 0.7's legacy DataParallelPPOActor use zorro_core.integrations.verl"
+        f"zorro_core.integrations.verl.engine needs verl >= {MIN_VERL} (found {verl.__version__}); "
+        "for verl <= 0.7's legacy DataParallelPPOActor use zorro_core.integrations.verl.legacy"
     )
 
 
 _RELEASE, _TESTED = f"verl {verl.__version__}", "verl 0.9.1"
-_READER = "zorro_core.integrations.verl_engine"
+_READER = "zorro_core.integrations.verl.engine"
 require_attributes(EngineRegistry, ("_engines", "register", "get_engine_cls"), _RELEASE, _TESTED, _READER)
 require_parameters(
     FSDPEngineWithLMHead.forward_step,
@@ -185,7 +190,7 @@ def _verl_version_note() -> Optional[str]:
     )
 
 
-class ZorroFSDPEngine(FSDPEngineWithLMHead):
+class DedupFSDPEngine(FSDPEngineWithLMHead):
     """verl's FSDP language-model engine; its forward step runs zorro's `DeduplicatedActor`.
 
     Built by verl with verl's arguments; `zorro_config` (keyword only) sets the actor's options,
@@ -285,8 +290,8 @@ class ZorroFSDPEngine(FSDPEngineWithLMHead):
 
     # -- micro-batching: rows of a prompt together; what zorro saved, in verl's metrics ------------
     def forward_backward_batch(self, data, loss_function, forward_only=False):
-        from zorro_core.integrations.verl_batching import swap_prepare_micro_batches
-        from zorro_core.integrations.verl_metrics import add_metrics
+        from zorro_core.integrations.verl.batching import swap_prepare_micro_batches
+        from zorro_core.integrations.verl.metrics import add_metrics
 
         self._zorro_stats = []
         if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
@@ -297,7 +302,7 @@ class ZorroFSDPEngine(FSDPEngineWithLMHead):
         return add_metrics(output, self._zorro_stats)
 
     def _zorro_record(self, micro_batch, rows) -> None:
-        from zorro_core.integrations.verl_metrics import stats_of
+        from zorro_core.integrations.verl.metrics import stats_of
 
         stats = self.__dict__.setdefault("_zorro_stats", [])
         stats.append(stats_of(micro_batch, rows))
@@ -340,11 +345,13 @@ _INSTALLED: dict[str, ActorConfig] = {}
 
 
 def _libraries(external_lib: Any) -> list[str]:
+    """The module names in `external_lib`, each by its current path: a config naming a module by its
+    old path (zorro_core.integrations.verl_engine, a shim of this module) names the same module."""
     if external_lib is None:
         return []
     if isinstance(external_lib, str):
-        return [external_lib]
-    return [str(m) for m in external_lib]
+        return [canonical(external_lib)]
+    return [canonical(str(m)) for m in external_lib]
 
 
 def config_for(external_lib: Any) -> ActorConfig:
@@ -370,7 +377,7 @@ def config_for(external_lib: Any) -> ActorConfig:
 def install(
     zorro_config: Optional[ActorConfig] = None, device: Any = None, vendor: Any = None, module: Optional[str] = None
 ) -> type:
-    """Register `ZorroFSDPEngine` for language models on fsdp/fsdp2 (idempotent); with `zorro_config`,
+    """Register `DedupFSDPEngine` for language models on fsdp/fsdp2 (idempotent); with `zorro_config`,
     the actor options of every engine whose model config names `module` in `external_lib`.
 
     `module` defaults to the module calling `install`: the one to name in
@@ -387,26 +394,26 @@ def install(
             module = caller.f_back.f_globals.get("__name__") if caller and caller.f_back else None
         if not module:
             raise ValueError("install(zorro_config=...) needs the name of the external_lib module (module=...)")
-        _INSTALLED[module] = zorro_config
+        _INSTALLED[canonical(module)] = zorro_config
     device = device or get_device_name()
     vendor = vendor or get_vendor() or device
     registry = EngineRegistry._engines.get("language_model", {})
     for backend in ("fsdp", "fsdp2"):
         current = registry.get(backend, {}).get((device, vendor))
-        if current is ZorroFSDPEngine:
+        if current is DedupFSDPEngine:
             continue
         if current is not None:
             warnings.warn(
                 f"zorro: verl already has a {vendor} engine for {backend} on {device} ({current.__name__}); "
                 "zorro's engine is not installed for it",
-                ZorroFallbackWarning,
+                DedupFallbackWarning,
                 stacklevel=2,
             )
             continue
         EngineRegistry.register(model_type="language_model", backend=backend, device=device, vendor=vendor)(
-            ZorroFSDPEngine
+            DedupFSDPEngine
         )
-    return ZorroFSDPEngine
+    return DedupFSDPEngine
 
 
 install()

@@ -3,8 +3,8 @@
 OpenRLHF holds a micro-batch as one row per sample, prompt + response right-padded, `attention_mask` 1
 on real tokens and `action_mask` `[B, A]` over the last `A` log-prob columns (column j scores token
 j + 1). A row's prompt is its real tokens before the first scored token, its response the real tokens
-from there on. `DedupActor.forward` (`openrlhf`) computes with this split, and zorro's batching
-(`openrlhf_batching`) groups rows by it. Imports no OpenRLHF code.
+from there on. `DedupActor.forward` (`actor`) computes with this split, and zorro's batching
+(`batching`) groups rows by it. Imports no OpenRLHF code.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ those boundaries fall between groups too. Where sizes force a split (verl's upsa
 rows, groups of unequal size), every boundary between two (rank, mini-batch) slots cuts at most
 one group; the split groups and their ranks are reported.
 
-Pure host-side Python on the rows' lengths: verl's trainer (`verl_trainer`) calls it on the
+Pure host-side Python on the rows' lengths: verl's trainer (`trainer`) calls it on the
 step's `KVBatchMeta` tags; nothing here imports verl.
 """
 

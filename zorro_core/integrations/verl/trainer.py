@@ -1,9 +1,9 @@
 """verl's synchronous V1 trainer with whole prompt groups on each data-parallel rank.
 
-`ZorroPPOTrainerSync` is verl's `PPOTrainerSync` (verl 0.9.1, `verl/trainer/ppo/v1/trainer_sync.py`)
+`DedupPPOTrainerSync` is verl's `PPOTrainerSync` (verl 0.9.1, `verl/trainer/ppo/v1/trainer_sync.py`)
 with one method replaced, `_balance_batch`: verl's upsampling to the required batch multiple is
 kept (`upsample_batch_to_divisible_size`), then the rows are ordered by
-`zorro_core.integrations.verl_balance` instead of by `get_seqlen_balanced_partitions`, so that
+`zorro_core.integrations.verl.balance` instead of by `get_seqlen_balanced_partitions`, so that
 each rank receives whole groups (the n responses of a prompt), balanced by what zorro's engine
 computes, and each PPO mini-batch of a rank holds whole groups. verl's dispatch, mini-batch
 split, loss normalisation (global token and sample counts) and metrics are untouched; verl's
@@ -24,11 +24,11 @@ verl's sync trainer's. The verl suite (tests/test_integrations_verl_sync_mode.py
 choices with plain verl's sync trainer and scans the installed verl for every read of the mode,
 failing on any reader or comparison verl 0.9.1 does not have.
 
-Turning it on: zorro's package registers the name with verl's plugin group (`verl_plugin`), so
+Turning it on: zorro's package registers the name with verl's plugin group (`plugin`), so
 one line selects it, beside the engine's `external_lib`::
 
     trainer.v1.trainer_mode=zorro_sync
-    actor_rollout_ref.model.external_lib=zorro_core.integrations.verl_engine
+    actor_rollout_ref.model.external_lib=zorro_core.integrations.verl.engine
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import logging
 import math
 from typing import Any, Optional
 
-import zorro_core.integrations.needs_verl  # noqa: F401 -- first: refuses a missing or too old verl
+import zorro_core.integrations.verl.needs  # noqa: F401 -- first: refuses a missing or too old verl
 
 # isort: split
 import verl
@@ -50,16 +50,19 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.seqlen_balancing import log_seqlen_unbalance
 
 from zorro_core.integrations.core import require_assigned, require_attributes, require_parameters
-from zorro_core.integrations.verl_balance import Balance, balance_tags, group_of_keys, split_key
+from zorro_core.integrations.deprecated import renamed
+from zorro_core.integrations.verl.balance import Balance, balance_tags, group_of_keys, split_key
 
-__all__ = ["SYNC_MODE", "TRAINER_NAME", "ZorroPPOTrainerSync", "balance_metrics", "mini_batch_rows"]
+__all__ = ["DedupPPOTrainerSync", "SYNC_MODE", "TRAINER_NAME", "balance_metrics", "mini_batch_rows"]
+# The old names of the renamed classes (Zorro... -> Dedup..., the trainer class each replaces).
+__getattr__ = renamed(__name__, {"ZorroPPOTrainerSync": "DedupPPOTrainerSync"}, globals())
 
 TRAINER_NAME = "zorro_sync"
 """The name that selects this trainer (`trainer.v1.trainer_mode`)."""
 SYNC_MODE = "sync"
 """The mode verl sees once the trainer is selected: verl's own sync trainer's."""
 
-_RELEASE, _TESTED, _READER = f"verl {verl.__version__}", "verl 0.9.1", "zorro_core.integrations.verl_trainer"
+_RELEASE, _TESTED, _READER = f"verl {verl.__version__}", "verl 0.9.1", "zorro_core.integrations.verl.trainer"
 require_parameters(
     PPOTrainerSync._balance_batch,
     ("self", "batch", "metrics", "logging_prefix", "keep_minibatch"),
@@ -117,14 +120,14 @@ def _group_names(keys: list[str]) -> dict[int, str]:
 
 
 @register_trainer(TRAINER_NAME)
-class ZorroPPOTrainerSync(PPOTrainerSync):
+class DedupPPOTrainerSync(PPOTrainerSync):
     """verl's sync trainer; `_balance_batch` keeps prompt groups whole on each rank (module doc)."""
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any):
         selected = config.trainer.v1.trainer_mode
         if selected not in (TRAINER_NAME, SYNC_MODE):
             raise ValueError(
-                f"zorro: ZorroPPOTrainerSync is selected by trainer.v1.trainer_mode={TRAINER_NAME!r}, got {selected!r}"
+                f"zorro: DedupPPOTrainerSync is selected by trainer.v1.trainer_mode={TRAINER_NAME!r}, got {selected!r}"
             )
         # verl decides by the mode string (module doc): from here on it is verl's sync mode.
         with open_dict(config):
