@@ -125,12 +125,18 @@ def test_no_private_name_is_imported_across_packages():
 
 # Modules of an optional trainer that is installed only in its own environment (.ci/verl_tests,
 # .ci/openrlhf_tests).
+# Each with its old path (a shim that imports the new module).
 OPTIONAL = {
     "verl": tuple(
         f"zorro_core.integrations.{m}"
-        for m in ("verl_engine", "verl_cpu", "verl_rows", "verl_batching", "verl_trainer", "needs_verl")
+        for m in ("verl.engine", "verl.cpu", "verl.rows", "verl.batching", "verl.trainer", "verl.needs")
+        + ("verl_engine", "verl_cpu", "verl_rows", "verl_batching", "verl_trainer", "needs_verl")
     ),
-    "openrlhf": ("zorro_core.integrations.openrlhf", "zorro_core.integrations.openrlhf_batching"),
+    "openrlhf": (
+        "zorro_core.integrations.openrlhf.actor",
+        "zorro_core.integrations.openrlhf.batching",
+        "zorro_core.integrations.openrlhf_batching",
+    ),
 }
 
 

@@ -63,13 +63,13 @@ class _Blocker:
 CASES = [
     ("zorro_core.integrations.trl", {"trl": "1.14.0"}, r"needs TRL 1\.15 or 1\.16 \(found 1\.14\.0\)"),
     ("zorro_core.integrations.trl", {"trl": None}, r"needs TRL.*not installed.*pip install -e \"\.\[trl\]\""),
-    ("zorro_core.integrations.verl_engine", {"verl": "0.7.1"}, r"needs verl >= 0\.8.*\(found 0\.7\.1\)"),
-    ("zorro_core.integrations.verl_engine", {"verl": None}, r"not installed.*pip install -e \"\.\[verl\]\""),
-    ("zorro_core.integrations.verl_cpu", {"verl": "0.7.1"}, r"needs verl >= 0\.8.*\(found 0\.7\.1\)"),
-    ("zorro_core.integrations.verl_trainer", {"verl": "0.7.1"}, r"needs verl >= 0\.8.*\(found 0\.7\.1\)"),
-    ("zorro_core.integrations.verl_trainer", {"verl": None}, r"not installed.*pip install -e \"\.\[verl\]\""),
-    ("zorro_core.integrations.openrlhf", {"openrlhf": "0.10.1"}, r"needs OpenRLHF 0\.11 \(found 0\.10\.1\)"),
-    ("zorro_core.integrations.openrlhf", {"openrlhf": None}, r"not installed.*pip install -e \"\.\[openrlhf\]\""),
+    ("zorro_core.integrations.verl.engine", {"verl": "0.7.1"}, r"needs verl >= 0\.8.*\(found 0\.7\.1\)"),
+    ("zorro_core.integrations.verl.engine", {"verl": None}, r"not installed.*pip install -e \"\.\[verl\]\""),
+    ("zorro_core.integrations.verl.cpu", {"verl": "0.7.1"}, r"needs verl >= 0\.8.*\(found 0\.7\.1\)"),
+    ("zorro_core.integrations.verl.trainer", {"verl": "0.7.1"}, r"needs verl >= 0\.8.*\(found 0\.7\.1\)"),
+    ("zorro_core.integrations.verl.trainer", {"verl": None}, r"not installed.*pip install -e \"\.\[verl\]\""),
+    ("zorro_core.integrations.openrlhf.actor", {"openrlhf": "0.10.1"}, r"needs OpenRLHF 0\.11 \(found 0\.10\.1\)"),
+    ("zorro_core.integrations.openrlhf.actor", {"openrlhf": None}, r"not installed.*pip install -e \"\.\[openrlhf\]\""),
 ]
 
 
@@ -83,7 +83,7 @@ def test_the_trainer_is_checked_before_its_names_are_imported(fresh, module, sta
 def test_a_missing_trainer_is_still_a_module_not_found_error(fresh):
     """importorskip and `except ModuleNotFoundError` around an optional integration keep working."""
     with pytest.raises(ModuleNotFoundError) as e:
-        fresh("zorro_core.integrations.openrlhf", {"openrlhf": None})
+        fresh("zorro_core.integrations.openrlhf.actor", {"openrlhf": None})
     assert e.value.name == "openrlhf"
 
 

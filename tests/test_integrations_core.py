@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zorro_core.integrations.core import (
+    DedupFallbackWarning,
     Fallback,
-    ZorroFallbackWarning,
     grouped_order,
     prompt_dedup_ratio,
     prompt_groups,
@@ -96,16 +96,16 @@ def test_prompt_groups_edges():
 
 def test_fallback_warns_once_per_reason_and_counts():
     fb = Fallback("the trainer's own forward serves this call")
-    with pytest.warns(ZorroFallbackWarning, match="own forward serves this call: reason a"):
+    with pytest.warns(DedupFallbackWarning, match="own forward serves this call: reason a"):
         fb.fall_back("reason a")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fb.fall_back("reason a")  # the second time: counted, not warned
         fb.served()
         fb.served()
-    with pytest.warns(ZorroFallbackWarning, match="reason b"):
+    with pytest.warns(DedupFallbackWarning, match="reason b"):
         fb.fall_back("reason b")
-    with pytest.warns(ZorroFallbackWarning, match="^zorro: an untested release$"):
+    with pytest.warns(DedupFallbackWarning, match="^zorro: an untested release$"):
         fb.note("an untested release")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -114,7 +114,7 @@ def test_fallback_warns_once_per_reason_and_counts():
     assert fb.reasons == {"reason a": 2, "reason b": 1}
     assert fb.has_fallen_back("reason") and not fb.has_fallen_back("other")
     other = Fallback("x")  # per object: another one warns again
-    with pytest.warns(ZorroFallbackWarning, match="reason a"):
+    with pytest.warns(DedupFallbackWarning, match="reason a"):
         other.fall_back("reason a")
     assert fb.counts["fallback"] == 3
 

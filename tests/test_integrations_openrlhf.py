@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(OPENRLHF_MISSING is not None, reason=OPENRLHF_MI
 if OPENRLHF_MISSING is None:
     from openrlhf.models import Actor
 
-    from zorro_core.integrations import openrlhf as zo
-    from zorro_core.integrations.layout import ZorroFallbackWarning
+    from zorro_core.integrations.layout import DedupFallbackWarning
+    from zorro_core.integrations.openrlhf import actor as zo
 
 LP_ATOL = 1e-6  # OpenRLHF computes log-probs and entropy from float32 logits, even for a float64 model
 GRAD_RTOL = 1e-5
@@ -216,7 +216,7 @@ def test_fallbacks_run_openrlhf(ckpt, monkeypatch):
     ]
     for kwargs, why in cases:
         args = {"action_mask": act, "attention_mask": att, **kwargs}
-        with pytest.warns(ZorroFallbackWarning, match=why):
+        with pytest.warns(DedupFallbackWarning, match=why):
             assert ded(seq, **args) == "openrlhf"
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the second time: no warning
@@ -227,7 +227,7 @@ def test_fallbacks_run_openrlhf(ckpt, monkeypatch):
     for m in ded.model.modules():
         if hasattr(m, "attention_dropout"):
             m.attention_dropout = 0.1
-    with pytest.warns(ZorroFallbackWarning, match="refuses"):
+    with pytest.warns(DedupFallbackWarning, match="refuses"):
         assert ded(seq, act, att) == "openrlhf"
 
 

@@ -32,10 +32,10 @@ if OPENRLHF_MISSING is None:
     from openrlhf.utils.loss_utils import get_loss_batch_info, iter_grad_accum_global_norm
     from torch.utils.data import DataLoader
 
-    from zorro_core.integrations import openrlhf as zo
-    from zorro_core.integrations import openrlhf_batching as zb
-    from zorro_core.integrations.core import ZorroFallbackWarning
-    from zorro_core.integrations.openrlhf_status import status_entries
+    from zorro_core.integrations.core import DedupFallbackWarning
+    from zorro_core.integrations.openrlhf import actor as zo
+    from zorro_core.integrations.openrlhf import batching as zb
+    from zorro_core.integrations.openrlhf.status import status_entries
 
 VOCAB = 256
 LOSS_ATOL = 1e-6  # OpenRLHF's log-probs are float32 even for a float64 model (as in test_integrations_openrlhf)
@@ -397,20 +397,20 @@ def test_fallbacks_run_openrlhf_batching(no_cuda):
     samples = rollout(4, 4, seed=2)
     samples[5].action_mask[:] = False  # a row with no scored token: no prompt/response split
     args = config(2, False, len(samples))
-    with pytest.warns(ZorroFallbackWarning, match="no scored token"):
+    with pytest.warns(DedupFallbackWarning, match="no scored token"):
         assert zb.split_rollout_samples(samples, args, pad_token_id=0) is None  # the subclass runs OpenRLHF's
     assert [s.index for s in samples] == [[i] for i in range(16)]
     ring = config(2, True, 16)
     ring.ds.ring_attn_size = 2
     ring.actor.num_gpus_per_node = 4
-    with pytest.warns(ZorroFallbackWarning, match="ring attention"):
+    with pytest.warns(DedupFallbackWarning, match="ring attention"):
         assert zb.split_rollout_samples(rollout(4, 4, seed=2), ring, pad_token_id=0) is None
     buffer = zb.GroupedReplayBuffer(8, 0, True, False, False)
     bad = rollout(4, 4, seed=2)
     bad[0].action_mask[:] = False
     buffer.append(Experience.concat_experiences(bad, 0))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ZorroFallbackWarning)
+        warnings.simplefilter("ignore", DedupFallbackWarning)
         assert buffer.sample_batch_size == 8 and len(buffer) == 16  # OpenRLHF's row shuffle serves
     good = zb.GroupedReplayBuffer(8, 0, False, False, False)  # cpu_offload off: sample() keeps rows on CPU
     good.append(Experience.concat_experiences(rollout(4, 4, seed=2), 0))
@@ -431,7 +431,7 @@ def test_status_entries_from_actor_calls(ckpt):
     with torch.no_grad():
         for m in micro:
             actor(m.sequences, m.action_mask, m.attention_mask)
-    with pytest.warns(ZorroFallbackWarning, match="without action_mask"):
+    with pytest.warns(DedupFallbackWarning, match="without action_mask"):
         actor(micro[0].sequences, None, micro[0].attention_mask, return_output=True)
 
     class Base:  # what status_trainer's ppo_train reads: OpenRLHF's ppo_train result, actor, strategy

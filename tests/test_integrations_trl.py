@@ -25,8 +25,8 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from zorro_core.actor.config import ActorConfig  # noqa: E402
 from zorro_core.integrations.trl import (  # noqa: E402
+    DedupFallbackWarning,
     DedupGRPOTrainer,
-    ZorroFallbackWarning,
     check_trl_version,
 )
 from zorro_core.models.presets import build_model, preset_config  # noqa: E402
@@ -227,7 +227,7 @@ def test_checkpointing_is_served_by_the_dedup_path(checkpoint, tmp_path):
         warnings.simplefilter("always")
         ours = _run(trainer._get_per_token_logps_and_entropies, model, ids, mask, keep, None, weights)
         _run(trainer._get_per_token_logps_and_entropies, model, ids, mask, keep, None, weights)
-    notes = [str(w.message) for w in caught if issubclass(w.category, ZorroFallbackWarning)]
+    notes = [str(w.message) for w in caught if issubclass(w.category, DedupFallbackWarning)]
     assert trainer.zorro_calls == {"dedup": 2, "fallback": 0} and not notes
     assert (ours[0] - trl_out[0]).abs().max() <= LP_FLOOR
     assert max(rel_grad_errors(ours[3], trl_out[3]).values()) <= GRAD_FLOOR
@@ -244,17 +244,17 @@ def test_unserved_inputs_fall_back(checkpoint, tmp_path):
             (dict(token_type_ids=torch.zeros_like(ids)), r"multimodal inputs \(token_type_ids\)"),
         ]
         for kwargs, why in cases:
-            with pytest.warns(ZorroFallbackWarning, match=why):
+            with pytest.warns(DedupFallbackWarning, match=why):
                 out = trainer._get_per_token_logps_and_entropies(model, ids, mask, keep, **kwargs)
             assert torch.equal(out[0], ref)
         hole = mask.clone()
         hole[0, -keep + 1] = 0  # a 0 inside a completion: not TRL's layout
-        with pytest.warns(ZorroFallbackWarning, match="not right-padded"):
+        with pytest.warns(DedupFallbackWarning, match="not right-padded"):
             out = trainer._get_per_token_logps_and_entropies(model, ids, hole, keep)
         assert torch.equal(out[0], GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, hole, keep)[0])
         none = mask.clone()
         none[:, -keep:] = 0
-        with pytest.warns(ZorroFallbackWarning, match="every completion"):
+        with pytest.warns(DedupFallbackWarning, match="every completion"):
             out = trainer._get_per_token_logps_and_entropies(model, ids, none, keep)
         assert float(out[0].abs().max()) == 0.0
     assert trainer.zorro_calls == {"dedup": 0, "fallback": 3}
@@ -335,7 +335,7 @@ def test_moe_aux_loss_is_served_equal_to_trl(tmp_path):
     assert [r["aux"] for r in trainer.zorro_log] == [True, True, False]
     # a fully masked completion after a one-token prompt: TRL serves it
     ids1, mask1, _ = _joined_inputs()
-    with torch.no_grad(), pytest.warns(ZorroFallbackWarning, match="one-token prompt"):
+    with torch.no_grad(), pytest.warns(DedupFallbackWarning, match="one-token prompt"):
         out = trainer._get_per_token_logps_and_entropies(model, ids1, mask1, keep, compute_aux_loss=True)
     with torch.no_grad():
         ref = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids1, mask1, keep, compute_aux_loss=True)
@@ -378,7 +378,7 @@ def test_aux_loss_for_a_family_without_one_falls_back_with_the_reason(tmp_path):
     ids, mask, keep = _aux_inputs()
     with (
         torch.no_grad(),
-        pytest.warns(ZorroFallbackWarning, match="deepseek_v3 model, but its family has no router aux"),
+        pytest.warns(DedupFallbackWarning, match="deepseek_v3 model, but its family has no router aux"),
     ):
         try:
             trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep, compute_aux_loss=True)

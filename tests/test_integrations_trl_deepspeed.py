@@ -100,7 +100,7 @@ def deepspeed_rank(path: str, stage: int) -> dict:
     from test_integrations_trl import make_grpo_trainer
     from trl import GRPOTrainer
 
-    import zorro_core.integrations.trl as zt
+    import zorro_core.integrations.trl.trainer as zt
     from zorro_core.distributed.regroup import regroup
     from zorro_core.integrations.trl import DedupGRPOTrainer
 

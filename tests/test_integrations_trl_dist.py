@@ -89,7 +89,7 @@ def _plant_wrong_rank_restore() -> None:
     """The planted bug: every rank's restored rows come from the next rank (rank r gets rank r+1's)."""
     import torch.distributed as dist
 
-    import zorro_core.integrations.trl as zt
+    import zorro_core.integrations.trl.trainer as zt
     from zorro_core.distributed.regroup import Exchange, regroup
 
     def bugged(batch, *args, **kwargs):
@@ -150,7 +150,7 @@ def float64_rank(path: str, variants: list[str]) -> list[dict]:
     """(a) on this rank: per variant, zorro's method vs TRL's on the same wrapped model and inputs."""
     import torch.distributed as dist
 
-    import zorro_core.integrations.trl as zt
+    import zorro_core.integrations.trl.trainer as zt
     from zorro_core.distributed.regroup import regroup
     from zorro_core.integrations.wrappers import Wrapped
 

@@ -1,4 +1,4 @@
-"""zorro_core.integrations.verl against a plain HF forward on verl's layout (verl itself not installed).
+"""zorro_core.integrations.verl.legacy against a plain HF forward on verl's layout (verl itself not installed).
 
 The reference is verl's non-remove-padding branch of `DataParallelPPOActor._forward_micro_batch`
 rewritten here: the padded batch through the unmodified model with verl's attention_mask and
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from zorro_core.actor.actor import DeduplicatedActor
-from zorro_core.integrations.verl import (
-    ZorroFallbackWarning,
+from zorro_core.integrations.verl.legacy import (
+    DedupFallbackWarning,
     check_micro_batch,
     forward_micro_batch,
     patch_dp_actor,
@@ -145,11 +145,11 @@ def test_patch_serves_and_falls_back(model):
             for _ in range(2):
                 out = patched._forward_micro_batch(batch, TEMPERATURE, False)
                 assert torch.equal(out["log_probs"], ref["log_probs"])
-        notes = [str(w.message) for w in caught if issubclass(w.category, ZorroFallbackWarning)]
+        notes = [str(w.message) for w in caught if issubclass(w.category, DedupFallbackWarning)]
         assert len(notes) == 1 and "Ulysses" in notes[0]
         patched.use_ulysses_sp = False
         patched.config["calculate_sum_pi_squared"] = True
-        with pytest.warns(ZorroFallbackWarning, match="sum_pi_squared"):
+        with pytest.warns(DedupFallbackWarning, match="sum_pi_squared"):
             patched._forward_micro_batch(batch, TEMPERATURE, False)
 
 
@@ -170,8 +170,8 @@ def test_refuses_what_is_not_verl_layout(model):
 
 
 def test_legacy_adapter_refuses_current_verl():
-    from zorro_core.integrations.verl import check_legacy_verl
+    from zorro_core.integrations.verl.legacy import check_legacy_verl
 
     check_legacy_verl("0.7.1")
-    with pytest.raises(ImportError, match="verl_engine"):
+    with pytest.raises(ImportError, match=r"verl\.engine"):
         check_legacy_verl("0.9.1")

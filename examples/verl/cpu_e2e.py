@@ -7,7 +7,7 @@ a fresh `main_ppo` process (Ray started locally, FSDP2 over gloo, rollout by vLL
 
 - plain: verl as shipped;
 - zorro: the same command plus the README's two lines
-  (`actor_rollout_ref.model.external_lib=zorro_core.integrations.verl_engine`,
+  (`actor_rollout_ref.model.external_lib=zorro_core.integrations.verl.engine`,
   `trainer.v1.trainer_mode=zorro_sync`).
 
 vLLM's CPU rollouts are not reproducible run to run, so step 1 of both arms uses the same rollout:
@@ -22,7 +22,7 @@ micro-batch was served with the prompt dedup the batch allows; step 1 agrees on 
 log-probs (verl's entropy of that pass and its rollout-vs-actor log-prob statistics), the
 advantages, the actor's loss and grad_norm. --csv writes each arm's per-step timings.
 
-The CPU platform (zorro_core.integrations.verl_cpu and verl_cpu_vllm) is loaded in every Ray
+The CPU platform (zorro_core.integrations.verl.cpu and cpu_vllm) is loaded in every Ray
 process through verl's VERL_USE_EXTERNAL_MODULES (`CPU_ENV`); it is for CPU runs only.
 
     python examples/verl/cpu_e2e.py [--steps 2] [--prompts 4] [--n 4] [--check] [--csv results/verl_e2e.csv]
@@ -47,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 TOKENIZER = ROOT / "examples" / "analyze_tokenizer"
 ZORRO_LINES = [
-    "actor_rollout_ref.model.external_lib=zorro_core.integrations.verl_engine",
+    "actor_rollout_ref.model.external_lib=zorro_core.integrations.verl.engine",
     "trainer.v1.trainer_mode=zorro_sync",
 ]
 """The README's two lines: zorro's engine for the actor and the reference, zorro's balance."""
@@ -207,9 +207,9 @@ def common_args(args: argparse.Namespace, model: Path, train: Path, val: Path, c
 def cpu_env(metrics: Path) -> dict[str, str]:
     """The job's environment: zorro's CPU platform in every Ray process, verl's file logger."""
     env = dict(os.environ)
-    # verl_cpu's CPU_ENV, spelled here so that this script needs no verl to print its commands.
+    # zorro_core.integrations.verl.cpu's CPU_ENV, spelled here so that this script needs no verl to print its commands.
     env["VERL_PLATFORM"] = "cpu"
-    env["VERL_USE_EXTERNAL_MODULES"] = "zorro_core.integrations.verl_cpu,zorro_core.integrations.verl_cpu_vllm"
+    env["VERL_USE_EXTERNAL_MODULES"] = "zorro_core.integrations.verl.cpu,zorro_core.integrations.verl.cpu_vllm"
     env["VERL_FILE_LOGGER_PATH"] = str(metrics)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB for vLLM's KV cache on CPU
     env.setdefault("RAY_DEDUP_LOGS", "0")

@@ -18,7 +18,7 @@ N="${N:-8}"
 # zorro's two lines: its engine for the actor and the reference (verl's external_lib), and verl's
 # sync trainer with whole prompt groups on each data-parallel rank and PPO mini-batch.
 ZORRO=(
-    actor_rollout_ref.model.external_lib=zorro_core.integrations.verl_engine
+    actor_rollout_ref.model.external_lib=zorro_core.integrations.verl.engine
     trainer.v1.trainer_mode=zorro_sync
 )
 

@@ -7,7 +7,7 @@ beyond its public API.
   `prompt_dedup_ratio` are read from it.
 - `Fallback`: one per trainer object (a TRL trainer, an OpenRLHF actor, a verl engine); a call the
   dedup path does not serve is counted and its reason warned once per object
-  (`ZorroFallbackWarning`), a served one counted. Its `counts` is the trainers' `zorro_calls`.
+  (`DedupFallbackWarning`), a served one counted. Its `counts` is the trainers' `zorro_calls`.
 - `require_attributes` / `require_parameters` / `require_assigned`: run at import on the trainer's classes (and, for what
   a trainer sets on its instances, once per instance), so that a trainer release that renamed a
   private attribute fails with the attribute's name and the tested versions instead of running
@@ -24,11 +24,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from zorro_core.integrations.deprecated import renamed
 from zorro_core.plan.prompt import prompt_groups
 
 __all__ = [
+    "DedupFallbackWarning",
     "Fallback",
-    "ZorroFallbackWarning",
     "grouped_order",
     "prompt_dedup_ratio",
     "prompt_groups",
@@ -36,9 +37,11 @@ __all__ = [
     "require_attributes",
     "require_parameters",
 ]
+# The old names of the renamed classes (Zorro... -> Dedup..., the trainer class each replaces).
+__getattr__ = renamed(__name__, {"ZorroFallbackWarning": "DedupFallbackWarning"}, globals())
 
 
-class ZorroFallbackWarning(UserWarning):
+class DedupFallbackWarning(UserWarning):
     """The dedup path does not serve a trainer's call; the trainer's own computation ran instead."""
 
 
@@ -65,7 +68,7 @@ class Fallback:
     """The calls of one trainer object: served by zorro ("dedup") or by the trainer ("fallback").
 
     `served_by` names what runs instead, e.g. "verl's own forward serves this micro-batch"; each
-    reason is warned once per `Fallback` (`ZorroFallbackWarning`, "zorro: {served_by}: {reason}") and
+    reason is warned once per `Fallback` (`DedupFallbackWarning`, "zorro: {served_by}: {reason}") and
     counted in `reasons`. `counts` is the dict the integrations expose as `zorro_calls`.
     """
 
@@ -97,7 +100,7 @@ class Fallback:
         if key in self._warned:
             return
         self._warned.add(key)
-        warnings.warn(text, ZorroFallbackWarning, stacklevel=4)
+        warnings.warn(text, DedupFallbackWarning, stacklevel=4)
 
 
 def _name(owner: Any) -> str:

@@ -14,10 +14,13 @@ from typing import Optional
 
 import torch
 
-from zorro_core.integrations.core import ZorroFallbackWarning, grouped_order
+from zorro_core.integrations.core import DedupFallbackWarning, grouped_order
+from zorro_core.integrations.deprecated import renamed
 from zorro_core.plan.batch import RolloutBatch
 
-__all__ = ["ZorroFallbackWarning", "joined_logprobs", "layout_problem"]
+__all__ = ["DedupFallbackWarning", "joined_logprobs", "layout_problem"]
+# The old names of the renamed classes (Zorro... -> Dedup..., the trainer class each replaces).
+__getattr__ = renamed(__name__, {"ZorroFallbackWarning": "DedupFallbackWarning"}, globals())
 
 
 def layout_problem(attention_mask: torch.Tensor, response_width: int) -> Optional[str]:

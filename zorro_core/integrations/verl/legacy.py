@@ -1,6 +1,6 @@
 """verl <= 0.7 (legacy workers): the actor's micro-batch forward through the deduplicated actor.
 
-For verl 0.8 and newer (no `verl/workers/actor/` any more) use `zorro_core.integrations.verl_engine`;
+For verl 0.8 and newer (no `verl/workers/actor/` any more) use `zorro_core.integrations.verl.engine`;
 `patch_dp_actor` refuses a verl >= 0.8 (`check_legacy_verl`). Kept for verl <= 0.7, which is still
 in use; tested against a stand-in class (tests/test_integrations_verl.py), not against a verl 0.7.
 
@@ -24,7 +24,7 @@ Wiring (verl cannot be installed here; the patch is tested against a stand-in cl
 
     # in your entry point, before verl builds its workers (e.g. a custom main_ppo)
     from verl.workers.actor.dp_actor import DataParallelPPOActor
-    from zorro_core.integrations.verl import patch_dp_actor
+    from zorro_core.integrations.verl.legacy import patch_dp_actor
     patch_dp_actor(DataParallelPPOActor)            # DeduplicatedActor options as keyword arguments
 
 with `trainer.use_legacy_worker_impl=enable` (or `auto`), `actor_rollout_ref.actor.strategy=fsdp2`,
@@ -49,12 +49,13 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.integrations.core import Fallback, ZorroFallbackWarning, require_assigned
+from zorro_core.integrations.core import DedupFallbackWarning, Fallback, require_assigned
+from zorro_core.integrations.deprecated import renamed
 from zorro_core.integrations.layout import joined_logprobs
 
 __all__ = [
+    "DedupFallbackWarning",
     "REQUIRED_KEYS",
-    "ZorroFallbackWarning",
     "check_legacy_verl",
     "check_micro_batch",
     "forward_micro_batch",
@@ -62,6 +63,8 @@ __all__ = [
     "unserved_reason",
     "verl_position_ids",
 ]
+# The old names of the renamed classes (Zorro... -> Dedup..., the trainer class each replaces).
+__getattr__ = renamed(__name__, {"ZorroFallbackWarning": "DedupFallbackWarning"}, globals())
 _ACTOR_ATTRIBUTES = ("actor_module", "config", "use_ulysses_sp", "use_fused_kernels", "device_name", "param_dtype")
 """What the patched method reads of a DataParallelPPOActor (its constructor sets them in verl <= 0.7)."""
 
@@ -136,7 +139,7 @@ def unserved_reason(dp_actor: Any, micro_batch: dict) -> Optional[str]:
 
 
 LEGACY_MAX = "0.8.0"
-"""verl releases from this one on have no DataParallelPPOActor (PR #6067); see verl_engine."""
+"""verl releases from this one on have no DataParallelPPOActor (PR #6067); see zorro_core.integrations.verl.engine."""
 
 
 def check_legacy_verl(version: Optional[str] = None) -> None:
@@ -153,8 +156,8 @@ def check_legacy_verl(version: Optional[str] = None) -> None:
 
     if Version(version) >= Version(LEGACY_MAX):
         raise ImportError(
-            f"verl {version} has no legacy DataParallelPPOActor; use zorro_core.integrations.verl_engine "
-            "(actor_rollout_ref.model.external_lib=zorro_core.integrations.verl_engine)"
+            f"verl {version} has no legacy DataParallelPPOActor; use zorro_core.integrations.verl.engine "
+            "(actor_rollout_ref.model.external_lib=zorro_core.integrations.verl.engine)"
         )
 
 
@@ -163,14 +166,19 @@ def patch_dp_actor(actor_cls: Any, zorro_config: Optional[ActorConfig] = None, *
 
     One `DeduplicatedActor(model=self.actor_module, **actor_kwargs)` per instance, built on first
     use. Calls it cannot serve (`unserved_reason`, or an `UnsupportedModelError` from the actor)
-    run the original method with a one-time `ZorroFallbackWarning` per instance, whose
+    run the original method with a one-time `DedupFallbackWarning` per instance, whose
     `zorro_calls` counts the calls served by zorro ("dedup") and by verl ("fallback").
     Returns `actor_cls`.
     """
     if actor_cls.__module__.startswith("verl."):  # verl's own class (a stand-in is not checked)
         check_legacy_verl()
         require_assigned(
-            actor_cls, ("__init__",), _ACTOR_ATTRIBUTES, "this verl", "verl <= 0.7", "zorro_core.integrations.verl"
+            actor_cls,
+            ("__init__",),
+            _ACTOR_ATTRIBUTES,
+            "this verl",
+            "verl <= 0.7",
+            "zorro_core.integrations.verl.legacy",
         )
     if zorro_config is not None:
         actor_kwargs = {"config": zorro_config, **actor_kwargs}

@@ -40,7 +40,7 @@ full logits, or a separate Liger path, with other values at masked positions; up
 method returned a 2-tuple; before 0.20 it was `_get_per_token_logps`). A newer TRL runs only if
 the method keeps the signature checked here, with a one-time warning that it is untested.
 
-Served by TRL itself (a one-time `ZorroFallbackWarning` names the reason; never computed wrong):
+Served by TRL itself (a one-time `DedupFallbackWarning` names the reason; never computed wrong):
 vision inputs (pixel_values and friends, token_type_ids), `cast_lm_head_to_fp32`, FSDP1, a
 torch.compile'd model or another wrapper, tensor/context parallelism, a layout other than
 left-padded prompt + right-padded completion, a call where every completion is masked (on any
@@ -65,7 +65,8 @@ from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.distributed.regroup import regroup
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.integrations.core import Fallback, ZorroFallbackWarning, prompt_dedup_ratio, require_attributes
+from zorro_core.integrations.core import DedupFallbackWarning, Fallback, prompt_dedup_ratio, require_attributes
+from zorro_core.integrations.deprecated import renamed
 from zorro_core.integrations.layout import joined_logprobs, layout_problem
 from zorro_core.integrations.requires import require_trainer
 from zorro_core.integrations.wrappers import Wrapped, unwrap
@@ -76,10 +77,15 @@ TESTED_TRL = ("1.15", "1.16")
 """TRL minor versions whose `_get_per_token_logps_and_entropies` this module reproduces."""
 
 # Before any of TRL's names is imported: an older TRL lacks them (GRPOConfig), and the user reads this instead.
-trl = require_trainer("trl", __name__, "trl", f"TRL {' or '.join(TESTED_TRL)}", minimum=TESTED_TRL[0])
+# The reader named is the path users import (this package's __init__ imports this module).
+trl = require_trainer(
+    "trl", "zorro_core.integrations.trl", "trl", f"TRL {' or '.join(TESTED_TRL)}", minimum=TESTED_TRL[0]
+)
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-__all__ = ["TESTED_TRL", "DedupGRPOTrainer", "ZorroFallbackWarning", "check_trl_version", "prompt_dedup_ratio"]
+__all__ = ["DedupFallbackWarning", "DedupGRPOTrainer", "TESTED_TRL", "check_trl_version", "prompt_dedup_ratio"]
+# The old names of the renamed classes (Zorro... -> Dedup..., the trainer class each replaces).
+__getattr__ = renamed(__name__, {"ZorroFallbackWarning": "DedupFallbackWarning"}, globals())
 
 _SIGNATURE = (
     "self",

@@ -6,7 +6,7 @@
 or, for OpenRLHF's own Ray launcher (`openrlhf.cli.train_ppo_ray`), `install()` rebinds the `Actor` name its
 trainer modules build the policy and the reference model with (`trainer/ray/ppo_actor.py`, `trainer/ray/launcher.py`),
 and the names of its batching and its PPO trainer (whole prompt groups per rank and micro-batch:
-`openrlhf_batching`; "zorro/..." logger entries: `openrlhf_status`), in the process that calls it; it must
+`batching`; "zorro/..." logger entries: `status`), in the process that calls it; it must
 run in every Ray worker (docs/trainers.md).
 
 OpenRLHF computes every policy, old and reference log-prob in `Actor.forward(sequences, action_mask,
@@ -29,7 +29,7 @@ Under DeepSpeed `Actor.model` is the engine (`DeepspeedStrategy.prepare` replace
 forward runs inside the engine's forward (zorro_core.integrations.wrappers), ZeRO-3's parameter hooks
 gather as in OpenRLHF's forward (one call of each module per forward on every rank).
 
-Served by OpenRLHF's own forward, with a one-time `ZorroFallbackWarning` naming the reason: ring attention
+Served by OpenRLHF's own forward, with a one-time `DedupFallbackWarning` naming the reason: ring attention
 (`ring_attn_group`), vision inputs, a call without `action_mask` (full logits or every position's log-prob),
 MoE models (the router aux loss in `output` is not served yet), a layout other than one contiguous run of real
 tokens per row whose scored tokens are real and follow at least one token, a call with no scored token, a
@@ -49,14 +49,15 @@ from packaging.version import Version
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.integrations.core import Fallback, ZorroFallbackWarning, require_attributes
-from zorro_core.integrations.openrlhf_rows import RowSplit, split_rows
-from zorro_core.integrations.openrlhf_status import CallStats
+from zorro_core.integrations.core import DedupFallbackWarning, Fallback, require_attributes
+from zorro_core.integrations.deprecated import renamed
+from zorro_core.integrations.openrlhf.rows import RowSplit, split_rows
+from zorro_core.integrations.openrlhf.status import CallStats
 from zorro_core.integrations.requires import require_trainer
 from zorro_core.integrations.wrappers import Wrapped, unwrap
 
 # Before any of OpenRLHF's names is imported (an older release lacks them); TESTED_OPENRLHF below.
-require_trainer("openrlhf", __name__, "openrlhf", "OpenRLHF 0.11", minimum="0.11")
+require_trainer("openrlhf", "zorro_core.integrations.openrlhf", "openrlhf", "OpenRLHF 0.11", minimum="0.11")
 from openrlhf.models import Actor  # noqa: E402
 
 TESTED_OPENRLHF = ("0.11",)
@@ -111,16 +112,18 @@ def _installed_version() -> str:
 _NEWER = check_openrlhf(_installed_version(), Actor.forward, Actor.__init__)
 
 __all__ = [
-    "TESTED_OPENRLHF",
     "DedupActor",
+    "DedupFallbackWarning",
     "RowSplit",
-    "ZorroFallbackWarning",
+    "TESTED_OPENRLHF",
     "check_openrlhf",
     "grouped_experience_maker",
     "install",
     "split_rows",
     "status_trainer",
 ]
+# The old names of the renamed classes (Zorro... -> Dedup..., the trainer class each replaces).
+__getattr__ = renamed(__name__, {"ZorroFallbackWarning": "DedupFallbackWarning"}, globals())
 
 
 class DedupActor(Actor):
@@ -148,7 +151,7 @@ class DedupActor(Actor):
         self._zorro_fallback = Fallback("OpenRLHF's own Actor.forward serves this call")
         self.zorro_calls = self._zorro_fallback.counts
         self.zorro_stats = CallStats()
-        """Tokens of the calls since the last report (OpenRLHF's logger entries: openrlhf_status)."""
+        """Tokens of the calls since the last report (OpenRLHF's logger entries: status)."""
         if _NEWER:
             self._zorro_fallback.note(_NEWER)
 
@@ -276,17 +279,17 @@ def install() -> None:
     - `Actor` in `openrlhf.trainer.ray.ppo_actor` and `openrlhf.trainer.ray.launcher` (the modules whose
       `init_model_from_pretrained` builds the models) to `DedupActor`; OpenRLHF's strategy still
       recognises the class (`isinstance(model, Actor)` holds for the subclass);
-    - `NaiveReplayBuffer` in `ppo_actor` to `openrlhf_batching.GroupedReplayBuffer` (training micro-batches);
+    - `NaiveReplayBuffer` in `ppo_actor` to `batching.GroupedReplayBuffer` (training micro-batches);
     - `ActorPPOTrainer` in `ppo_actor` to a subclass whose `ppo_train` adds the "zorro/..." status entries
-      (`openrlhf_status`);
+      (`status`);
     - `balance_experiences` and `RemoteExperienceMaker` in `openrlhf.trainer.ppo_trainer` to zorro's
-      `balance_experiences` and a subclass whose `split_rollout_samples` is zorro's (`openrlhf_batching`).
+      `balance_experiences` and a subclass whose `split_rollout_samples` is zorro's (`batching`).
     Ray workers are separate processes: pass this function as Ray's `worker_process_setup_hook`
     (docs/trainers.md); the trainer itself (`PPOTrainer`) is a Ray actor too, so the hook reaches it.
     """
     import importlib
 
-    from zorro_core.integrations import openrlhf_batching as batching
+    import zorro_core.integrations.openrlhf.batching as batching
 
     for name in ("openrlhf.trainer.ray.ppo_actor", "openrlhf.trainer.ray.launcher"):
         module = sys.modules.get(name) or importlib.import_module(name)
@@ -319,7 +322,8 @@ def status_trainer(base: type) -> type:
         return base
     key = ("status", base)
     if key not in _SUBCLASSES:
-        from zorro_core.integrations import openrlhf_batching, openrlhf_status
+        import zorro_core.integrations.openrlhf.batching as openrlhf_batching
+        import zorro_core.integrations.openrlhf.status as openrlhf_status
 
         def ppo_train(self: Any, kl_ctl: float) -> dict:
             status = base.ppo_train(self, kl_ctl)  # type: ignore[attr-defined]
@@ -340,7 +344,7 @@ def grouped_experience_maker(base: type) -> type:
         return base
     key = ("groups", base)
     if key not in _SUBCLASSES:
-        from zorro_core.integrations import openrlhf_batching
+        import zorro_core.integrations.openrlhf.batching as openrlhf_batching
 
         def split_rollout_samples(self: Any, rollout_samples: list) -> list:
             ours = openrlhf_batching.split_rollout_samples(rollout_samples, self.args, self.tokenizer.pad_token_id)
