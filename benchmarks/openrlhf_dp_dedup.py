@@ -15,7 +15,7 @@ No model runs: rows are (prompt length, response length) pairs, n siblings per p
   across ranks, then each rank's `setup_dynamic_batch` (steps of `train.batch_size / dp` rows, the number of
   micro-batches of each step the maximum over the ranks, `get_seqlen_balanced_partitions`).
 `balance=zorro`: zorro's functions that `install()` puts in their place
-(`zorro_core.integrations.openrlhf_batching`): `rollout_micro_batches` for the log-prob calls,
+(`zorro_core.integrations.openrlhf.batching`): `rollout_micro_batches` for the log-prob calls,
 `rank_rows` (`balance_experiences`) and the `GroupedReplayBuffer`'s partitions for training
 (`fixed_micro_batches`; dynamic: per step the micro-batches zorro needs under the budget, the maximum
 over the ranks, `budget_micro_batches`).

@@ -12,7 +12,7 @@ and backward, FSDP2 over both ranks, float32, verl's padded sdpa path as in
   (`get_seqlen_balanced_partitions(calculate_workload(seq_len), equal_size=True)`);
 - `zorro_engine+verl_balance`: zorro's engine on the same rows (groups split across ranks);
 - `zorro_engine+zorro_balance`: zorro's engine on the rows the "zorro_sync" trainer's balance
-  gives each rank (`zorro_core.integrations.verl_balance`: whole groups per rank).
+  gives each rank (`zorro_core.integrations.verl.balance`: whole groups per rank).
 Rows arrive shuffled, as rollouts do. The step's time is the slower rank's (FSDP's collectives
 make the ranks wait for each other); arms alternate after one warm-up round (zorro_harness.bench.arms,
 the order reversed every round); medians are reported
@@ -59,7 +59,7 @@ def partitions(prompts, responses, uids, dp: int) -> dict[str, list[list[int]]]:
     import torch
     from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
 
-    from zorro_core.integrations.verl_balance import balance_rows
+    from zorro_core.integrations.verl.balance import balance_rows
 
     seqlen = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses)])
     verl_parts = get_seqlen_balanced_partitions(calculate_workload(seqlen), k_partitions=dp, equal_size=True)
@@ -88,7 +88,7 @@ def rank_main(args, path: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from zorro_core.integrations.verl_cpu import build_engine, engine_batch, padded_batch, use_cpu_platform
+    from zorro_core.integrations.verl.cpu import build_engine, engine_batch, padded_batch, use_cpu_platform
 
     use_cpu_platform()
     from verl.utils import tensordict_utils as tu
@@ -96,7 +96,7 @@ def rank_main(args, path: str) -> dict:
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.utils.losses import ppo_loss
 
-    from zorro_core.integrations.verl_engine import ZorroFSDPEngine
+    from zorro_core.integrations.verl.engine import DedupFSDPEngine
     from zorro_core.models.presets import preset_config
 
     torch.set_num_threads(args.threads)
@@ -108,7 +108,7 @@ def rank_main(args, path: str) -> dict:
     per_rank = len(prompts) // dp
     engines = {
         "verl": build_engine(FSDPEngineWithLMHead, path, precision="fp32", use_remove_padding=False),
-        "zorro": build_engine(ZorroFSDPEngine, path, precision="fp32", use_remove_padding=False),
+        "zorro": build_engine(DedupFSDPEngine, path, precision="fp32", use_remove_padding=False),
     }
     loss_fn = functools.partial(
         ppo_loss,
@@ -165,7 +165,7 @@ def compute(context: None, case: Case, args: argparse.Namespace) -> list[dict[st
     import torch
 
     from zorro_core.distributed.launch import launch
-    from zorro_core.integrations.verl_cpu import save_model
+    from zorro_core.integrations.verl.cpu import save_model
     from zorro_core.models.presets import build_model, preset_config
     from zorro_core.models.registry import model_shape
 

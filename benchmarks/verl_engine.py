@@ -9,7 +9,7 @@ Both engines are verl 0.9.x's FSDP2 engine built by verl's own code (one gloo ra
 autocast, verl's sdpa, remove-padding off: on CPU verl's remove-padding path runs sdpa over the whole
 packed row with a dense block mask, quadratic in the pack, which would flatter zorro; the padded
 path is verl's fast CPU path and zorro's engine serves both the same way): `FSDPEngineWithLMHead` (baseline) and zorro's
-`ZorroFSDPEngine`. One micro-batch holds the whole batch (`micro_batch_size_per_gpu` = rows), so
+`DedupFSDPEngine`. One micro-batch holds the whole batch (`micro_batch_size_per_gpu` = rows), so
 each prompt's rows share it. Runs alternate baseline / zorro (zorro_harness.bench.arms: after one
 warm-up round, the order reversed every round) and the CSV keeps every sample; the summary reports medians, p20-p80, and the speedup as the ratio of
 medians with the p20-p80 range of the per-pair ratios.
@@ -38,7 +38,7 @@ PHASES = ("infer", "train")
 def engine_step(engine, padded, rows: int, loss_fn, phase: str, use_remove_padding: bool) -> float:
     """Seconds of one verl engine pass over the whole batch in one micro-batch: "infer" (log-probs +
     entropy) or "train" (forward, verl's loss, backward)."""
-    from zorro_core.integrations.verl_cpu import engine_batch
+    from zorro_core.integrations.verl.cpu import engine_batch
 
     data = engine_batch(
         padded,
@@ -82,14 +82,14 @@ def setup(args: argparse.Namespace, cases: list[Case]) -> dict[str, Any]:
 
     dist.init_process_group("gloo", rank=0, world_size=1)
 
-    from zorro_core.integrations.verl_cpu import build_engine, padded_batch, save_model, use_cpu_platform
+    from zorro_core.integrations.verl.cpu import build_engine, padded_batch, save_model, use_cpu_platform
 
     use_cpu_platform()
     from verl.workers.config import FSDPActorConfig
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.utils.losses import ppo_loss
 
-    from zorro_core.integrations.verl_engine import ZorroFSDPEngine
+    from zorro_core.integrations.verl.engine import DedupFSDPEngine
     from zorro_core.models.presets import build_model, preset_config
     from zorro_core.models.registry import model_shape
     from zorro_core.plan.cost import ForwardWork, flops, shape_workloads
@@ -112,7 +112,7 @@ def setup(args: argparse.Namespace, cases: list[Case]) -> dict[str, Any]:
     rows = len(prompts)
     engines = {
         "verl": build_engine(FSDPEngineWithLMHead, path, precision="fp32", use_remove_padding=False),
-        "zorro": build_engine(ZorroFSDPEngine, path, precision="fp32", use_remove_padding=False),
+        "zorro": build_engine(DedupFSDPEngine, path, precision="fp32", use_remove_padding=False),
     }
     loss_fn = functools.partial(
         ppo_loss,

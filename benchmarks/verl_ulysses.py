@@ -8,7 +8,7 @@ against the cost model's ideal speedup.
 Both arms are verl 0.9.x's FSDP2 engine built by verl's own code with
 `ulysses_sequence_parallel_size=2` (float32, no autocast, sdpa, remove-padding on, as verl requires
 under SP), each rank one thread, both ranks holding the whole batch (data-parallel size 1):
-`FSDPEngineWithLMHead` and zorro's `ZorroFSDPEngine`. What the baseline arm computes is not verl's
+`FSDPEngineWithLMHead` and zorro's `DedupFSDPEngine`. What the baseline arm computes is not verl's
 GPU computation: verl's Ulysses patch wraps flash attention only, so with sdpa on CPU each rank's
 attention covers its own slice of the packed row (tokens of the other slice are never attended, no
 all-to-all runs), which is less work than the real thing; its time is a lower bound of verl's SP
@@ -66,14 +66,14 @@ def make_rows(vocab: int, args) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def rank_main(path: str, args, phases: list[str]) -> dict:
-    from zorro_core.integrations.verl_cpu import build_engine, padded_batch, use_cpu_platform
+    from zorro_core.integrations.verl.cpu import build_engine, padded_batch, use_cpu_platform
 
     use_cpu_platform()
     from verl.workers.config import FSDPActorConfig
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.utils.losses import ppo_loss
 
-    from zorro_core.integrations.verl_engine import ZorroFSDPEngine
+    from zorro_core.integrations.verl.engine import DedupFSDPEngine
     from zorro_core.models.presets import preset_config
 
     prompts, responses = make_rows(preset_config(args.preset).vocab_size, args)
@@ -81,7 +81,7 @@ def rank_main(path: str, args, phases: list[str]) -> dict:
     rows = len(prompts)
     engines = {
         name: build_engine(cls, path, precision="fp32", use_remove_padding=True, ulysses_sequence_parallel_size=2)
-        for name, cls in (("verl", FSDPEngineWithLMHead), ("zorro", ZorroFSDPEngine))
+        for name, cls in (("verl", FSDPEngineWithLMHead), ("zorro", DedupFSDPEngine))
     }
     loss_fn = functools.partial(
         ppo_loss,
@@ -136,7 +136,7 @@ def setup(args: argparse.Namespace, cases: list[Case]) -> dict[str, Any]:
     import torch
 
     from zorro_core.distributed.launch import launch
-    from zorro_core.integrations.verl_cpu import save_model
+    from zorro_core.integrations.verl.cpu import save_model
     from zorro_core.models.presets import build_model, preset_config
 
     config = preset_config(args.preset)

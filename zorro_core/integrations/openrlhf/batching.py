@@ -26,7 +26,7 @@ them, and what replaces each here (`install()` in `zorro_core.integrations.openr
   the step`) recomputed for the new partition.
 
 A group costs its prompt once plus its responses (`zorro_core.plan.balance`, with the attention term
-of `zorro_core.integrations.verl.balance.ATTENTION_WEIGHT`). Where sizes do not divide, a boundary between two ranks or two
+of `zorro_core.integrations.rank_balance.ATTENTION_WEIGHT`). Where sizes do not divide, a boundary between two ranks or two
 micro-batches cuts at most one group; the split groups are counted (`BatchingRecord.split_groups`).
 Token budgets of dynamic batching (`max_tokens_per_gpu`) count the tokens zorro computes (each
 prompt once per micro-batch).
@@ -46,6 +46,9 @@ row counts that do not divide over the ranks or micro-batches as the plan needs.
 
 from __future__ import annotations
 
+# Whole over ~450 lines: every place OpenRLHF forms a batch (log-prob calls, balance, replay buffer) reads one
+# GroupedLengths and one refusal path; apart, the three would drift from the same grouping rule.
+
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -53,8 +56,8 @@ import torch
 
 from zorro_core.integrations.core import Fallback
 from zorro_core.integrations.openrlhf.rows import split_rows
+from zorro_core.integrations.rank_balance import ATTENTION_WEIGHT, balance_rows
 from zorro_core.integrations.requires import require_trainer
-from zorro_core.integrations.verl.balance import ATTENTION_WEIGHT, balance_rows
 from zorro_core.plan.balance import GroupedLengths, partition_micro_batches, partition_ranks
 
 # Before any of OpenRLHF's names is imported (an older release lacks them), as integrations.openrlhf does.

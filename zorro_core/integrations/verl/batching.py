@@ -30,7 +30,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_name
 
 from zorro_core.integrations.core import prompt_groups
-from zorro_core.integrations.verl.balance import ATTENTION_WEIGHT
+from zorro_core.integrations.rank_balance import ATTENTION_WEIGHT
 from zorro_core.plan.balance import GroupedLengths, Partition, partition_micro_batches
 
 __all__ = ["MAX_ROUNDS", "micro_batch_work", "serves_whole_batch", "swap_prepare_micro_batches", "zorro_micro_batches"]
