@@ -48,7 +48,6 @@ from __future__ import annotations
 
 # Whole over ~450 lines: every place OpenRLHF forms a batch (log-prob calls, balance, replay buffer) reads one
 # GroupedLengths and one refusal path; apart, the three would drift from the same grouping rule.
-
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 

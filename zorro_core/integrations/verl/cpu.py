@@ -36,7 +36,6 @@ from __future__ import annotations
 
 # Whole over ~450 lines: one CPU platform, each workaround beside the verl call it answers, and the
 # engine/batch builders the tests and benchmarks share; it is test and CI plumbing, not the trainer path.
-
 import inspect
 import logging
 import os
