@@ -35,8 +35,15 @@ COLORS = {"zorro_core": "#dce6f2", "zorro_harness": "#fbe3cf", "zorro_cli": "#df
 
 
 def package(module: str) -> str:
-    """zorro_cli is one flat package; elsewhere a package is the first level under the top one."""
+    """zorro_cli is one flat package; elsewhere a package is the first level under the top one, except a
+    trainer's package under zorro_core.integrations (verl, trl, openrlhf), drawn as a box of its own."""
     parts = module.split(".")
+    if (
+        parts[:2] == ["zorro_core", "integrations"]
+        and len(parts) > 2
+        and (ROOT / "zorro_core/integrations" / parts[2]).is_dir()
+    ):
+        return ".".join(parts[:3])
     return parts[0] if parts[0] == "zorro_cli" else ".".join(parts[:2])
 
 
@@ -109,7 +116,8 @@ def draw(out: Path) -> Path:
             arrow.set(color="#555555", linewidth=0.8, alpha=0.7)
             ax.add_patch(arrow)
     for p, (x, y) in pos.items():
-        label = p.replace("zorro_core.", "core.").replace("zorro_harness.", "harness.")
+        label = p.replace("zorro_core.integrations.", "integrations.").replace("zorro_core.", "core.")
+        label = label.replace("zorro_harness.", "harness.")
         box = FancyBboxPatch((x - 0.85, y - 0.22), 1.7, 0.44, boxstyle="round,pad=0.02")
         box.set(facecolor=COLORS[p.split(".")[0]], edgecolor="#333333", linewidth=0.8)
         ax.add_patch(box)

@@ -59,6 +59,12 @@ def package_of(module: str) -> str:
     """A module's package: zorro_cli (one flat package), or a top package's first level (zorro_core.plan,
     zorro_harness.bench, zorro_core.errors); a top package's own __init__ (its public names) is its own."""
     parts = module.split(".")
+    if (
+        parts[:2] == ["zorro_core", "integrations"]
+        and len(parts) > 2
+        and (ROOT / "zorro_core/integrations" / parts[2]).is_dir()
+    ):
+        return ".".join(parts[:3])  # a trainer's package (integrations.verl, .trl, .openrlhf) is a package of its own
     return parts[0] if parts[0] == "zorro_cli" else ".".join(parts[:2])
 
 
@@ -181,7 +187,8 @@ LAYERS = [
     {"zorro_core.errors", "zorro_core.plan"},
     {"zorro_core.attention", "zorro_core.models", "zorro_core.stack", "zorro_core.distributed"},
     {"zorro_core.actor"},
-    {"zorro_core.integrations", "zorro_core.verify"},
+    {"zorro_core.integrations", "zorro_core.verify"},  # integrations: the core every trainer's package shares
+    {"zorro_core.integrations.trl", "zorro_core.integrations.verl", "zorro_core.integrations.openrlhf"},
     {"zorro_core"},  # the package's __init__ (the public names)
     {"zorro_harness", "zorro_harness.bench"},
     {"zorro_harness.analyze"},
@@ -231,6 +238,27 @@ def test_the_drawn_house_is_the_import_graph():
         (a, b) for a, ts in drawn.items() for b in ts if a.startswith("zorro_core") and b.split(".")[0] != "zorro_core"
     ]
     assert "img/house.png" in (ROOT / "docs" / "architecture.md").read_text()
+
+
+def test_no_trainer_package_imports_another():
+    """Each trainer's package stands on the shared integration core and the library, never on another trainer's."""
+    packages = package_graph(import_graph())
+    trainers = {p for p in packages if p.startswith("zorro_core.integrations.")}
+    assert trainers == {f"zorro_core.integrations.{t}" for t in ("trl", "verl", "openrlhf")}
+    assert [(a, b) for a in trainers for b in packages[a] if b in trainers] == []
+    assert not [p for p in ("zorro_core.integrations",) if packages[p] & trainers]
+
+
+def test_architecture_file_list_is_the_tree():
+    """docs/architecture.md's list of packages and modules is what scripts/draw_house.py draws from the tree."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("draw_house", ROOT / "scripts" / "draw_house.py")
+    house = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(house)
+    assert house.tree_block() in (ROOT / "docs" / "architecture.md").read_text(), (
+        "docs/architecture.md's file list is stale: run python scripts/draw_house.py --write-tree"
+    )
 
 
 def test_plan_never_imports_attention():
