@@ -12,7 +12,7 @@ under SP), each rank one thread, both ranks holding the whole batch (data-parall
 GPU computation: verl's Ulysses patch wraps flash attention only, so with sdpa on CPU each rank's
 attention covers its own slice of the packed row (tokens of the other slice are never attended, no
 all-to-all runs), which is less work than the real thing; its time is a lower bound of verl's SP
-step here and the speedup an underestimate. zorro's arm is exact (tests/test_integrations_verl_ulysses.py).
+step here and the speedup an underestimate. zorro's arm is exact (tests/integrations/verl/test_integrations_verl_ulysses.py).
 One micro-batch holds the whole batch. Runs alternate baseline / zorro after one warm-up round
 (zorro_harness.bench.arms.time_arms inside the ranks, the order reversed every round); times are
 rank 0's (the ranks wait for each other in every collective).

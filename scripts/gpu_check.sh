@@ -38,9 +38,9 @@ $PY -m zorro_cli.main env --json > "$OUT/env.json" 2>&1
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 
 echo "== 1. GPU paths against the reference"
-timeout "$(left 200)" $PY -m pytest -q -rs -p no:cacheprovider tests/test_varlen.py tests/test_flex.py tests/test_liger.py \
-  tests/test_lora.py tests/test_precision.py tests/test_auto.py tests/test_families_linear.py tests/test_trie_gpu_paths.py tests/test_fla_device.py \
-  tests/test_merged_attention.py \
+timeout "$(left 200)" $PY -m pytest -q -rs -p no:cacheprovider tests/attention/test_varlen.py tests/attention/test_flex.py tests/stack/test_liger.py \
+  tests/stack/test_lora.py tests/stack/test_precision.py tests/stack/test_auto.py tests/models/test_families_linear.py tests/attention/test_trie_gpu_paths.py tests/models/test_fla_device.py \
+  tests/attention/test_merged_attention.py \
   2>&1 | tee "$OUT/pytest.txt"
 
 echo "== 2. zorro verify gradients on CUDA"

@@ -1,4 +1,4 @@
-"""The float32 noise floor behind tests/test_integrations_trl.py's TRAIN_TOLERANCES.
+"""The float32 noise floor behind tests/integrations/trl/test_integrations_trl.py's TRAIN_TOLERANCES.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python scripts/trl_noise_floor.py --seeds 16
 

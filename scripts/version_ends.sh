@@ -16,7 +16,7 @@
 # passed. Takes ~5-10 min per end on 2 cores (most of it the tests; a fresh environment adds the
 # install, torch 2.14.1 or 2.15.0 with their CUDA libraries the longest).
 # Qwen3-Next needs transformers >= 5.15 (tests/versions.py): below it its tests skip with the
-# reason and tests/test_version_gates.py checks that the actor refuses it.
+# reason and tests/models/test_version_gates.py checks that the actor refuses it.
 # torch's lower end (2.6) is not tested here: its wheels are not on this machine's index.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,9 +27,9 @@ TF_LOW=${TF_LOW:-5.6.0}
 TF_VERL=${TF_VERL:-5.10.4}
 TF_NEW=${TF_NEW:-5.24.0}
 PY=${PYTHON:-python3}
-TESTS=(tests/test_actor.py tests/test_trie_actor.py tests/test_families_checks.py tests/test_families_moe.py
-  tests/test_families_linear.py tests/test_families_sliding.py tests/test_flex_cpu.py tests/test_fla_device.py
-  tests/test_version_gates.py)
+TESTS=(tests/actor/test_actor.py tests/actor/test_trie_actor.py tests/models/test_families_checks.py tests/models/test_families_moe.py
+  tests/models/test_families_linear.py tests/models/test_families_sliding.py tests/attention/test_flex_cpu.py tests/models/test_fla_device.py
+  tests/models/test_version_gates.py)
 ENDS=("$@")
 [ ${#ENDS[@]} -eq 0 ] && ENDS=(tf-low tf-verl tf-new torch-high torch-new)
 mkdir -p "$ENDS_ROOT" "$OUT"

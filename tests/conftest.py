@@ -4,7 +4,18 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The shared helpers (helpers.py, versions.py, ...) live here; tests in one layer's folder also import
+# pieces of another test module (`from test_checkpointing import checkpointing`), so each folder that
+# holds tests is on the path too. Not tests/integrations itself: its sub-folders are named like the
+# trainers (trl/, verl/, openrlhf/) and would shadow a trainer that is not installed.
+for folder in [HERE] + sorted(
+    root
+    for root, _, files in os.walk(HERE)
+    if root != os.path.join(HERE, "integrations") and any(f.startswith("test_") and f.endswith(".py") for f in files)
+):
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
 # Tiny shapes run faster on one thread, and two OpenMP threads spin-wait badly when other
 # processes share the cores (~2.5 s vs 0.02 s per new sequence length on 2 busy cores).
 torch.set_num_threads(1)

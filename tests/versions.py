@@ -4,7 +4,7 @@ Qwen3-Next: up to transformers 5.14 the gated DeltaNet layer calls the conv and 
 bound at construction (self.causal_conv1d_fn / self.chunk_gated_delta_rule, an nn.Conv1d when
 causal-conv1d is absent), not the module-level functions the adapter wraps; from 5.15 it calls
 the module's causal_conv1d_fn / torch_chunk_gated_delta_rule. Below 5.15 the actor refuses the
-model (its call count sees the layers bypass the adapter): tests/test_version_gates.py.
+model (its call count sees the layers bypass the adapter): tests/models/test_version_gates.py.
 Qwen3.5 (qwen3_5, qwen3_5_moe; present from the declared floor, 5.6) switched at the same release
 (read in the 5.6.0, 5.10.4, 5.14.0 and 5.15.0 wheels): the same gate serves both.
 """

@@ -13,7 +13,7 @@ Where it runs:
   no CPU backward kernel). zorro lifts that one rule for its own calls only (`_cpu_grad_allowed`:
   a context manager around each call, for the calling thread, while its call runs; every other
   check still applies) and runs the eager path, which matches the per-sequence float64 reference
-  (tests/test_flex_cpu.py). Since that hook is private, CPU flex is served only after a probe
+  (tests/attention/test_flex_cpu.py). Since that hook is private, CPU flex is served only after a probe
   (`cpu_flex_probe`, once per process): a tiny masked GQA call, forward and backward through the
   lifted path, against float64 softmax attention; a missing hook or a failed probe refuses CPU
   flex with the reason. Not

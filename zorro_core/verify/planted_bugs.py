@@ -1,7 +1,7 @@
 """Deliberately wrong plans, for proving that verification can fail.
 
 In the package, not in tests/: `zorro verify --inject-bug` proves on the user's own machine that the
-check fails on a broken plan, and tests/test_actor.py plants the same bugs. `inject_bug` corrupts the
+check fails on a broken plan, and tests/actor/test_actor.py plants the same bugs. `inject_bug` corrupts the
 plans of one actor only, for the duration of a block.
 """
 

@@ -4,7 +4,7 @@ integrations' tests compare against the float64 per-sequence reference with thes
 Measured float64 floor: transformers keeps RMSNorm, RoPE and eager softmax in float32 even in a
 float64 model, so the reference itself carries noise (observed: log-probs ~6e-8 absolute,
 gradients ~6e-7 relative). The floors sit an order above it; a wrong mask, position or label is
-off by > 1e-2 (tests/test_actor.py::test_bugs_fail_by_orders_of_magnitude).
+off by > 1e-2 (tests/actor/test_actor.py::test_bugs_fail_by_orders_of_magnitude).
 """
 
 from __future__ import annotations

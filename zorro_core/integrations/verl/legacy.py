@@ -2,7 +2,7 @@
 
 For verl 0.8 and newer (no `verl/workers/actor/` any more) use `zorro_core.integrations.verl.engine`;
 `patch_dp_actor` refuses a verl >= 0.8 (`check_legacy_verl`). Kept for verl <= 0.7, which is still
-in use; tested against a stand-in class (tests/test_integrations_verl.py), not against a verl 0.7.
+in use; tested against a stand-in class (tests/integrations/verl/test_integrations_verl.py), not against a verl 0.7.
 
 verl (checked at volcengine/verl b178a3c, Jan 2026) computes actor, old and reference log-probs in
 `verl/workers/actor/dp_actor.py::DataParallelPPOActor._forward_micro_batch(micro_batch,

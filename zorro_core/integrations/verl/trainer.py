@@ -20,7 +20,7 @@ TransferQueue, the async checkpoint/restore of TransferQueue state; its rollout 
 mode's `parameter_sync_step` from the config). The name "zorro_sync" only selects this class: its
 constructor sets `trainer.v1.trainer_mode` back to "sync" before verl's constructor reads it, so
 every one of those decisions (and every later reader of the config: workers, rollout cache) is
-verl's sync trainer's. The verl suite (tests/test_integrations_verl_sync_mode.py) compares those
+verl's sync trainer's. The verl suite (tests/integrations/verl/test_integrations_verl_sync_mode.py) compares those
 choices with plain verl's sync trainer and scans the installed verl for every read of the mode,
 failing on any reader or comparison verl 0.9.1 does not have.
 

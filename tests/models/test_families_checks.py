@@ -174,7 +174,7 @@ def test_the_readme_lists_every_family_zorro_env_lists():
 
     from zorro_core.models.registry import family_support
 
-    readme = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
+    readme = Path(__file__).resolve().parents[2].joinpath("README.md").read_text()
     families = " ".join(readme[readme.index("- Families:") :].split("\n\n")[0].split())
     assert set(family_support("cpu")) == set(README_NAMES), "a family was added or removed: name it in the README"
     missing = [name for name in README_NAMES.values() if name not in families]

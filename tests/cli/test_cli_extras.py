@@ -14,7 +14,7 @@ except ModuleNotFoundError:  # Python 3.10: tomli comes with the cli extra
 
 from zorro_cli.entry import CLI_PACKAGES, INSTALL_HINT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PROJECT = PYPROJECT["project"]
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from zorro_cli.console import error_cell, fail, parameter_cell, print_json
 from zorro_cli.main import app
 
-CLI = pathlib.Path(__file__).resolve().parent.parent / "zorro_cli"
+CLI = pathlib.Path(__file__).resolve().parents[2] / "zorro_cli"
 
 runner = CliRunner()
 

@@ -18,7 +18,7 @@ import pytest
 
 from zorro_core.integrations.deprecated import MOVED, REMOVAL, canonical
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRAINERS = ("trl", "verl", "openrlhf")
 OLD = {
     "verl_engine": "verl.engine",
@@ -47,7 +47,7 @@ def _run(code: str) -> str:
 
 
 def _module(name: str):
-    """The module in sys.modules (tests/test_integration_import_guards.py reimports the integrations and
+    """The module in sys.modules (tests/integrations/test_integration_import_guards.py reimports the integrations and
     puts sys.modules back, not the attributes of their parent packages: `from package import module`
     could give the reimported copy)."""
     return importlib.import_module(P + name)

@@ -209,7 +209,7 @@ def test_cuda_pairs_gather_free_match_reference(backend, sharing):
 
     why = backend_unavailable(backend, "cuda") if torch.cuda.is_available() else "needs a CUDA device"
     if why:
-        pytest.skip(f"{backend}: {why} (the glue is covered on CPU by tests/test_gpu_glue.py's stand-ins)")
+        pytest.skip(f"{backend}: {why} (the glue is covered on CPU by tests/attention/test_gpu_glue.py's stand-ins)")
     batch = _batch([(40, [17, 33, 8]), (25, [12]), (64, [9, 30])]).to("cuda")
     plan = build_dedup_plan(batch, sharing=sharing, **({"min_shared_tokens": 1} if sharing == "prefix" else {}))
     q, k, v, g = (x.detach().to("cuda") for x in _qkv(plan.num_tokens, 8, 2, 64, 64, torch.bfloat16, 3))

@@ -15,7 +15,7 @@ the FSDP2 preparation of the policy and of the reference model, is accelerate's 
     (1e-6 abs, 1e-5 relative); groups cut across the ranks, regrouped, restored. A planted bug
     (every row restored to the wrong rank) fails by orders of magnitude.
 (b) float32: three train() steps of GRPOTrainer and DedupGRPOTrainer from one seed on 2 ranks
-    (slow: `pytest -m slow tests/test_integrations_trl_dist.py`).
+    (slow: `pytest -m slow tests/integrations/trl/test_integrations_trl_dist.py`).
 """
 
 from __future__ import annotations
@@ -342,7 +342,7 @@ def test_float64_two_ranks_ddp_and_fsdp2_equal_trl_and_a_wrong_rank_restore_fail
 # GRPOTrainer with eager attention (two correct float32 computations differing only in rounding): final
 # weights max |diff| <= 1.0e-5, ||diff|| / ||update|| <= 2.6e-5, logged loss |diff| <= 1.2e-7. The same
 # seeds, DedupGRPOTrainer against GRPOTrainer (sdpa): 1.6e-5, 4.0e-5, 6.0e-8 (results/trl_dist_noise_floor.json).
-# Tolerance: 10x the floor's worst seed. Rerun: PYTHONPATH=. python tests/test_integrations_trl_dist.py floor 4 OUT.json
+# Tolerance: 10x the floor's worst seed. Rerun: PYTHONPATH=. python tests/integrations/trl/test_integrations_trl_dist.py floor 4 OUT.json
 DIST_TRAIN_TOLERANCES = {"weight_max_abs": 1.0e-4, "weight_rel_update": 2.6e-4, "loss_abs": 1.2e-6}
 
 
@@ -418,7 +418,7 @@ def measure_floor(path: str, seeds: int, out: str, wrappers=("ddp", "fsdp2"), pe
         json.dump(rows, f, indent=1)
 
 
-if __name__ == "__main__":  # PYTHONPATH=. python tests/test_integrations_trl_dist.py floor SEEDS OUT.json [WRAPPERS]
+if __name__ == "__main__":  # PYTHONPATH=. python tests/integrations/trl/test_integrations_trl_dist.py floor SEEDS OUT.json [WRAPPERS]
     import sys
     import tempfile
 

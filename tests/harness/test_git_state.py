@@ -13,7 +13,7 @@ import pytest
 import zorro_harness.bench.sweep as sweep_mod
 from zorro_harness.bench.sweep import git_state
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
 

@@ -4,7 +4,7 @@ on, exits 130 or 143, prints no traceback (nor does the fork server importing it
 case process), and leaves no process behind.
 
 The in-process tests fake the cases; the others run real sweeps (a fresh interpreter each; the
-SIGTERM one is slow: `pytest -m slow tests/test_launch_signals.py`)."""
+SIGTERM one is slow: `pytest -m slow tests/harness/test_launch_signals.py`)."""
 
 import os
 import signal

@@ -1,5 +1,5 @@
 """`zorro verify distributed` through the CLI: registered like the other commands, its closed options
-refused before any rank starts. (The 2-rank run itself is tests/test_distributed.py's.)"""
+refused before any rank starts. (The 2-rank run itself is tests/distributed/test_distributed.py's.)"""
 
 from typing import get_type_hints
 

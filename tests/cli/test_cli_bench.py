@@ -14,7 +14,7 @@ from zorro_harness.bench.results import COLUMNS, REQUIRED_COLUMNS, read_rows
 from zorro_harness.bench.runner import case_rows
 from zorro_harness.bench.suite import Case, Measure
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "data" / "tiny_suite.toml"
 runner = CliRunner()
 

@@ -24,7 +24,7 @@ from zorro_harness.bench.arms import (
 from zorro_harness.bench.files import LinkRefused
 from zorro_harness.bench.measure import self_timed, time_interleaved
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def read(path: Path) -> list[dict[str, str]]:

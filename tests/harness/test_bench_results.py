@@ -14,7 +14,7 @@ from zorro_cli.main import app
 from zorro_harness.bench.report import load_results
 from zorro_harness.bench.results import COLUMNS, ResultsBusy, ResultsLock, ResultWriter, backup, done_keys, read_rows
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "data" / "tiny_suite.toml"
 runner = CliRunner()
 

@@ -15,7 +15,7 @@ import pytest
 from zorro_harness.analyze import large_lines
 from zorro_harness.analyze.readers import read_columns
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 LINES = [

@@ -8,7 +8,7 @@ import pytest
 from zorro_core.actor.config import ActorConfig
 from zorro_harness.bench.suite import CASE_ACTOR, Case, Measure, case_matches, load_suite, parse_suite
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_grids_expand_over_defaults():

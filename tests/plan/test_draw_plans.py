@@ -8,7 +8,7 @@ import numpy as np
 
 from zorro_core import build_dedup_plan
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script():

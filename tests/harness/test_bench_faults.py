@@ -2,7 +2,7 @@
 it, and a sweep killed at random moments and resumed each time ends with exactly one ok row per
 (case, phase), every row written before a kill kept as it was.
 
-The random-kill test is slow (a fresh interpreter per run): `pytest -m slow tests/test_bench_faults.py`
+The random-kill test is slow (a fresh interpreter per run): `pytest -m slow tests/harness/test_bench_faults.py`
 (ZORRO_FAULT_KILLS sets the number of kills, 5 by default)."""
 
 import os
@@ -17,7 +17,7 @@ import pytest
 
 from zorro_harness.bench.results import read_rows
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 

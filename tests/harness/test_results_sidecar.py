@@ -50,7 +50,7 @@ def test_a_sidecar_written_before_the_marker_is_still_adopted(fake, tmp_path):
 
 
 def test_committed_sidecars_are_recognised():
-    root = Path(__file__).parents[1] / "results"
+    root = Path(__file__).parents[2] / "results"
     sides = sorted(p for p in root.glob("*.json") if p.with_suffix(".csv").exists())
     assert sides, "no committed sidecar to check"
     for side in sides:
