@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import queue as queue_mod
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -178,11 +179,22 @@ def launch(
             p.start()
     out: dict[int, Any] = {}
     try:
+        deadline = time.monotonic() + timeout_s
         while len(out) < nproc:
             try:
-                rank, ok, value = results.get(timeout=timeout_s)
+                # Short waits: a rank that dies before it can report (it could not even unpickle `fn`)
+                # is seen at once, not after the whole timeout.
+                rank, ok, value = results.get(timeout=min(2.0, max(0.0, deadline - time.monotonic())))
             except queue_mod.Empty:
-                raise TimeoutError(f"{nproc - len(out)} rank(s) gave no result within {timeout_s:.0f} s") from None
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(
+                        f"rank(s) {', '.join(f'{r} (exit code {code})' for r, code in dead)} ended without a "
+                        "result: see its error output above (spawn imports `fn` by its module name)"
+                    ) from None
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{nproc - len(out)} rank(s) gave no result within {timeout_s:.0f} s") from None
+                continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             out[rank] = value
