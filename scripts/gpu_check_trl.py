@@ -26,7 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from trl import GRPOTrainer
 
-from tests.test_integrations_trl import (
+from tests.integrations.trl.test_integrations_trl import (
     _joined_inputs,
     _plain_float64,
     _run,

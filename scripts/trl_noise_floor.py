@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from trl import GRPOTrainer
 
-from tests.test_integrations_trl import _tokenizer, _trainer
+from tests.integrations.trl.test_integrations_trl import _tokenizer, _trainer
 from zorro_core.integrations.trl import DedupGRPOTrainer
 from zorro_core.models.presets import build_model, preset_config
 

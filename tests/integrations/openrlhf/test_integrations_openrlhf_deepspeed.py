@@ -17,7 +17,9 @@ from openrlhf_setup import OPENRLHF_MISSING, save_tiny
 
 pytestmark = pytest.mark.skipif(OPENRLHF_MISSING is not None, reason=OPENRLHF_MISSING or "")
 
-HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, where openrlhf_ds_step.py lives
+HERE = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # tests/, where openrlhf_ds_step.py lives
 MARGIN = 10.0
 EPS32 = float(torch.finfo(torch.float32).eps)
 

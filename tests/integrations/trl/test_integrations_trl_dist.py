@@ -418,7 +418,9 @@ def measure_floor(path: str, seeds: int, out: str, wrappers=("ddp", "fsdp2"), pe
         json.dump(rows, f, indent=1)
 
 
-if __name__ == "__main__":  # PYTHONPATH=. python tests/integrations/trl/test_integrations_trl_dist.py floor SEEDS OUT.json [WRAPPERS]
+if (
+    __name__ == "__main__"
+):  # PYTHONPATH=. python tests/integrations/trl/test_integrations_trl_dist.py floor SEEDS OUT.json [WRAPPERS]
     import sys
     import tempfile
 
