@@ -261,3 +261,11 @@ def test_the_case_process_old_path_warns_and_gives_the_same_object(name):
     assert old is getattr(case_process, name)
     with pytest.raises(AttributeError):
         runner.no_such_name  # noqa: B018
+
+
+def test_the_csv_cells_are_written_as_the_results_files_write_them(tmp_path):
+    """One writer for every CSV the harness writes: a cell a spreadsheet would run as a formula is quoted,
+    a newline inside a value does not start a row, numbers stay numbers."""
+    out = tmp_path / "b.csv"
+    write_csv(out, [{"a": "=HYPERLINK(1)", "b": "two\nlines", "c": -1.5}], ["a", "b", "c"])
+    assert out.read_text().splitlines() == ["a,b,c", "'=HYPERLINK(1),two lines,-1.5"]

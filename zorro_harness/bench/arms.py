@@ -17,9 +17,7 @@ Every row gets the trailing columns `status` ("ok", or "error" with the reason i
 from __future__ import annotations
 
 import argparse
-import csv
 import fnmatch
-import io
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,6 +26,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from zorro_harness.bench.files import LinkRefused, refuse_link, replace_atomically
 from zorro_harness.bench.measure import Speedup, Stats, speedup, summarize, time_interleaved, time_once
+from zorro_harness.bench.results import csv_line
 
 STATUS_COLUMNS = ("status", "error")
 """Appended to every row: "ok" and "", or "error" and why the case failed."""
@@ -212,11 +211,12 @@ def write_csv(path: str | Path, rows: Sequence[Mapping[str, Any]], columns: Sequ
     if path.is_dir():
         raise ValueError(f"--out {path} is a directory; give a CSV file path")
     path.parent.mkdir(parents=True, exist_ok=True)
-    buf = io.StringIO(newline="")
-    w = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="raise", restval="")
-    w.writeheader()
-    w.writerows(rows)
-    replace_atomically(path, lambda f: f.write(buf.getvalue().encode()))
+    unknown = sorted({k for r in rows for k in r} - set(columns))
+    if unknown:
+        raise ValueError(f"rows hold columns the header lacks: {unknown}")
+    # The results files' one line writer: formula-like cells quoted for spreadsheets, one line per row.
+    data = csv_line(list(columns)) + b"".join(csv_line([r.get(c, "") for c in columns]) for r in rows)
+    replace_atomically(path, lambda f: f.write(data))
 
 
 def run_case(bench: Benchmark, context: Any, case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:

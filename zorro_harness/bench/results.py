@@ -40,7 +40,7 @@ import re
 import stat
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from zorro_harness.bench.files import name_too_long, open_no_follow, refuse_link, short_name
 from zorro_harness.bench.sidecar import NotASidecar, ResultsWriteError, read_sidecar, sidecar_path
@@ -352,7 +352,7 @@ def _drop_partial_line(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
-def _line(values: list[Any]) -> bytes:
+def csv_line(values: Sequence[Any]) -> bytes:
     """One CSV line; newlines inside a value become spaces, so that a line is a row."""
     buf = io.StringIO(newline="")
     csv.writer(buf).writerow(
@@ -411,10 +411,10 @@ class ResultWriter:
             self.columns = header
         else:
             self.columns = COLUMNS
-            _write_whole(self.path, _line(self.columns))
+            _write_whole(self.path, csv_line(self.columns))
 
     def append(self, row: dict[str, Any]) -> None:
-        _write_whole(self.path, _line([row.get(k, "") for k in self.columns]))
+        _write_whole(self.path, csv_line([row.get(k, "") for k in self.columns]))
 
 
 def read_rows(path: str | Path) -> list[dict[str, str]]:
