@@ -10,7 +10,7 @@ every row its own prompt, every image occurrence encoded.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -33,7 +33,7 @@ __all__ = ["BaselineVisionLanguageActor", "VisionLanguageActor"]
 class VisionLanguageActor(DeduplicatedActor):
     """Each unique prompt (text and images) computed once, each distinct image encoded once."""
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         batch: RolloutBatch | MultimodalBatch,
         temperature: float = 1.0,
@@ -87,8 +87,8 @@ class VisionLanguageActor(DeduplicatedActor):
         calculate_entropy: bool,
         router_aux_loss: Optional[bool],
     ):
-        base = self.parts.base
-        config = self.model.config
+        base: Any = self.parts.base
+        config: Any = self.model.config
         reps = plan.group_rep_row.tolist()
         # The model's own positions of each unique prompt, and where its responses continue.
         positions, nexts = [], []

@@ -98,7 +98,7 @@ def token_types(ids: torch.Tensor, config) -> torch.Tensor:
 
 
 def prompt_positions(
-    base: nn.Module, prompt: torch.Tensor, grids: Sequence[tuple[int, int, int]]
+    base: Any, prompt: torch.Tensor, grids: Sequence[tuple[int, int, int]]
 ) -> tuple[torch.Tensor, int]:
     """The model's own positions of one prompt ([3, L], its get_rope_index) and the position of the
     first text token after it (the index's numbering of one more text token)."""
@@ -115,7 +115,7 @@ def prompt_positions(
 
 
 def encode_images(
-    base: nn.Module, images: Sequence[Image], family: VisionFamily
+    base: Any, images: Sequence[Image], family: VisionFamily
 ) -> tuple[list[torch.Tensor], Optional[list[list[torch.Tensor]]]]:
     """Each image through the vision tower (one call for all): its embeddings, and with deepstack its
     features per deepstack layer (`[layer][image]`)."""

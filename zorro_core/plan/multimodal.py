@@ -40,9 +40,10 @@ class Image:
                 "an image's pixel_values must be a 2-D floating-point tensor [patches, patch_dim], got "
                 + (f"{pv.dtype} of shape {tuple(pv.shape)}" if isinstance(pv, torch.Tensor) else type(pv).__name__)
             )
-        grid = tuple(int(x) for x in (grid.tolist() if isinstance(grid, torch.Tensor) else grid))
-        if len(grid) != 3 or min(grid) < 1:
-            raise ValueError(f"an image's grid_thw must be three positive ints (t, h, w), got {grid}")
+        ints = tuple(int(x) for x in (grid.tolist() if isinstance(grid, torch.Tensor) else grid))
+        if len(ints) != 3 or min(ints) < 1:
+            raise ValueError(f"an image's grid_thw must be three positive ints (t, h, w), got {ints}")
+        grid = (ints[0], ints[1], ints[2])
         if grid[0] * grid[1] * grid[2] != pv.shape[0]:
             raise ValueError(f"grid_thw {grid} holds {grid[0] * grid[1] * grid[2]} patches, pixel_values {pv.shape[0]}")
         object.__setattr__(self, "grid_thw", grid)

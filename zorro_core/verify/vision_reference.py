@@ -8,6 +8,8 @@ against this.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -15,7 +17,7 @@ from zorro_core.plan.multimodal import MultimodalBatch
 
 
 def _row(model: nn.Module, ids: list[int], images, n_prompt: int, response: list[int], temperature: float):
-    config = model.config
+    config: Any = model.config
     x = torch.tensor([ids])
     types = (x == config.image_token_id).long() + 2 * (x == config.video_token_id).long()
     kwargs = {}
