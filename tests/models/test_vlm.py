@@ -218,3 +218,18 @@ def test_wrong_positions_or_a_missing_deepstack_fail_by_orders_of_magnitude(monk
         lp = VisionLanguageActor(model=model)(mm).log_probs
         ref_lp = vision_per_sequence(model, mm)[0]
     assert (lp - ref_lp).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("grid", [(1, 4, 4), (1, 8, 12)])
+def test_vision_flops_are_the_towers_own_count(family, grid):
+    """The cost the benchmark's ideal counts for the vision tower, against torch's FLOP counter
+    (eager attention: its matmuls are counted; windowed and full blocks, deepstack mergers)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from zorro_core.models.vision import vision_flops
+
+    model = build_vision_model(tiny_config(family), attn_implementation="eager")
+    n = grid[0] * grid[1] * grid[2]
+    with FlopCounterMode(display=False) as counter:
+        model.model.get_image_features(torch.randn(n, 24), torch.tensor([grid]))
+    assert vision_flops(model.model.visual, grid) == counter.get_total_flops()

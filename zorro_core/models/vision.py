@@ -203,3 +203,36 @@ def build_vision_model(config, dtype: torch.dtype = torch.float32, seed: int = 0
 
     with seeded_rng(seed):
         return AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+
+
+def _linear_weights(module: nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv3d)))
+
+
+def _window_lengths(grid: tuple[int, int, int], config) -> list[int]:
+    """Qwen2.5-VL's window attention: the patches of each window, as transformers partitions them."""
+    from transformers.vision_utils import get_vision_window_index
+
+    _, cu = get_vision_window_index(
+        torch.tensor([grid]), config.spatial_merge_size, config.window_size, config.patch_size
+    )
+    return [n for n in torch.as_tensor(cu).diff().tolist() if n > 0]
+
+
+def vision_flops(visual: nn.Module, grid: tuple[int, int, int]) -> float:
+    """Forward FLOPs of one image through the vision tower, counted as zorro_core.plan.cost counts the
+    decoder: 2 x the weights each patch goes through (patch embedding, every block), 2 x 2 x width per
+    attended pair per block (QK^T and PV; a windowed block's pairs within its windows), 2 x the merger
+    weights per merged token (and Qwen3-VL's deepstack mergers). Norms, rotary and softmax ignored."""
+    config = visual.config
+    patches = grid[0] * grid[1] * grid[2]
+    merged = patches // (config.spatial_merge_size**2)
+    blocks = visual.blocks
+    per_patch = _linear_weights(visual.patch_embed) + _linear_weights(blocks)
+    mergers = _linear_weights(visual.merger) + sum(
+        _linear_weights(m) for m in getattr(visual, "deepstack_merger_list", ())
+    )
+    full_blocks = set(getattr(config, "fullatt_block_indexes", range(len(blocks))))
+    windowed = sum(x * x for x in _window_lengths(grid, config)) if len(full_blocks) < len(blocks) else 0
+    pairs = sum(patches * patches if i in full_blocks else windowed for i in range(len(blocks)))
+    return 2.0 * per_patch * patches + 4.0 * config.hidden_size * pairs + 2.0 * mergers * merged
