@@ -233,3 +233,23 @@ def test_vision_flops_are_the_towers_own_count(family, grid):
     with FlopCounterMode(display=False) as counter:
         model.model.get_image_features(torch.randn(n, 24), torch.tensor([grid]))
     assert vision_flops(model.model.visual, grid) == counter.get_total_flops()
+
+
+def test_the_benchmarks_padded_arm_is_the_models_own_batch_forward(family):
+    """benchmarks/vlm_sharing.py's "hf_padded" arm (what trainers run today) computes the same
+    log-probs and entropy as each row alone, so its timing compares like with like."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "vlm_sharing.py"
+    spec = importlib.util.spec_from_file_location("vlm_sharing", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = _model(family)
+    mm = vision_batch()
+    with torch.no_grad():
+        lp, ent = bench.padded_forward(model, mm)
+        ref_lp, ref_ent, _ = vision_per_sequence(model, mm)
+    assert (lp - ref_lp).abs().max().item() < LOGPROB_ATOL
+    assert (ent - ref_ent).abs().max().item() < LOGPROB_ATOL
