@@ -22,8 +22,8 @@ from zorro_core.verify.vision_reference import vision_per_sequence
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
 IMAGE, VIDEO, START, END = 250, 251, 252, 253
-# (use_split_attention, attn_implementation)
-MODES = [(True, "sdpa"), (False, "eager")]
+# (use_split_attention, attn_implementation, varlen_backend)
+MODES = [(True, "sdpa", None), (True, "sdpa", "flash_cpu"), (False, "eager", None)]
 
 
 def _image(g: torch.Generator, h: int, w: int) -> Image:
@@ -92,10 +92,10 @@ def _assert_exact(actor, mm):
     return out, grads
 
 
-@pytest.mark.parametrize("split,attn", MODES)
-def test_images_shared_once_equal_each_row_alone(family, split, attn):
+@pytest.mark.parametrize("split,attn,backend", MODES)
+def test_images_shared_once_equal_each_row_alone(family, split, attn, backend):
     model = _model(family, attn)
-    actor = VisionLanguageActor(model=model, use_split_attention=split)
+    actor = VisionLanguageActor(model=model, use_split_attention=split, varlen_backend=backend)
     out, grads = _assert_exact(actor, vision_batch())
     assert out.plan.group_of_row.tolist() == [0, 0, 1, 2, 0, 2, 3]
     assert any(n.startswith("model.visual.") for n in grads), "the vision tower got no gradient"
@@ -253,3 +253,35 @@ def test_the_benchmarks_padded_arm_is_the_models_own_batch_forward(family):
         ref_lp, ref_ent, _ = vision_per_sequence(model, mm)
     assert (lp - ref_lp).abs().max().item() < LOGPROB_ATOL
     assert (ent - ref_ent).abs().max().item() < LOGPROB_ATOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_low_precision_stays_within_the_plain_computations_noise(family, dtype):
+    """zorro verify's rule for float32/bfloat16: against the float64 per-row reference, dedup's error
+    is at most LOW_PRECISION_FACTOR x the plain computation's (same dtype, same path, nothing shared)
+    + the float64 floor, for log-probs, entropy and each parameter's gradient."""
+    import copy
+
+    from zorro_core.verify.reference import rel_grad_errors
+    from zorro_core.verify.tolerances import LOW_PRECISION_FACTOR
+
+    model64 = _model(family)
+    mm = vision_batch()
+    w = token_weights(mm.batch)
+    ref = vision_per_sequence(model64, mm, weights=w)
+    low = copy.deepcopy(model64).to(dtype)
+    runs = {}
+    for name, cls in (("dedup", VisionLanguageActor), ("plain", BaselineVisionLanguageActor)):
+        out, lp_err, ent_err, _, _, grads = _errors(cls(model=low), mm, ref)
+        runs[name] = (lp_err, ent_err, rel_grad_errors(grads, ref[2]))
+    (d_lp, d_ent, d_g), (p_lp, p_ent, p_g) = runs["dedup"], runs["plain"]
+    assert d_lp <= LOW_PRECISION_FACTOR * p_lp + LOGPROB_ATOL, (d_lp, p_lp)
+    assert d_ent <= LOW_PRECISION_FACTOR * p_ent + LOGPROB_ATOL, (d_ent, p_ent)
+    worse = {n: (e, p_g[n]) for n, e in d_g.items() if e > LOW_PRECISION_FACTOR * p_g[n] + GRAD_RTOL}
+    assert not worse, worse
+
+
+def test_micro_batching_an_image_batch_is_refused():
+    actor = VisionLanguageActor(model=_model("qwen2_5_vl"))
+    with pytest.raises(TypeError, match="takes a zorro_core.RolloutBatch"):
+        actor.forward_backward(vision_batch(), lambda out, rows: out.log_probs.sum())
