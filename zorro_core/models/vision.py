@@ -205,7 +205,7 @@ def build_vision_model(config, dtype: torch.dtype = torch.float32, seed: int = 0
         return AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
 
 
-def _linear_weights(module: nn.Module) -> int:
+def _linear_weights(module: Any) -> int:
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv3d)))
 
 
@@ -219,7 +219,7 @@ def _window_lengths(grid: tuple[int, int, int], config) -> list[int]:
     return [n for n in torch.as_tensor(cu).diff().tolist() if n > 0]
 
 
-def vision_flops(visual: nn.Module, grid: tuple[int, int, int]) -> float:
+def vision_flops(visual: Any, grid: tuple[int, int, int]) -> float:
     """Forward FLOPs of one image through the vision tower, counted as zorro_core.plan.cost counts the
     decoder: 2 x the weights each patch goes through (patch embedding, every block), 2 x 2 x width per
     attended pair per block (QK^T and PV; a windowed block's pairs within its windows), 2 x the merger
