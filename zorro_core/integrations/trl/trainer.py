@@ -40,8 +40,13 @@ full logits, or a separate Liger path, with other values at masked positions; up
 method returned a 2-tuple; before 0.20 it was `_get_per_token_logps`). A newer TRL runs only if
 the method keeps the signature checked here, with a one-time warning that it is untested.
 
+Images of a Qwen2.5-VL / Qwen3-VL model (`pixel_values`, `image_grid_thw`, `num_images`,
+`mm_token_type_ids`) are served by the vision actor (zorro_core.actor.vision: each unique prompt,
+text and images, once; each distinct image encoded once), on each rank, not regrouped.
 Served by TRL itself (a one-time `DedupFallbackWarning` names the reason; never computed wrong):
-vision inputs (pixel_values and friends, token_type_ids), `cast_lm_head_to_fp32`, FSDP1, a
+other vision inputs (pixel_attention_mask, image_sizes, token_type_ids, ...), images of another
+family, images without mm_token_type_ids, images with the aux loss or with regrouping across
+ranks (zorro_regroup=False serves them), `cast_lm_head_to_fp32`, FSDP1, a
 torch.compile'd model or another wrapper, tensor/context parallelism, a layout other than
 left-padded prompt + right-padded completion, a call where every completion is masked (on any
 rank, when regrouping), an aux-loss call with a fully masked completion after a one-token prompt,
