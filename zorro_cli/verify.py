@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from zorro_cli import verify_distributed
+from zorro_cli import verify_distributed, verify_vision
 from zorro_cli.choices import Layout, LogitsMode, Sharing
 from zorro_cli.console import (
     STATUS_STYLE,
@@ -61,7 +61,7 @@ TRAINING_HELP = (
 
 
 def register(app: typer.Typer) -> None:
-    """`zorro verify` and its three commands: gradients, training, distributed."""
+    """`zorro verify` and its commands: gradients, training, distributed, vision."""
     verify_app = typer.Typer(
         help="Prove dedup: log-probs, entropy, every gradient, and training steps against a float64 per-sequence reference.",
         no_args_is_help=True,
@@ -69,6 +69,7 @@ def register(app: typer.Typer) -> None:
     verify_app.command("gradients", help=GRADIENTS_HELP)(gradients)
     verify_app.command("training", help=TRAINING_HELP)(training)
     verify_distributed.register(verify_app)
+    verify_vision.register(verify_app)
     app.add_typer(verify_app, name="verify")
 
 

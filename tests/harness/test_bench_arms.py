@@ -207,6 +207,7 @@ MAIN_VENV = [
     pytest.param("balance_imbalance", id="balance_imbalance"),
     pytest.param("trie_plan_cost", id="trie_plan_cost"),
     pytest.param("microbatch_trie", id="microbatch_trie"),
+    pytest.param("vlm_sharing", id="vlm_sharing"),  # ~6 s
     pytest.param("flash_cpu_speed", id="flash_cpu_speed", marks=pytest.mark.slow),  # ~15 s
     pytest.param("logits_memory", id="logits_memory", marks=pytest.mark.slow),  # ~20 s: a process per mode
 ]

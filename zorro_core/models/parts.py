@@ -73,6 +73,8 @@ def model_parts(model: nn.Module) -> ModelParts:
     if config is None:
         raise ValueError(f"{type(model).__name__} has no config: pass a transformers causal LM")
     family = family_of(getattr(config, "model_type", None))
+    # A vision-language model's composite config: its decoder's fields are in the text config.
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(lm_head).__module__.startswith("peft."):
@@ -82,6 +84,7 @@ def model_parts(model: nn.Module) -> ModelParts:
         )
     if base is None or base is model or not isinstance(lm_head, nn.Linear):
         raise ValueError(f"{type(model).__name__} is not a causal LM with a base model and a linear lm_head")
+    config = text_config
     if getattr(config, "final_logit_softcapping", None):
         raise UnsupportedModelError("final_logit_softcapping is not supported by the dedup log-prob path")
     if getattr(config, "is_causal", True) is False:  # transformers' switch to bidirectional masks

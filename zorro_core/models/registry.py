@@ -319,8 +319,36 @@ REFUSED_TYPES = {
 }
 
 
+def _text_shape(shape: Callable[[Any], ModelShape]) -> Callable[[Any], ModelShape]:
+    return lambda config: shape(config.get_text_config())
+
+
+# Vision-language composites: their text decoder is served as a text family's, text-only batches by the
+# actors and images by zorro_core.models.vision (video refused there). No presets: AutoModelForCausalLM
+# does not build them (zorro_core.models.vision.tiny_config builds the test shapes).
+VISION_LANGUAGE_FAMILIES = {
+    f.model_type: f
+    for f in (
+        ModelFamily(
+            "qwen2_5_vl",
+            presets={},
+            support=_line("ok (images through zorro_core.models.vision; video refused)"),
+            shape=_text_shape(_shape(_gqa)),
+        ),
+        ModelFamily(
+            "qwen3_vl",
+            presets={},
+            support=_line("ok (images and deepstack through zorro_core.models.vision; video refused)"),
+            shape=_text_shape(_shape(_gqa)),
+        ),
+    )
+}
+
+
 def family_of(model_type: str | None) -> ModelFamily:
     """The registry entry of `model_type`, refusing a type the dedup path does not serve."""
+    if model_type in VISION_LANGUAGE_FAMILIES:
+        return VISION_LANGUAGE_FAMILIES[model_type]
     if model_type in REFUSED_TYPES:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported by the dedup path: {REFUSED_TYPES[model_type]}"

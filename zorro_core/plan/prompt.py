@@ -389,13 +389,21 @@ def _cross_segments(groups: _Groups, packed: _PackedOrder, cross: _CrossRows, si
     )
 
 
-def build_prompt_plan(batch: RolloutBatch, dedup: bool = True, vocab_size: int | None = None) -> PromptPlan:
+def build_prompt_plan(
+    batch: RolloutBatch,
+    dedup: bool = True,
+    vocab_size: int | None = None,
+    group_of_row: torch.Tensor | None = None,
+) -> PromptPlan:
     """The prompt plan of a batch: rows with identical prompts share one group (`dedup=False`: every
     row is its own group, the plain plan the baselines run). Token ids are checked against
-    `vocab_size` when given."""
+    `vocab_size` when given. `group_of_row` [B] (groups 0.. numbered by first appearance) replaces
+    the grouping by tokens: a caller whose prompts hold more than tokens (images:
+    zorro_core.plan.multimodal) groups rows by the whole prompt; rows of one group must have the
+    same prompt tokens."""
     if vocab_size is not None:
         batch.check_vocab(vocab_size)
-    groups = _group_table(batch, group_rows(batch, dedup))
+    groups = _group_table(batch, group_rows(batch, dedup) if group_of_row is None else group_of_row)
     packed = _packed_order(groups)
     cross_rows = _cross_rows(groups, packed)
     sizes = _host_sizes(groups, packed, cross_rows)

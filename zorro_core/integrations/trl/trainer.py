@@ -40,8 +40,13 @@ full logits, or a separate Liger path, with other values at masked positions; up
 method returned a 2-tuple; before 0.20 it was `_get_per_token_logps`). A newer TRL runs only if
 the method keeps the signature checked here, with a one-time warning that it is untested.
 
+Images of a Qwen2.5-VL / Qwen3-VL model (`pixel_values`, `image_grid_thw`, `num_images`,
+`mm_token_type_ids`) are served by the vision actor (zorro_core.actor.vision: each unique prompt,
+text and images, once; each distinct image encoded once), on each rank, not regrouped.
 Served by TRL itself (a one-time `DedupFallbackWarning` names the reason; never computed wrong):
-vision inputs (pixel_values and friends, token_type_ids), `cast_lm_head_to_fp32`, FSDP1, a
+other vision inputs (pixel_attention_mask, image_sizes, token_type_ids, ...), images of another
+family, images without mm_token_type_ids, images with the aux loss or with regrouping across
+ranks (zorro_regroup=False serves them), `cast_lm_head_to_fp32`, FSDP1, a
 torch.compile'd model or another wrapper, tensor/context parallelism, a layout other than
 left-padded prompt + right-padded completion, a call where every completion is masked (on any
 rank, when regrouping), an aux-loss call with a fully masked completion after a one-token prompt,
@@ -63,14 +68,17 @@ from packaging.version import Version
 
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
+from zorro_core.actor.vision import VisionLanguageActor
 from zorro_core.distributed.regroup import regroup
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.integrations.core import DedupFallbackWarning, Fallback, prompt_dedup_ratio, require_attributes
 from zorro_core.integrations.deprecated import renamed
 from zorro_core.integrations.layout import joined_logprobs, layout_problem
 from zorro_core.integrations.requires import require_trainer
+from zorro_core.integrations.vision_layout import VISION_KEYS, joined_vision_logprobs, row_images, vision_refusal
 from zorro_core.integrations.wrappers import Wrapped, unwrap
-from zorro_core.models.parts import check_trainable_state
+from zorro_core.models.parts import check_trainable_state, unwrap_adapters
+from zorro_core.models.vision import VISION_FAMILIES
 from zorro_core.plan.batch import RolloutBatch
 
 TESTED_TRL = ("1.15", "1.16")
@@ -170,8 +178,12 @@ class DedupGRPOTrainer(GRPOTrainer):
         """The cached actor of this model object, or the text of why the dedup path refuses it."""
         entry = self._actors.get(id(model))
         if entry is None or entry[0] is not model:
+            # A served vision-language model gets the vision actor (it serves text-only calls as the text one).
+            vision = getattr(getattr(model, "config", None), "model_type", None) in VISION_FAMILIES
             try:
-                actor: Any = DeduplicatedActor(model=model, config=self._zorro_config)
+                actor: Any = (VisionLanguageActor if vision else DeduplicatedActor)(
+                    model=model, config=self._zorro_config
+                )
             except UnsupportedModelError as e:
                 actor = f"the dedup path refuses this model: {e}"
             entry = self._actors[id(model)] = (model, actor)
@@ -179,7 +191,7 @@ class DedupGRPOTrainer(GRPOTrainer):
 
     def _refusal(self, model, attention_mask, logits_to_keep, compute_aux_loss, extra) -> Optional[str]:
         """Why TRL must serve this call itself, judged on this rank's inputs (None when zorro can)."""
-        used = sorted(k for k, v in extra.items() if v is not None and k not in ("num_images", "num_tiles"))
+        used = sorted(k for k, v in extra.items() if v is not None and k not in ("num_tiles",) + VISION_KEYS)
         if used:
             return f"vision/multimodal inputs ({', '.join(used)}) are not served by the dedup path"
         if cast(GRPOConfig, self.args).cast_lm_head_to_fp32:  # GRPOTrainer's args are a GRPOConfig
@@ -250,6 +262,11 @@ class DedupGRPOTrainer(GRPOTrainer):
         **extra,
     ):
         reason = self._refusal(model, attention_mask, logits_to_keep, compute_aux_loss, extra)
+        images = None
+        if reason is None and any(extra.get(k) is not None for k in VISION_KEYS if k != "num_images"):
+            reason = self._vision_refusal(model, input_ids, compute_aux_loss, extra)
+            if reason is None:
+                images = row_images(extra["pixel_values"], extra["image_grid_thw"], extra["num_images"])
         wrapped = actor = None
         if reason is None:
             reason, wrapped, actor = self._served(model, compute_aux_loss)
@@ -258,10 +275,22 @@ class DedupGRPOTrainer(GRPOTrainer):
             start = time.perf_counter()
             try:
                 with self.accelerator.autocast():
-                    call = self._aux_call if compute_aux_loss else self._dedup_call
-                    out, record = call(
-                        wrapped, actor, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy
-                    )
+                    if images is not None:
+                        out, record = self._vision_call(
+                            wrapped,
+                            actor,
+                            input_ids,
+                            attention_mask,
+                            logits_to_keep,
+                            batch_size,
+                            compute_entropy,
+                            images,
+                        )
+                    else:
+                        call = self._aux_call if compute_aux_loss else self._dedup_call
+                        out, record = call(
+                            wrapped, actor, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy
+                        )
             except UnsupportedModelError as e:
                 if self._world() > 1:  # the other ranks are inside this call's collectives: no safe fallback
                     raise
@@ -275,6 +304,31 @@ class DedupGRPOTrainer(GRPOTrainer):
         return super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **extra
         )
+
+    def _vision_refusal(self, model, input_ids, compute_aux_loss, extra) -> Optional[str]:
+        """Why a call with images is not served (None when it is): zorro_core.integrations.vision_layout."""
+        if compute_aux_loss:
+            return "the MoE aux loss with images is not served by the dedup path"
+        if self._world() > 1 and self._zorro_regroup:
+            return "images are not regrouped across ranks (zorro_regroup=False serves them on each rank)"
+        config = getattr(unwrap_adapters(self.accelerator.unwrap_model(model)), "config", None)
+        return vision_refusal(config, input_ids, {k: extra.get(k) for k in VISION_KEYS})
+
+    def _vision_call(self, wrapped, actor, input_ids, attention_mask, keep, batch_size, compute_entropy, images):
+        """A call with images: each unique prompt (text and images) once, each distinct image encoded once."""
+        p = input_ids.shape[1] - keep
+        mask = attention_mask.long()
+        live = mask[:, p:].bool().any(1).nonzero().flatten()
+        record = self._record(wrapped, int(live.numel()), aux=False)
+        record["prompt_dedup"] = prompt_dedup_ratio(input_ids[live, :p], mask[live, :p])
+        record["images"] = sum(len(r) for r in images)
+        rows_per_call = None if wrapped.sharded else batch_size
+        lp, ent = wrapped.run(
+            lambda: joined_vision_logprobs(
+                actor, input_ids, mask, keep, images, self.temperature, compute_entropy, rows_per_call
+            )
+        )
+        return (lp, ent, None), record
 
     def _record(self, wrapped: Wrapped, rows: int, aux: bool) -> dict[str, Any]:
         policy = wrapped.inner is self.accelerator.unwrap_model(self.model)

@@ -1,0 +1,133 @@
+"""The vision-language actors: per-sequence log-probs of a MultimodalBatch.
+
+VisionLanguageActor groups rows by the whole prompt (text and images by content), runs the vision
+tower once per distinct image of the call, places the embeddings once into each unique prompt of
+the packed row, gives the row the model's own 3-D mRoPE positions (zorro_core.plan.multimodal)
+and runs the text decoder through the attention hook as for text. A RolloutBatch (no images) goes
+the text actor's way. BaselineVisionLanguageActor is the plain computation on the same path:
+every row its own prompt, every image occurrence encoded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from zorro_core.actor.actor import DeduplicatedActor
+from zorro_core.actor.fsdp import as_root_forward
+from zorro_core.actor.output import ActorOutput
+from zorro_core.attention.hook import Route, route_mask
+from zorro_core.distributed.ulysses import SequenceParallel
+from zorro_core.errors import UnsupportedModelError
+from zorro_core.models.families import forward_kwargs
+from zorro_core.models.parts import check_layers_served, check_trainable_state
+from zorro_core.models.vision import VisionFamily, check_images, encode_images, prompt_positions, vision_family
+from zorro_core.plan.batch import RolloutBatch
+from zorro_core.plan.multimodal import MultimodalBatch, distinct_images, mrope_positions, whole_prompt_groups
+from zorro_core.plan.prompt import PromptPlan, build_prompt_plan
+
+__all__ = ["BaselineVisionLanguageActor", "VisionLanguageActor"]
+
+
+class VisionLanguageActor(DeduplicatedActor):
+    """Each unique prompt (text and images) computed once, each distinct image encoded once."""
+
+    def forward(
+        self,
+        batch: RolloutBatch | MultimodalBatch,
+        temperature: float = 1.0,
+        calculate_entropy: bool = False,
+        sequence_parallel: Optional[SequenceParallel] = None,
+        router_aux_loss: Optional[bool] = None,
+    ) -> ActorOutput:
+        """Log-probs (and optionally entropy) of every response token of `batch`, differentiable."""
+        if isinstance(batch, RolloutBatch):
+            return super().forward(batch, temperature, calculate_entropy, sequence_parallel, router_aux_loss)
+        if not isinstance(batch, MultimodalBatch):
+            raise TypeError(
+                f"a vision-language actor takes a MultimodalBatch or a RolloutBatch, got {type(batch).__name__}"
+            )
+        family = vision_family(self.model)
+        if sequence_parallel is not None and sequence_parallel.size > 1:
+            raise UnsupportedModelError("images under Ulysses sequence parallelism are not served")
+        if self.dedup and self.config.sharing != "prompt":
+            raise UnsupportedModelError(
+                f"sharing={self.config.sharing!r} with images is not served: rows with images share whole prompts "
+                "(sharing='prompt')"
+            )
+        self.check_call(temperature, batch.batch, calculate_entropy)
+        check_trainable_state(self.model)
+        self.install_hooks()
+        rows = batch.batch.to(self.device)
+        check_images(rows, batch.images, self.model.config)
+        distinct, image_ids = distinct_images(batch.images, share=self.dedup)
+        groups = whole_prompt_groups(rows, image_ids, self.dedup)
+        plan = build_prompt_plan(rows, dedup=self.dedup, vocab_size=self.vocab_size, group_of_row=groups)
+        route = Route(self.route_spec, plan)
+        lp, ent = as_root_forward(
+            self.model,
+            lambda: self._compute_images(
+                plan, route, rows, family, distinct, image_ids, temperature, calculate_entropy, router_aux_loss
+            ),
+        )
+        return ActorOutput(plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan)
+
+    __call__ = forward
+
+    def _compute_images(
+        self,
+        plan: PromptPlan,
+        route: Route,
+        rows: RolloutBatch,
+        family: VisionFamily,
+        distinct: list,
+        image_ids: list[list[int]],
+        temperature: float,
+        calculate_entropy: bool,
+        router_aux_loss: Optional[bool],
+    ):
+        base: Any = self.parts.base
+        config: Any = self.model.config
+        reps = plan.group_rep_row.tolist()
+        # The model's own positions of each unique prompt, and where its responses continue.
+        positions, nexts = [], []
+        for r in reps:
+            prompt = rows.prompts[r][rows.prompt_mask[r].bool()].long()
+            pos, nxt = prompt_positions(base, prompt, [distinct[i].grid_thw for i in image_ids[r]])
+            positions.append(pos)
+            nexts.append(nxt)
+        position_ids = mrope_positions(plan, positions, torch.tensor(nexts, device=self.device))
+        embeds, deep = encode_images(base, distinct, family)
+        # Image embeddings in packed order: unique prompts are packed by group, each its images in order.
+        order = [i for r in reps for i in image_ids[r]]
+        inputs_embeds = base.get_input_embeddings()(plan.input_ids[None])
+        extra = {}
+        if order:
+            mask = (plan.input_ids == config.image_token_id)[None]
+            feats = torch.cat([embeds[i] for i in order]).to(inputs_embeds.device, inputs_embeds.dtype)
+            inputs_embeds = inputs_embeds.masked_scatter(mask[..., None], feats)
+            if family.deepstack and deep:
+                extra = dict(
+                    visual_pos_masks=mask,
+                    deepstack_visual_embeds=[torch.cat([layer[i] for i in order]) for layer in deep],
+                )
+        outputs = base.language_model(
+            input_ids=None,
+            inputs_embeds=inputs_embeds,
+            position_ids=position_ids[:, None, :],
+            attention_mask=route_mask(self.device),
+            use_cache=False,
+            zorro_route=route,
+            **extra,
+            **forward_kwargs(self.parts, self.model.config, router_aux_loss),
+        )
+        check_layers_served(self.parts, route)
+        hidden = outputs.last_hidden_state[0]
+        return self.logprobs_at(hidden, plan.logit_index, plan.labels, temperature, calculate_entropy)
+
+
+class BaselineVisionLanguageActor(VisionLanguageActor):
+    """Every row its own prompt and every image occurrence encoded: the plain computation, packed."""
+
+    dedup = False

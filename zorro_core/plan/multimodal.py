@@ -1,0 +1,182 @@
+"""Vision-language rollouts: a RolloutBatch plus each row's images, grouped by the whole prompt.
+
+A row's prompt is its text tokens and its images. Two rows share a group only when both are the
+same: the same real prompt tokens (as `prompt_groups` compares them) and the same images in the
+same order, images compared by content (dtype, shape, grid and every pixel value's bytes; a
+hash buckets them, `torch.equal` decides), never by object identity. So two rows with the same
+text and different images are two prompts, and one image tensor passed twice is one image.
+
+The distinct images of a call are numbered once over the whole batch, so an image that recurs in
+several prompts (several groups) is encoded by the vision tower once. `mrope_positions` lays the
+model's own 3-D rotary positions of each unique prompt into the packed row and continues each
+response from its prompt, as the model numbers a whole [prompt + response] row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from zorro_core.plan.batch import RolloutBatch
+from zorro_core.plan.prompt import PromptPlan, prompt_groups
+
+
+@dataclass(frozen=True)
+class Image:
+    """One image as a Qwen-VL processor gives it: its patches and its grid."""
+
+    pixel_values: torch.Tensor
+    """[t*h*w, C*temporal_patch*patch*patch] the flattened patches, floating point."""
+    grid_thw: tuple[int, int, int]
+    """(t, h, w): the patch grid (temporal, height, width) before the spatial merge."""
+
+    def __post_init__(self) -> None:
+        pv, grid = self.pixel_values, self.grid_thw
+        if not isinstance(pv, torch.Tensor) or pv.dim() != 2 or not pv.is_floating_point():
+            raise ValueError(
+                "an image's pixel_values must be a 2-D floating-point tensor [patches, patch_dim], got "
+                + (f"{pv.dtype} of shape {tuple(pv.shape)}" if isinstance(pv, torch.Tensor) else type(pv).__name__)
+            )
+        ints = tuple(int(x) for x in (grid.tolist() if isinstance(grid, torch.Tensor) else grid))
+        if len(ints) != 3 or min(ints) < 1:
+            raise ValueError(f"an image's grid_thw must be three positive ints (t, h, w), got {ints}")
+        grid = (ints[0], ints[1], ints[2])
+        if grid[0] * grid[1] * grid[2] != pv.shape[0]:
+            raise ValueError(f"grid_thw {grid} holds {grid[0] * grid[1] * grid[2]} patches, pixel_values {pv.shape[0]}")
+        object.__setattr__(self, "grid_thw", grid)
+
+    def content_key(self) -> bytes:
+        """A digest of the image's content: dtype, shape, grid and the bytes of every pixel value."""
+        pv = self.pixel_values.detach().to("cpu").contiguous()
+        h = hashlib.sha256(f"{pv.dtype}|{tuple(pv.shape)}|{self.grid_thw}|".encode())
+        h.update(pv.view(torch.uint8).numpy().tobytes())
+        return h.digest()
+
+    def same_content(self, other: "Image") -> bool:
+        """Exactly the same image (what the digest only buckets)."""
+        a, b = self.pixel_values, other.pixel_values
+        return (
+            self.grid_thw == other.grid_thw
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.detach().cpu(), b.detach().cpu())
+        )
+
+
+@dataclass(frozen=True)
+class MultimodalBatch:
+    """A RolloutBatch whose prompts hold images: `images[i]` are row i's, in the order of their
+    placeholders in its prompt (a row without images has an empty tuple)."""
+
+    batch: RolloutBatch
+    """The token rows, as for text (each image's placeholder tokens are in the prompt)."""
+    images: tuple[tuple[Image, ...], ...]
+    """Per row, its images in prompt order."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch, RolloutBatch):
+            raise TypeError(f"MultimodalBatch.batch must be a RolloutBatch, got {type(self.batch).__name__}")
+        rows = tuple(tuple(r) for r in self.images)
+        if len(rows) != self.batch.batch_size:
+            raise ValueError(f"images are given for {len(rows)} rows, the batch has {self.batch.batch_size}")
+        for i, row in enumerate(rows):
+            for img in row:
+                if not isinstance(img, Image):
+                    raise TypeError(
+                        f"images of row {i} must be zorro_core.plan.multimodal.Image, got {type(img).__name__}"
+                    )
+        object.__setattr__(self, "images", rows)
+
+    @classmethod
+    def from_processor(
+        cls,
+        batch: RolloutBatch,
+        pixel_values: torch.Tensor,
+        image_grid_thw: torch.Tensor,
+        images_per_row: Sequence[int],
+    ) -> "MultimodalBatch":
+        """From a processor's batch layout: every image's patches concatenated ([sum patches, D]),
+        one grid row per image ([n, 3]), row i holding the next `images_per_row[i]` images."""
+        grids = torch.as_tensor(image_grid_thw)
+        if grids.dim() != 2 or grids.shape[1] != 3:
+            raise ValueError(f"image_grid_thw must be [images, 3], got shape {tuple(grids.shape)}")
+        counts = [int(n) for n in images_per_row]
+        if any(n < 0 for n in counts) or sum(counts) != grids.shape[0]:
+            raise ValueError(
+                f"images_per_row {counts} does not add up to the {grids.shape[0]} images of image_grid_thw"
+            )
+        sizes = grids.prod(-1).tolist()
+        if sum(sizes) != pixel_values.shape[0]:
+            raise ValueError(f"image_grid_thw holds {sum(sizes)} patches, pixel_values {pixel_values.shape[0]}")
+        images = [Image(pv, tuple(g)) for pv, g in zip(torch.split(pixel_values, sizes), grids.tolist())]
+        rows, at = [], 0
+        for n in counts:
+            rows.append(tuple(images[at : at + n]))
+            at += n
+        return cls(batch, tuple(rows))
+
+
+def distinct_images(rows: Sequence[Sequence[Image]], share: bool = True) -> tuple[list[Image], list[list[int]]]:
+    """The distinct images of a batch (numbered by first appearance) and each row's images as those
+    numbers. `share=False`: every occurrence its own image (the plain computation's encoding)."""
+    distinct: list[Image] = []
+    ids: list[list[int]] = []
+    buckets: dict[bytes, list[int]] = {}
+    for row in rows:
+        row_ids = []
+        for img in row:
+            if not share:
+                row_ids.append(len(distinct))
+                distinct.append(img)
+                continue
+            key = img.content_key()
+            same = next((j for j in buckets.get(key, ()) if distinct[j].same_content(img)), None)
+            if same is None:
+                same = len(distinct)
+                distinct.append(img)
+                buckets.setdefault(key, []).append(same)
+            row_ids.append(same)
+        ids.append(row_ids)
+    return distinct, ids
+
+
+def whole_prompt_groups(batch: RolloutBatch, image_ids: Sequence[Sequence[int]], dedup: bool = True) -> torch.Tensor:
+    """[B] group of each row by its whole prompt (text tokens and images), numbered by first
+    appearance; every row its own group without `dedup`."""
+    if not dedup:
+        return torch.arange(batch.batch_size, device=batch.device)
+    text = prompt_groups(batch.prompts, batch.prompt_mask, left_padded=True).tolist()
+    first: dict[tuple, int] = {}
+    groups = [first.setdefault((t, tuple(ids)), len(first)) for t, ids in zip(text, image_ids)]
+    return torch.tensor(groups, dtype=torch.long, device=batch.device)
+
+
+def mrope_positions(
+    plan: PromptPlan, prompt_positions: Sequence[torch.Tensor], next_position: torch.Tensor
+) -> torch.Tensor:
+    """[3, T] rotary positions of the packed row.
+
+    `prompt_positions[g]`: [3, L_g] the model's positions of unique prompt g (its get_rope_index);
+    `next_position[g]`: the position the model gives the first text token after prompt g (all
+    three sections alike). A prompt token takes its prompt's position; response token j takes
+    next_position[g] + j, as in the model's numbering of the whole row (text continues by one)."""
+    g_count = plan.num_groups
+    if len(prompt_positions) != g_count or next_position.shape != (g_count,):
+        raise ValueError(f"positions are given for {len(prompt_positions)} prompts, the plan has {g_count}")
+    dev = plan.input_ids.device
+    lens = torch.tensor([p.shape[1] for p in prompt_positions], device=dev)
+    if not torch.equal(lens, plan.prompt_lens.to(dev)):
+        raise ValueError(f"prompt positions of lengths {lens.tolist()}, the plan's prompts {plan.prompt_lens.tolist()}")
+    flat = torch.cat([p.to(dev) for p in prompt_positions], 1)
+    flat_start = torch.cumsum(lens, 0) - lens
+    t = plan.num_tokens
+    g = plan.token_group
+    is_prompt = plan.token_segment < g_count
+    offset = torch.arange(t, device=dev) - plan.prompt_start[g]
+    prompt_pos = flat[:, (flat_start[g] + offset).clamp(0, flat.shape[1] - 1)]
+    # plan.position_ids of a response token is prompt_len + j: shifted onto the model's numbering.
+    response_pos = (plan.position_ids - plan.prompt_lens[g] + next_position.to(dev)[g]).expand(3, t)
+    return torch.where(is_prompt[None, :], prompt_pos, response_pos)

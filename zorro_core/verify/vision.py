@@ -1,0 +1,204 @@
+"""Prove the vision path: VisionLanguageActor against each row run alone, per `zorro verify`'s rule.
+
+One case is a vision-language family (a tiny random config built in code), a dtype, split or
+mask attention, gradient checkpointing (none or a flavour) and a trainable or frozen vision
+tower. Each case runs `vision_verify_batch` (several images per prompt, the same text with
+another image, an image recurring across groups, one image as two tensors, a text-only row)
+through the deduplicated vision actor and the plain one (every row its own prompt, every image
+occurrence encoded) with a loss whose per-token weights differ per row, and compares their
+log-probs, entropies and every parameter's gradient with each row run alone through the
+unmodified model in float64 on the same weights (zorro_core.verify.vision_reference). The pass
+rule is zorro_core.verify.gradients' RULE (`judge`). Only whole-prompt sharing exists for images
+(sharing="prefix" is refused with them).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+
+from zorro_core.actor.vision import BaselineVisionLanguageActor, VisionLanguageActor
+from zorro_core.models.vision import VISION_FAMILIES, build_vision_model, tiny_config
+from zorro_core.plan.batch import RolloutBatch
+from zorro_core.plan.dtypes import DTYPES as TORCH_DTYPES
+from zorro_core.plan.multimodal import Image, MultimodalBatch
+from zorro_core.stack.checkpointing import CHECKPOINTING, enable_checkpointing
+from zorro_core.verify.gradients import TEMPERATURE, Errors, judge
+from zorro_core.verify.reference import loss_of, max_abs_error, rel_grad_errors, token_weights
+from zorro_core.verify.vision_reference import vision_per_sequence
+
+FAMILIES = tuple(sorted(VISION_FAMILIES))
+DTYPES = ("float64", "float32", "bfloat16")
+MODES = ("split", "mask")
+BUGS = ("text_positions",)
+"""Planted to prove the check fails: "text_positions" gives the packed row 1-D text positions."""
+
+
+@dataclass(frozen=True)
+class VisionCase:
+    """One configuration of the vision path to prove."""
+
+    family: str
+    """A served vision-language model type (zorro_core.models.vision.VISION_FAMILIES)."""
+    dtype: str = "float64"
+    """The model's dtype (the reference runs in float64 on a copy)."""
+    mode: str = "split"
+    """"split" (varlen calls) or "mask" (one attention with the block mask)."""
+    checkpointing: Optional[str] = None
+    """None, or a gradient checkpointing flavour (zorro_core.stack.checkpointing.CHECKPOINTING), in training mode."""
+    frozen_tower: bool = False
+    """The vision tower's parameters frozen (requires_grad False), as recipes often run."""
+
+    @property
+    def name(self) -> str:
+        parts = [self.family, self.dtype, self.mode]
+        if self.checkpointing:
+            parts.append(f"ckpt-{self.checkpointing}")
+        if self.frozen_tower:
+            parts.append("frozen-tower")
+        return "/".join(parts)
+
+
+@dataclass
+class VisionResult:
+    """The verdict of one case."""
+
+    case: VisionCase
+    status: str
+    """pass, fail or error."""
+    reason: str = ""
+    dedup: Optional[Errors] = None
+    baseline: Optional[Errors] = None
+    worst_ratio: float = float("nan")
+    """The largest error / tolerance of the case (<= 1 passes)."""
+    worst_check: str = ""
+    failing: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def vision_verify_batch(config, seed: int = 0, dtype: torch.dtype = torch.float64) -> MultimodalBatch:
+    """Groups {0, 1, 4} (row 4's image another tensor of the same content), {2} (row 0's text,
+    another image), {3, 5} (two images, the first recurring from group 0), {6} (text only).
+    Images have 2x2 patches of `config`'s tiny vision tower (24 values each)."""
+    g = torch.Generator().manual_seed(seed)
+    merge = config.vision_config.spatial_merge_size
+    dim = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
+
+    def image(h: int, w: int) -> Image:
+        return Image(torch.randn(h * w, dim, generator=g, dtype=torch.float64).to(dtype), (1, h, w))
+
+    def placeholders(img: Image) -> list[int]:
+        t, h, w = img.grid_thw
+        n = t * h * w // (merge * merge)
+        return [config.vision_start_token_id] + [config.image_token_id] * n + [config.vision_end_token_id]
+
+    a, b, c = image(4, 4), image(4, 6), image(2, 4)
+    a_copy = Image(a.pixel_values.clone(), a.grid_thw)
+    t1, t2 = [5, 6, 7], [9, 10]
+    rows = [
+        (t1 + placeholders(a) + [8], (a,), [11, 12, 13]),
+        (t1 + placeholders(a) + [8], (a,), [14, 15]),
+        (t1 + placeholders(b) + [8], (b,), [16, 17, 18, 19]),
+        (t2 + placeholders(a) + placeholders(c) + [3], (a, c), [20]),
+        (t1 + placeholders(a_copy) + [8], (a_copy,), [21, 22]),
+        (t2 + placeholders(a) + placeholders(c) + [3], (a, c), [23, 24, 25]),
+        ([4, 5, 6, 7], (), [26, 27]),
+    ]
+    batch = RolloutBatch.from_lists([r[0] for r in rows], [r[2] for r in rows])
+    return MultimodalBatch(batch, tuple(r[1] for r in rows))
+
+
+def vision_cases(
+    families: Iterable[str] = FAMILIES,
+    dtypes: Iterable[str] = DTYPES,
+    modes: Iterable[str] = MODES,
+    checkpointing: Iterable[Optional[str]] = (None,),
+    frozen_tower: Iterable[bool] = (False,),
+) -> list[VisionCase]:
+    """Every combination of the options, refusing an unknown value by name."""
+    families, dtypes, modes = list(families), list(dtypes), list(modes)
+    checkpointing, frozen_tower = list(checkpointing), list(frozen_tower)
+    for name, values, allowed in (
+        ("family", families, FAMILIES),
+        ("dtype", dtypes, DTYPES),
+        ("mode", modes, MODES),
+        ("checkpointing", checkpointing, (None,) + CHECKPOINTING),
+    ):
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise ValueError(f"unknown {name} {bad[0]!r}; choose from {', '.join(map(str, allowed))}")
+    return [VisionCase(*c) for c in itertools.product(families, dtypes, modes, checkpointing, frozen_tower)]
+
+
+def _errors(actor, mm: MultimodalBatch, weights, ref) -> Errors:
+    model = actor.model
+    model.zero_grad(set_to_none=True)
+    out = actor(mm, temperature=TEMPERATURE, calculate_entropy=True)
+    loss_of(out.log_probs, out.entropy, weights).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    ref_lp, ref_ent, ref_grads = ref
+    return Errors(
+        max_abs_error(out.log_probs, ref_lp), max_abs_error(out.entropy, ref_ent), rel_grad_errors(grads, ref_grads)
+    )
+
+
+def run_vision_case(case: VisionCase, seed: int = 0, bug: Optional[str] = None) -> VisionResult:
+    """Prove one case (see the module doc); `bug` plants one of BUGS in the deduplicated actor only."""
+    if bug is not None and bug not in BUGS:
+        raise ValueError(f"unknown bug {bug!r}; choose from {', '.join(BUGS)}")
+    start = time.perf_counter()
+    try:
+        config = tiny_config(case.family)
+        attn = "sdpa" if case.mode == "split" else "eager"
+        model64 = build_vision_model(config, dtype=torch.float64, seed=seed, attn_implementation=attn)
+        if case.frozen_tower:
+            for p in model64.model.visual.parameters():
+                p.requires_grad_(False)
+        mm = vision_verify_batch(config, seed)
+        weights = token_weights(mm.batch, seed)
+        ref = vision_per_sequence(model64, mm, TEMPERATURE, weights=weights)
+        model = copy.deepcopy(model64).to(TORCH_DTYPES[case.dtype])
+        if case.checkpointing:
+            enable_checkpointing(model, case.checkpointing)
+            model.train()
+        split = case.mode == "split"
+        baseline = _errors(BaselineVisionLanguageActor(model=model, use_split_attention=split), mm, weights, ref)
+        dedup_actor = VisionLanguageActor(model=model, use_split_attention=split)
+        if bug == "text_positions":
+            with _text_positions():
+                dedup = _errors(dedup_actor, mm, weights, ref)
+        else:
+            dedup = _errors(dedup_actor, mm, weights, ref)
+    except Exception as e:  # a case that cannot run counts as a failure, with its reason
+        return VisionResult(case, "error", f"{type(e).__name__}: {e}", seconds=time.perf_counter() - start)
+    worst, check, failing = judge(case.dtype, dedup, baseline)
+    return VisionResult(
+        case,
+        "fail" if failing else "pass",
+        "; ".join(failing[:3]),
+        dedup,
+        baseline,
+        worst,
+        check,
+        failing,
+        time.perf_counter() - start,
+    )
+
+
+class _text_positions:
+    """Within: the vision actor gives the packed row 1-D text positions (the planted bug)."""
+
+    def __enter__(self) -> None:
+        import zorro_core.actor.vision as actor_vision
+
+        self._module, self._saved = actor_vision, actor_vision.mrope_positions
+        actor_vision.mrope_positions = lambda plan, *args: plan.position_ids.expand(3, -1)
+
+    def __exit__(self, *exc: object) -> None:
+        self._module.mrope_positions = self._saved
