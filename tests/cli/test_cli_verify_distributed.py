@@ -25,15 +25,15 @@ def _verify_commands(root: typer.Typer) -> set[str]:
 
 
 def test_verify_registers_its_three_commands_explicitly():
-    """register(app) adds gradients, training and distributed; importing a module adds nothing."""
+    """register(app) adds gradients, training, distributed and vision; importing a module adds nothing."""
     assert not any(isinstance(v, typer.Typer) for v in vars(verify_distributed).values())
     assert not any(isinstance(v, typer.Typer) for v in vars(verify).values())
     for _ in range(2):  # each register builds its own group: no state shared between apps
         fresh = typer.Typer()
         fresh.command("noop")(lambda: None)
         verify.register(fresh)
-        assert _verify_commands(fresh) == {"gradients", "training", "distributed"}
-    assert _verify_commands(app) == {"gradients", "training", "distributed"}
+        assert _verify_commands(fresh) == {"gradients", "training", "distributed", "vision"}
+    assert _verify_commands(app) == {"gradients", "training", "distributed", "vision"}
 
 
 def test_logits_mode_is_the_choice_the_other_commands_take():
