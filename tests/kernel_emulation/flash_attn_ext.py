@@ -11,12 +11,13 @@ rest of the module (fwd, bwd, fwd_kvcache) raises: zorro calls only the varlen p
 from __future__ import annotations
 
 import types
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from tests.kernel_emulation import flash_core
-from tests.kernel_emulation.flash_core import check
+from tests.kernel_emulation.flash_core import Calls, check
 
 
 def _version(version: str) -> tuple[int, int]:
@@ -24,8 +25,8 @@ def _version(version: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def make_extension(version: str) -> types.ModuleType:
-    """The module `flash_attn_2_cuda` of flash-attn `version`, on CPU."""
+def make_extension(version: str, calls: Optional[Calls] = None) -> types.ModuleType:
+    """The module `flash_attn_2_cuda` of flash-attn `version`, on CPU (forward calls recorded in `calls`)."""
     old = _version(version) < (2, 7)
     mod = types.ModuleType("flash_attn_2_cuda")
     mod.__doc__ = f"CPU emulation of flash-attn {version}'s compiled module (tests/kernel_emulation)."
@@ -34,10 +35,15 @@ def make_extension(version: str) -> types.ModuleType:
         check(len(args) == 21, f"varlen_fwd(): incompatible function arguments ({len(args)} given, 21 taken)")
         (q, k, v, out_, cu_q, cu_k, seqused_k, leftpad_k, block_table, alibi, max_q, max_k, p_dropout, scale,
          zero_tensors, causal, wl, wr, softcap, return_softmax, gen) = args  # fmt: skip
-        check(out_ is None and seqused_k is None and leftpad_k is None and block_table is None, "emulation: plain call only")
+        check(
+            out_ is None and seqused_k is None and leftpad_k is None and block_table is None,
+            "emulation: plain call only",
+        )
         check(alibi is None and softcap == 0.0 and not return_softmax and gen is None, "emulation: plain call only")
         for name, x in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
             check(type(x) is int, f"varlen_fwd(): {name} must be an int, got {type(x).__name__}")
+        if calls is not None:
+            calls.record(wl, wr, causal)
         d = q.shape[-1]
         if old and d % 8:
             q, k, v = (F.pad(x, (0, 8 - d % 8)) for x in (q, k, v))  # 2.6's own padding
@@ -61,7 +67,9 @@ def make_extension(version: str) -> types.ModuleType:
 
     def _not_emulated(name):
         def fn(*args, **kwargs):
-            raise NotImplementedError(f"emulation: flash_attn_2_cuda.{name} is not emulated (zorro calls the varlen pair)")
+            raise NotImplementedError(
+                f"emulation: flash_attn_2_cuda.{name} is not emulated (zorro calls the varlen pair)"
+            )
 
         return fn
 

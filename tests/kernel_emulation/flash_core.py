@@ -21,11 +21,25 @@ dv = P^T dout, dk/dv summed over each K/V head's query heads (GQA).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class Calls:
+    """What an emulated kernel saw, for the tests to assert it really ran: forward calls, and each
+    one's window (left, right) as the C++ receives it, causal folded in (right = 0)."""
+
+    n: int = 0
+    windows: list = field(default_factory=list)
+
+    def record(self, left: int, right: int, causal: bool) -> None:
+        self.n += 1
+        self.windows.append((left, 0 if causal else right))
 
 
 class TorchCheckError(RuntimeError):
@@ -204,7 +218,10 @@ def varlen_backward(
     check(d % 8 == 0, "head_size should be a multiple of 8")
     check(d <= 256, "FlashAttention backward only supports head dimension at most 256")
     check(hq % hk == 0, "Number of heads in key/value must divide number of heads in query")
-    check(tuple(k.shape) == (tk, hk, d) and tuple(v.shape) == (tk, hk, d), "k, v must be (total_k, num_heads_k, head_size)")
+    check(
+        tuple(k.shape) == (tk, hk, d) and tuple(v.shape) == (tk, hk, d),
+        "k, v must be (total_k, num_heads_k, head_size)",
+    )
     check(tuple(out.shape) == (tq, hq, d), "out must have shape (total_q, num_heads, head_size)")
     check(tuple(dout.shape) == (tq, hq, d), "dout must have shape (total_q, num_heads, head_size)")
     check(dropout_p == 0.0, "emulation: dropout is not emulated")

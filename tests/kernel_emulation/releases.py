@@ -23,6 +23,7 @@ import torch
 
 from tests.kernel_emulation import flash_core, sdists
 from tests.kernel_emulation.flash_attn_ext import make_extension
+from tests.kernel_emulation.flash_core import Calls
 
 _MODULES = ("flash_attn_2_cuda", "flash_attn", "flash_attn.flash_attn_interface")
 
@@ -33,18 +34,24 @@ def _custom_op_names() -> set[str]:
     return {n for n in custom_ops.OPDEFS if n.startswith("flash_attn::")}
 
 
+LATEST = sdists.VERSIONS[-1]
+
+
 @contextlib.contextmanager
-def flash_attn_release(version: str) -> Iterator[Any]:
-    """flash-attn `version`'s real `flash_attn.flash_attn_interface` over the CPU kernel (yielded)."""
+def flash_attn_release(version: str = LATEST, calls: Optional[Calls] = None) -> Iterator[Any]:
+    """flash-attn `version`'s real `flash_attn.flash_attn_interface` over the CPU kernel (yielded);
+    the kernel's forward calls are recorded in `calls`."""
     from torch._library import custom_ops
 
     folder = sdists.package_dir(version)
     if not (folder / "flash_attn" / "flash_attn_interface.py").is_file():
-        raise FileNotFoundError(f"flash-attn {version}'s package is not in {folder}: python -m tests.kernel_emulation.sdists")
+        raise FileNotFoundError(
+            f"flash-attn {version}'s package is not in {folder}: python -m tests.kernel_emulation.sdists"
+        )
     if _custom_op_names():
         raise RuntimeError(f"flash_attn custom ops are already registered here: {sorted(_custom_op_names())}")
     saved = {n: sys.modules.pop(n, None) for n in _MODULES}
-    sys.modules["flash_attn_2_cuda"] = make_extension(version)
+    sys.modules["flash_attn_2_cuda"] = make_extension(version, calls)
     sys.path.insert(0, str(folder))
     try:
         importlib.invalidate_caches()
@@ -67,6 +74,9 @@ def flash_attn_release(version: str) -> Iterator[Any]:
             sys.modules.pop(n, None)
             if saved[n] is not None:
                 sys.modules[n] = saved[n]
+
+
+_aten_calls: list[Optional[Calls]] = [None]
 
 
 def _aten_forward(
@@ -95,6 +105,8 @@ def _aten_forward(
     s = scale if scale is not None else query.shape[-1] ** -0.5
     left = -1 if window_size_left is None else int(window_size_left)
     right = -1 if window_size_right is None else int(window_size_right)
+    if _aten_calls[0] is not None:
+        _aten_calls[0].record(left, right, is_causal)
     out, lse = flash_core.varlen_forward(
         query, key, value, cum_seq_q, cum_seq_k, int(max_q), int(max_k), dropout_p, s, is_causal, left, right
     )
@@ -134,12 +146,46 @@ def _aten_backward(
 
 
 @contextlib.contextmanager
-def aten_flash_on_cpu() -> Iterator[None]:
-    """`aten::_flash_attention_forward/_backward` runnable on CPU tensors, for the duration."""
+def aten_flash_on_cpu(calls: Optional[Calls] = None) -> Iterator[None]:
+    """`aten::_flash_attention_forward/_backward` runnable on CPU tensors, for the duration (forward
+    calls recorded in `calls`)."""
     lib = torch.library.Library("aten", "IMPL")
+    _aten_calls[0] = calls
     try:
         lib.impl("_flash_attention_forward", _aten_forward, "CPU")
         lib.impl("_flash_attention_backward", _aten_backward, "CPU")
         yield
     finally:
+        _aten_calls[0] = None
         lib._destroy()
+
+
+def require_sdists() -> None:
+    """Skip (fail where ZORRO_FLASH_ATTN_SDISTS_REQUIRED is set, as in CI) when a release's package is missing."""
+    import os
+
+    import pytest
+
+    miss = sdists.missing()
+    if miss:
+        msg = f"flash-attn {', '.join(miss)} not in {sdists.CACHE}: run python -m tests.kernel_emulation.sdists"
+        if os.environ.get(sdists.REQUIRED_ENV):
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+class Emulation:
+    """The kernels' emulation for one test (the `kernel_emulation` fixture): what it enters is
+    undone when the test ends."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self._stack = stack
+
+    def flash_attn(self, version: str = LATEST, calls: Optional[Calls] = None) -> Any:
+        """flash-attn `version`'s real interface over the CPU kernel (its module returned)."""
+        require_sdists()
+        return self._stack.enter_context(flash_attn_release(version, calls))
+
+    def aten(self, calls: Optional[Calls] = None) -> None:
+        """torch's aten flash ops on CPU."""
+        self._stack.enter_context(aten_flash_on_cpu(calls))
