@@ -343,9 +343,13 @@ def test_flash_attn_outside_2_6_to_2_8_is_refused():
 
 def test_gradients_of_several_calls_are_summed_in_float32(kernel_emulation):
     """Per-call dq/dk/dv are accumulated in float32 and rounded once (as one kernel call's
-    accumulators are): the merged gradient is the float32 sum of the calls' gradients, rounded."""
+    accumulators are): the merged gradient is the float32 sum of the calls' gradients, rounded. A
+    three-level trie, so a root's keys get gradients from three calls (two would round once anyway)."""
     pair = _pair(kernel_emulation, "torch_varlen")
-    plan = _prompt_plan()
+    p, r = _tokens(6, 8), _tokens(3, 9)
+    batch = _batch([p] * 4, [[*r, 1, 2], [*r, 1, 3], [*r, 4], [5, 6]])
+    plan = build_dedup_plan(batch, sharing="prefix", min_shared_tokens=1)
+    assert len(plan.levels) >= 3
     (q, k, v), g = _qkv(plan.num_tokens, 4, 2, 16, torch.bfloat16, seed=5)
     calls = merged_calls(plan)
     with warnings.catch_warnings():
