@@ -58,10 +58,15 @@ def _check_cu(cu: torch.Tensor, name: str, q: torch.Tensor, batch: int) -> None:
     check(tuple(cu.shape) == (batch + 1,), f"{name} must have shape ({batch + 1},)")
 
 
-def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int) -> list[tuple[int, int, int, int]]:
+def _segments(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, total_q: int, total_k: int
+) -> list[tuple[int, int, int, int]]:
     """(q0, q1, k0, k1) per segment. The kernel sizes its grid by max_seqlen_q/k: a segment longer
-    would leave rows unwritten on the GPU, which this emulation refuses rather than guess."""
+    would leave rows unwritten on the GPU, and offsets past the tensors would read out of bounds;
+    the C++ checks neither, this emulation refuses both rather than guess."""
     cq, ck = cu_q.tolist(), cu_k.tolist()
+    check(cq[0] == 0 and cq[-1] <= total_q, f"emulation: cu_seqlens_q {cq} runs past the {total_q} query rows")
+    check(ck[0] == 0 and ck[-1] <= total_k, f"emulation: cu_seqlens_k {ck} runs past the {total_k} key rows")
     segs = []
     for i in range(len(cq) - 1):
         lq, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
@@ -145,7 +150,7 @@ def varlen_forward(
     out = torch.zeros(tq, hq, d, dtype=torch.float32)
     lse = torch.full((hq, tq), float("inf"), dtype=torch.float32)  # no key: +inf
     rep = hq // hk
-    for q0, q1, k0, k1 in _segments(cu_q, cu_k, max_q, max_k):
+    for q0, q1, k0, k1 in _segments(cu_q, cu_k, max_q, max_k, tq, k.shape[0]):
         if q1 == q0 or k1 == k0:
             continue
         qi = q[q0:q1].float().transpose(0, 1)  # [H, lq, D], read through q's strides
@@ -239,7 +244,7 @@ def varlen_backward(
     gk = torch.zeros(tk, hq, d, dtype=torch.float32)
     gv = torch.zeros(tk, hq, d, dtype=torch.float32)
     softmax_d = torch.zeros(hq, tq, dtype=torch.float32)
-    for q0, q1, k0, k1 in _segments(cu_q, cu_k, max_q, max_k):
+    for q0, q1, k0, k1 in _segments(cu_q, cu_k, max_q, max_k, tq, tk):
         if q1 == q0 or k1 == k0:
             continue  # the kernel writes dk = dv = 0 for key blocks no query reaches
         qi = q[q0:q1].float().transpose(0, 1)
