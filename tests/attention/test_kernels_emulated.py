@@ -368,3 +368,22 @@ def test_gradients_of_several_calls_are_summed_in_float32(kernel_emulation):
             total[rows] += part.float()
     for a, b in zip(got[1:], sums):
         assert torch.equal(a, b.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_flash_attn_gather_path_through_each_release(kernel_emulation, monkeypatch, version):
+    """A window that cuts a prompt keeps the gather path: flash-attn's public flash_attn_varlen_func
+    (each release's own, its window argument and its autograd Function) over the emulated kernel."""
+    calls = Calls()
+    kernel_emulation.flash_attn(version, calls)
+    monkeypatch.setattr(BACKENDS["flash_attn"], "unavailable", lambda device: None)
+    (q, k, v), g = _qkv(9, 4, 2, 12, torch.bfloat16, seed=6)  # 12: the public wrapper pads to 16 itself
+    seg = _segments([4, 5])
+    got = _grads(lambda q, k, v: BACKENDS["flash_attn"].varlen(q, k, v, seg, 0.3, window=3), q, k, v, g)
+    want = _grads(
+        lambda q, k, v: BACKENDS["reference"].varlen(q, k, v, seg, 0.3, window=3), *(x.double() for x in (q, k, v)), g
+    )
+    assert calls.n == 1 and calls.windows == [(2, 0)]
+    for what, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        rel = ((a.double() - b).abs().max() / b.abs().max()).item()
+        assert rel < REL_TOL[torch.bfloat16], f"{what}: {rel:.3g}"

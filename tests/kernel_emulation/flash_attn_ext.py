@@ -4,7 +4,7 @@
 (the pybind signatures of csrc/flash_attn/flash_api.cpp's mha_varlen_fwd / mha_varlen_bwd, the same
 21 and 24 at 2.6.3, 2.7.4.post1 and 2.8.3.post2) and return that release's tuple: 2.6 returns
 (out, q_padded, k_padded, v_padded, out_padded, softmax_lse, p, rng_state) and pads a head dim that
-is not a multiple of 8 itself; 2.7+ returns (out, softmax_lse, p, rng_state) and refuses one. The
+is not a multiple of 8 itself (its backward takes dout at the unpadded head dim); 2.7+ returns (out, softmax_lse, p, rng_state) and refuses one. The
 rest of the module (fwd, bwd, fwd_kvcache) raises: zorro calls only the varlen pair.
 """
 
@@ -61,6 +61,12 @@ def make_extension(version: str, calls: Optional[Calls] = None) -> types.ModuleT
         (dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, alibi, max_q, max_k, p_dropout, scale, zero_tensors,
          causal, wl, wr, softcap, deterministic, gen, rng_state) = args  # fmt: skip
         check(alibi is None and softcap == 0.0 and gen is None, "emulation: plain call only")
+        if old:  # 2.6 takes dout at the caller's head dim and pads it itself (q, k, v, out come padded)
+            d_og = dout.shape[-1]
+            check(q.shape[-1] == -(-d_og // 8) * 8, "head_size must be head_size_og rounded to a multiple of 8")
+            check(dout.stride(-1) == 1, "dout tensor must have contiguous last dimension")
+            if d_og % 8:
+                dout = F.pad(dout, (0, 8 - d_og % 8))
         return flash_core.varlen_backward(
             dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, p_dropout, scale, causal, wl, wr
         )
