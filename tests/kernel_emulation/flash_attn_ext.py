@@ -4,8 +4,9 @@
 (the pybind signatures of csrc/flash_attn/flash_api.cpp's mha_varlen_fwd / mha_varlen_bwd, the same
 21 and 24 at 2.6.3, 2.7.4.post1 and 2.8.3.post2) and return that release's tuple: 2.6 returns
 (out, q_padded, k_padded, v_padded, out_padded, softmax_lse, p, rng_state) and pads a head dim that
-is not a multiple of 8 itself (its backward takes dout at the unpadded head dim); 2.7+ returns (out, softmax_lse, p, rng_state) and refuses one. The
-rest of the module (fwd, bwd, fwd_kvcache) raises: zorro calls only the varlen pair.
+is not a multiple of 8 itself (its backward takes dout at the unpadded head dim); 2.7+ returns
+(out, softmax_lse, p, rng_state) and refuses one. The rest of the module (fwd, bwd, fwd_kvcache)
+raises: zorro calls only the varlen pair.
 """
 
 from __future__ import annotations
