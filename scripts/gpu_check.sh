@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
 # The prepared device check for a lent GPU: one script, under 10 minutes on one H200.
+#   0. the kernels' emulated suite first (flash-attn's own interface at 2.6.3/2.7.4.post1/2.8.3.post2 and
+#      torch's aten op calls over the CPU emulation of the compiled part, tests/kernel_emulation; ~30 s),
+#      also where there is no GPU: the flash-attn sdists must be in .cache/flash-attn-sdists (run
+#      `python -m tests.kernel_emulation.sdists` first; carry that folder to a machine without network);
 #   1. every GPU path against the reference: torch varlen and flash-attn varlen vs the exact
 #      reference backend, flex_attention mask mode (compiled, dynamic shapes) vs the baseline and,
 #      with gradients, vs the float64 reference (prompt and tree masks, a window), Liger and
@@ -26,13 +30,16 @@ if ! $PY -c "import torch" 2>/dev/null; then
   echo "gpu_check: $PY cannot import torch; activate the venv or set PYTHON=/path/to/python" >&2
   exit 2
 fi
+start=$(date +%s)
+# Seconds until the step's deadline (since start); at least 1, since `timeout 0` means no limit.
+left() { local r=$(( ${1} - ($(date +%s) - start) )); [ "$r" -lt 1 ] && r=1; echo "$r"; }
+echo "== 0. the kernels' emulated suite (real interfaces, CPU emulation of the compiled part)"
+ZORRO_FLASH_ATTN_SDISTS_REQUIRED=1 timeout "$(left 60)" $PY -m pytest -q -rs -p no:cacheprovider \
+  tests/attention/test_kernels_emulated.py tests/attention/test_gpu_glue.py 2>&1 | tee "$OUT/pytest_emulated.txt"
 if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check: no CUDA device here; nothing to check (every GPU test and suite skips with its reason on CPU)"
   exit 0
 fi
-start=$(date +%s)
-# Seconds until the step's deadline (since start); at least 1, since `timeout 0` means no limit.
-left() { local r=$(( ${1} - ($(date +%s) - start) )); [ "$r" -lt 1 ] && r=1; echo "$r"; }
 
 $PY -m zorro_cli.main env --json > "$OUT/env.json" 2>&1
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1

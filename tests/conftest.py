@@ -108,3 +108,16 @@ def fake(monkeypatch, tmp_path):
 
     run.suite = suite
     return run
+
+
+@pytest.fixture
+def kernel_emulation():
+    """The CUDA varlen kernels' CPU emulation (tests/kernel_emulation): `.flash_attn(version)` loads
+    flash-attn's real interface at a release over it, `.aten()` registers torch's aten flash ops on
+    CPU; both undone after the test."""
+    import contextlib
+
+    from tests.kernel_emulation.releases import Emulation
+
+    with contextlib.ExitStack() as stack:
+        yield Emulation(stack)

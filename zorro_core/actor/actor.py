@@ -146,7 +146,7 @@ class _Actor:
         """The varlen backend split mode runs (refused now if unavailable); mask mode: None, after
         checking that the attention implementation can run the block mask."""
         if config.use_split_attention:
-            backend = config.varlen_backend or default_backend(attn, self.device)
+            backend = config.varlen_backend or default_backend(attn, self.device, self._built_for[1])
             get_backend(backend, self.device)
             return backend
         if attn == "flex_attention":

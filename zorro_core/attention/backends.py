@@ -40,9 +40,18 @@ import warnings
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from zorro_core.attention.head_dims import crop, same_head_dim
-from zorro_core.attention.kernels import CpuFlashPair, FlashAttnPair, KernelPair, TorchFlashPair, flash_attn_missing
+from zorro_core.attention.kernels import (
+    HALF,
+    CpuFlashPair,
+    FlashAttnPair,
+    KernelPair,
+    TorchFlashPair,
+    cuda_pair_refusal,
+    flash_attn_missing,
+)
 from zorro_core.attention.layouts import Layouts
 from zorro_core.attention.merged import MergedSplitAttention, VarlenCall, merge_refusal
 from zorro_core.attention.padded import (
@@ -188,12 +197,31 @@ class FlashCpuGatherBackend(AttentionBackend):
         return FlashCpuBackend.pair.unavailable(device)
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 @functools.lru_cache(maxsize=None)
 def _varlen_attn_takes(name: str) -> bool:
     # lazy: not every torch has torch.nn.attention.varlen (unavailable() says so first)
     from torch.nn.attention.varlen import varlen_attn
 
     return name in inspect.signature(varlen_attn).parameters
+
+
+def varlen_attn_refusal() -> Optional[str]:
+    """Why this torch's varlen_attn cannot take zorro's call, or None: it needs `scale` (zorro's
+    models pass their own) and `window_size` (the causal flag and sliding windows), which torch 2.10's
+    lacks (both arrived in 2.11)."""
+    missing = [n for n in ("scale", "window_size") if not _varlen_attn_takes(n)]
+    if missing:
+        return f"torch {torch.__version__}'s varlen_attn takes no {' or '.join(missing)} (torch >= 2.11 does)"
+    return None
 
 
 def _window_size(window: Optional[int]) -> tuple[int, int]:
@@ -212,8 +240,15 @@ class CudaVarlenBackend(AttentionBackend):
     Both kernels take one head dim for q, k and v: with MLA's Dv != Dq they get them zero-padded to
     one and the output is cropped to Dv (exact: zorro_core.attention.head_dims)."""
 
+    pad_to: int = 1
+    """Head dims are zero-padded to a multiple of this (torch's private flash op takes multiples of 8)."""
+
     def varlen(self, q, k, v, seg, scale, window=None, layouts=None):
         q, k, v, dv = same_head_dim(q, k, v)
+        d = q.shape[-1]
+        padded = -(-d // self.pad_to) * self.pad_to
+        if padded != d:  # exact: zero columns add 0 to every score, the scale is passed explicitly
+            q, k, v = (F.pad(x, (0, padded - d)) for x in (q, k, v))
         return crop(self.kernel(q, k, v, seg, scale, window), dv)
 
     def kernel(self, q, k, v, seg: Segments, scale: float, window: Optional[int]) -> torch.Tensor:
@@ -225,9 +260,7 @@ class CudaVarlenBackend(AttentionBackend):
         raise NotImplementedError
 
     def unavailable(self, device):
-        if device.type != "cuda":
-            return f"{self.name} needs a CUDA device (got {device.type})"
-        return self.missing()
+        return cuda_pair_refusal(self.name, device) or self.missing()
 
 
 class TorchVarlenBackend(CudaVarlenBackend):
@@ -235,6 +268,16 @@ class TorchVarlenBackend(CudaVarlenBackend):
 
     name = "torch_varlen"
     pair = TorchFlashPair()
+    pad_to = 8
+
+    def varlen(self, q, k, v, seg, scale, window=None, layouts=None):
+        if q.dtype not in HALF:
+            raise ValueError(f"torch_varlen runs float16/bfloat16 only, not {q.dtype}; use the sdpa backend")
+        why = varlen_attn_refusal()
+        if why:  # route the call, exactly, through sdpa's padded batch (said once)
+            _warn_once("varlen_attn", f"zorro: torch_varlen's gather path runs sdpa instead: {why}")
+            return BACKENDS["sdpa"].varlen(q, k, v, seg, scale, window, layouts)
+        return super().varlen(q, k, v, seg, scale, window, layouts)
 
     def kernel(self, q, k, v, seg, scale, window):
         # lazy: not every torch has it (see _varlen_attn_takes)
@@ -316,13 +359,16 @@ def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
     return BACKENDS[name]
 
 
-def default_backend(attn_implementation: str, device: torch.device | str) -> str:
-    """The varlen backend that split mode uses for a model's attention implementation."""
+def default_backend(attn_implementation: str, device: torch.device | str, dtype: Optional[torch.dtype] = None) -> str:
+    """The varlen backend that split mode uses for a model's attention implementation and compute
+    `dtype` (None: assumed float16/bfloat16). "sdpa" on CUDA takes torch's flash kernel pair only for
+    float16/bfloat16 (the kernel's dtypes); a float32 model keeps sdpa's own padded path."""
     device = torch.device(device)
     if attn_implementation == "eager":
         return "reference"
     if attn_implementation.startswith("flash_attention"):
         return "flash_attn"
-    if device.type == "cuda" and backend_unavailable("torch_varlen", device) is None:
+    half = dtype is None or dtype in HALF
+    if device.type == "cuda" and half and backend_unavailable("torch_varlen", device) is None:
         return "torch_varlen"
     return "sdpa"

@@ -19,9 +19,22 @@ segment may have no queries (its keys then get zero gradient).
   backward) over a padded batch built inside each call (a transient, never saved), so CI and a
   machine without a GPU run the GPU path's own code.
 - `torch_varlen`: `aten._flash_attention_forward/_backward` (CUDA), the ops under torch's varlen_attn.
-- `flash_attn`: flash-attn 2's `_flash_attn_varlen_forward/_backward` (CUDA, flash-attn >= 2.6,
-  where the varlen lse is [H, Tq]); called by keyword, each argument checked against the installed
-  signature, so a release that renames one is refused with its name rather than miscalled.
+- `flash_attn`: flash-attn 2's `_flash_attn_varlen_forward/_backward` (CUDA, flash-attn 2.6-2.8,
+  where the varlen lse is [H, Tq]); called by keyword with the arguments and return tuple of the
+  installed release (2.6 returns 8 values and takes `window_size`; 2.7+ registers both as
+  torch.library custom ops, which have no inspectable signature, returns 4 and takes
+  `window_size_left/right`). A release outside 2.6-2.8 is refused with its version.
+
+The CUDA kernels read the lse from its data pointer as a dense [H, total_q] float32 block (strides
+ignored) and check only its device: every lse handed to one here is that block (`kernel_lse`), and
+every lse one returns is checked to be it (`checked_lse`), so a kernel that differs is a clear error,
+not a wrong gradient. Both CUDA pairs refuse ROCm (AOTriton's varlen lse is padded) and any dtype
+but float16/bfloat16 before a kernel runs. `max_seqlen_q` is passed as at least 2 (`kernel_max_q`):
+with 1, GQA and no window the kernels take a decode shortcut (the "ngroups swap") that reshapes q
+as if every segment had exactly one query, which a plan's call with an empty query segment breaks.
+max_seqlen_q is only an upper bound the kernel sizes its grid by (no row is read past a segment's
+cu_seqlens end), and with one query per segment bottom-right causal sees every key, so the result is
+the same; only the shortcut's speed is lost, on calls of at most one query per segment.
 """
 # Whole over ~450 lines: one protocol and its three pairs, each bound to keep to it (apart they would drift).
 
@@ -31,8 +44,7 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
-import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +53,57 @@ import torch.nn.functional as F
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """The log-sum-exp's dtype for inputs of `dtype` (flash kernels keep it in float32)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def kernel_max_q(max_q: int) -> int:
+    """max_seqlen_q for a CUDA varlen kernel: at least 2, so it never takes the ngroups swap
+    (module docstring); exact, max_seqlen_q being an upper bound."""
+    return max(int(max_q), 2)
+
+
+def kernel_lse(lse: torch.Tensor, q: torch.Tensor, kernel: str) -> torch.Tensor:
+    """`lse` as the CUDA backward reads it: a dense contiguous [Hq, Tq] float32 block (a column
+    slice of a wider lse is copied: the kernel ignores strides and would read other heads' rows)."""
+    want = (q.shape[1], q.shape[0])
+    if lse.dtype != torch.float32 or tuple(lse.shape) != want:
+        raise RuntimeError(
+            f"{kernel}: the lse handed to the backward must be float32 {list(want)}, got {lse.dtype} {list(lse.shape)}"
+        )
+    return lse.contiguous()
+
+
+def checked_lse(lse: torch.Tensor, q: torch.Tensor, kernel: str) -> torch.Tensor:
+    """The lse a CUDA forward returned, checked to be the layout zorro merges and hands back:
+    float32 [Hq, Tq], dense (flash-attn 2's varlen layout). Anything else is refused by name."""
+    want = (q.shape[1], q.shape[0])
+    if lse.dtype != torch.float32 or tuple(lse.shape) != want or not lse.is_contiguous():
+        raise RuntimeError(
+            f"{kernel} returned an lse of {lse.dtype} {list(lse.shape)} (strides {lse.stride()}), where zorro needs "
+            f"a contiguous float32 {list(want)} block (flash-attn 2's varlen layout): this kernel's layout differs, "
+            "so its gradients would be wrong; use the sdpa backend"
+        )
+    return lse
+
+
+def cuda_pair_refusal(name: str, device: torch.device) -> Optional[str]:
+    """Why a CUDA kernel pair cannot run on `device` (before any kernel runs), or None."""
+    if device.type != "cuda":
+        return f"{name} needs a CUDA device (got {device.type})"
+    if torch.version.hip:
+        return (
+            f"{name} is not supported on ROCm (torch {torch.__version__}, HIP {torch.version.hip}): its varlen "
+            "kernel pads the lse, which the gather-free merge reads unpadded; use the sdpa backend"
+        )
+    return None
+
+
+def check_half(q: torch.Tensor, name: str) -> None:
+    """The CUDA flash kernels take float16/bfloat16 only: refused here, before the kernel, by name."""
+    if q.dtype not in HALF:
+        raise ValueError(f"{name} runs float16/bfloat16 only, not {q.dtype}; use the sdpa backend for {q.dtype}")
 
 
 def _backward_inputs(q, k, v, dout, out, multiple: int = 1):
@@ -322,12 +385,14 @@ class TorchFlashPair(KernelPair):
         return self._ops if self._ops is not None else torch.ops.aten
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, cache=None):
+        check_half(q, self.name)
         dv = v.shape[-1]
         qf, kf, vf = _pad_head_dims(q, k, v, multiple=8)
-        out, lse, *_ = self.ops._flash_attention_forward(
-            qf, kf, vf, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
-        )
-        return out[..., :dv], lse
+        # (output, softmax_logsumexp, rng_state, unused, debug_attn_mask), torch 2.4 to 2.15
+        out, lse = self.ops._flash_attention_forward(
+            qf, kf, vf, cu_q, cu_k, kernel_max_q(max_q), max_k, 0.0, causal, False, scale=scale
+        )[:2]
+        return out[..., :dv], checked_lse(lse, q, "aten._flash_attention_forward")
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, cache=None):
         dq_dim, dv = q.shape[-1], v.shape[-1]
@@ -340,10 +405,10 @@ class TorchFlashPair(KernelPair):
             kf,
             vf,
             out_f,
-            lse,
+            kernel_lse(lse, q, self.name),
             cu_q,
             cu_k,
-            max_q,
+            kernel_max_q(max_q),
             max_k,
             0.0,
             causal,
@@ -354,8 +419,9 @@ class TorchFlashPair(KernelPair):
         return dq[..., :dq_dim], dk[..., :dq_dim], dvv[..., :dv]
 
     def unavailable(self, device):
-        if device.type != "cuda":
-            return f"torch_varlen needs a CUDA device (got {device.type})"
+        why = cuda_pair_refusal(self.name, device)
+        if why:
+            return why
         for op, names in (
             ("_flash_attention_forward", self.FORWARD_ARGS),
             ("_flash_attention_backward", self.BACKWARD_ARGS),
@@ -367,24 +433,10 @@ class TorchFlashPair(KernelPair):
         return None
 
 
-# flash-attn's private varlen pair: what each argument is set to, by its name across 2.6-2.8
-# (window_size became window_size_left/right in 2.7; softcap came in 2.6).
-_FA_FIXED: dict[str, Any] = {
-    "dropout_p": 0.0,
-    "window_size": (-1, -1),
-    "window_size_left": -1,
-    "window_size_right": -1,
-    "softcap": 0.0,
-    "alibi_slopes": None,
-    "return_softmax": False,
-    "block_table": None,
-    "leftpad_k": None,
-    "seqused_k": None,
-    "zero_tensors": False,
-    "deterministic": False,
-    "rng_state": None,
-}
 FLASH_ATTN_MIN = (2, 6)
+FLASH_ATTN_MAX = (2, 8)
+"""The flash-attn minors whose varlen pair zorro calls (each one's arguments and return tuple are
+spelt out below; CI runs each one's own interface over a CPU emulation of its kernel)."""
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -395,27 +447,24 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def _call_by_name(fn: Callable, given: dict[str, Any]) -> Any:
-    """Call `fn` with every parameter it names, from `given` or _FA_FIXED; refuse one neither has."""
-    kwargs = {}
-    for name, p in inspect.signature(fn).parameters.items():
-        if name in given:
-            kwargs[name] = given[name]
-        elif name in _FA_FIXED:
-            kwargs[name] = _FA_FIXED[name]
-        elif p.default is inspect.Parameter.empty:
-            raise TypeError(f"{fn.__name__} takes an argument zorro does not know: {name!r}")
-    return fn(**kwargs)
+def flash_attn_window_kwargs(version: tuple[int, ...]) -> dict[str, Any]:
+    """No window, in the spelling of flash-attn `version`'s private pair (a tuple until 2.6, two ints from 2.7)."""
+    return {"window_size": (-1, -1)} if version[:2] < (2, 7) else {"window_size_left": -1, "window_size_right": -1}
 
 
 class FlashAttnPair(KernelPair):
-    """flash-attn 2's `_flash_attn_varlen_forward/_backward` (CUDA; GQA native, MLA padded)."""
+    """flash-attn 2's `_flash_attn_varlen_forward/_backward` (CUDA; GQA native, MLA padded).
+
+    Called by keyword, per release, never by introspection: from 2.7 (with torch >= 2.4) both are
+    torch.library custom ops, whose signature reads (*args, **kwargs) and which have no __name__."""
 
     name = "flash_attn"
 
-    def __init__(self, interface: Optional[Any] = None) -> None:
+    def __init__(self, interface: Optional[Any] = None, version: Optional[str] = None) -> None:
         self._interface = interface
-        """The module holding the pair (flash_attn.flash_attn_interface; a stand-in in tests)."""
+        """The module holding the pair (flash_attn.flash_attn_interface; an emulated one in tests)."""
+        self._version = version
+        """Its flash-attn release (default: the installed package's)."""
 
     @property
     def interface(self) -> Any:
@@ -424,43 +473,94 @@ class FlashAttnPair(KernelPair):
         # lazy, and looked up per call (a dict hit): flash-attn is optional (unavailable() checks it first)
         return importlib.import_module("flash_attn.flash_attn_interface")
 
+    def version(self) -> tuple[int, ...]:
+        """The release whose calling convention is used (refused outside 2.6-2.8)."""
+        text = self._version if self._version is not None else flash_attn_version()
+        v = _version_tuple(text)
+        if not FLASH_ATTN_MIN <= v[:2] <= FLASH_ATTN_MAX:
+            raise RuntimeError(flash_attn_version_refusal(text))
+        return v
+
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, cache=None):
+        check_half(q, self.name)
+        version = self.version()
         dv = v.shape[-1]
         qf, kf, vf = _pad_head_dims(q, k, v, multiple=8)
-        given = dict(q=qf, k=kf, v=vf, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
-        out, lse, *_ = _call_by_name(
-            self.interface._flash_attn_varlen_forward, {**given, "softmax_scale": scale, "causal": causal}
+        res = self.interface._flash_attn_varlen_forward(
+            q=qf,
+            k=kf,
+            v=vf,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=kernel_max_q(max_q),
+            max_seqlen_k=max_k,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
         )
-        return out[..., :dv], lse
+        # 2.6: (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state); 2.7+: (out, softmax_lse, S_dmask, rng_state)
+        out, lse = (res[0], res[5]) if version[:2] < (2, 7) else (res[0], res[1])
+        return out[..., :dv], checked_lse(lse, q, f"flash-attn {'.'.join(map(str, version))}")
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, cache=None):
+        version = self.version()
         dq_dim, dv = q.shape[-1], v.shape[-1]
         qf, kf, vf, dout_f, out_f = _backward_inputs(q, k, v, dout, out, multiple=8)
         dq, dk, dvv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
-        given = dict(
+        self.interface._flash_attn_varlen_backward(  # writes dq, dk, dv
             dout=dout_f.contiguous(),
             q=qf,
             k=kf,
             v=vf,
             out=out_f,
-            softmax_lse=lse,
+            softmax_lse=kernel_lse(lse, q, self.name),
             dq=dq,
             dk=dk,
             dv=dvv,
             cu_seqlens_q=cu_q,
             cu_seqlens_k=cu_k,
-            max_seqlen_q=max_q,
+            max_seqlen_q=kernel_max_q(max_q),
             max_seqlen_k=max_k,
+            dropout_p=0.0,
             softmax_scale=scale,
             causal=causal,
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=False,
+            rng_state=None,
+            **flash_attn_window_kwargs(version),
         )
-        _call_by_name(self.interface._flash_attn_varlen_backward, given)  # writes dq, dk, dv
         return dq[..., :dq_dim], dk[..., :dq_dim], dvv[..., :dv]
 
     def unavailable(self, device):
-        if device.type != "cuda":
-            return f"flash_attn needs a CUDA device (got {device.type})"
+        why = cuda_pair_refusal(self.name, device)
+        if why:
+            return why
+        if self._interface is not None:
+            return None
         return flash_attn_missing()
+
+
+def flash_attn_version() -> str:
+    """The flash-attn release importable here (its package's __version__, else its metadata)."""
+    try:
+        return str(importlib.import_module("flash_attn").__version__)
+    except (ImportError, AttributeError):
+        try:
+            return importlib.metadata.version("flash-attn")
+        except importlib.metadata.PackageNotFoundError:
+            return "0"
+
+
+def flash_attn_version_refusal(version: str) -> Optional[str]:
+    """Why flash-attn `version`'s varlen pair is not one zorro calls, or None."""
+    v = _version_tuple(version)[:2]
+    lo, hi = ".".join(map(str, FLASH_ATTN_MIN)), ".".join(map(str, FLASH_ATTN_MAX))
+    if v < FLASH_ATTN_MIN:
+        return f"flash-attn {version} is older than {lo} (its varlen lse layout differs)"
+    if v > FLASH_ATTN_MAX:
+        return f"flash-attn {version} is newer than the releases zorro's varlen pair is written for ({lo} to {hi}.x)"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -472,8 +572,4 @@ def flash_attn_missing() -> Optional[str]:
         version = importlib.metadata.version("flash-attn")
     except importlib.metadata.PackageNotFoundError:
         version = "0"
-    if _version_tuple(version) < FLASH_ATTN_MIN:
-        return (
-            f"flash-attn {version} is older than {'.'.join(map(str, FLASH_ATTN_MIN))} (its varlen lse layout differs)"
-        )
-    return None
+    return flash_attn_version_refusal(version)

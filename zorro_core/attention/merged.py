@@ -156,14 +156,29 @@ def merged_calls(plan: Plan) -> list[VarlenCall]:
     return layouts_of(plan).get(("merged_calls",), lambda: build(plan))  # type: ignore[arg-type]
 
 
+_INF = float("inf")
+
+
+def _keyless_as_inf(lse: torch.Tensor) -> torch.Tensor:
+    """A row that saw no key has lse +inf (flash's convention: the backward's exp(S - lse) is then 0
+    there, where -inf, which torch's CPU kernel and a bare logsumexp give, would make it inf)."""
+    return lse.masked_fill_(lse == -_INF, _INF)
+
+
 def _merge_into(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
-    """out, lse (a slice of the row's) <- their log-sum-exp merge with a partial's, in place."""
-    new = torch.logaddexp(lse, part_lse)
-    w_old = torch.exp(lse - new).T[..., None]  # [Tq, H, 1]
-    w_new = torch.exp(part_lse - new).T[..., None]
+    """out, lse (a slice of the row's) <- their log-sum-exp merge with a partial's, in place.
+    A side that saw no key (lse +inf or -inf) weighs 0; a row neither saw a key for gets output 0
+    and lse +inf (as one flash call would), never NaN."""
+    a = lse.masked_fill(lse == _INF, -_INF)
+    b = part_lse.masked_fill(part_lse == _INF, -_INF)
+    new = torch.logaddexp(a, b)
+    keyless = new == -_INF
+    ref = new.masked_fill(keyless, 0.0)  # finite: exp(-inf - 0) = 0 on both sides of a key-less row
+    w_old = torch.exp(a - ref).T[..., None]  # [Tq, H, 1]
+    w_new = torch.exp(b - ref).T[..., None]
     acc = w_old.dtype
     out.copy_(out.to(acc) * w_old + part.to(acc) * w_new)
-    lse.copy_(new)
+    lse.copy_(new.masked_fill(keyless, _INF))
 
 
 class MergedSplitAttention(torch.autograd.Function):
@@ -173,6 +188,7 @@ class MergedSplitAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, calls: list[VarlenCall], pair: KernelPair, scale: float):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, lse = _forward(pair, calls[0], q, k, v, scale)  # the whole row: [0, T) for queries and keys
+        _keyless_as_inf(lse)
         for c in calls[1:]:
             o, s = _forward(pair, c, q, k, v, scale)
             _merge_into(out[c.q0 : c.q1], lse[:, c.q0 : c.q1], o, s)
@@ -185,12 +201,18 @@ class MergedSplitAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout.contiguous()
         dq, dk, dv = _backward(ctx.pair, ctx.calls[0], dout, q, k, v, out, lse, ctx.scale)
+        if len(ctx.calls) == 1:
+            return dq, dk, dv, None, None, None
+        # Summed in float32 (float64 for float64) and rounded once, as one kernel call's
+        # accumulators are: a bf16 sum would round once per call.
+        acc = lse.dtype
+        dq, dk, dv = dq.to(acc), dk.to(acc), dv.to(acc)
         for c in ctx.calls[1:]:
             gq, gk, gv = _backward(ctx.pair, c, dout, q, k, v, out, lse, ctx.scale)
             dq[c.q0 : c.q1] += gq
             dk[c.k0 : c.k1] += gk
             dv[c.k0 : c.k1] += gv
-        return dq, dk, dv, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def _forward(pair: KernelPair, c: VarlenCall, q, k, v, scale: float):
@@ -200,10 +222,14 @@ def _forward(pair: KernelPair, c: VarlenCall, q, k, v, scale: float):
 
 
 def _backward(pair: KernelPair, c: VarlenCall, dout, q, k, v, out, lse, scale: float):
-    """The pair's backward of call `c`, handed the merged output and lse of its queries."""
+    """The pair's backward of call `c`, handed the merged output and lse of its queries. The lse
+    columns of a later call are copied into a dense [Hq, Tq_c] block: the CUDA kernels read it from
+    its data pointer, strides ignored (a column slice would give every head but the first another
+    head's rows)."""
     qs, ks = slice(c.q0, c.q1), slice(c.k0, c.k1)
+    lse_c = lse[:, qs].contiguous()
     return pair.backward(
-        dout[qs], q[qs], k[ks], v[ks], out[qs], lse[:, qs], c.cu_q, c.cu_k, c.max_q, c.max_k, c.causal, scale, c.cache
+        dout[qs], q[qs], k[ks], v[ks], out[qs], lse_c, c.cu_q, c.cu_k, c.max_q, c.max_k, c.causal, scale, c.cache
     )
 
 

@@ -28,6 +28,7 @@ FLASH = "flash_attention_2"
 FLASH_MIN_SEQ_LEN = 512
 # 2.6: varlen with window_size and bottom-right causal alignment (zorro's cross segments).
 MIN_FLASH_ATTN = "2.6"
+BEYOND_FLASH_ATTN = "2.9"  # the first release zorro's varlen pair is not written for (zorro_core.attention.kernels)
 # 4.44: flash_attention_2 with packed position_ids in transformers' own forward (padded baseline).
 MIN_TRANSFORMERS = "4.44"
 
@@ -105,6 +106,8 @@ def choose_attention(
         unmet.append("flash-attn not installed or not importable (pip install 'zorro[gpu]')")
     elif Version(fa) < Version(MIN_FLASH_ATTN):
         unmet.append(f"flash-attn {fa} < {MIN_FLASH_ATTN}")
+    elif Version(fa) >= Version(BEYOND_FLASH_ATTN):
+        unmet.append(f"flash-attn {fa} >= {BEYOND_FLASH_ATTN} (zorro's varlen pair is written for 2.6 to 2.8.x)")
     else:
         met.append(f"flash-attn {fa}")
     tf = transformers_version()

@@ -233,7 +233,7 @@ def case_unavailable(case: VerifyCase, device: str) -> Optional[str]:
     if attn.startswith("flash_attention") and torch.device(device).type != "cuda":
         return f"{attn} needs a CUDA device"
     if split:
-        backend = case.actor.varlen_backend or default_backend(attn, device)
+        backend = case.actor.varlen_backend or default_backend(attn, device, DTYPES[case.dtype])
         why = backend_unavailable(backend, device)
         if why:
             return why

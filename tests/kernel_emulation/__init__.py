@@ -1,0 +1,1 @@
+"""CPU emulations of the compiled flash kernels, keeping their memory contract (see flash_core)."""
