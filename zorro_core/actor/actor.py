@@ -327,9 +327,7 @@ class _Actor:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
         if schedule == "prompt_once":
-            return prompt_once_step(
-                self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy
-            )
+            return prompt_once_step(self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy)
         return microbatch.forward_backward(
             self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy, attention_weight
         )
