@@ -128,6 +128,18 @@ def response_micro_batches(groups: Groups, max_tokens: Optional[int]) -> list[li
     return parts
 
 
+def cut_every_group(groups: Groups) -> list[list[int]]:
+    """Rows in group order, cut between every two rows of one group and never between groups: every
+    micro-batch boundary then splits a group (the strictest test of the kept prefix)."""
+    order = sorted(range(len(groups.group_of_row)), key=lambda r: (groups.group_of_row[r], r))
+    parts = [[order[0]]]
+    for prev, row in zip(order, order[1:]):
+        if groups.group_of_row[prev] == groups.group_of_row[row]:
+            parts.append([])
+        parts[-1].append(row)
+    return parts
+
+
 def _check_parts(parts: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
     rows = [list(map(int, p)) for p in parts]
     flat = sorted(r for p in rows for r in p)
