@@ -24,6 +24,7 @@ from zorro_cli.console import (
 )
 from zorro_core.actor.config import ActorConfig
 from zorro_core.actor.logprobs import LOGITS_MODES
+from zorro_core.actor.schedule import SCHEDULES
 from zorro_core.attention.backends import BACKENDS
 from zorro_core.models.presets import PRESETS
 from zorro_core.verify.gradients import (
@@ -37,7 +38,6 @@ from zorro_core.verify.gradients import (
     tiny_models,
     verify_cases,
 )
-from zorro_core.actor.schedule import SCHEDULES
 from zorro_core.verify.planted_bugs import BUGS
 from zorro_core.verify.training import TRAIN_FACTOR, TRAIN_RULE, TrainConfig, verify_training
 from zorro_harness.bench.guard import verify_too_large
@@ -262,7 +262,9 @@ def gradients(
     else:
         setting = dev + (f", {flavour} checkpointing" if flavour else "")
         if schedule == "prompt_once":
-            setting += f", prompt-once schedule ({f'{max_tokens} tokens' if max_tokens else 'every boundary in a group'})"
+            setting += (
+                f", prompt-once schedule ({f'{max_tokens} tokens' if max_tokens else 'every boundary in a group'})"
+            )
         _gradients_table(results, counts, seconds, setting, bug, top)
     raise typer.Exit(0 if ok else 1)
 

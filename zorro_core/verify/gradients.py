@@ -356,9 +356,7 @@ class Verifier:
 
         actor.model.zero_grad(set_to_none=True)
         parts = None if self.max_tokens is not None else cut_every_group(Groups.of(batch))
-        res = prompt_once_step(
-            actor, batch, loss_fn, self.max_tokens, TEMPERATURE, calculate_entropy=True, parts=parts
-        )
+        res = prompt_once_step(actor, batch, loss_fn, self.max_tokens, TEMPERATURE, calculate_entropy=True, parts=parts)
         grads = {n: p.grad.detach().clone() for n, p in actor.model.named_parameters() if p.grad is not None}
         actor.model.zero_grad(set_to_none=True)
         lp, ent = res.log_probs.cpu(), res.entropy.cpu() if res.entropy is not None else None
