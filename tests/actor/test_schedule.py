@@ -167,3 +167,15 @@ def test_a_dropped_key_gradient_is_caught(tiny_models, per_sequence_reference, m
     assert (res.log_probs - ref[0]).abs().max().item() < LP_ATOL  # the forward is untouched
     err, _ = max_rel_grad_error(grads, ref[2])
     assert err > 1e-2
+
+
+@pytest.mark.parametrize("logits", [dict(logits_mode="none"), dict(logits_mode="memory", logits_chunk_size=3)])
+def test_exact_in_every_logits_mode(tiny_models, per_sequence_reference, logits):
+    model = tiny_models("tiny-qwen3")
+    batch, w, ref = per_sequence_reference("tiny-qwen3", lambda: model, mixed_batch, 0.7, 3)
+    actor = DeduplicatedActor(model=model, **logits)
+    model.zero_grad(set_to_none=True)
+    res = prompt_once_step(actor, batch, loss_fn_of(w), None, 0.7, True, parts=CUT_EVERY_BOUNDARY)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    assert_exact(res, grads, ref)
