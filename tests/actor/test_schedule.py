@@ -179,3 +179,21 @@ def test_exact_in_every_logits_mode(tiny_models, per_sequence_reference, logits)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     assert_exact(res, grads, ref)
+
+
+def test_a_failing_loss_leaves_no_gradient(tiny_models):
+    model = tiny_models("tiny-qwen3")
+    model.zero_grad(set_to_none=True)
+    calls = []
+
+    def loss(out, rows):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return out.log_probs.sum()
+
+    with pytest.raises(RuntimeError, match="boom"):
+        prompt_once_step(DeduplicatedActor(model=model), mixed_batch(), loss, parts=CUT_EVERY_BOUNDARY)
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(TypeError, match="loss_fn"):
+        prompt_once_step(DeduplicatedActor(model=model), mixed_batch(), None)

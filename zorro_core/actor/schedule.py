@@ -166,6 +166,8 @@ def prompt_once_step(
     refusal = schedule_refusal(actor)
     if refusal:
         raise UnsupportedModelError(refusal)
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a callable loss_fn(out, rows) -> scalar tensor, got {type(loss_fn).__name__}")
     if max_tokens_per_micro_batch is not None and (
         isinstance(max_tokens_per_micro_batch, bool)
         or not isinstance(max_tokens_per_micro_batch, numbers.Integral)
@@ -188,6 +190,17 @@ def prompt_once_step(
         if parts is not None
         else response_micro_batches(groups, max_tokens_per_micro_batch)
     )
+    # Parameters without a gradient before the call get none back if the step fails (microbatch's rule).
+    fresh = [p for p in actor.model.parameters() if p.grad is None]
+    try:
+        return _step(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy)
+    except BaseException:
+        for p in fresh:
+            p.grad = None
+        raise
+
+
+def _step(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy) -> ScheduleOutput:
     dev = actor.device
     lens = torch.tensor([len(p) for p in groups.prompts], device=dev)
     starts = torch.cumsum(lens, 0) - lens
