@@ -90,19 +90,29 @@ class Groups:
 
 def schedule_refusal(actor: Any, router_aux_loss: Optional[bool] = None) -> Optional[str]:
     """Why the prompt-once schedule cannot run `actor` (None: it can)."""
-    if not getattr(actor, "dedup", False):
+    return refusal_for(
+        getattr(actor, "dedup", False), actor.config.sharing, actor.parts, actor.model.config, router_aux_loss
+    )
+
+
+def refusal_for(
+    dedup: bool, sharing: str, parts: Any, config: Any, router_aux_loss: Optional[bool] = None
+) -> Optional[str]:
+    """schedule_refusal from what it reads: an actor's dedup flag, its sharing, its model's
+    ModelParts and config (so a caller can ask before building an actor)."""
+    if not dedup:
         return "the prompt-once schedule runs the deduplicated actor (the baseline computes every prompt per row)"
-    if actor.config.sharing != "prompt":
+    if sharing != "prompt":
         return (
-            f"the prompt-once schedule serves sharing='prompt' only, not {actor.config.sharing!r} "
+            f"the prompt-once schedule serves sharing='prompt' only, not {sharing!r} "
             "(trie nodes as kept prefixes are not built yet)"
         )
-    if actor.parts.num_linear_layers:
+    if parts.num_linear_layers:
         return (
             "the prompt-once schedule does not serve linear-attention layers yet (their recurrent state "
             "at a prompt's end is not kept)"
         )
-    if wants_router_logits(actor.parts, actor.model.config, router_aux_loss):
+    if wants_router_logits(parts, config, router_aux_loss):
         return (
             "the prompt-once schedule does not compute the MoE router aux loss (its token statistics span "
             "a forward; pass router_aux_loss=False or set config.output_router_logits=False)"

@@ -25,11 +25,11 @@ from transformers import PreTrainedModel
 
 from zorro_core.actor.actor import BaselineActor, DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
-from zorro_core.actor.schedule import Groups, cut_every_group, prompt_once_step, schedule_refusal
+from zorro_core.actor.schedule import Groups, cut_every_group, prompt_once_step, refusal_for, schedule_refusal
 from zorro_core.attention.backends import backend_unavailable, default_backend
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.linear_attention import fla_available
-from zorro_core.models.parts import unwrap_adapters
+from zorro_core.models.parts import model_parts, unwrap_adapters
 from zorro_core.models.presets import PRESETS, build_model, preset_config, seeded_rng
 from zorro_core.models.registry import FAMILIES
 from zorro_core.plan.batch import RolloutBatch, create_dummy_batch
@@ -370,6 +370,13 @@ class Verifier:
         t0 = time.perf_counter()
         try:
             model = self.model(case.model, case.dtype)
+            if self.schedule:  # a refused case is skipped before its per-sequence reference runs
+                try:
+                    refusal = refusal_for(True, case.actor.sharing, model_parts(model), model.config)
+                except UnsupportedModelError as e:
+                    return CaseResult(case, "skip", str(e))
+                if refusal:
+                    return CaseResult(case, "skip", refusal)
             batch, w, ref = self.reference(case.model, case.dtype, case.layout)
             config = case.actor
             try:
