@@ -197,3 +197,21 @@ def test_a_failing_loss_leaves_no_gradient(tiny_models):
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(TypeError, match="loss_fn"):
         prompt_once_step(DeduplicatedActor(model=model), mixed_batch(), None)
+
+
+def test_an_attention_module_run_twice_in_one_forward_is_refused():
+    from torch import nn
+
+    from zorro_core.attention.external import KeptPrefix, KeyRegion
+
+    pos = torch.arange(3)
+    kept = KeptPrefix(positions=pos, prompt_of=torch.zeros(3, dtype=torch.long))
+    region = KeyRegion(kept, pos, kept.prompt_of, kept.prompt_of, capture=True)
+    q = k = v = torch.randn(1, 2, 3, 4, dtype=torch.float64)
+    layer = nn.Identity()
+    region.attend(layer, q, k, v, 0.5, None)
+    with pytest.raises(UnsupportedModelError, match="ran twice in one forward"):
+        region.attend(layer, q, k, v, 0.5, None)
+    region.sealed = True  # after the forward: checkpointing's recompute, served with the first leaves
+    region.attend(layer, q, k, v, 0.5, None)
+    assert kept.keys[layer].requires_grad and kept.keys[layer].grad_fn is None

@@ -224,6 +224,7 @@ def _step(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy) -
     ids = torch.tensor([t for p in groups.prompts for t in p], device=dev)
     region = KeyRegion(kept, kept.positions, kept.prompt_of, kept.prompt_of, capture=True)
     hidden = _forward(actor, ids, kept.positions, region)
+    region.sealed = True
     first_graph = hidden[starts + lens - 1]
     first = first_graph.detach().requires_grad_(True)
 

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zorro_core.errors import UnsupportedModelError
+
 
 @dataclass
 class KeptPrefix:
@@ -84,6 +86,8 @@ class KeyRegion:
     """Phase 1 (keep the keys and values) or phase 2 (attend to them)."""
     prompt_span: tuple[int, int] = (0, 0)
     """Attend: the slice [p0, p1) of the packed prompts row this forward's responses need."""
+    sealed: bool = False
+    """Set after the forward: later capture calls are checkpointing's recompute (in backward)."""
     _masks: dict = field(default_factory=dict, repr=False)
 
     def mask(self, window: Optional[int]) -> torch.Tensor:
@@ -116,6 +120,11 @@ class KeyRegion:
         """q [1, Hq, T, D], k [1, Hkv, T, D], v [1, Hkv, T, Dv] -> [1, T, Hq, Dv]."""
         if self.capture:
             out = self._sdpa(query, key, value, scale, window)
+            if module in self.kept.keys and not self.sealed:
+                raise UnsupportedModelError(
+                    f"attention module {type(module).__name__} ran twice in one forward: its kept keys and "
+                    "values would be one call's; the prompt-once schedule does not serve shared attention layers"
+                )
             if module not in self.kept.keys:  # a checkpoint recompute keeps the first leaves
                 self.kept.keys[module] = key.detach().requires_grad_(True)
                 self.kept.values[module] = value.detach().requires_grad_(True)
