@@ -24,6 +24,7 @@ from zorro_cli.console import (
 )
 from zorro_core.actor.config import ActorConfig
 from zorro_core.actor.logprobs import LOGITS_MODES
+from zorro_core.actor.schedule import SCHEDULES
 from zorro_core.attention.backends import BACKENDS
 from zorro_core.models.presets import PRESETS
 from zorro_core.verify.gradients import (
@@ -187,9 +188,28 @@ def gradients(
         help="actor.min_shared_tokens: with --sharing prefix, the shortest shared run split off as a node "
         "(default 1 here: every common run, the strictest test).",
     ),
+    schedule: str = typer.Option(
+        "micro_batch",
+        "--schedule",
+        help="The dedup actor's step: micro_batch (one forward, default) or prompt_once (each prompt forward "
+        "once, responses in micro-batches against its kept keys and values, one prompts' backward).",
+    ),
+    max_tokens: Optional[int] = typer.Option(
+        None,
+        "--max-tokens",
+        min=1,
+        help="With --schedule prompt_once: response tokens per micro-batch (default: cut between every two rows "
+        "of a group, so that every micro-batch boundary splits one).",
+    ),
 ) -> None:
     if reentrant and not checkpointing:
         fail("--reentrant needs --checkpointing")
+    if schedule not in SCHEDULES:
+        fail(f"--schedule: unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
+    if max_tokens is not None and schedule != "prompt_once":
+        fail("--max-tokens needs --schedule prompt_once")
+    if inject_bug is not None and schedule == "prompt_once":
+        fail("--inject-bug corrupts plans, which --schedule prompt_once does not build")
     flavour = ("reentrant" if reentrant else "non-reentrant") if checkpointing else None
     dev = resolve_device(device)
     factor = _factor(factor)
@@ -221,6 +241,8 @@ def gradients(
             on_result=progress,
             lora_rank=lora,
             checkpointing=flavour,
+            schedule=schedule,
+            max_tokens=max_tokens,
         )
     seconds = time.perf_counter() - t0
     counts, ok = _verdict(results)
@@ -230,6 +252,8 @@ def gradients(
             "device": dev,
             "injected_bug": bug,
             "checkpointing": flavour,
+            "schedule": schedule,
+            "max_tokens": max_tokens,
             "seconds": round(seconds, 2),
             "summary": counts,
             "passed": ok,
@@ -237,7 +261,12 @@ def gradients(
         }
         print_json(out)
     else:
-        _gradients_table(results, counts, seconds, dev + (f", {flavour} checkpointing" if flavour else ""), bug, top)
+        setting = dev + (f", {flavour} checkpointing" if flavour else "")
+        if schedule == "prompt_once":
+            setting += (
+                f", prompt-once schedule ({f'{max_tokens} tokens' if max_tokens else 'every boundary in a group'})"
+            )
+        _gradients_table(results, counts, seconds, setting, bug, top)
     raise typer.Exit(0 if ok else 1)
 
 

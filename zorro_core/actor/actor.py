@@ -19,6 +19,7 @@ from zorro_core.actor.fsdp import as_root_forward
 from zorro_core.actor.logprobs import check_temperature, response_logprobs
 from zorro_core.actor.output import ActorOutput
 from zorro_core.actor.padded import padded_forward
+from zorro_core.actor.schedule import SCHEDULES, prompt_once_step
 from zorro_core.attention.backends import default_backend, get_backend
 from zorro_core.attention.flex import flex_unavailable
 from zorro_core.attention.hook import Route, RouteSpec, route_mask
@@ -315,8 +316,18 @@ class _Actor:
         temperature: float = 1.0,
         calculate_entropy: bool = False,
         attention_weight: float = 0.0,
+        schedule: str = "micro_batch",
     ):
-        """Accumulate gradients over balanced micro-batches; see zorro_core.actor.microbatch.forward_backward."""
+        """Accumulate gradients over balanced micro-batches; see zorro_core.actor.microbatch.forward_backward.
+
+        `schedule`: "micro_batch" (default) runs each micro-batch on its own, a prompt computed once
+        per micro-batch that holds its responses; "prompt_once" computes each unique prompt once
+        per step however many micro-batches its responses take (zorro_core.actor.schedule: it
+        returns a ScheduleOutput; `attention_weight` does not apply)."""
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+        if schedule == "prompt_once":
+            return prompt_once_step(self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy)
         return microbatch.forward_backward(
             self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy, attention_weight
         )

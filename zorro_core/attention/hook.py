@@ -75,6 +75,9 @@ class Route:
         """Attention layers served so far in this forward."""
         self.adapter_calls: dict[str, int] = {}
         """Calls served by the family adapters (e.g. "linear_attention"), by kind."""
+        self.region: Optional[Any] = None
+        """The prompt-once schedule's KeyRegion (zorro_core.attention.external): when set, every
+        attention layer runs against it instead of the plan's calls."""
         self._masks: dict[tuple, Any] = {}
 
     @property
@@ -208,6 +211,8 @@ def zorro_attention(
     query, key, value = _packed_inputs(query, key, value, dropout, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     route.calls += 1
+    if route.region is not None:
+        return route.region.attend(module, query, key, value, scale, sliding_window), None
     if route.mode == "mask":
         if route.sequence_parallel is not None:
             raise UnsupportedModelError("mask mode under Ulysses sequence parallelism (split mode serves it)")

@@ -25,10 +25,11 @@ from transformers import PreTrainedModel
 
 from zorro_core.actor.actor import BaselineActor, DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
+from zorro_core.actor.schedule import Groups, cut_every_group, prompt_once_step, refusal_for, schedule_refusal
 from zorro_core.attention.backends import backend_unavailable, default_backend
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.linear_attention import fla_available
-from zorro_core.models.parts import unwrap_adapters
+from zorro_core.models.parts import model_parts, unwrap_adapters
 from zorro_core.models.presets import PRESETS, build_model, preset_config, seeded_rng
 from zorro_core.models.registry import FAMILIES
 from zorro_core.plan.batch import RolloutBatch, create_dummy_batch
@@ -38,7 +39,14 @@ from zorro_core.stack.lora import LoraSettings, apply_lora
 from zorro_core.verify import planted_bugs
 from zorro_core.verify.delta_rule import exact_delta_rule
 from zorro_core.verify.planted_bugs import inject_bug
-from zorro_core.verify.reference import actor_run, max_abs_error, per_sequence, rel_grad_errors, token_weights
+from zorro_core.verify.reference import (
+    actor_run,
+    loss_of,
+    max_abs_error,
+    per_sequence,
+    rel_grad_errors,
+    token_weights,
+)
 from zorro_core.verify.tolerances import GRAD_RTOL, LOGPROB_ATOL, LOW_PRECISION_FACTOR
 
 # The float64 floors and the low-precision allowance (zorro_core.verify.tolerances), by the names
@@ -271,8 +279,19 @@ class Verifier:
         bug: Optional[str] = None,
         lora_rank: Optional[int] = None,
         checkpointing: Optional[str] = None,
+        schedule: Optional[str] = None,
+        max_tokens: Optional[int] = None,
     ) -> None:
         self.lora_rank = lora_rank
+        # "prompt_once": the dedup actor runs zorro_core.actor.schedule's step (each prompt once,
+        # responses in micro-batches of `max_tokens` response tokens; None: cut between every two
+        # rows of a group, so that every micro-batch boundary splits one).
+        if schedule not in (None, "micro_batch", "prompt_once"):
+            raise ValueError(f"unknown schedule {schedule!r}; choose micro_batch or prompt_once")
+        if schedule == "prompt_once" and bug is not None:
+            raise ValueError("the planted bugs corrupt plans, which the prompt-once schedule does not build")
+        self.schedule = schedule if schedule == "prompt_once" else None
+        self.max_tokens = max_tokens
         # None, or a flavour of zorro_core.stack.checkpointing: the actors then run in training mode
         # with every decoder layer checkpointed (the reference runs without, in eval mode).
         self.checkpointing = checkpointing
@@ -328,6 +347,22 @@ class Verifier:
         ref_lp, ref_ent, ref_grads = ref
         return Errors(max_abs_error(lp, ref_lp), max_abs_error(ent, ref_ent), rel_grad_errors(grads, ref_grads)), lp
 
+    def schedule_errors(self, actor, batch, w, ref) -> tuple[Errors, torch.Tensor]:
+        """The dedup actor's errors under the prompt-once schedule (loss_of's sum, split per micro-batch)."""
+        w_lp, w_ent = w
+
+        def loss_fn(out, rows):
+            return loss_of(out.log_probs, out.entropy, (w_lp[rows.cpu()], w_ent[rows.cpu()]))
+
+        actor.model.zero_grad(set_to_none=True)
+        parts = None if self.max_tokens is not None else cut_every_group(Groups.of(batch))
+        res = prompt_once_step(actor, batch, loss_fn, self.max_tokens, TEMPERATURE, calculate_entropy=True, parts=parts)
+        grads = {n: p.grad.detach().clone() for n, p in actor.model.named_parameters() if p.grad is not None}
+        actor.model.zero_grad(set_to_none=True)
+        lp, ent = res.log_probs.cpu(), res.entropy.cpu() if res.entropy is not None else None
+        ref_lp, ref_ent, ref_grads = ref
+        return Errors(max_abs_error(lp, ref_lp), max_abs_error(ent, ref_ent), rel_grad_errors(grads, ref_grads)), lp
+
     def run(self, case: VerifyCase) -> CaseResult:
         why = case_unavailable(case, self.device)
         if why:
@@ -335,16 +370,29 @@ class Verifier:
         t0 = time.perf_counter()
         try:
             model = self.model(case.model, case.dtype)
+            if self.schedule:  # a refused case is skipped before its per-sequence reference runs
+                try:
+                    refusal = refusal_for(True, case.actor.sharing, model_parts(model), model.config)
+                except UnsupportedModelError as e:
+                    return CaseResult(case, "skip", str(e))
+                if refusal:
+                    return CaseResult(case, "skip", refusal)
             batch, w, ref = self.reference(case.model, case.dtype, case.layout)
             config = case.actor
             try:
                 actor = DeduplicatedActor(model=model, config=config)
             except UnsupportedModelError as e:  # refused with its reason (e.g. linear attention in prefix mode)
                 return CaseResult(case, "skip", str(e))
+            refusal = schedule_refusal(actor) if self.schedule else None
+            if refusal:
+                return CaseResult(case, "skip", refusal)
             with checkpointed(model, self.checkpointing), self._float64_kernel(model, case.dtype):
                 base, base_lp = self.errors(BaselineActor(model=model, config=config), batch, w, ref)
-                with inject_bug(self.bug, actor):
-                    dedup, dedup_lp = self.errors(actor, batch, w, ref)
+                if self.schedule:
+                    dedup, dedup_lp = self.schedule_errors(actor, batch, w, ref)
+                else:
+                    with inject_bug(self.bug, actor):
+                        dedup, dedup_lp = self.errors(actor, batch, w, ref)
         except Exception as e:  # a crash is a failed proof, reported as a row
             return CaseResult(case, "error", f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
         ratio, check, failing = judge(case.dtype, dedup, base, self.factor)
@@ -395,6 +443,8 @@ def verify_cases(
     on_result: Optional[Callable[[CaseResult], None]] = None,
     lora_rank: Optional[int] = None,
     checkpointing: Optional[str] = None,
+    schedule: Optional[str] = None,
+    max_tokens: Optional[int] = None,
 ) -> list[CaseResult]:
     """Run cases (sharing models and references) and return their results.
 
@@ -402,9 +452,18 @@ def verify_cases(
     weights train, so the gradients compared are the adapter's.
     checkpointing: run the actors with gradient checkpointing of that flavour ("non-reentrant" or
     "reentrant", zorro_core.stack.checkpointing), in training mode.
+    schedule: "prompt_once" runs the dedup actor through the prompt-once schedule (each prompt once,
+    responses in micro-batches of `max_tokens` response tokens; None: every boundary splits a group).
     """
     verifier = Verifier(
-        device=device, seed=seed, factor=factor, bug=bug, lora_rank=lora_rank, checkpointing=checkpointing
+        device=device,
+        seed=seed,
+        factor=factor,
+        bug=bug,
+        lora_rank=lora_rank,
+        checkpointing=checkpointing,
+        schedule=schedule,
+        max_tokens=max_tokens,
     )
     results = []
     for case in cases:

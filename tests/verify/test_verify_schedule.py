@@ -1,0 +1,39 @@
+"""`zorro verify gradients --schedule prompt_once`: the schedule proved by verify's rule, float64 and low precision."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from zorro_cli.main import app
+from zorro_core.actor.schedule import Groups, cut_every_group
+from zorro_core.verify.gradients import expand_cases, verify_batch, verify_cases
+
+runner = CliRunner()
+
+
+def test_verify_batch_is_cut_at_every_boundary():
+    groups = Groups.of(verify_batch("padded", 256, seed=1))
+    parts = cut_every_group(groups)
+    assert len(parts) > 2
+    for left, right in zip(parts, parts[1:]):  # each boundary splits the group on both of its sides
+        assert groups.group_of_row[left[-1]] == groups.group_of_row[right[0]]
+
+
+@pytest.mark.parametrize("max_tokens", [None, 3])
+def test_schedule_passes_in_float64_and_bfloat16(max_tokens):
+    cases = expand_cases(["tiny-qwen2-sliding"], ["sdpa"], ["float64", "bfloat16"], ["padded"], ["split"], ["none"])
+    results = verify_cases(cases, schedule="prompt_once", max_tokens=max_tokens)
+    assert [r.status for r in results] == ["pass", "pass"], [r.reason for r in results]
+    assert all(r.worst_ratio <= 1.0 for r in results)
+
+
+def test_cli_schedule_mode_and_its_refusals():
+    args = ["verify", "gradients", "--models", "tiny-qwen3", "--dtype", "float64", "--layout", "unpadded"]
+    args += ["--mode", "split", "--attn", "eager", "--logits-mode", "none", "--json"]
+    res = runner.invoke(app, [*args, "--schedule", "prompt_once", "--max-tokens", "4"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["schedule"] == "prompt_once" and out["max_tokens"] == 4 and out["summary"]["pass"] == 1
+    assert "needs --schedule prompt_once" in runner.invoke(app, [*args, "--max-tokens", "4"]).output
+    assert "unknown schedule" in runner.invoke(app, [*args, "--schedule", "once"]).output

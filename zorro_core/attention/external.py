@@ -1,0 +1,147 @@
+"""Attention against a key region kept from an earlier forward: the prompt-once schedule's hook side.
+
+The schedule (zorro_core.actor.schedule) runs a step's unique prompts forward once and its
+responses later, in micro-batches, against the prompts' kept keys and values. A `KeyRegion` in
+the route (`route.region`) makes the hook run that way:
+- capture (phase 1, the prompts): each prompt attends causally to itself; every attention layer's
+  keys and values (post-rotary, as attention sees them) are kept as leaves that take gradients,
+  detached from the prompts' graph, and the layer's output passes through `InjectGrad`, which in
+  the prompts' backward (phase 3) hands the leaves' accumulated gradients to the graph's keys and
+  values. It runs the same in the recompute of gradient checkpointing (either flavour), which is
+  how checkpointing recomputes the prompts' activations in phase 3 instead of keeping them.
+- attend (phase 2, the responses): the queries are response tokens; the keys are [the kept keys
+  of the micro-batch's prompts | the row's own keys]; a response token sees all of its prompt and
+  its own earlier tokens (a sliding window counted in positions, as the plain mask does).
+The attention is one masked SDPA call over that key region: exact and simple, dense in the
+region (a [Tq, Tp + Tq] mask); a varlen cross call over the region is the GPU follow-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zorro_core.errors import UnsupportedModelError
+
+
+@dataclass
+class KeptPrefix:
+    """The step's prompts' kept keys and values, per attention module, and their layout."""
+
+    positions: torch.Tensor
+    """[Tp] position of each token of the packed prompts row."""
+    prompt_of: torch.Tensor
+    """[Tp] which unique prompt each token belongs to."""
+    keys: dict[nn.Module, torch.Tensor] = field(default_factory=dict)
+    """Attention module -> its keys [1, Hkv, Tp, Dk], a leaf that takes gradients."""
+    values: dict[nn.Module, torch.Tensor] = field(default_factory=dict)
+    """Attention module -> its values [1, Hkv, Tp, Dv], a leaf that takes gradients."""
+
+    def leaves(self) -> list[torch.Tensor]:
+        return [*self.keys.values(), *self.values.values()]
+
+    def kept_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.leaves())
+
+
+class InjectGrad(torch.autograd.Function):
+    """Identity on a layer's output whose backward also hands the kept leaves' gradients to the
+    keys and values of the prompts' graph (read when the backward runs: after phase 2)."""
+
+    @staticmethod
+    def forward(ctx, out, key, value, kept: KeptPrefix, module: nn.Module):
+        ctx.kept, ctx.module = kept, module
+        ctx.key_meta = (key.shape, key.dtype)
+        ctx.value_meta = (value.shape, value.dtype)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, dout):
+        def grad(leaf: torch.Tensor, meta):
+            g = leaf.grad
+            return torch.zeros(meta[0], dtype=meta[1], device=dout.device) if g is None else g.to(meta[1])
+
+        gk = grad(ctx.kept.keys[ctx.module], ctx.key_meta)
+        gv = grad(ctx.kept.values[ctx.module], ctx.value_meta)
+        return dout, gk, gv, None, None
+
+
+@dataclass
+class KeyRegion:
+    """One forward's attention layout under the schedule (see the module doc)."""
+
+    kept: KeptPrefix
+    """The prompts' kept keys and values (filled in capture)."""
+    positions: torch.Tensor
+    """[T] position of each token of this forward's row."""
+    segment: torch.Tensor
+    """[T] the sequence each row token belongs to (a prompt in capture, a response in attend)."""
+    prompt_of: torch.Tensor
+    """[T] the unique prompt each row token continues (attend); equal to segment in capture."""
+    capture: bool
+    """Phase 1 (keep the keys and values) or phase 2 (attend to them)."""
+    prompt_span: tuple[int, int] = (0, 0)
+    """Attend: the slice [p0, p1) of the packed prompts row this forward's responses need."""
+    sealed: bool = False
+    """Set after the forward: later capture calls are checkpointing's recompute (in backward)."""
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    def mask(self, window: Optional[int]) -> torch.Tensor:
+        """[T, keys] bool: which keys each query sees, built once per window."""
+        if window not in self._masks:
+            pos, seg = self.positions, self.segment
+            own = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+            if window is not None:
+                own &= pos[:, None] - pos[None, :] < window
+            if self.capture:
+                self._masks[window] = own
+            else:
+                p0, p1 = self.prompt_span
+                kpos, kprompt = self.kept.positions[p0:p1], self.kept.prompt_of[p0:p1]
+                pre = self.prompt_of[:, None] == kprompt[None, :]
+                if window is not None:
+                    pre &= pos[:, None] - kpos[None, :] < window
+                self._masks[window] = torch.cat([pre, own], dim=1)
+        return self._masks[window]
+
+    def attend(
+        self,
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        window: Optional[int],
+    ) -> torch.Tensor:
+        """q [1, Hq, T, D], k [1, Hkv, T, D], v [1, Hkv, T, Dv] -> [1, T, Hq, Dv]."""
+        if self.capture:
+            out = self._sdpa(query, key, value, scale, window)
+            if module in self.kept.keys and not self.sealed:
+                raise UnsupportedModelError(
+                    f"attention module {type(module).__name__} ran twice in one forward: its kept keys and "
+                    "values would be one call's; the prompt-once schedule does not serve shared attention layers"
+                )
+            if module not in self.kept.keys:  # a checkpoint recompute keeps the first leaves
+                self.kept.keys[module] = key.detach().requires_grad_(True)
+                self.kept.values[module] = value.detach().requires_grad_(True)
+            if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):
+                out = InjectGrad.apply(out, key, value, self.kept, module)
+            return out
+        if module not in self.kept.keys:
+            raise RuntimeError(
+                f"no kept keys for attention module {type(module).__name__}: the prompts' forward did not reach it"
+            )
+        p0, p1 = self.prompt_span
+        k = torch.cat([self.kept.keys[module][:, :, p0:p1].to(key.dtype), key], dim=2)
+        v = torch.cat([self.kept.values[module][:, :, p0:p1].to(value.dtype), value], dim=2)
+        return self._sdpa(query, k, v, scale, window)
+
+    def _sdpa(self, q, k, v, scale: float, window: Optional[int]) -> torch.Tensor:
+        mask = self.mask(window)
+        gqa = q.shape[1] != k.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2)
