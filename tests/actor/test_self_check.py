@@ -1,0 +1,133 @@
+"""The self-check (zorro_core.actor.self_check): a right backend passes and keeps its path; a planted
+wrong-gradient kernel (#46 item 1: each head's backward reads another head's lse) is caught on two
+gloo ranks, which agree, fall back, warn once with the numbers and report the metric, and whose
+results after falling back equal the float64 per-sequence reference; the switch turns it off."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+
+from zorro_core.actor import self_check
+from zorro_core.actor.actor import DeduplicatedActor
+from zorro_core.actor.self_check import SelfCheckWarning
+from zorro_core.attention.kernels import CpuFlashPair
+from zorro_core.distributed.launch import launch
+from zorro_core.models.presets import build_model, preset_config
+from zorro_core.plan.batch import create_dummy_batch
+from zorro_core.verify import tolerances
+from zorro_core.verify.reference import max_abs_error, max_rel_grad_error, per_sequence, token_weights
+
+
+def _model():
+    return build_model(preset_config("tiny-qwen3"), dtype=torch.float64)
+
+
+def _batch(model, seed=0):
+    vocab = model.config.vocab_size
+    return create_dummy_batch(6, 2, prompt_len=12, response_len=6, vocab_size=vocab, vary_lengths=True, seed=seed)
+
+
+@contextlib.contextmanager
+def wrong_head_lse():
+    """#46 item 1 put back: the flash_cpu pair's backward reads each head's lse from the next head."""
+    original = CpuFlashPair.backward
+
+    def backward(self, dout, q, k, v, out, lse, *args, **kwargs):
+        return original(self, dout, q, k, v, out, lse.roll(1, 0), *args, **kwargs)
+
+    CpuFlashPair.backward = backward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        CpuFlashPair.backward = original  # type: ignore[method-assign]
+
+
+def test_the_rule_is_the_proofs():
+    assert self_check.LOGPROB_FLOOR == tolerances.LOGPROB_ATOL
+    assert self_check.GRAD_FLOOR == tolerances.GRAD_RTOL
+    assert self_check.FACTOR == tolerances.LOW_PRECISION_FACTOR
+
+
+def test_a_right_backend_passes_and_keeps_its_path():
+    model = _model()
+    actor = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SelfCheckWarning)
+        actor.forward(_batch(model))
+        actor.forward(_batch(model, seed=1))  # the same key: checked once
+    (verdict,) = actor.self_check.verdicts.values()
+    assert verdict.key == ("split", "flash_cpu", "sdpa", "float64", "PromptPlan")
+    assert verdict.passed and verdict.grad_error < verdict.grad_allowed == tolerances.GRAD_RTOL
+    assert actor.self_check.failed is None and actor.self_check.spec is None
+    assert actor.self_check.metric() == 1.0
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the self-check ran")
+
+    monkeypatch.setattr(self_check, "check", never)
+    model = _model()
+    for options in ({"self_check": False}, {}):  # off explicitly, and by default on CPU
+        actor = DeduplicatedActor(model=model, varlen_backend="flash_cpu", **options)
+        with wrong_head_lse():
+            actor.forward(_batch(model))
+        assert actor.self_check.metric() is None and not actor.self_check.verdicts
+
+
+def _planted_rank(seed: int) -> dict:
+    """One gloo rank: the planted bug, forward_backward through the self-checking actor, compared with
+    the float64 per-sequence reference."""
+    model = _model()
+    batch = _batch(model, seed=seed + torch.distributed.get_rank())
+    weights = token_weights(batch)
+    lp_ref, _, grads_ref = per_sequence(model, batch, weights=weights, entropy=False)
+    actor = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=True)
+    w_lp = weights[0]
+    with warnings.catch_warnings(record=True) as caught, wrong_head_lse():
+        warnings.simplefilter("always")
+        model.zero_grad(set_to_none=True)
+        out = actor.forward_backward(batch, lambda o, rows: (o.log_probs * w_lp[rows]).sum())
+        actor.forward(batch)  # a later call: no second check, no second warning
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, SelfCheckWarning)],
+        "metric": actor.self_check.metric(),
+        "verdicts": {k: v.passed for k, v in actor.self_check.verdicts.items()},
+        "spec": actor.self_check.spec.backend if actor.self_check.spec else None,
+        "lp_error": max_abs_error(out.log_probs, lp_ref),
+        "grad_error": max_rel_grad_error(grads, grads_ref)[0],
+    }
+
+
+def test_a_planted_wrong_gradient_kernel_is_caught_on_two_ranks_which_agree_and_fall_back():
+    ranks = launch(_planted_rank, 2, 0, timeout_s=300)
+    for r in ranks:
+        assert r["metric"] == 0.0 and r["spec"] == "sdpa"
+        assert r["verdicts"] == {
+            ("split", "flash_cpu", "sdpa", "float64", "PromptPlan"): False,
+            ("split", "sdpa", "sdpa", "float64", "PromptPlan"): True,
+        }
+        (message,) = r["warnings"]  # once, with the numbers
+        assert "self-check failed, flash_cpu" in message and "gradient error" in message
+        assert "Falling back for the rest of the run to split mode on sdpa" in message
+        # after falling back: the float64 reference's log-probs and gradients
+        assert r["lp_error"] <= tolerances.LOGPROB_ATOL
+        assert r["grad_error"] <= tolerances.GRAD_RTOL
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_low_precision_rule_passes_a_right_backend_and_catches_the_planted_one(dtype):
+    model = build_model(preset_config("tiny-qwen3"), dtype=getattr(torch, dtype))
+    right = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=True)
+    right.forward(_batch(model))
+    assert right.self_check.metric() == 1.0
+    wrong = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=True)
+    with wrong_head_lse(), pytest.warns(SelfCheckWarning, match="self-check failed"):
+        wrong.forward(_batch(model))
+    verdict = wrong.self_check.failed
+    assert verdict is not None and verdict.grad_error > 3 * verdict.grad_allowed
