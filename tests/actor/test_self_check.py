@@ -94,7 +94,14 @@ def _planted_rank(seed: int) -> dict:
         out = actor.forward_backward(batch, lambda o, rows: (o.log_probs * w_lp[rows]).sum())
         actor.forward(batch)  # a later call: no second check, no second warning
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    # Only rank 0's kernel is wrong: rank 1 passes its own check, yet takes rank 0's verdict.
+    alone = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=True)
+    with warnings.catch_warnings(record=True) as caught_alone:
+        warnings.simplefilter("always")
+        with wrong_head_lse() if torch.distributed.get_rank() == 0 else contextlib.nullcontext():
+            alone.forward(batch)
     return {
+        "alone": (alone.self_check.metric(), [str(w.message) for w in caught_alone]),
         "warnings": [str(w.message) for w in caught if issubclass(w.category, SelfCheckWarning)],
         "metric": actor.self_check.metric(),
         "verdicts": {k: v.passed for k, v in actor.self_check.verdicts.items()},
@@ -118,6 +125,10 @@ def test_a_planted_wrong_gradient_kernel_is_caught_on_two_ranks_which_agree_and_
         # after falling back: the float64 reference's log-probs and gradients
         assert r["lp_error"] <= tolerances.LOGPROB_ATOL
         assert r["grad_error"] <= tolerances.GRAD_RTOL
+    for rank, r in enumerate(ranks):  # one rank's wrong kernel: both fall back
+        metric, (message,) = r["alone"]
+        assert metric == 0.0 and "self-check failed" in message
+        assert ("rank 0's worst parameter" in message) == (rank == 1)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -131,3 +142,18 @@ def test_low_precision_rule_passes_a_right_backend_and_catches_the_planted_one(d
         wrong.forward(_batch(model))
     verdict = wrong.self_check.failed
     assert verdict is not None and verdict.grad_error > 3 * verdict.grad_allowed
+
+
+def test_the_trainers_metrics_carry_it():
+    from zorro_core.integrations.openrlhf.status import CallStats, status_entries
+    from zorro_core.integrations.verl.metrics import MicroBatchStats, add_metrics
+
+    stats = [MicroBatchStats(True, 4, 2, 8, 6)]
+    assert add_metrics({}, stats, 0.0)["metrics"]["zorro/self_check"] == [0.0]
+    assert "zorro/self_check" not in add_metrics({}, stats)["metrics"]  # absent when no check ran
+    calls = CallStats()
+    calls.served(torch.tensor([[1, 2]]), torch.tensor([[1, 1]]), torch.tensor([[1]]))
+    assert "zorro/self_check" not in status_entries(calls)
+    calls.self_check = 1.0
+    assert status_entries(calls)["zorro/self_check"] == 1.0
+    assert calls.take().self_check == 1.0 and calls.self_check is None

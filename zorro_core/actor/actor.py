@@ -250,7 +250,7 @@ class _Actor:
 
     def run_route(self, batch: RolloutBatch, spec: RouteSpec, dedup: bool, temperature: float) -> torch.Tensor:
         """[B, R] log-probs of `batch` on another route (the self-check's comparisons): no checks, no aux loss."""
-        plan = self.plan_of(batch, dedup)
+        plan = self.plan(batch) if dedup == self.dedup else self.plan_of(batch, dedup)
         route = Route(spec, plan)
         lp, _, _ = as_root_forward(self.model, lambda: self._compute(plan, route, temperature, False, False))
         return plan.scatter_responses(lp)

@@ -49,7 +49,7 @@ from zorro_core.plan.build import plan_type
 if TYPE_CHECKING:
     from zorro_core.actor.actor import _Actor
 
-__all__ = ["SelfCheck", "SelfCheckVerdict", "SelfCheckWarning"]
+__all__ = ["SelfCheck", "SelfCheckVerdict", "SelfCheckWarning", "probe", "verdict_of"]
 
 SLICE_ROWS = 4
 """Rows of the slice: one prompt's (its responses share it), else the batch's first rows."""
@@ -65,7 +65,7 @@ FACTOR = 4.0
 """Lower precisions: the allowance in units of the dtype's measured noise (tolerances.LOW_PRECISION_FACTOR)."""
 EPS_UNITS = 2.0
 """Lower precisions: the noise is taken as at least this many units of the dtype's epsilon (relative
-for gradients, times the largest |log-prob| for log-probs): two right paths may round alike by chance."""
+for gradients, absolute for log-probs): two right paths may round alike by chance."""
 SEED = 20260
 """The random projection's seed (the same on every rank and every run)."""
 
@@ -118,6 +118,12 @@ def compute_dtype(actor: _Actor) -> torch.dtype:
     return next(actor.model.parameters()).dtype
 
 
+def key_of(actor: _Actor, spec: RouteSpec, dedup: bool) -> tuple[str, ...]:
+    """(mode, backend, attention, compute dtype, plan kind): what one verdict covers."""
+    kind = plan_type(dedup, actor.config.sharing).__name__ if dedup else "plain"
+    return (spec.mode, spec.backend, spec.attention, str(compute_dtype(actor)).split(".")[-1], kind)
+
+
 class SelfCheck:
     """One actor's self-checks: the verdict of each key, and the path the actor runs."""
 
@@ -146,8 +152,7 @@ class SelfCheck:
         if not self.enabled or self.skipped is not None:
             return spec, dedup
         while True:
-            key = (spec.mode, spec.backend, spec.attention, str(compute_dtype(actor)).split(".")[-1])
-            key += (plan_type(dedup, actor.config.sharing).__name__ if dedup else "plain",)
+            key = key_of(actor, spec, dedup)
             if key[-1] == "plain" and spec.backend == "reference":
                 return spec, dedup  # the plain computation on the oracle backend is what others are checked against
             verdict = self.verdicts.get(key)
@@ -162,7 +167,9 @@ class SelfCheck:
                 return spec, dedup
             nxt = fallback_of(spec, dedup)
             if nxt is None:
-                raise RuntimeError(f"zorro: the self-check failed on the plain computation itself: {verdict.describe()}")
+                raise RuntimeError(
+                    f"zorro: the self-check failed on the plain computation itself: {verdict.describe()}"
+                )
             if self.failed is None:
                 self.failed = verdict
                 warnings.warn(
@@ -246,16 +253,19 @@ def check(
         params = _vectors(actor.model)
         mask = part.response_mask.bool()
         lp, grads = _run(actor, part, spec, dedup, temperature, params)
-        lp_ref, grads_ref = _run(actor, part, RouteSpec("split", "reference", spec.attention), False, temperature, params)
+        lp_ref, grads_ref = _run(
+            actor, part, RouteSpec("split", "reference", spec.attention), False, temperature, params
+        )
         lp_err = float((lp - lp_ref).double().abs()[mask].max())
         errs = [_rel(a, b) for a, b in zip(grads, grads_ref)]
         if dtype == torch.float64:
             lp_allowed, allowed = LOGPROB_FLOOR, [GRAD_FLOOR] * len(errs)
         else:
-            lp_sdpa, grads_sdpa = _run(actor, part, RouteSpec("split", "sdpa", spec.attention), False, temperature, params)
+            lp_sdpa, grads_sdpa = _run(
+                actor, part, RouteSpec("split", "sdpa", spec.attention), False, temperature, params
+            )
             eps = torch.finfo(dtype).eps * EPS_UNITS
-            scale = float(lp_ref.double().abs()[mask].max())
-            noise_lp = max(float((lp_sdpa - lp_ref).double().abs()[mask].max()), eps * max(scale, 1.0))
+            noise_lp = max(float((lp_sdpa - lp_ref).double().abs()[mask].max()), eps)
             lp_allowed = FACTOR * noise_lp + LOGPROB_FLOOR
             allowed = [FACTOR * max(_rel(a, b), eps) + GRAD_FLOOR for a, b in zip(grads_sdpa, grads_ref)]
     worst = max(range(len(errs)), key=lambda i: errs[i] / allowed[i], default=None)
@@ -287,6 +297,30 @@ def agree(verdict: SelfCheckVerdict, device: torch.device) -> SelfCheckVerdict:
     failing = [i for i, t in enumerate(every) if t[0] > 0]
     if not failing or dist.get_rank() in failing:
         return verdict
-    worst = every[failing[0]].tolist()
+    _, lp_err, lp_allowed, grad_err, grad_allowed = every[failing[0]].tolist()
     parameter = f"rank {failing[0]}'s worst parameter"
-    return SelfCheckVerdict(verdict.key, False, *worst[1:], parameter, verdict.seconds)  # type: ignore[arg-type]
+    return SelfCheckVerdict(verdict.key, False, lp_err, lp_allowed, grad_err, grad_allowed, parameter, verdict.seconds)
+
+
+def verdict_of(actor: _Actor, batch: RolloutBatch, temperature: float = 1.0) -> SelfCheckVerdict:
+    """The self-check of `actor`'s own path on `batch`, agreed over the ranks, without switching the
+    actor (what `zorro verify gradients` reports beside its proof)."""
+    spec, dedup = actor.route_spec, actor.dedup
+    return agree(check(actor, batch, spec, dedup, temperature, key_of(actor, spec, dedup)), actor.device)
+
+
+def probe(device: str | torch.device, varlen_backend: Optional[str] = None) -> SelfCheckVerdict:
+    """The self-check on this machine (`zorro env`): tiny-qwen3 with random weights in the device's
+    compute dtype (bfloat16 on CUDA, float32 on CPU), its default split-mode backend (`flash_cpu`,
+    the GPU path's code, on CPU), one batch of 2 prompts x 3 responses."""
+    from zorro_core.actor.actor import DeduplicatedActor
+    from zorro_core.models.presets import build_model, preset_config
+    from zorro_core.plan.batch import create_dummy_batch
+
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(preset_config("tiny-qwen3"), dtype=dtype, device=device)
+    backend = varlen_backend or ("flash_cpu" if device.type == "cpu" else None)
+    actor = DeduplicatedActor(model=model, varlen_backend=backend, self_check=False)
+    batch = create_dummy_batch(6, 2, 24, 8, vocab_size=model.config.vocab_size, device=device, vary_lengths=True)
+    return verdict_of(actor, batch)

@@ -269,12 +269,23 @@ class DedupGRPOTrainer(GRPOTrainer):
             else:
                 record["seconds"] = time.perf_counter() - start
                 self.zorro_log.append(record)
+                self._log_self_check(actor)
                 self._zorro_fallback.served()
                 return out
         self._zorro_fallback.fall_back(reason)
         return super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **extra
         )
+
+    def _log_self_check(self, actor: DeduplicatedActor) -> None:
+        """`zorro/self_check` in TRL's logged metrics once the actor's self-check ran (1.0 passed, 0.0
+        failed and fell back; zorro_core.actor.self_check): the same on every rank."""
+        value = actor.self_check.metric()
+        metrics = getattr(self, "_metrics", None)
+        if value is not None and isinstance(metrics, dict):
+            mode = "train" if self.model is not None and self.model.training else "eval"
+            if mode in metrics:
+                metrics[mode]["zorro/self_check"].append(value)
 
     def _record(self, wrapped: Wrapped, rows: int, aux: bool) -> dict[str, Any]:
         policy = wrapped.inner is self.accelerator.unwrap_model(self.model)
