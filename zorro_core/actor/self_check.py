@@ -37,19 +37,17 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 from zorro_core.attention.hook import RouteSpec
 from zorro_core.plan.batch import RolloutBatch
+from zorro_core.actor.config import ActorConfig
 from zorro_core.plan.build import plan_type
 
-if TYPE_CHECKING:
-    from zorro_core.actor.actor import _Actor
-
-__all__ = ["SelfCheck", "SelfCheckVerdict", "SelfCheckWarning", "probe", "verdict_of"]
+__all__ = ["SelfCheck", "SelfCheckVerdict", "SelfCheckWarning", "verdict_of"]
 
 SLICE_ROWS = 4
 """Rows of the slice: one prompt's (its responses share it), else the batch's first rows."""
@@ -68,6 +66,19 @@ EPS_UNITS = 2.0
 for gradients, absolute for log-probs): two right paths may round alike by chance."""
 SEED = 20260
 """The random projection's seed (the same on every rank and every run)."""
+
+
+class _Actor(Protocol):
+    """What the self-check reads of an actor (zorro_core.actor.actor's are ones)."""
+
+    model: torch.nn.Module
+    device: torch.device
+    config: ActorConfig
+    dedup: bool
+    route_spec: RouteSpec
+
+    def run_route(self, batch: RolloutBatch, spec: RouteSpec, dedup: bool, temperature: float) -> torch.Tensor:
+        """[B, R] log-probs of `batch` on `spec`, with dedup on or off."""
 
 
 class SelfCheckWarning(RuntimeWarning):
@@ -308,19 +319,3 @@ def verdict_of(actor: _Actor, batch: RolloutBatch, temperature: float = 1.0) -> 
     spec, dedup = actor.route_spec, actor.dedup
     return agree(check(actor, batch, spec, dedup, temperature, key_of(actor, spec, dedup)), actor.device)
 
-
-def probe(device: str | torch.device, varlen_backend: Optional[str] = None) -> SelfCheckVerdict:
-    """The self-check on this machine (`zorro env`): tiny-qwen3 with random weights in the device's
-    compute dtype (bfloat16 on CUDA, float32 on CPU), its default split-mode backend (`flash_cpu`,
-    the GPU path's code, on CPU), one batch of 2 prompts x 3 responses."""
-    from zorro_core.actor.actor import DeduplicatedActor
-    from zorro_core.models.presets import build_model, preset_config
-    from zorro_core.plan.batch import create_dummy_batch
-
-    device = torch.device(device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(preset_config("tiny-qwen3"), dtype=dtype, device=device)
-    backend = varlen_backend or ("flash_cpu" if device.type == "cpu" else None)
-    actor = DeduplicatedActor(model=model, varlen_backend=backend, self_check=False)
-    batch = create_dummy_batch(6, 2, 24, 8, vocab_size=model.config.vocab_size, device=device, vary_lengths=True)
-    return verdict_of(actor, batch)
