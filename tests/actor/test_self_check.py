@@ -54,6 +54,8 @@ def test_the_rule_is_the_proofs():
 
 def test_a_right_backend_passes_and_keeps_its_path():
     model = _model()
+    model.train()
+    model.model.layers[0].eval()  # each module's own mode is put back after the check (run in eval mode)
     actor = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", SelfCheckWarning)
@@ -64,6 +66,8 @@ def test_a_right_backend_passes_and_keeps_its_path():
     assert verdict.passed and verdict.grad_error < verdict.grad_allowed == tolerances.GRAD_RTOL
     assert actor.self_check.failed is None and actor.self_check.spec is None
     assert actor.self_check.metric() == 1.0
+    assert model.training and not model.model.layers[0].training and model.model.layers[1].training
+    assert all(p.grad is None for p in model.parameters())  # the check's backward touches no .grad
 
 
 def test_the_switch_turns_it_off(monkeypatch):

@@ -42,9 +42,9 @@ from typing import Iterator, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from zorro_core.actor.config import ActorConfig
 from zorro_core.attention.hook import RouteSpec
 from zorro_core.plan.batch import RolloutBatch
-from zorro_core.actor.config import ActorConfig
 from zorro_core.plan.build import plan_type
 
 __all__ = ["SelfCheck", "SelfCheckVerdict", "SelfCheckWarning", "verdict_of"]
@@ -201,12 +201,14 @@ def sharded(model: torch.nn.Module) -> Optional[str]:
 
 
 def slice_of(batch: RolloutBatch) -> RolloutBatch:
-    """The check's rows (module doc): row 0's prompt group, else the first rows; trimmed."""
+    """The check's rows (module doc): the first live row's prompt group, else the first live rows; trimmed."""
+    live = batch.response_mask.bool().any(1)  # rows with a response token (a check needs log-probs)
+    first = int(live.nonzero().flatten()[0])
     p, m = batch.prompts, batch.prompt_mask.bool()
-    same = ((p == p[0]) | ~(m | m[0])).all(1) & (m == m[0]).all(1)
-    rows = same.nonzero().flatten()[:SLICE_ROWS]
+    same = ((p == p[first]) | ~(m | m[first])).all(1) & (m == m[first]).all(1)
+    rows = (same & live).nonzero().flatten()[:SLICE_ROWS]
     if rows.numel() < 2:
-        rows = torch.arange(min(SLICE_ROWS, batch.batch_size), device=p.device)
+        rows = live.nonzero().flatten()[:SLICE_ROWS]
     pm = batch.prompt_mask[rows][:, -SLICE_PROMPT_TOKENS:]
     keep_p = pm.bool().any(0).nonzero().flatten()
     pm = pm[:, int(keep_p[0]) :] if keep_p.numel() else pm
@@ -318,4 +320,3 @@ def verdict_of(actor: _Actor, batch: RolloutBatch, temperature: float = 1.0) -> 
     actor (what `zorro verify gradients` reports beside its proof)."""
     spec, dedup = actor.route_spec, actor.dedup
     return agree(check(actor, batch, spec, dedup, temperature, key_of(actor, spec, dedup)), actor.device)
-
