@@ -21,7 +21,9 @@ in the same order (TRL does), and before any collective the ranks agree whether 
 (one all-reduce of a flag): if one rank's call must fall back, all fall back, so collectives always
 match. Sharded models (FSDP2, ZeRO-3) get one actor forward per call (TRL's `batch_size` chunks
 would differ in number per rank after regrouping). `zorro_log` records each call's rows and
-prompt dedup ratio before and after regrouping.
+prompt dedup ratio before and after regrouping. Once the actor's self-check ran
+(zorro_core.actor.self_check; on by default on CUDA), each served call logs `zorro/self_check` in TRL's
+metrics (1.0 passed, 0.0 failed and fell back).
 
 The MoE router aux loss (`compute_aux_loss`, TRL's loss call for MoE models) is served: the actor
 weights each packed token by its rows (`router_aux_weighting="multiplicity"`), which equals
