@@ -161,3 +161,32 @@ def test_the_trainers_metrics_carry_it():
     calls.self_check = 1.0
     assert status_entries(calls)["zorro/self_check"] == 1.0
     assert calls.take().self_check == 1.0 and calls.self_check is None
+
+
+def test_a_sharded_model_is_not_checked_and_says_so(monkeypatch):
+    monkeypatch.setattr(self_check, "sharded", lambda model: "the model's parameters are sharded (FSDP)")
+    model = _model()
+    actor = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=True)
+    with pytest.warns(SelfCheckWarning, match="skipped: the model's parameters are sharded"):
+        actor.forward(_batch(model))
+    actor.forward(_batch(model))  # said once
+    assert actor.self_check.metric() is None and not actor.self_check.verdicts
+
+
+def test_zorro_env_and_verify_report_it():
+    from zorro_cli.env import self_check_row
+    from zorro_core.actor.config import ActorConfig
+    from zorro_core.verify.gradients import VerifyCase, verify_cases
+
+    assert self_check_row("cpu").startswith("pass: flash_cpu (split mode, sdpa, float32, PromptPlan)")
+    case = VerifyCase(
+        "tiny-qwen3", "float32", "padded", ActorConfig(attn_implementation="sdpa", varlen_backend="flash_cpu")
+    )
+    plain = VerifyCase(
+        "tiny-qwen3", "float32", "padded", ActorConfig(attn_implementation="sdpa", varlen_backend="sdpa")
+    )
+    right, on_sdpa = verify_cases([case, plain])
+    (broken,) = verify_cases([case], bug="positions_restart")
+    assert right.status == "pass" and right.self_check.startswith("pass: flash_cpu")
+    assert on_sdpa.self_check == ""  # CPU sdpa: not run (CI proves it)
+    assert broken.status == "fail" and broken.self_check.startswith("fail: flash_cpu")

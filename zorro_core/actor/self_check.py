@@ -26,7 +26,7 @@ actor, for the rest of the run, to the next right path (a kernel pair or flex: `
 `sdpa`/`reference` themselves: the plain computation), which is checked in turn; a warning says
 so once with the numbers. Across data-parallel ranks (torch.distributed initialised) the verdicts
 are all-gathered and the worst taken, so every rank runs the same path. Models whose parameters
-are sharded (FSDP2 DTensors, DeepSpeed ZeRO-3) are not checked (said once): an extra backward
+are sharded (FSDP, FSDP2 DTensors, DeepSpeed ZeRO-3) are not checked (said once): an extra backward
 would enter the wrapper's gradient reduction.
 """
 
@@ -195,8 +195,10 @@ class SelfCheck:
 def sharded(model: torch.nn.Module) -> Optional[str]:
     """Why an extra backward through `model` is not safe here, or None."""
     for p in model.parameters():
-        if type(p).__name__ == "DTensor" or hasattr(p, "ds_id"):
-            return "the model's parameters are sharded (FSDP2 / DeepSpeed ZeRO-3)"
+        if type(p).__name__ == "DTensor" or hasattr(p, "ds_id") or getattr(p, "_is_flat_param", False):
+            return "the model's parameters are sharded (FSDP / DeepSpeed ZeRO-3)"
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        return "the model's parameters are sharded (FSDP)"
     return None
 
 
