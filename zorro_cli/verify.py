@@ -270,6 +270,10 @@ def gradients(
     raise typer.Exit(0 if ok else 1)
 
 
+SELF_CHECK_STYLE = {"pass": "[green]pass[/]", "fail": "[red]FAIL[/]", "error": "[red]error[/]"}
+"""The table's self-check cell by verdict (no verdict: "-", the check does not run for the case)."""
+
+
 def _gradients_table(results, counts, seconds, dev, bug, top) -> None:
     table = Table(title=f"zorro verify gradients ({dev})" + (f" [red]with injected bug {bug}[/]" if bug else ""))
     for col, just in (
@@ -281,13 +285,14 @@ def _gradients_table(results, counts, seconds, dev, bug, top) -> None:
         ("grad rel err", "right"),
         ("base", "right"),
         ("err/tol", "right"),
+        ("self-check", "left"),
         ("", "left"),
     ):
         table.add_column(col, justify=just, no_wrap=col == "case")
     for r in results:
         if r.dedup is None:
             table.add_row(
-                escape(r.case.name), "-", "-", "-", escape(r.reason[:60]), "-", "-", "-", STATUS_STYLE[r.status]
+                escape(r.case.name), "-", "-", "-", escape(r.reason[:60]), "-", "-", "-", "-", STATUS_STYLE[r.status]
             )
             continue
         name, g = r.dedup.worst_param
@@ -300,9 +305,17 @@ def _gradients_table(results, counts, seconds, dev, bug, top) -> None:
             error_cell(g),
             error_cell(r.baseline.grads.get(name, float("nan"))),
             f"{r.worst_ratio:.2f}",
+            SELF_CHECK_STYLE.get(r.self_check.split(":")[0], "-"),
             STATUS_STYLE[r.status],
         )
     console.print(table)
+    checked = [r for r in results if r.self_check]
+    if checked:
+        console.print(
+            "[bold]Self-check[/] (the actor's first-call check against the plain computation, on this machine):"
+        )
+        for r in checked:
+            console.print(f"  {escape(r.case.name)}: {escape(r.self_check)}")
     console.print(_LEGEND)
     ranked = sorted(
         (r for r in results if r.status in ("fail", "error", "pass")),

@@ -20,6 +20,7 @@ from zorro_core.actor.logprobs import check_temperature, response_logprobs
 from zorro_core.actor.output import ActorOutput
 from zorro_core.actor.padded import padded_forward
 from zorro_core.actor.schedule import SCHEDULES, prompt_once_step
+from zorro_core.actor.self_check import SelfCheck
 from zorro_core.attention.backends import default_backend, get_backend
 from zorro_core.attention.flex import flex_unavailable
 from zorro_core.attention.hook import Route, RouteSpec, route_mask
@@ -101,6 +102,10 @@ class _Actor:
             backend=self.config.varlen_backend or "reference",
             attention=self.attn_implementation,
         )
+        # The first call per (path, dtype, plan kind) also checks the path against the plain
+        # computation on a slice of the batch, and falls back to a right one on a mismatch.
+        on = self.config.self_check
+        self.self_check = SelfCheck(self.dedup and (self.device.type == "cuda" if on is None else on))
 
     @property
     def model(self) -> nn.Module:
@@ -178,9 +183,13 @@ class _Actor:
         return self.parts.lm_head.out_features
 
     def plan(self, batch: RolloutBatch) -> Plan:
+        return self.plan_of(batch, self.dedup)
+
+    def plan_of(self, batch: RolloutBatch, dedup: bool) -> Plan:
+        """The plan of `batch` with dedup on or off (off: the plain computation's packed plan)."""
         return build_dedup_plan(
             batch.to(self.device),
-            dedup=self.dedup,
+            dedup=dedup,
             vocab_size=self.vocab_size,
             sharing=self.config.sharing,
             min_shared_tokens=self.config.min_shared_tokens,
@@ -228,8 +237,10 @@ class _Actor:
         if sequence_parallel is not None:
             self.check_sequence_parallel(sequence_parallel, router_aux_loss)
         self.install_hooks()  # a no-op unless something reset the model's attention since
-        plan = self.plan(batch)  # token ids checked against the vocabulary (the batch was validated when built)
-        route = Route(self.route_spec, plan, sequence_parallel=sequence_parallel)
+        spec, dedup = self.self_check.route(self, batch, self.route_spec, self.dedup, temperature)
+        # token ids checked against the vocabulary (the batch was validated when built)
+        plan = self.plan(batch) if dedup == self.dedup else self.plan_of(batch, dedup)
+        route = Route(spec, plan, sequence_parallel=sequence_parallel)
         # Through the FSDP2 root's hooks when the model is sharded with fully_shard (zorro_core.actor.fsdp).
         lp, ent, aux = as_root_forward(
             self.model, lambda: self._compute(plan, route, temperature, calculate_entropy, router_aux_loss)
@@ -237,6 +248,13 @@ class _Actor:
         return ActorOutput(
             plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan, aux
         )
+
+    def run_route(self, batch: RolloutBatch, spec: RouteSpec, dedup: bool, temperature: float) -> torch.Tensor:
+        """[B, R] log-probs of `batch` on another route (the self-check's comparisons): no checks, no aux loss."""
+        plan = self.plan(batch) if dedup == self.dedup else self.plan_of(batch, dedup)
+        route = Route(spec, plan)
+        lp, _, _ = as_root_forward(self.model, lambda: self._compute(plan, route, temperature, False, False))
+        return plan.scatter_responses(lp)
 
     def check_sequence_parallel(self, sp: SequenceParallel, router_aux_loss: Optional[bool] = None) -> None:
         """Refuse, before any collective (every rank refuses alike), what Ulysses does not serve:

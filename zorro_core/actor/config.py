@@ -67,6 +67,10 @@ class ActorConfig:
     """"prompt": rows with identical prompts share them; "prefix": a token trie over whole rows."""
     min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS
     """sharing="prefix": shared runs shorter than this are not split off (>= 1)."""
+    self_check: Optional[bool] = None
+    """The deduplicated actor's first-call self-check against the plain computation on a slice of the
+    batch (zorro_core.actor.self_check; falls back to a right path on a mismatch). None: on for a
+    CUDA device, off on CPU (CI proves the CPU paths against float64); True/False: on/off."""
 
     def __post_init__(self) -> None:
         """Every field's type and choices, checked here once: ValueError naming the field and what it takes."""
@@ -93,6 +97,8 @@ class ActorConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         check_sharing(self.sharing, self.min_shared_tokens)
+        if self.self_check is not None and not isinstance(self.self_check, bool):
+            raise ValueError(f"ActorConfig.self_check must be True, False or None; got {self.self_check!r}")
 
     def replace(self, **options: Any) -> ActorConfig:
         """A copy with `options` changed; an unknown option is refused with the known ones."""

@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 from zorro_core.actor.actor import BaselineActor, DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.actor.schedule import Groups, cut_every_group, prompt_once_step, refusal_for, schedule_refusal
+from zorro_core.actor.self_check import verdict_of
 from zorro_core.attention.backends import backend_unavailable, default_backend
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.linear_attention import fla_available
@@ -140,6 +141,9 @@ class CaseResult:
     worst_check: str = ""
     """Which check has that ratio."""
     seconds: float = 0.0
+    self_check: str = ""
+    """The actor's self-check on the case's batch (zorro_core.actor.self_check): "pass", "fail" or
+    "error", then ": " and its numbers; "" where it does not run (CPU sdpa/reference paths)."""
 
     def to_dict(self) -> dict:
         """Plain data for JSON (nan and inf become None, so the output is strict JSON)."""
@@ -156,6 +160,7 @@ class CaseResult:
             "worst_ratio": f(self.worst_ratio),
             "worst_check": self.worst_check,
             "seconds": round(self.seconds, 3),
+            "self_check": self.self_check,
         }
         for who, e in (("dedup", self.dedup), ("baseline", self.baseline)):
             if e is not None:
@@ -378,7 +383,8 @@ class Verifier:
                 if refusal:
                     return CaseResult(case, "skip", refusal)
             batch, w, ref = self.reference(case.model, case.dtype, case.layout)
-            config = case.actor
+            # The proof tests the configured path itself: the self-check's fallback must not replace it.
+            config = case.actor.replace(self_check=False)
             try:
                 actor = DeduplicatedActor(model=model, config=config)
             except UnsupportedModelError as e:  # refused with its reason (e.g. linear attention in prefix mode)
@@ -393,6 +399,8 @@ class Verifier:
                 else:
                     with inject_bug(self.bug, actor):
                         dedup, dedup_lp = self.errors(actor, batch, w, ref)
+                with inject_bug(self.bug, actor):
+                    checked = self.self_check(actor, batch)
         except Exception as e:  # a crash is a failed proof, reported as a row
             return CaseResult(case, "error", f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
         ratio, check, failing = judge(case.dtype, dedup, base, self.factor)
@@ -406,7 +414,22 @@ class Verifier:
             ratio,
             check,
             time.perf_counter() - t0,
+            checked,
         )
+
+    def self_check(self, actor, batch) -> str:
+        """The self-check's verdict on the case (CaseResult.self_check): run on CUDA, and on CPU for
+        the split-mode backends that run a kernel (flash_cpu, flash_cpu_gather)."""
+        spec = actor.route_spec
+        if not self.device.startswith("cuda") and not (
+            spec.mode == "split" and spec.backend not in ("reference", "sdpa")
+        ):
+            return ""
+        try:
+            verdict = verdict_of(actor, batch, TEMPERATURE)
+        except Exception as e:  # noqa: BLE001 - reported beside the proof, which stands on its own
+            return f"error: {type(e).__name__}: {e}"
+        return f"{'pass' if verdict.passed else 'fail'}: {verdict.describe()}"
 
 
 def expand_cases(

@@ -4,12 +4,17 @@ optimization stack, as plain data (`zorro env` prints it; every results sidecar 
 from __future__ import annotations
 
 import platform
+from typing import Optional
 
 import torch
 import transformers
 
+from zorro_core.actor.actor import DeduplicatedActor
+from zorro_core.actor.self_check import SelfCheckVerdict, verdict_of
 from zorro_core.attention.backends import BACKENDS, backend_unavailable
+from zorro_core.models.presets import build_model, preset_config
 from zorro_core.models.registry import FAMILIES, family_support
+from zorro_core.plan.batch import create_dummy_batch
 from zorro_core.stack.auto import choose_attention
 from zorro_core.stack.liger import liger_unavailable
 from zorro_core.stack.lora import LoraSettings, lora_unavailable
@@ -56,3 +61,16 @@ def stack_support(device: str) -> dict:
         "lora": lora_unavailable(None, device) or "ok",
         "qlora": lora_unavailable(LoraSettings(quantize_base="nf4"), device) or "ok",
     }
+
+
+def self_check_probe(device: str | torch.device, varlen_backend: Optional[str] = None) -> SelfCheckVerdict:
+    """The actor's self-check run on this machine (`zorro env`; zorro_core.actor.self_check):
+    tiny-qwen3 with random weights in the device's compute dtype (bfloat16 on CUDA, float32 on CPU),
+    its default split-mode backend (`flash_cpu`, the GPU path's code, on CPU), 2 prompts x 3 responses."""
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(preset_config("tiny-qwen3"), dtype=dtype, device=device)
+    backend = varlen_backend or ("flash_cpu" if device.type == "cpu" else None)
+    actor = DeduplicatedActor(model=model, varlen_backend=backend, self_check=False)
+    batch = create_dummy_batch(6, 2, 24, 8, vocab_size=model.config.vocab_size, device=device, vary_lengths=True)
+    return verdict_of(actor, batch)

@@ -385,3 +385,14 @@ def test_aux_loss_for_a_family_without_one_falls_back_with_the_reason(tmp_path):
         except AttributeError as e:  # TRL 1.16's own aux-loss code reads config.num_experts, which DeepSeek lacks
             assert "num_experts" in str(e)
     assert trainer.zorro_calls["fallback"] == 1
+
+
+def test_the_self_check_reaches_trls_logged_metrics(checkpoint, tmp_path):
+    """ActorConfig(self_check=True): the first served call checks the path, and TRL logs `zorro/self_check`."""
+    path, _ = checkpoint
+    config = ActorConfig(self_check=True, varlen_backend="flash_cpu")
+    trainer = _trainer(DedupGRPOTrainer, path, tmp_path, max_steps=1, trainer_kwargs={"zorro_config": config})
+    trainer.train()
+    logged = [h["zorro/self_check"] for h in trainer.state.log_history if "zorro/self_check" in h]
+    assert logged == [1.0]
+    assert trainer.zorro_calls["fallback"] == 0

@@ -250,6 +250,7 @@ class DedupActor(Actor):
         batch = split.batch(sequences)
         out = actor.forward(batch, temperature=float(self.temperature), calculate_entropy=calculate_entropy)
         self.zorro_stats.served(batch.prompts, batch.prompt_mask, batch.response_mask)
+        self.zorro_stats.self_check = actor.self_check.metric()
         # A tuple of tensors only: DeepSpeed's engine (like DDP) looks for the outputs its backward waits on in it.
         if calculate_entropy:
             return split.place(out.log_probs), split.place(out.entropy)

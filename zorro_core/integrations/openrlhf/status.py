@@ -12,6 +12,8 @@ each a float, for the policy's calls since the previous step (old log-probs and 
 - `zorro/prompt_dedup`: 1 - prompt tokens computed / prompt tokens of the rows, over all ranks;
   `zorro/prompt_dedup_rank<r>` each rank's, `zorro/prompt_dedup_min` the lowest.
 - `zorro/logical_tokens`, `zorro/computed_tokens` (summed), `zorro/computed_over_logical`.
+- `zorro/self_check`: when the actor's first-call self-check ran (zorro_core.actor.self_check), 1.0
+  if it passed, 0.0 if it failed and the actor fell back (the lowest over the ranks; they agree).
 - `zorro/batching_dedup`, `zorro/batching_fallback`: batchings formed by zorro's
   `GroupedReplayBuffer` / handed back to OpenRLHF's (`zorro/batching_fallback/<reason>` each reason),
   `zorro/split_groups`: groups its micro-batches cut (sizes that do not divide),
@@ -46,6 +48,8 @@ class CallStats:
     reasons: dict[str, int] = field(default_factory=dict)
     """Fallback calls by reason."""
     calls: dict[str, int] = field(default_factory=lambda: {"dedup": 0, "fallback": 0})
+    self_check: Optional[float] = None
+    """The actor's `self_check.metric()` after its last served call (None: no check ran)."""
 
     def served(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> None:
         """A call zorro served, on the rows of its RolloutBatch."""
@@ -78,6 +82,7 @@ class CallStats:
             self.computed_tokens,
             dict(self.reasons),
             dict(self.calls),
+            self.self_check,
         )
         self.__init__()  # type: ignore[misc]
         return out
@@ -127,6 +132,9 @@ def status_entries(
         out["zorro/logical_tokens"] = float(tokens)
         out["zorro/computed_tokens"] = float(computed)
         out["zorro/computed_over_logical"] = computed / tokens if tokens else 1.0
+        checks = [s.self_check for s in calls if s.self_check is not None]
+        if checks:
+            out["zorro/self_check"] = float(min(checks))
     records = [b for _, b in ranks if b is not None]
     if records:
         out["zorro/batching_dedup"] = float(sum(b["dedup"] for b in records))

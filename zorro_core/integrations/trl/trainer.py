@@ -21,7 +21,9 @@ in the same order (TRL does), and before any collective the ranks agree whether 
 (one all-reduce of a flag): if one rank's call must fall back, all fall back, so collectives always
 match. Sharded models (FSDP2, ZeRO-3) get one actor forward per call (TRL's `batch_size` chunks
 would differ in number per rank after regrouping). `zorro_log` records each call's rows and
-prompt dedup ratio before and after regrouping.
+prompt dedup ratio before and after regrouping. Once the actor's self-check ran
+(zorro_core.actor.self_check; on by default on CUDA), each served call logs `zorro/self_check` in TRL's
+metrics (1.0 passed, 0.0 failed and fell back).
 
 The MoE router aux loss (`compute_aux_loss`, TRL's loss call for MoE models) is served: the actor
 weights each packed token by its rows (`router_aux_weighting="multiplicity"`), which equals
@@ -298,6 +300,7 @@ class DedupGRPOTrainer(GRPOTrainer):
             else:
                 record["seconds"] = time.perf_counter() - start
                 self.zorro_log.append(record)
+                self._log_self_check(actor)
                 self._zorro_fallback.served()
                 return out
         self._zorro_fallback.fall_back(reason)
@@ -329,6 +332,16 @@ class DedupGRPOTrainer(GRPOTrainer):
             )
         )
         return (lp, ent, None), record
+
+    def _log_self_check(self, actor: DeduplicatedActor) -> None:
+        """`zorro/self_check` in TRL's logged metrics once the actor's self-check ran (1.0 passed, 0.0
+        failed and fell back; zorro_core.actor.self_check): the same on every rank."""
+        value = actor.self_check.metric()
+        metrics = getattr(self, "_metrics", None)
+        if value is not None and isinstance(metrics, dict):
+            mode = "train" if self.model is not None and self.model.training else "eval"
+            if mode in metrics:
+                metrics[mode]["zorro/self_check"].append(value)
 
     def _record(self, wrapped: Wrapped, rows: int, aux: bool) -> dict[str, Any]:
         policy = wrapped.inner is self.accelerator.unwrap_model(self.model)

@@ -299,7 +299,8 @@ class DedupFSDPEngine(FSDPEngineWithLMHead):
                 output = super().forward_backward_batch(data, loss_function, forward_only)
         else:
             output = self._fixed_size_batch(data, loss_function, forward_only)
-        return add_metrics(output, self._zorro_stats)
+        actor = self.__dict__.get("_zorro_actor_instance")
+        return add_metrics(output, self._zorro_stats, actor.self_check.metric() if actor is not None else None)
 
     def _zorro_record(self, micro_batch, rows) -> None:
         from zorro_core.integrations.verl.metrics import stats_of

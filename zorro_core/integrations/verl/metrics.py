@@ -6,7 +6,8 @@ against the tokens of its rows; `add_metrics` puts the rank's totals into the pa
 the data-parallel ranks and chains such lists (`TrainingWorker._postprocess_output`,
 `train_mini_batch`), and the trainer reduces them with `reduce_metrics` (the mean; the minimum
 for a key with "min"), so the actor update's figures reach the user's logger as
-"actor/zorro/...".
+"actor/zorro/...". `zorro/self_check` (when the actor's self-check ran: 1.0 passed, 0.0 failed and
+fell back; zorro_core.actor.self_check) is the same on every rank (the ranks agree on the verdict).
 """
 
 from __future__ import annotations
@@ -55,11 +56,14 @@ def stats_of(micro_batch: Any, rows: Optional[Any]) -> MicroBatchStats:
     return MicroBatchStats(True, prompt_tokens, computed_prompt, tokens, computed)
 
 
-def add_metrics(output: dict, stats: list[MicroBatchStats]) -> dict:
-    """The rank's "zorro/..." figures added to a pass's output metrics (module doc)."""
+def add_metrics(output: dict, stats: list[MicroBatchStats], self_check: Optional[float] = None) -> dict:
+    """The rank's "zorro/..." figures added to a pass's output metrics (module doc); `self_check`:
+    the actor's `self_check.metric()` (None: no check ran, no entry)."""
     if not stats:
         return output
     metrics = output.setdefault("metrics", {})
+    if self_check is not None:
+        metrics["zorro/self_check"] = [float(self_check)]
     prompt = sum(s.prompt_tokens for s in stats)
     computed_prompt = sum(s.computed_prompt_tokens for s in stats)
     tokens = sum(s.tokens for s in stats)

@@ -1,0 +1,192 @@
+"""The self-check (zorro_core.actor.self_check): a right backend passes and keeps its path; a planted
+wrong-gradient kernel (#46 item 1: each head's backward reads another head's lse) is caught on two
+gloo ranks, which agree, fall back, warn once with the numbers and report the metric, and whose
+results after falling back equal the float64 per-sequence reference; the switch turns it off."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+
+from zorro_core.actor import self_check
+from zorro_core.actor.actor import DeduplicatedActor
+from zorro_core.actor.self_check import SelfCheckWarning
+from zorro_core.attention.kernels import CpuFlashPair
+from zorro_core.distributed.launch import launch
+from zorro_core.models.presets import build_model, preset_config
+from zorro_core.plan.batch import create_dummy_batch
+from zorro_core.verify import tolerances
+from zorro_core.verify.reference import max_abs_error, max_rel_grad_error, per_sequence, token_weights
+
+
+def _model():
+    return build_model(preset_config("tiny-qwen3"), dtype=torch.float64)
+
+
+def _batch(model, seed=0):
+    vocab = model.config.vocab_size
+    return create_dummy_batch(6, 2, prompt_len=12, response_len=6, vocab_size=vocab, vary_lengths=True, seed=seed)
+
+
+@contextlib.contextmanager
+def wrong_head_lse():
+    """#46 item 1 put back: the flash_cpu pair's backward reads each head's lse from the next head."""
+    original = CpuFlashPair.backward
+
+    def backward(self, dout, q, k, v, out, lse, *args, **kwargs):
+        return original(self, dout, q, k, v, out, lse.roll(1, 0), *args, **kwargs)
+
+    CpuFlashPair.backward = backward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        CpuFlashPair.backward = original  # type: ignore[method-assign]
+
+
+def test_the_rule_is_the_proofs():
+    assert self_check.LOGPROB_FLOOR == tolerances.LOGPROB_ATOL
+    assert self_check.GRAD_FLOOR == tolerances.GRAD_RTOL
+    assert self_check.FACTOR == tolerances.LOW_PRECISION_FACTOR
+
+
+def test_a_right_backend_passes_and_keeps_its_path():
+    model = _model()
+    model.train()
+    model.model.layers[0].eval()  # each module's own mode is put back after the check (run in eval mode)
+    actor = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SelfCheckWarning)
+        actor.forward(_batch(model))
+        actor.forward(_batch(model, seed=1))  # the same key: checked once
+    (verdict,) = actor.self_check.verdicts.values()
+    assert verdict.key == ("split", "flash_cpu", "sdpa", "float64", "PromptPlan")
+    assert verdict.passed and verdict.grad_error < verdict.grad_allowed == tolerances.GRAD_RTOL
+    assert actor.self_check.failed is None and actor.self_check.spec is None
+    assert actor.self_check.metric() == 1.0
+    assert model.training and not model.model.layers[0].training and model.model.layers[1].training
+    assert all(p.grad is None for p in model.parameters())  # the check's backward touches no .grad
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the self-check ran")
+
+    monkeypatch.setattr(self_check, "check", never)
+    model = _model()
+    for options in ({"self_check": False}, {}):  # off explicitly, and by default on CPU
+        actor = DeduplicatedActor(model=model, varlen_backend="flash_cpu", **options)
+        with wrong_head_lse():
+            actor.forward(_batch(model))
+        assert actor.self_check.metric() is None and not actor.self_check.verdicts
+
+
+def _planted_rank(seed: int) -> dict:
+    """One gloo rank: the planted bug, forward_backward through the self-checking actor, compared with
+    the float64 per-sequence reference."""
+    model = _model()
+    batch = _batch(model, seed=seed + torch.distributed.get_rank())
+    weights = token_weights(batch)
+    lp_ref, _, grads_ref = per_sequence(model, batch, weights=weights, entropy=False)
+    actor = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=True)
+    w_lp = weights[0]
+    with warnings.catch_warnings(record=True) as caught, wrong_head_lse():
+        warnings.simplefilter("always")
+        model.zero_grad(set_to_none=True)
+        out = actor.forward_backward(batch, lambda o, rows: (o.log_probs * w_lp[rows]).sum())
+        actor.forward(batch)  # a later call: no second check, no second warning
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    # Only rank 0's kernel is wrong: rank 1 passes its own check, yet takes rank 0's verdict.
+    alone = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=True)
+    with warnings.catch_warnings(record=True) as caught_alone:
+        warnings.simplefilter("always")
+        with wrong_head_lse() if torch.distributed.get_rank() == 0 else contextlib.nullcontext():
+            alone.forward(batch)
+    return {
+        "alone": (alone.self_check.metric(), [str(w.message) for w in caught_alone]),
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, SelfCheckWarning)],
+        "metric": actor.self_check.metric(),
+        "verdicts": {k: v.passed for k, v in actor.self_check.verdicts.items()},
+        "spec": actor.self_check.spec.backend if actor.self_check.spec else None,
+        "lp_error": max_abs_error(out.log_probs, lp_ref),
+        "grad_error": max_rel_grad_error(grads, grads_ref)[0],
+    }
+
+
+def test_a_planted_wrong_gradient_kernel_is_caught_on_two_ranks_which_agree_and_fall_back():
+    ranks = launch(_planted_rank, 2, 0, timeout_s=300)
+    for r in ranks:
+        assert r["metric"] == 0.0 and r["spec"] == "sdpa"
+        assert r["verdicts"] == {
+            ("split", "flash_cpu", "sdpa", "float64", "PromptPlan"): False,
+            ("split", "sdpa", "sdpa", "float64", "PromptPlan"): True,
+        }
+        (message,) = r["warnings"]  # once, with the numbers
+        assert "self-check failed, flash_cpu" in message and "gradient error" in message
+        assert "Falling back for the rest of the run to split mode on sdpa" in message
+        # after falling back: the float64 reference's log-probs and gradients
+        assert r["lp_error"] <= tolerances.LOGPROB_ATOL
+        assert r["grad_error"] <= tolerances.GRAD_RTOL
+    for rank, r in enumerate(ranks):  # one rank's wrong kernel: both fall back
+        metric, (message,) = r["alone"]
+        assert metric == 0.0 and "self-check failed" in message
+        assert ("rank 0's worst parameter" in message) == (rank == 1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_low_precision_rule_passes_a_right_backend_and_catches_the_planted_one(dtype):
+    model = build_model(preset_config("tiny-qwen3"), dtype=getattr(torch, dtype))
+    right = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=True)
+    right.forward(_batch(model))
+    assert right.self_check.metric() == 1.0
+    wrong = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=True)
+    with wrong_head_lse(), pytest.warns(SelfCheckWarning, match="self-check failed"):
+        wrong.forward(_batch(model))
+    verdict = wrong.self_check.failed
+    assert verdict is not None and verdict.grad_error > 3 * verdict.grad_allowed
+
+
+def test_the_trainers_metrics_carry_it():
+    from zorro_core.integrations.openrlhf.status import CallStats, status_entries
+    from zorro_core.integrations.verl.metrics import MicroBatchStats, add_metrics
+
+    stats = [MicroBatchStats(True, 4, 2, 8, 6)]
+    assert add_metrics({}, stats, 0.0)["metrics"]["zorro/self_check"] == [0.0]
+    assert "zorro/self_check" not in add_metrics({}, stats)["metrics"]  # absent when no check ran
+    calls = CallStats()
+    calls.served(torch.tensor([[1, 2]]), torch.tensor([[1, 1]]), torch.tensor([[1]]))
+    assert "zorro/self_check" not in status_entries(calls)
+    calls.self_check = 1.0
+    assert status_entries(calls)["zorro/self_check"] == 1.0
+    assert calls.take().self_check == 1.0 and calls.self_check is None
+
+
+def test_a_sharded_model_is_not_checked_and_says_so(monkeypatch):
+    monkeypatch.setattr(self_check, "sharded", lambda model: "the model's parameters are sharded (FSDP)")
+    model = _model()
+    actor = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=True)
+    with pytest.warns(SelfCheckWarning, match="skipped: the model's parameters are sharded"):
+        actor.forward(_batch(model))
+    actor.forward(_batch(model))  # said once
+    assert actor.self_check.metric() is None and not actor.self_check.verdicts
+
+
+def test_zorro_env_and_verify_report_it():
+    from zorro_cli.env import self_check_row
+    from zorro_core.actor.config import ActorConfig
+    from zorro_core.verify.gradients import VerifyCase, verify_cases
+
+    assert self_check_row("cpu").startswith("pass: flash_cpu (split mode, sdpa, float32, PromptPlan)")
+    case = VerifyCase(
+        "tiny-qwen3", "float32", "padded", ActorConfig(attn_implementation="sdpa", varlen_backend="flash_cpu")
+    )
+    plain = VerifyCase(
+        "tiny-qwen3", "float32", "padded", ActorConfig(attn_implementation="sdpa", varlen_backend="sdpa")
+    )
+    right, on_sdpa = verify_cases([case, plain])
+    (broken,) = verify_cases([case], bug="positions_restart")
+    assert right.status == "pass" and right.self_check.startswith("pass: flash_cpu")
+    assert on_sdpa.self_check == ""  # CPU sdpa: not run (CI proves it)
+    assert broken.status == "fail" and broken.self_check.startswith("fail: flash_cpu")
