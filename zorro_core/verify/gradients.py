@@ -396,11 +396,11 @@ class Verifier:
                 base, base_lp = self.errors(BaselineActor(model=model, config=config), batch, w, ref)
                 if self.schedule:
                     dedup, dedup_lp = self.schedule_errors(actor, batch, w, ref)
+                    checked = self.self_check(actor, batch)
                 else:
                     with inject_bug(self.bug, actor):
                         dedup, dedup_lp = self.errors(actor, batch, w, ref)
-                with inject_bug(self.bug, actor):
-                    checked = self.self_check(actor, batch)
+                        checked = self.self_check(actor, batch)
         except Exception as e:  # a crash is a failed proof, reported as a row
             return CaseResult(case, "error", f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
         ratio, check, failing = judge(case.dtype, dedup, base, self.factor)
