@@ -48,10 +48,18 @@ def build_policy(worker, pretrain: str) -> None:
     worker.actor = actor_class(pretrain, attn_implementation="eager", param_dtype="bf16")
 
 
+def build_critic(worker, pretrain: str) -> None:
+    """In a `CriticModelActor`: its critic built by the `get_llm_for_sequence_regression` its own
+    `init_model_from_pretrained` looks up."""
+    build = _method_globals(worker)["get_llm_for_sequence_regression"]
+    worker.critic = build(pretrain, "critic", attn_implementation="eager", param_dtype="bf16")
+
+
 def names_seen(worker) -> dict:
-    """In a model actor: the class each name resolves to where its `init_model_from_pretrained` looks it up."""
+    """In a model actor: what each name resolves to where its `init_model_from_pretrained` looks it up."""
     g = _method_globals(worker)
-    return {k: f"{g[k].__module__}.{g[k].__qualname__}" for k in ("Actor", "ActorPPOTrainer") if k in g}
+    names = ("Actor", "ActorPPOTrainer", "get_llm_for_sequence_regression")
+    return {k: f"{g[k].__module__}.{g[k].__qualname__}" for k in names if k in g}
 
 
 def _method_globals(worker) -> dict:

@@ -1,12 +1,12 @@
 """The README's OpenRLHF recipe through a real Ray: `ray.init(runtime_env={"worker_process_setup_hook":
 "zorro_core.integrations.openrlhf.install"})`, Ray local on CPU, OpenRLHF 0.11.2's own model actor classes
-(`PolicyModelActor`, `ReferenceModelActor`) in its own `RayActorGroup`, shipped by Ray from this driver,
+(`PolicyModelActor`, `ReferenceModelActor`, `CriticModelActor`) in its own `RayActorGroup`, shipped by Ray from this driver,
 which never calls install() itself.
 
 Ray ships those classes by value: their methods see globals rebuilt in the worker, where OpenRLHF's `Actor`
 is resolved by its home module. Checked: the reference model OpenRLHF's own `init_model_from_pretrained`
-builds is a `DedupActor`, and so are the names the policy's method builds with; without the hook the same
-actors hold OpenRLHF's `Actor`, and zorro's first-call check (`check_served`) refuses them, loudly.
+builds is a `DedupActor`, and so are the names the policy's method builds with; the critic's builder is
+zorro's and its critic served; without the hook the same actors hold OpenRLHF's models, and zorro's first-call check (`check_served`) refuses them, loudly.
 
 Runs in OpenRLHF's venv (.ci/openrlhf_tests), with Ray 2.55.0 (OpenRLHF's pin); vLLM, which
 `openrlhf.trainer.ray` imports, is an import-only stand-in where it is not installed
@@ -66,12 +66,15 @@ def start(ckpt: str, extra_path: list, hook: bool):
     import openrlhf_ray
     from openrlhf.trainer.ray.launcher import RayActorGroup, ReferenceModelActor
     from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+    from openrlhf.trainer.ray.ppo_critic import CriticModelActor
 
-    policy = RayActorGroup(1, 1, PolicyModelActor, num_gpus_per_actor=1)
-    ref = RayActorGroup(1, 1, ReferenceModelActor, num_gpus_per_actor=1)
+    policy = RayActorGroup(1, 1, PolicyModelActor, num_gpus_per_actor=0.5)
+    ref = RayActorGroup(1, 1, ReferenceModelActor, num_gpus_per_actor=0.5)
+    critic = RayActorGroup(1, 1, CriticModelActor, num_gpus_per_actor=0.5)
     ray.get(ref.async_init_model_from_pretrained(openrlhf_ray.CpuStrategy(), ckpt))
     ray.get([h.__ray_call__.remote(openrlhf_ray.build_policy, ckpt) for h in policy._actor_handlers])
-    return ray, policy, ref
+    ray.get([h.__ray_call__.remote(openrlhf_ray.build_critic, ckpt) for h in critic._actor_handlers])
+    return ray, policy, ref, critic
 
 
 def model_class(group, attribute):
@@ -86,7 +89,7 @@ def test_hook_alone_gives_dedup_actor_in_every_worker(ckpt, vllm_importable):
     import openrlhf.trainer.ray.launcher as launcher
     from openrlhf.models import Actor
 
-    ray, policy, ref = start(ckpt, vllm_importable, hook=True)
+    ray, policy, ref, critic = start(ckpt, vllm_importable, hook=True)
     try:
         import openrlhf_ray
 
@@ -97,8 +100,15 @@ def test_hook_alone_gives_dedup_actor_in_every_worker(ckpt, vllm_importable):
         assert model_class(policy, "actor") == (dedup, True)
         seen = ray.get(policy._actor_handlers[0].__ray_call__.remote(openrlhf_ray.names_seen))
         assert seen == {"Actor": dedup, "ActorPPOTrainer": "zorro_core.integrations.openrlhf.actor.ActorPPOTrainer"}
+        seen = ray.get(critic._actor_handlers[0].__ray_call__.remote(openrlhf_ray.names_seen))
+        assert seen == {
+            "get_llm_for_sequence_regression": "zorro_core.integrations.openrlhf.critic.critic_builder.<locals>.build"
+        }
+        name, served = model_class(critic, "critic")
+        assert served and name.startswith("zorro_core.integrations.openrlhf.critic.")
         check_served(policy, "actor", "policy")  # the first-call check passes
         check_served(ref, "model", "reference")
+        check_served(critic, "critic", "critic")
         assert launcher.Actor is Actor  # the driver itself was never touched: the hook alone did it
     finally:
         ray.shutdown()
@@ -106,15 +116,19 @@ def test_hook_alone_gives_dedup_actor_in_every_worker(ckpt, vllm_importable):
 
 def test_without_the_hook_the_first_call_check_refuses(ckpt, vllm_importable):
     """The state the issue found (OpenRLHF's Actor in the workers): zorro's check fails loudly, naming it."""
-    ray, policy, ref = start(ckpt, vllm_importable, hook=False)
+    ray, policy, ref, critic = start(ckpt, vllm_importable, hook=False)
     try:
         from zorro_core.integrations.openrlhf.actor import check_served
 
         assert model_class(ref, "model") == ("openrlhf.models.actor.Actor", False)
-        with pytest.raises(RuntimeError, match=r"reference model actors hold openrlhf\.models\.actor\.Actor"):
+        with pytest.raises(
+            RuntimeError, match=r"reference model actors hold openrlhf\.models\.actor\.Actor, not a model zorro serves"
+        ):
             check_served(ref, "model", "reference")
         with pytest.raises(RuntimeError, match="worker_process_setup_hook"):
             check_served(policy, "actor", "policy")
+        with pytest.raises(RuntimeError, match="critic model actors hold openrlhf.models.model"):
+            check_served(critic, "critic", "critic")
     finally:
         ray.shutdown()
 

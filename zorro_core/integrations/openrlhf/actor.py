@@ -303,7 +303,17 @@ def install() -> None:
         if getattr(module, "Actor", None) is not Actor and getattr(module, "Actor", None) is not DedupActor:
             raise ImportError(f"{name}.Actor is {module.Actor!r}, not OpenRLHF's Actor: something else replaced it")
         module.Actor = DedupActor  # type: ignore[attr-defined]
-    # Last: modules imported from here on that import `Actor` from its home module get DedupActor (a subclass).
+    # The critic: built by get_llm_for_sequence_regression (by its home module's name, as Actor above),
+    # trained from a NaiveReplayBuffer in ppo_critic (whole groups: zorro's buffer, as the policy's).
+    import zorro_core.integrations.openrlhf.critic as critic
+
+    ppo_critic = importlib.import_module("openrlhf.trainer.ray.ppo_critic")
+    _rebind(ppo_critic, "NaiveReplayBuffer", batching.NaiveReplayBuffer, batching.GroupedReplayBuffer)
+    models = importlib.import_module("openrlhf.models.model")
+    build = critic.critic_builder(models.get_llm_for_sequence_regression)
+    _rebind(ppo_critic, "get_llm_for_sequence_regression", critic.OPENRLHF_BUILDER, build)
+    # Last: modules imported from here on that import these from their home module get zorro's.
+    _rebind(models, "get_llm_for_sequence_regression", critic.OPENRLHF_BUILDER, build)
     _rebind(importlib.import_module("openrlhf.models.actor"), "Actor", Actor, DedupActor)
     ppo_actor = sys.modules["openrlhf.trainer.ray.ppo_actor"]
     _rebind(ppo_actor, "NaiveReplayBuffer", batching.NaiveReplayBuffer, batching.GroupedReplayBuffer)
@@ -362,6 +372,8 @@ def grouped_experience_maker(base: type) -> type:
                 check_served(self.actor_model_group, "actor", "policy")
                 if self.initial_model_group is not None:
                     check_served(self.initial_model_group, "model", "reference")
+                if self.critic_model_group is not None:
+                    check_served(self.critic_model_group, "critic", "critic")
                 self._zorro_checked = True
             ours = openrlhf_batching.split_rollout_samples(rollout_samples, self.args, self.tokenizer.pad_token_id)
             return base.split_rollout_samples(self, rollout_samples) if ours is None else ours  # type: ignore[attr-defined]
@@ -381,6 +393,13 @@ _NOT_SERVED = (
 )
 
 
+def _served(model: Any) -> bool:
+    """A DedupActor, or a critic zorro serves (`critic.serve_critic`; under DeepSpeed, the engine's module)."""
+    if isinstance(model, DedupActor):
+        return True
+    return bool(getattr(type(getattr(model, "module", model)), "_zorro_critic", False))
+
+
 def check_model(model: Any, where: str) -> None:
     """Raise RuntimeError unless `model` is a `DedupActor` (what install() promises `where`)."""
     if not isinstance(model, DedupActor):
@@ -389,15 +408,17 @@ def check_model(model: Any, where: str) -> None:
 
 
 def _model_type(worker: Any, attribute: str) -> tuple[str, bool]:
-    """In a Ray model actor (through `__ray_call__`): its model's class name, and whether it is a DedupActor."""
+    """In a Ray model actor (through `__ray_call__`): its model's class name (under DeepSpeed, the engine's
+    module's), and whether zorro serves it."""
     model = getattr(worker, attribute, None)
-    kind = type(model)
-    return f"{kind.__module__}.{kind.__qualname__}", isinstance(model, DedupActor)
+    kind = type(getattr(model, "module", model)) if not isinstance(model, DedupActor) else type(model)
+    return f"{kind.__module__}.{kind.__qualname__}", _served(model)
 
 
 def check_served(group: Any, attribute: str, role: str) -> None:
-    """Raise RuntimeError unless every Ray actor of OpenRLHF's `RayActorGroup` `group` holds a `DedupActor`
-    in `attribute` (`PolicyModelActor.actor`, `ReferenceModelActor.model`); `role` names it. One Ray call
+    """Raise RuntimeError unless every Ray actor of OpenRLHF's `RayActorGroup` `group` holds a model zorro
+    serves in `attribute` (`PolicyModelActor.actor`, `ReferenceModelActor.model`: a `DedupActor`;
+    `CriticModelActor.critic`: a served critic); `role` names it. One Ray call
     (`__ray_call__`, run in the actor's process) per actor."""
     import ray
 
@@ -411,6 +432,6 @@ def check_served(group: Any, attribute: str, role: str) -> None:
     plain = sorted({name for name, ours in found if not ours})
     if plain:
         raise RuntimeError(
-            f"the {role} model actors hold {', '.join(plain)}, not zorro's DedupActor "
+            f"the {role} model actors hold {', '.join(plain)}, not a model zorro serves "
             f"({sum(not ours for _, ours in found)} of {len(found)}): {_NOT_SERVED}"
         )
