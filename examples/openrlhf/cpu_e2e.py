@@ -15,7 +15,7 @@ a rule reward (`reward.remote_url`: a Python file), policy, reference and critic
 policy, reference and critic call was served by zorro, and by more than one process (policy and
 reference), every call held whole prompt groups, no micro-batch computed more tokens than the budget
 (`max_tokens_per_gpu`, counted in the tokens each call actually computed); step 1 agrees with the plain arm
-on the same rollout (the same rewards: vLLM's sampling is seeded alike) in its losses (summed over the
+on the same rollout (checked: the same rows, token for token; vLLM's sampling is seeded alike) in its losses (summed over the
 step's training micro-batches: `summed`). Timings per arm go to --csv.
 """
 
@@ -27,6 +27,7 @@ import json
 import os
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -164,6 +165,13 @@ def check(out: Path) -> list[str]:
     if not steps["plain"] or not steps["zorro"]:
         fails.append(f"step status missing: {[(a, len(s)) for a, s in steps.items()]}")
         return fails
+    rollout = {
+        arm: sorted(k for r in recs if r["kind"] == "actor" and not r["grad"] for k in r.get("rows", []))
+        for arm, recs in (("plain", plain), ("zorro", zorro))
+    }
+    if not rollout["plain"] or rollout["plain"] != rollout["zorro"]:
+        fails.append("the two arms did not score the same rollout (vLLM's sampling differed): step 1 is not comparable")
+        return fails
     p, z = summed(steps["plain"][0], plain), summed(steps["zorro"][0], zorro)
     for key in AGREE:
         if key not in p or key not in z:
@@ -191,6 +199,7 @@ def main() -> int:
     ap.add_argument("--arms", default="plain,zorro")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--arm-timeout", type=float, default=900, help="seconds per arm before its processes are killed")
     ap.add_argument("--run-arm", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     out = Path(args.out)
@@ -211,9 +220,20 @@ def main() -> int:
                 f.write(json.dumps({"input": text, "label": str(a + b)}) + "\n")
         t0 = time.perf_counter()
         with (work / "log.txt").open("w") as log:
-            rc = subprocess.call(
-                [sys.executable, __file__, "--out", str(out), "--run-arm", arm], stdout=log, stderr=subprocess.STDOUT
+            # A session of its own: on a timeout the arm's Ray processes go with it.
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--out", str(out), "--run-arm", arm],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
+            try:
+                rc = proc.wait(timeout=args.arm_timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                print(f"{arm}: no result within {args.arm_timeout} s", file=sys.stderr)
+                rc = 124
         seconds = time.perf_counter() - t0
         steps = [r["status"] for r in records(work) if r["kind"] == "step"]
         print(

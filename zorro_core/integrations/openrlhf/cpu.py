@@ -26,7 +26,7 @@ removed. None of it changes what OpenRLHF computes: these are the answers a CPU 
   builds the engine.
 
 `record(path)` (set by `ZORRO_OPENRLHF_RECORD`) appends one JSON line per model call (served by zorro or
-not, tokens computed, the size of each prompt group in the call) and per logged step (OpenRLHF's status
+not, tokens computed, the size of each prompt group in the call, a digest of each row) and per logged step (OpenRLHF's status
 dict), for the end-to-end checks (examples/openrlhf/cpu_e2e.py).
 """
 
@@ -262,6 +262,17 @@ def _group_sizes(sequences: torch.Tensor, action_mask: Any, attention_mask: Any)
     return torch.bincount(prompt_groups(batch.prompts, batch.prompt_mask)).tolist()
 
 
+def _row_keys(sequences: torch.Tensor, attention_mask: Any) -> list[str]:
+    """A digest of each row's real tokens (the same rollout in two runs: the same multiset of digests)."""
+    import hashlib
+
+    out = []
+    for i in range(sequences.shape[0]):
+        row = sequences[i][attention_mask[i].bool()] if attention_mask is not None else sequences[i]
+        out.append(hashlib.sha1(str(row.tolist()).encode()).hexdigest()[:16])
+    return out
+
+
 def record(path: str) -> None:
     """Record every OpenRLHF model call and logged step of this process to `path` (module doc)."""
     import openrlhf.models.actor as actor_module
@@ -292,6 +303,7 @@ def record(path: str) -> None:
                     "tokens": real,
                     "computed": (stats.computed_tokens - before) if served and stats is not None else real,
                     "groups": _group_sizes(sequences, action_mask, attention_mask),
+                    "rows": _row_keys(sequences, attention_mask),
                 },
             )
             return out
