@@ -15,7 +15,8 @@ a rule reward (`reward.remote_url`: a Python file), policy, reference and critic
 policy, reference and critic call was served by zorro, and by more than one process (policy and
 reference), every call held whole prompt groups, no micro-batch computed more tokens than the budget
 (`max_tokens_per_gpu`, counted in the tokens each call actually computed); step 1 agrees with the plain arm
-on the same rollout (checked: the same rows, token for token; vLLM's sampling is seeded alike) in its losses (summed over the
+on the same rollout (checked: the same rows, token for token; OpenRLHF's `train.full_determinism_enable`
+makes vLLM's CPU sampling repeat) in its losses (summed over the
 step's training micro-batches: `summed`). Timings per arm go to --csv.
 """
 
@@ -102,7 +103,7 @@ def launcher_args(work: Path, model: Path) -> list[str]:
         "--rollout.micro_batch_size", "4", "--train.micro_batch_size", "4", "--train.batch_size", "8",
         "--train.dynamic_batch_enable", "--rollout.max_tokens_per_gpu", str(BUDGET),
         "--train.max_tokens_per_gpu", str(BUDGET),
-        "--train.max_epochs", "1", "--train.num_episodes", "1", "--train.seed", "1",
+        "--train.max_epochs", "1", "--train.num_episodes", "1", "--train.seed", "1", "--train.full_determinism_enable",
         "--ds.zero_stage", "2", "--ds.param_dtype", "bf16", "--ds.attn_implementation", "eager",
         "--algo.advantage.estimator", "gae", "--algo.kl.init_coef", "0.01",
         "--ckpt.path", str(work / "ckpt"), "--ckpt.output_dir", str(work / "out"),
