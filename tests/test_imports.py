@@ -141,6 +141,7 @@ OPTIONAL = {
     "openrlhf": (
         "zorro_core.integrations.openrlhf.actor",
         "zorro_core.integrations.openrlhf.batching",
+        "zorro_core.integrations.openrlhf.critic",
         "zorro_core.integrations.openrlhf_batching",
     ),
 }

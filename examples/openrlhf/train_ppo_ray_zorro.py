@@ -1,8 +1,7 @@
 """OpenRLHF's Ray launcher with zorro: the command line of `python -m openrlhf.cli.train_ppo_ray`, unchanged.
 
-Needs GPUs (OpenRLHF's model actors ask Ray for one each and call torch.cuda): not run in CI. What runs
-on CPU in CI is zorro's OpenRLHF suite (.ci/openrlhf_tests: DedupActor against OpenRLHF's own Actor,
-a PPO step under DeepSpeed ZeRO-2/3, the grouped batching). Example (GRPO, 8 responses per prompt):
+Needs GPUs as written (OpenRLHF's model actors ask Ray for one each and call torch.cuda). The same launcher
+runs on CPU in CI with answers to those calls: examples/openrlhf/cpu_e2e.py (.ci/openrlhf_e2e). Example (GRPO, 8 responses per prompt):
 
     python examples/openrlhf/train_ppo_ray_zorro.py \\
         --pretrain Qwen/Qwen3-8B --prompt_data <your prompts> --input_key problem --label_key answer \\

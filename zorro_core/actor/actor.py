@@ -312,6 +312,32 @@ class _Actor:
 
     __call__ = forward
 
+    def response_hidden(self, batch: RolloutBatch) -> tuple[torch.Tensor, Plan]:
+        """The base model's last hidden state at the position whose output predicts each real response token
+        (`[N, hidden]`, in `plan.logit_index` order: a response's last prompt token, then its own tokens but the
+        last), each unique prompt computed once, differentiable; with the plan (`plan.scatter_responses` puts
+        `[N]` per-token values in the batch's `[B, R]` layout). What a value head on the same decoder reads
+        (a PPO critic). No lm_head runs; MoE router logits are not asked for (a value head has no aux loss)."""
+        self.check_call(1.0, batch, False)
+        check_trainable_state(self.model)
+        self.install_hooks()
+        plan = self.plan(batch)
+        route = Route(self.route_spec, plan)
+
+        def run() -> torch.Tensor:
+            outputs = self.parts.base(
+                input_ids=plan.input_ids[None],
+                position_ids=plan.position_ids[None],
+                attention_mask=route_mask(self.device),
+                use_cache=False,
+                zorro_route=route,
+                **forward_kwargs(self.parts, self.model.config, False),
+            )
+            check_layers_served(self.parts, route)
+            return outputs.last_hidden_state[0][plan.logit_index]
+
+        return as_root_forward(self.model, run), plan
+
     def logprobs_at(self, hidden, index, labels, temperature: float, calculate_entropy: bool):
         """Log-probs (and entropies) of `labels` predicted at rows `index` of `hidden`, in this actor's logits mode."""
         return response_logprobs(

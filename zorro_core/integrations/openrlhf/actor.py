@@ -285,8 +285,15 @@ def install() -> None:
       (`status`);
     - `balance_experiences` and `RemoteExperienceMaker` in `openrlhf.trainer.ppo_trainer` to zorro's
       `balance_experiences` and a subclass whose `split_rollout_samples` is zorro's (`batching`).
+    - `Actor` in its home module `openrlhf.models.actor` too: Ray ships the remote classes
+      (`PolicyModelActor`, `ReferenceModelActor`) from the driver by value, and the methods that build the
+      models then look `Actor` up in globals rebuilt in the worker from the driver's, where OpenRLHF's
+      `Actor` travels by reference (module and name) and is resolved in the worker, after this hook ran.
     Ray workers are separate processes: pass this function as Ray's `worker_process_setup_hook`
     (docs/trainers.md); the trainer itself (`PPOTrainer`) is a Ray actor too, so the hook reaches it.
+    The driver needs no call. Each policy and reference model actor is checked to hold a `DedupActor`
+    before zorro's batching first sizes their calls (`check_served`), and the policy's trainer checks its
+    own actor when it is built: a plain `Actor` there fails loudly.
     """
     import importlib
 
@@ -297,6 +304,18 @@ def install() -> None:
         if getattr(module, "Actor", None) is not Actor and getattr(module, "Actor", None) is not DedupActor:
             raise ImportError(f"{name}.Actor is {module.Actor!r}, not OpenRLHF's Actor: something else replaced it")
         module.Actor = DedupActor  # type: ignore[attr-defined]
+    # The critic: built by get_llm_for_sequence_regression (by its home module's name, as Actor above),
+    # trained from a NaiveReplayBuffer in ppo_critic (whole groups: zorro's buffer, as the policy's).
+    import zorro_core.integrations.openrlhf.critic as critic
+
+    ppo_critic = importlib.import_module("openrlhf.trainer.ray.ppo_critic")
+    _rebind(ppo_critic, "NaiveReplayBuffer", batching.NaiveReplayBuffer, batching.GroupedReplayBuffer)
+    models = importlib.import_module("openrlhf.models.model")
+    build = critic.critic_builder(models.get_llm_for_sequence_regression)
+    _rebind(ppo_critic, "get_llm_for_sequence_regression", critic.OPENRLHF_BUILDER, build)
+    # Last: modules imported from here on that import these from their home module get zorro's.
+    _rebind(models, "get_llm_for_sequence_regression", critic.OPENRLHF_BUILDER, build)
+    _rebind(importlib.import_module("openrlhf.models.actor"), "Actor", Actor, DedupActor)
     ppo_actor = sys.modules["openrlhf.trainer.ray.ppo_actor"]
     _rebind(ppo_actor, "NaiveReplayBuffer", batching.NaiveReplayBuffer, batching.GroupedReplayBuffer)
     _rebind(ppo_actor, "ActorPPOTrainer", None, status_trainer(ppo_actor.ActorPPOTrainer))
@@ -327,8 +346,10 @@ def status_trainer(base: type) -> type:
         import zorro_core.integrations.openrlhf.status as openrlhf_status
 
         def ppo_train(self: Any, kl_ctl: float) -> dict:
+            # Before OpenRLHF's ppo_train: zorro's replay buffer sizes its micro-batches by zorro's tokens.
+            check_model(self.actor, "the policy's trainer (ActorPPOTrainer.actor)")
             status = base.ppo_train(self, kl_ctl)  # type: ignore[attr-defined]
-            stats = self.actor.zorro_stats.take() if isinstance(self.actor, DedupActor) else None
+            stats = self.actor.zorro_stats.take()
             group = self.strategy.ds_device_mesh["dp"].get_group() if hasattr(self.strategy, "ds_device_mesh") else None
             status.update(openrlhf_status.status_entries(stats, openrlhf_batching.BATCHING.report(), group))
             return status
@@ -348,6 +369,13 @@ def grouped_experience_maker(base: type) -> type:
         import zorro_core.integrations.openrlhf.batching as openrlhf_batching
 
         def split_rollout_samples(self: Any, rollout_samples: list) -> list:
+            if not getattr(self, "_zorro_checked", False):  # once: one Ray call per model actor
+                check_served(self.actor_model_group, "actor", "policy")
+                if self.initial_model_group is not None:
+                    check_served(self.initial_model_group, "model", "reference")
+                if self.critic_model_group is not None:
+                    check_served(self.critic_model_group, "critic", "critic")
+                self._zorro_checked = True
             ours = openrlhf_batching.split_rollout_samples(rollout_samples, self.args, self.tokenizer.pad_token_id)
             return base.split_rollout_samples(self, rollout_samples) if ours is None else ours  # type: ignore[attr-defined]
 
@@ -357,3 +385,54 @@ def grouped_experience_maker(base: type) -> type:
             {"split_rollout_samples": split_rollout_samples, "_zorro_groups": True, "__module__": __name__},
         )
     return _SUBCLASSES[key]
+
+
+_NOT_SERVED = (
+    "zorro's batching sizes OpenRLHF's micro-batches by the tokens DedupActor computes (each prompt once), "
+    "so a plain Actor here would compute up to several times the token budget. install() must run in the "
+    "process that builds the model: pass it as Ray's worker_process_setup_hook (docs/trainers.md)"
+)
+
+
+def _served(model: Any) -> bool:
+    """A DedupActor, or a critic zorro serves (`critic.serve_critic`; under DeepSpeed, the engine's module)."""
+    if isinstance(model, DedupActor):
+        return True
+    return bool(getattr(type(getattr(model, "module", model)), "_zorro_critic", False))
+
+
+def check_model(model: Any, where: str) -> None:
+    """Raise RuntimeError unless `model` is a `DedupActor` (what install() promises `where`)."""
+    if not isinstance(model, DedupActor):
+        kind = type(model)
+        raise RuntimeError(f"{where} is {kind.__module__}.{kind.__qualname__}, not zorro's DedupActor: {_NOT_SERVED}")
+
+
+def _model_type(worker: Any, attribute: str) -> tuple[str, bool]:
+    """In a Ray model actor (through `__ray_call__`): its model's class name (under DeepSpeed, the engine's
+    module's), and whether zorro serves it."""
+    model = getattr(worker, attribute, None)
+    kind = type(getattr(model, "module", model)) if not isinstance(model, DedupActor) else type(model)
+    return f"{kind.__module__}.{kind.__qualname__}", _served(model)
+
+
+def check_served(group: Any, attribute: str, role: str) -> None:
+    """Raise RuntimeError unless every Ray actor of OpenRLHF's `RayActorGroup` `group` holds a model zorro
+    serves in `attribute` (`PolicyModelActor.actor`, `ReferenceModelActor.model`: a `DedupActor`;
+    `CriticModelActor.critic`: a served critic); `role` names it. One Ray call
+    (`__ray_call__`, run in the actor's process) per actor."""
+    import ray
+
+    handles = getattr(group, "_actor_handlers", None)
+    if not handles:
+        raise RuntimeError(
+            f"zorro cannot check the {role} model's class: OpenRLHF's RayActorGroup has no _actor_handlers "
+            f"(tested: OpenRLHF {' or '.join(TESTED_OPENRLHF)})"
+        )
+    found = ray.get([h.__ray_call__.remote(_model_type, attribute) for h in handles])
+    plain = sorted({name for name, ours in found if not ours})
+    if plain:
+        raise RuntimeError(
+            f"the {role} model actors hold {', '.join(plain)}, not a model zorro serves "
+            f"({sum(not ours for _, ours in found)} of {len(found)}): {_NOT_SERVED}"
+        )

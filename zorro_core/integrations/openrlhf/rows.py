@@ -42,14 +42,15 @@ class RowSplit:
         responses = torch.where(rmask, seq.gather(1, rsrc), 0)
         return RolloutBatch(prompts, pmask.long(), responses, rmask.long())
 
-    def place(self, values: torch.Tensor) -> torch.Tensor:
-        """`[live, R]` per-response-token values -> OpenRLHF's `[B, T - 1]` log-prob columns, float32, 0 elsewhere."""
+    def place(self, values: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """`[live, R]` per-response-token values -> OpenRLHF's `[B, T - 1]` log-prob columns (column j: the value
+        at token j), in `dtype` (float32: OpenRLHF's log-probs; a critic keeps its model's dtype), 0 elsewhere."""
         rows = self.live[:, None].expand_as(values)
         cols = self.first[:, None] - 1 + torch.arange(values.shape[1], device=values.device)[None]
         keep = torch.arange(values.shape[1], device=values.device)[None] < self.rlen[:, None]
         out = values.new_zeros((self.rows, self.width - 1))
         # index_put keeps the values differentiable; positions left out stay exactly 0.
-        return out.index_put((rows[keep], cols[keep]), values[keep]).float()
+        return out.index_put((rows[keep], cols[keep]), values[keep]).to(dtype)
 
 
 def split_rows(attention_mask: torch.Tensor, action_mask: torch.Tensor) -> "RowSplit | str":
