@@ -26,6 +26,7 @@ from zorro_core.models.linear_attention import (
     build_linear_layout,
     conv_sources,
     fla_available,
+    layer_function,
     linear_layers,
     uninstall_linear_attention,
 )
@@ -513,7 +514,7 @@ def test_adapter_calls_the_layers_own_kernel_copy(tiny_models, exact_references,
     model = tiny_models(family)
     calls = []
     for layer in _kernel_copies(model):
-        copy = layer.__dict__["_kernel_funcs"]["causal_conv1d_fn"]
+        copy = layer_function(layer, "causal_conv1d_fn")
         plain = type(copy).forward
 
         def counted(self, *args, _plain=plain, **kwargs):
@@ -521,15 +522,17 @@ def test_adapter_calls_the_layers_own_kernel_copy(tiny_models, exact_references,
             return _plain(self, *args, **kwargs)
 
         copy.forward = types.MethodType(counted, copy)
-    batch, (w_lp, w_ent), ref = exact_references(family, "chunks_padded")
-    check(actor_run(DeduplicatedActor, model, batch, w_lp, w_ent), ref, torch.float64)
-    n = len(linear_layers(model))
-    assert len(calls) >= n
-    routed = len(calls)
-    model(input_ids=torch.ones(1, 5, dtype=torch.long), use_cache=False)
-    assert len(calls) == routed + n
-    for layer in linear_layers(model):
-        layer.__dict__["_kernel_funcs"]["causal_conv1d_fn"].__dict__.pop("forward")
+    try:
+        batch, w, ref = exact_references(family, "chunks_padded")
+        check(DeduplicatedActor(model=model), batch, w, ref, 1.0)
+        n = len(linear_layers(model))
+        assert len(calls) >= n
+        routed = len(calls)
+        model(input_ids=torch.ones(1, 5, dtype=torch.long), use_cache=False)
+        assert len(calls) == routed + n
+    finally:
+        for layer in linear_layers(model):
+            layer_function(layer, "causal_conv1d_fn").__dict__.pop("forward", None)
 
 
 @pytest.mark.parametrize("name", ["causal_conv1d_forward", "torch_chunk_gated_delta_rule"])
@@ -541,10 +544,11 @@ def test_hub_kernel_the_adapter_cannot_follow_is_refused(name):
 
     model = build_model(preset_config("tiny-qwen3-next"), dtype=torch.float64, attn_implementation="eager")
     layers = _kernel_copies(model)
-    if name not in layers[0].__dict__["_kernel_funcs"]:
-        pytest.skip(f"this transformers' layers have no {name} copy")
+    if not hasattr(family_module("tiny-qwen3-next"), name):
+        pytest.skip(f"this transformers' module has no {name}")
     for layer in layers:
-        copy = layer.__dict__["_kernel_funcs"][name]
+        copy = layer_function(layer, name)
+        assert copy is not getattr(family_module("tiny-qwen3-next"), name)  # the layer's own copy
         copy.forward = types.MethodType(type(copy).forward, copy)  # as kernelize: the copy's forward replaced
     with pytest.raises(UnsupportedModelError, match="hub kernel"):
         DeduplicatedActor(model=model).forward(chunk_batch())

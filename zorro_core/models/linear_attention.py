@@ -83,9 +83,11 @@ def layer_function(layer: nn.Module, name: str) -> Callable:
     module still holds the Func the class was built with, else the module's function (a function
     put into the module later is the one the class's forward calls too)."""
     fn = getattr(sys.modules[type(layer).__module__], name)
-    own = layer.__dict__.get("_kernel_funcs", {}).get(name)
-    if own is not None and type(own) is type(fn):
-        return own
+    # The copies are keyed by the kernel's layer name (chunk_gated_delta_rule), not the function's:
+    # each is an instance of its module Func's own class.
+    for own in layer.__dict__.get("_kernel_funcs", {}).values():
+        if type(own) is type(fn):
+            return own
     return fn
 
 
