@@ -319,7 +319,7 @@ def check_adaptable(layer: nn.Module) -> None:
     if Version(transformers.__version__) >= _FIRST_UNTESTED:
         raise UnsupportedModelError(
             f"transformers {transformers.__version__}: the gated DeltaNet adapter is tested up to 5.25 "
-            f"({_FIRST_UNTESTED} changed the layer's kernels); use transformers < {_FIRST_UNTESTED}"
+            f"(releases from {_FIRST_UNTESTED} are not tested); use transformers < {_FIRST_UNTESTED}"
         )
     mod = sys.modules[type(layer).__module__]
     missing = [name for name in (_CONV_FN, _DELTA_FN) if not callable(getattr(mod, name, None))]
