@@ -10,8 +10,9 @@ forward kwargs it calls the class's forward: the model is unchanged outside the 
 route it runs transformers' computation written out here for the cacheless forward (>= 5.15;
 the same ops in the same order, the projections by family: Qwen3-Next's fused, Qwen3.5's
 separate), with the conv and the delta rule replaced by the dedup computation below, around the
-module's own functions looked up at each call (a kernel swapped into the module later is the one
-that runs). Everything else in the layer (projections, gates, norms) is token-wise.
+functions the class's forward would call, looked up at each call (`layer_function`: the module's,
+or from transformers 5.25 with `kernels` the layer's own Func copy, where `kernelize` puts a hub
+kernel; a kernel swapped in later is the one that runs). Everything else in the layer (projections, gates, norms) is token-wise.
 `delta_rule_of` lets a model's layers run a chosen delta rule in every forward (the float64
 kernel of zorro_core.verify.delta_rule), again on that model only.
 
