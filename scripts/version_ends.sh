@@ -6,7 +6,8 @@
 #   tf-low      2.13.0   $TF_LOW   (the declared floor: 5.6.0; 5.0-5.5 install with torch 2.13 but
 #                                   Qwen3-MoE's router output differs: zorro's aux loss fails there)
 #   tf-verl     2.13.0   $TF_VERL  (the newest release below verl's pin, transformers<5.11)
-#   tf-new      2.13.0   $TF_NEW   (the newest release)
+#   tf-new      2.13.0   $TF_NEW   (the newest release, 5.25.0: it pulls `kernels`, whose Funcs the
+#                                   gated DeltaNet adapter follows)
 #   torch-high  2.14.1   $TF_NEW   (the newest 2.14; a CUDA build, runs on CPU)
 #   torch-new   2.15.0   $TF_NEW   (the newest release, the top of torch>=2.6,<2.16; a CUDA build)
 #
@@ -18,6 +19,9 @@
 # Qwen3-Next needs transformers >= 5.15 (tests/versions.py): below it its tests skip with the
 # reason and tests/models/test_version_gates.py checks that the actor refuses it.
 # torch's lower end (2.6) is not tested here: its wheels are not on this machine's index.
+# First it says which declared dependencies have a release newer than their range
+# (scripts/newest_releases.py, one `pip index versions` query per package; $OUT/newest_releases.md):
+# those are the releases no end tests. ENDS_STRICT=1 makes that fail the run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -25,7 +29,7 @@ ENDS_ROOT=${ENDS_ROOT:-/tmp/zorro-ends}
 OUT=${OUT:-results}
 TF_LOW=${TF_LOW:-5.6.0}
 TF_VERL=${TF_VERL:-5.10.4}
-TF_NEW=${TF_NEW:-5.24.0}
+TF_NEW=${TF_NEW:-5.25.0}
 PY=${PYTHON:-python3}
 TESTS=(tests/actor/test_actor.py tests/actor/test_trie_actor.py tests/models/test_families_checks.py tests/models/test_families_moe.py
   tests/models/test_families_linear.py tests/models/test_families_sliding.py tests/attention/test_flex_cpu.py tests/models/test_fla_device.py
@@ -33,12 +37,16 @@ TESTS=(tests/actor/test_actor.py tests/actor/test_trie_actor.py tests/models/tes
 ENDS=("$@")
 [ ${#ENDS[@]} -eq 0 ] && ENDS=(tf-low tf-verl tf-new torch-high torch-new)
 mkdir -p "$ENDS_ROOT" "$OUT"
+status=0
+strict=()
+[ "${ENDS_STRICT:-0}" = 1 ] && strict=(--strict)
+echo "== the newest release of each declared dependency against its range"
+$PY scripts/newest_releases.py "${strict[@]}" --out "$OUT/newest_releases.md" || status=1
 table="$OUT/version_ends.md"
 {
   echo "| end | torch | transformers | passed | failed | skipped | errors | seconds |"
   echo "| --- | --- | --- | --- | --- | --- | --- | --- |"
 } > "$table"
-status=0
 for end in "${ENDS[@]}"; do
   case $end in
     tf-low) torch=2.13.0 tf=$TF_LOW ;;

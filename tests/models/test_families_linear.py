@@ -11,6 +11,8 @@ Qwen3.5 also: text positions through its mRoPE, and the multimodal composite ref
 """
 
 import os
+import sys
+import types
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from zorro_core.models.linear_attention import (
     build_linear_layout,
     conv_sources,
     fla_available,
+    layer_function,
     linear_layers,
     uninstall_linear_attention,
 )
@@ -281,6 +284,13 @@ def test_adapters_installed_once_and_transparent_without_a_route(family):
     assert torch.equal(model(input_ids=ids).logits, before)
 
 
+def _source_file(f) -> str:
+    """Where a module function is defined: its code's file, or for a kernels Func (transformers >= 5.25)
+    its module's (kernels sets the Func class's module to the decorated function's)."""
+    code = getattr(f, "__code__", None)
+    return code.co_filename if code is not None else sys.modules[type(f).__module__].__file__
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_adapter_leaves_transformers_and_other_models_untouched(family):
     """transformers' module functions are the originals after an actor took a model (nothing is
@@ -297,7 +307,7 @@ def test_adapter_leaves_transformers_and_other_models_untouched(family):
     DeduplicatedActor(model=taken).forward(chunk_batch())
     assert mod.causal_conv1d_fn is conv and mod.torch_chunk_gated_delta_rule is delta
     here = os.path.dirname(zorro_core.__file__)  # and none of them is zorro's (from an earlier actor)
-    assert not any(f.__code__.co_filename.startswith(here) for f in (conv, delta))
+    assert not any(_source_file(f).startswith(here) for f in (conv, delta))
     assert all("forward" not in layer.__dict__ for layer in linear_layers(plain))
     assert all(layer.forward.__func__ is type(layer).forward for layer in linear_layers(plain))
     assert torch.equal(plain(input_ids=ids).logits, before)
@@ -485,3 +495,60 @@ def test_written_out_layer_equals_transformers_forward_bitwise(family):
     with delta_rule_of(model, lambda kernel, query: kernel):
         got = layer(h, attention_mask=mask)
     assert torch.equal(got, want)
+
+
+def _kernel_copies(model):
+    """The layers' own kernels Func copies (`use_kernelized_func`), or skip without them."""
+    layers = linear_layers(model)
+    if not all("_kernel_funcs" in layer.__dict__ for layer in layers):
+        pytest.skip("the layers hold no kernels Func copies (the `kernels` package is absent)")
+    return layers
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adapter_calls_the_layers_own_kernel_copy(tiny_models, exact_references, exact_kernel, family):
+    """With `kernels` (a dependency from transformers 5.25) the class's forward routes each module
+    Func to the layer's own copy, where `kernelize` puts a hub kernel. A kernel put into each layer's
+    causal_conv1d_fn copy (as kernelize does: the copy's forward on the instance) is the one the adapter
+    runs, with a route and without, and the dedup forward still equals the per-sequence reference."""
+    model = tiny_models(family)
+    calls = []
+    for layer in _kernel_copies(model):
+        copy = layer_function(layer, "causal_conv1d_fn")
+        plain = type(copy).forward
+
+        def counted(self, *args, _plain=plain, **kwargs):
+            calls.append(1)
+            return _plain(self, *args, **kwargs)
+
+        copy.forward = types.MethodType(counted, copy)
+    try:
+        batch, w, ref = exact_references(family, "chunks_padded")
+        check(DeduplicatedActor(model=model), batch, w, ref, 1.0)
+        n = len(linear_layers(model))
+        assert len(calls) >= n
+        routed = len(calls)
+        model(input_ids=torch.ones(1, 5, dtype=torch.long), use_cache=False)
+        assert len(calls) == routed + n
+    finally:
+        for layer in linear_layers(model):
+            layer_function(layer, "causal_conv1d_fn").__dict__.pop("forward", None)
+
+
+@pytest.mark.parametrize("name", ["causal_conv1d_forward", "torch_chunk_gated_delta_rule"])
+def test_hub_kernel_the_adapter_cannot_follow_is_refused(name):
+    """A hub kernel in the layer's conv step (5.25's causal_conv1d_forward, which the adapter replaces)
+    or a hub delta rule on CPU (kernels-community's fla runs on CUDA only) is refused, never run wrong."""
+    from zorro_core.errors import UnsupportedModelError
+    from zorro_core.models.presets import build_model, preset_config
+
+    model = build_model(preset_config("tiny-qwen3-next"), dtype=torch.float64, attn_implementation="eager")
+    layers = _kernel_copies(model)
+    if not hasattr(family_module("tiny-qwen3-next"), name):
+        pytest.skip(f"this transformers' module has no {name}")
+    for layer in layers:
+        copy = layer_function(layer, name)
+        assert copy is not getattr(family_module("tiny-qwen3-next"), name)  # the layer's own copy
+        copy.forward = types.MethodType(type(copy).forward, copy)  # as kernelize: the copy's forward replaced
+    with pytest.raises(UnsupportedModelError, match="hub kernel"):
+        DeduplicatedActor(model=model).forward(chunk_batch())

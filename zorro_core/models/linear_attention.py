@@ -10,8 +10,9 @@ forward kwargs it calls the class's forward: the model is unchanged outside the 
 route it runs transformers' computation written out here for the cacheless forward (>= 5.15;
 the same ops in the same order, the projections by family: Qwen3-Next's fused, Qwen3.5's
 separate), with the conv and the delta rule replaced by the dedup computation below, around the
-module's own functions looked up at each call (a kernel swapped into the module later is the one
-that runs). Everything else in the layer (projections, gates, norms) is token-wise.
+functions the class's forward would call, looked up at each call (`layer_function`: the module's,
+or from transformers 5.25 with `kernels` the layer's own Func copy, where `kernelize` puts a hub
+kernel; a kernel swapped in later is the one that runs). Everything else in the layer (projections, gates, norms) is token-wise.
 `delta_rule_of` lets a model's layers run a chosen delta rule in every forward (the float64
 kernel of zorro_core.verify.delta_rule), again on that model only.
 
@@ -68,6 +69,32 @@ from zorro_core.plan.protocol import Plan
 LINEAR_LAYER_TYPES = ("linear_attention",)
 _CONV_FN = "causal_conv1d_fn"
 _DELTA_FN = "torch_chunk_gated_delta_rule"
+_CONV_FORWARD = "causal_conv1d_forward"
+"""5.25: the layer's conv step (cache, then causal_conv1d_fn); the adapter replaces the step, so a
+kernel put in its place (kernels' `kernelize`) is refused: its computation is not the one written out."""
+
+
+def layer_function(layer: nn.Module, name: str) -> Callable:
+    """The function `layer`'s class forward calls under the module-level `name`, at this moment.
+
+    With the `kernels` package (a dependency from transformers 5.25) the module's functions are
+    kernels `Func` modules, and each layer holds its own copy (`_kernel_funcs`, made by
+    `use_kernelized_func`; `kernelize` swaps a kernel into that copy): the class's forward routes
+    the module's Func to the layer's copy. The adapter calls the same: the layer's copy while the
+    module still holds the Func the class was built with, else the module's function (a function
+    put into the module later is the one the class's forward calls too)."""
+    fn = getattr(sys.modules[type(layer).__module__], name)
+    # The copies are keyed by the kernel's layer name (chunk_gated_delta_rule), not the function's:
+    # each is an instance of its module Func's own class.
+    for own in layer.__dict__.get("_kernel_funcs", {}).values():
+        if type(own) is type(fn):
+            return own
+    return fn
+
+
+def kernelized(fn: Callable) -> bool:
+    """Whether `fn` is a kernels Func whose forward `kernelize` replaced with a hub kernel."""
+    return isinstance(fn, nn.Module) and "forward" in fn.__dict__
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,6 +122,18 @@ def delta_rule_kernel(module_kernel, x: torch.Tensor):
     whenever fla is importable, without looking at the device; on CPU the adapter takes the
     PyTorch function that transformers' wrapper keeps behind it (functools.wraps' `__wrapped__`).
     """
+    if kernelized(module_kernel):
+        # kernelize put kernels-community's fla chunk_gated_delta_rule here (fla's API, varlen)
+        if not x.is_cuda:
+            raise UnsupportedModelError(
+                f"the gated DeltaNet layer's delta rule is a hub kernel (kernelize) and the input is on {x.device}: "
+                "the adapter runs hub kernels on CUDA only"
+            )
+        return module_kernel, True
+    if isinstance(module_kernel, nn.Module):
+        # A kernels Func (transformers >= 5.25) not kernelized: its function sends inputs on a device
+        # fla does not take (CPU) to the PyTorch function itself; fla's is used on CUDA when present.
+        return module_kernel, fla_serves(x)
     if fla_serves(x):
         return module_kernel, True
     if fla_available() is None:
@@ -259,9 +298,14 @@ _COMMON = (
     "out_proj",
 )
 _MIN_TRANSFORMERS = Version("5.15.0")
-_FIRST_UNTESTED = Version("5.25.0")
-"""5.25 wraps the module's kernels as `kernels` hub Funcs and its layer no longer equals the written-out
-forward bitwise: refused (fail closed) until the adapter follows it; pyproject caps the range there too."""
+_FIRST_UNTESTED = Version("5.26.0")
+"""The first release the adapter is not tested on (pyproject caps the range there too): refused, as
+5.25 was until the adapter followed its kernels Funcs and its causal_conv1d_forward step."""
+_SPLIT_FOR_STATES = Version("5.25.0")
+"""From 5.25 the layer splits q/k/v/beta/g at the tokens whose intermediate states a cache keeps (none
+without a cache) and concatenates the outputs: the same views and copy are taken here, since they change
+the order of dt_bias's gradient reduction (a 1e-16 relative difference: the written-out layer would no
+longer equal the class's forward bitwise)."""
 _CHOOSER = "zorro_delta_rule"
 """A layer's instance attribute: (module kernel, query) -> the delta rule its forwards run (`delta_rule_of`)."""
 
@@ -275,8 +319,8 @@ def check_adaptable(layer: nn.Module) -> None:
         )
     if Version(transformers.__version__) >= _FIRST_UNTESTED:
         raise UnsupportedModelError(
-            f"transformers {transformers.__version__}: the gated DeltaNet adapter is tested up to 5.24 "
-            f"({_FIRST_UNTESTED} changed the layer's kernels); use transformers < {_FIRST_UNTESTED}"
+            f"transformers {transformers.__version__}: the gated DeltaNet adapter is tested up to 5.25 "
+            f"(releases from {_FIRST_UNTESTED} are not tested); use transformers < {_FIRST_UNTESTED}"
         )
     mod = sys.modules[type(layer).__module__]
     missing = [name for name in (_CONV_FN, _DELTA_FN) if not callable(getattr(mod, name, None))]
@@ -286,6 +330,16 @@ def check_adaptable(layer: nn.Module) -> None:
     if missing:
         raise UnsupportedModelError(
             f"{type(layer).__qualname__} ({mod.__name__}) has no {', '.join(missing)}: this gated DeltaNet is not supported"
+        )
+    _check_conv_step(layer)
+
+
+def _check_conv_step(layer: nn.Module) -> None:
+    """Refuse a layer whose conv step (5.25's causal_conv1d_forward) a hub kernel replaced."""
+    if hasattr(sys.modules[type(layer).__module__], _CONV_FORWARD) and kernelized(layer_function(layer, _CONV_FORWARD)):
+        raise UnsupportedModelError(
+            f"{type(layer).__qualname__}'s {_CONV_FORWARD} is a hub kernel (kernelize): the dedup path replaces "
+            "that step with transformers' causal_conv1d_fn and would not run the model's own computation"
         )
 
 
@@ -381,8 +435,10 @@ def _layer_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Any, Optiona
 
 def _layer_computation(self, hidden_states, attention_mask, choose, kwargs: dict) -> torch.Tensor:
     """transformers' gated DeltaNet forward without cache (>= 5.15), step for step: the same ops in
-    the same order, so without a route it equals the class's forward bitwise (a test checks it)."""
-    mod = sys.modules[type(self).__module__]
+    the same order, so without a route it equals the class's forward bitwise (a test checks it).
+    The conv and the delta rule are the functions the class's forward calls (`layer_function`); on
+    5.25 its causal_conv1d_forward step is, without a cache, causal_conv1d_fn of the squeezed weight."""
+    _check_conv_step(self)
     if attention_mask is not None:  # transformers' apply_mask_to_padding_states
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
     bsz, seq_len = hidden_states.shape[:2]
@@ -398,7 +454,7 @@ def _layer_computation(self, hidden_states, attention_mask, choose, kwargs: dict
         b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
 
     mixed_qkv = _dedup_conv(
-        getattr(mod, _CONV_FN),
+        layer_function(self, _CONV_FN),
         mixed_qkv,
         self.conv1d.weight.squeeze(1),
         self.conv1d.bias,
@@ -413,7 +469,10 @@ def _layer_computation(self, hidden_states, attention_mask, choose, kwargs: dict
     beta = b.sigmoid()
     g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
-    kernel = getattr(mod, _DELTA_FN)
+    split = Version(transformers.__version__) >= _SPLIT_FOR_STATES
+    if split:  # torch.tensor_split at seq_len: the chunked part is every token, the sequential part empty
+        query, key, value, beta, g = (torch.tensor_split(x, [seq_len], dim=1)[0] for x in (query, key, value, beta, g))
+    kernel = layer_function(self, _DELTA_FN)
     if choose is not None:
         kernel = choose(kernel, query)
     core, _ = _dedup_delta_rule(
@@ -429,5 +488,7 @@ def _layer_computation(self, hidden_states, attention_mask, choose, kwargs: dict
         cu_seqlens=kwargs.pop("cu_seq_lens_q", None),
         **kwargs,
     )
+    if split:
+        core = torch.cat([core], dim=1)
     core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(core.reshape(bsz, seq_len, -1))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Iterator, Optional
 
 import torch
@@ -163,12 +164,20 @@ def zorro_micro_batches(
 def swap_prepare_micro_batches(engine) -> Iterator[None]:
     """verl's FSDP `forward_backward_batch` with zorro's dynamic micro-batches: its module's
     `prepare_micro_batches` answers with `zorro_micro_batches` (verl's own where that declines)
-    for the length of the call."""
+    for the length of the call, and only to this engine's call (the context it runs in).
+
+    The name is the module's, so another engine of the process (verl's critic,
+    `FSDPEngineWithValueHead`, which zorro does not serve, or a reference engine) that micro-batches
+    while this call runs, in another thread or asyncio task, gets verl's own function: its
+    micro-batches are sized by the tokens it computes (every row whole), never by zorro's count."""
     from verl.workers.engine.fsdp import transformer_impl
 
     original = transformer_impl.prepare_micro_batches
+    token = _SERVING.set(engine)
 
     def prepare(data, dp_group=None, **kwargs):
+        if _SERVING.get() is not engine:
+            return original(data, dp_group=dp_group, **kwargs)
         if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
             chosen = zorro_micro_batches(engine, data, dp_group=dp_group, **kwargs)
             if chosen is not None:
@@ -182,3 +191,8 @@ def swap_prepare_micro_batches(engine) -> Iterator[None]:
         yield
     finally:
         transformer_impl.prepare_micro_batches = original
+        _SERVING.reset(token)
+
+
+_SERVING: ContextVar[Any] = ContextVar("zorro_verl_micro_batching_engine", default=None)
+"""The zorro engine whose forward_backward_batch runs in this context (thread / asyncio task)."""
