@@ -426,7 +426,7 @@ def main() -> None:
         type=Path,
         default=Path(os.environ.get("TMPDIR", "/tmp")) / "zorro_verl_cpu_e2e",
         help=f"a folder this script makes and fills (the model, the data, each arm's log and metrics, verl's "
-        f"rollout cache), marked with {WORK_MARK}; a run emptying it first. An existing folder holding "
+        f"rollout cache), marked with {WORK_MARK}, which each run empties first. An existing folder holding "
         "anything else is refused (default: $TMPDIR/zorro_verl_cpu_e2e)",
     )
     ap.add_argument("--steps", type=int, default=2)
