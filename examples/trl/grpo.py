@@ -100,11 +100,16 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--completion-len", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each arm, alternated (the first warms up)")
-    parser.add_argument("--tiny", action="store_true", help="1 step, 16-token prompts x 2 completions of 4, 1 run")
+    parser.add_argument(
+        "--tiny", action="store_true", help="1 step, 16-token prompts x 2 completions of 4, 1 run (where not given)"
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 unless zorro served every call and losses agree")
     args = parser.parse_args()
-    if args.tiny:
-        args.steps, args.prompt_len, args.generations, args.completion_len, args.repeats = 1, 16, 2, 4, 1
+    if args.tiny:  # its sizes where the command line gives none (a size given with --tiny wins)
+        tiny = {"steps": 1, "prompt_len": 16, "generations": 2, "completion_len": 4, "repeats": 1}
+        for key, value in tiny.items():
+            if getattr(args, key) == parser.get_default(key):
+                setattr(args, key, value)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
     config = preset_config("small-qwen3", eos_token_id=1, pad_token_id=0)

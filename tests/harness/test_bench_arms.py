@@ -299,3 +299,22 @@ def test_the_csv_cells_are_written_as_the_results_files_write_them(tmp_path):
     out = tmp_path / "b.csv"
     write_csv(out, [{"a": "=HYPERLINK(1)", "b": "two\nlines", "c": -1.5}], ["a", "b", "c"])
     assert out.read_text().splitlines() == ["a,b,c", "'=HYPERLINK(1),two lines,-1.5"]
+
+
+def test_balance_benchmark_refuses_zero_workloads():
+    """`benchmarks/balance_imbalance.py --n 0` said "ok" with no rows; it is an argument error now."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
+    res = subprocess.run(
+        [sys.executable, "benchmarks/balance_imbalance.py", "--n", "0"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2 and "must be >= 1" in res.stderr and "Traceback" not in res.stderr
