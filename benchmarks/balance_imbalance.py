@@ -23,6 +23,17 @@ from zorro_core.plan.balance import GroupedLengths, partition_micro_batches, par
 from zorro_harness.bench.arms import Benchmark, Case, main
 
 
+def _positive(text: str) -> int:
+    """An argparse type: a whole number >= 1 (0 workloads would report "ok" with no rows)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def workload(rng: random.Random, ranks: int | None = None, whole: bool = True) -> GroupedLengths:
     size = rng.choice([2, 4, 8, 16])
     g = rng.randint(2, 16)
@@ -65,7 +76,7 @@ def figures(n: int = 300, seed: int = 0) -> dict[str, dict[str, list[float]]]:
 
 
 def arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--n", type=int, default=300, help="random workloads")
+    ap.add_argument("--n", type=_positive, default=300, help="random workloads (>= 1)")
     ap.add_argument("--seed", type=int, default=0)
 
 

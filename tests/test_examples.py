@@ -14,21 +14,25 @@ ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("trl", reason="the TRL examples need the trl extra (pip install -e '.[trl]')")
 
 
-def _run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+def _run(args: list[str], tmp: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run an example with its own temporary folder (`tmp`), which it must leave empty."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
+    res = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    left = sorted(p.name for p in tmp.iterdir() if p.name.startswith("zorro_"))
+    assert left == [], f"the example left {left} in its temporary folder"
+    return res
 
 
-def test_trl_example_checks_itself():
-    res = _run([sys.executable, "examples/trl/grpo.py", "--tiny", "--check"])
+def test_trl_example_checks_itself(tmp_path):
+    res = _run([sys.executable, "examples/trl/grpo.py", "--tiny", "--check"], tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "served by zorro/TRL: {'dedup': 3, 'fallback': 0}" in res.stdout
 
 
 @pytest.mark.slow
-def test_trl_distributed_example_checks_itself():
+def test_trl_distributed_example_checks_itself(tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
-    res = _run([torchrun, "--nproc-per-node", "2", "examples/trl/grpo_distributed.py", "--tiny", "--check"])
+    res = _run([torchrun, "--nproc-per-node", "2", "examples/trl/grpo_distributed.py", "--tiny", "--check"], tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "TRL + zorro, regrouped" in res.stdout
 

@@ -130,7 +130,7 @@ def test_no_private_name_is_imported_across_packages():
 
 
 # Modules of an optional trainer that is installed only in its own environment (.ci/verl_tests,
-# .ci/openrlhf_tests).
+# .ci/openrlhf_tests; TRL is not in `.[dev]`, whose environment .ci/run's dev-only step checks).
 # Each with its old path (a shim that imports the new module).
 OPTIONAL = {
     "verl": tuple(
@@ -138,6 +138,7 @@ OPTIONAL = {
         for m in ("verl.engine", "verl.cpu", "verl.rows", "verl.batching", "verl.trainer", "verl.needs")
         + ("verl_engine", "verl_cpu", "verl_rows", "verl_batching", "verl_trainer", "needs_verl")
     ),
+    "trl": ("zorro_core.integrations.trl", "zorro_core.integrations.trl.trainer"),
     "openrlhf": (
         "zorro_core.integrations.openrlhf.actor",
         "zorro_core.integrations.openrlhf.batching",
@@ -281,3 +282,54 @@ def test_attention_owns_its_layouts():
     ]
     assert naming == []
     assert not (ROOT / "zorro_core" / "plan" / "layouts.py").exists()
+
+
+# -- the plugin entry points: a tiny module until there is work ------------------------------------
+
+PLUGINS = ROOT / "zorro_plugins"
+
+
+def _entry_points() -> list[str]:
+    """The "verl.plugins" and "vllm.general_plugins" entry points pyproject.toml declares."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    groups = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    return [v for g in ("verl.plugins", "vllm.general_plugins") for v in groups[g].values()]
+
+
+def test_plugin_entry_points_load_a_tiny_module():
+    """What verl (`import verl`) and vLLM (in each process) do with zorro's entry points, in a fresh
+    interpreter: load each as declared and call the vLLM one with VERL_PLATFORM unset. They may
+    import zorro_plugins (modules of the standard library's) and nothing else of zorro, nor
+    torch or transformers; the after-import watcher waits for verl's trainer package."""
+    code = (
+        "import importlib, json, sys\n"
+        "before = set(sys.modules)\n"
+        f"for value in {_entry_points()!r}:\n"
+        "    module, _, attr = value.partition(':')\n"
+        "    loaded = importlib.import_module(module)\n"
+        "    if attr:\n"
+        "        getattr(loaded, attr)()\n"
+        "print(json.dumps(sorted(set(sys.modules) - before)))\n"
+    )
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    new = json.loads(res.stdout.strip().splitlines()[-1])
+    ours = [m for m in new if m.split(".")[0].startswith("zorro")]
+    assert ours and set(ours) <= {"zorro_plugins", "zorro_plugins.hooks", "zorro_plugins.verl", "zorro_plugins.vllm"}
+    outside = [m for m in new if m.split(".")[0] not in sys.stdlib_module_names and not m.startswith("zorro_plugins")]
+    assert outside == []  # no torch, transformers, numpy: the standard library's modules only
+
+
+def test_zorro_plugins_imports_only_the_standard_library():
+    """Whatever the entry points load stays light: zorro_plugins imports no third-party package and
+    nothing of zorro at module level (zorro's modules are imported by name when there is work)."""
+    stdlib = set(sys.stdlib_module_names) | {"__future__", "zorro_plugins"}
+    for path in PLUGINS.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert {n.split(".")[0] for n in names} <= stdlib, (path.name, names)

@@ -3,14 +3,12 @@ The sweep itself is zorro_harness.bench.sweep; this module parses arguments and 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import re
-import signal
 import warnings
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -19,6 +17,7 @@ from rich.table import Table
 from zorro_cli import bench_memory
 from zorro_cli.choices import Attn, Baseline, DType, LogitsMode, Phase, Sharing
 from zorro_cli.console import console, escape, fail, resolve_device, warn
+from zorro_cli.signals import Interrupted, stopped_by_signals
 from zorro_core.plan.dtypes import DTYPES
 from zorro_core.plan.trie import DEFAULT_MIN_SHARED_TOKENS
 from zorro_harness.bench.guard import ranks_too_many
@@ -165,30 +164,6 @@ def _sweep(suite: Suite, out: Path, mode: str, max_memory: Optional[int]) -> lis
             code=128 + e.signal,
         )
     return rows
-
-
-class Interrupted(BaseException):
-    """SIGINT or SIGTERM reached the sweep (a BaseException: no `except Exception` on the way holds it)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signal = signal.Signals(signum)
-
-
-@contextlib.contextmanager
-def stopped_by_signals() -> Iterator[None]:
-    """SIGINT and SIGTERM raise Interrupted inside the block (its case process is killed on the way
-    out, zorro_harness.bench.isolation); the handlers before are put back after."""
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise Interrupted(signum)
-
-    old = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
 
 
 def _finish(rows: list[dict], out: Optional[Path], title: str) -> None:

@@ -4,8 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -13,8 +12,11 @@ import typer
 from rich.table import Table
 
 from zorro_cli.console import console, escape, fail
+from zorro_cli.signals import Interrupted, stopped_by_signals
 from zorro_core.models.presets import PRESETS
+from zorro_harness.bench.files import replace_atomically, short_name
 from zorro_harness.bench.memory import MemoryCase, count_isolated, longest_prompt, narrowed_config, parameter_bytes
+from zorro_harness.bench.results import ResultsWriteError, TableOut
 
 GIB = 1024**3
 
@@ -30,21 +32,21 @@ def _ints(values: Optional[list[str]], default: list[int], flag: str) -> list[in
     return list(dict.fromkeys(nums))
 
 
-def _check_out(out: Path, flag: str) -> None:
-    if out.is_symlink():
-        fail(f"{flag} {escape(str(out))} is a symbolic link; name a regular file")
-    if not out.parent.is_dir():
-        fail(f"{flag}: folder {escape(str(out.parent))} does not exist")
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+"""What --plot writes, by the name's suffix (named exactly: nothing is appended)."""
+OWNER = "`zorro bench memory`"
+COLUMNS = ("model", "unique", "logits_mode", "path", "status")
+"""Columns every memory CSV has: an existing --out without them is another command's file."""
 
 
-def _write(rows: list[dict], out: Path) -> None:
-    """The CSV through a temporary file in the target folder and an atomic rename; never through a link."""
-    import pandas as pd
-
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    with os.fdopen(fd, "w", newline="") as f:
-        pd.DataFrame(rows).to_csv(f, index=False)
-    os.replace(tmp, out)
+def _check_plot(plot: Path, out: Optional[Path]) -> None:
+    if plot.suffix.lower() not in PLOT_SUFFIXES:
+        fail(f"--plot {escape(short_name(plot))}: name a {', '.join(PLOT_SUFFIXES)} file (the suffix picks the format)")
+    try:
+        # the plot's own file, checked as a results file is (no header to match: an image is replaced)
+        TableOut(plot, "--plot", OWNER).check(also=(out,))
+    except ValueError as e:
+        fail(str(e))
 
 
 def _plot(rows: list[dict], path: Path) -> None:
@@ -78,7 +80,8 @@ def _plot(rows: list[dict], path: Path) -> None:
         f"{r0['model']}: B={r0['batch']}, P={r0['prompt_len']}, R={r0['response_len']}, {r0['dtype']}", fontsize=10
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    # the exact name, through a temporary file renamed over it (never through a link)
+    replace_atomically(path, lambda f: fig.savefig(f, dpi=110, format=path.suffix.lower().lstrip(".")))
     plt.close(fig)
 
 
@@ -111,31 +114,42 @@ def memory(
     if bad := [m for m in modes if m not in ("compute", "memory")]:
         fail(f"--logits-mode: unknown value(s) {', '.join(map(escape, bad))}; choose compute and/or memory")
     uniques = _ints(unique, [1, 2, 4], "--unique")
-    for path, flag in ((out, "--out"), (plot, "--plot")):
-        if path is not None:
-            _check_out(path, flag)
-    short_p = max(2, prompt_len // 8)
-    rows, fits, failed = [], [], []
+    if not math.isfinite(gpu_gib) or gpu_gib <= 0:
+        fail(f"--gpu-gib must be a positive number of GiB, got {gpu_gib}")
+    short_p = max(1, prompt_len // 8)  # the second length the longest prompt is read off (never P itself)
     try:
         budget = gpu_gib * GIB - parameter_bytes(model) / shards
         narrowed_config(model, layers, narrow)  # refuse a shape before any process starts
     except ValueError as e:
         fail(str(e))
-    for mode in modes:
-        for u in uniques:
-            case = MemoryCase(model, batch, prompt_len, response_len, u, mode, dtype, layers, narrow)
-            try:
-                if batch % u:
-                    raise ValueError(f"--batch {batch} must be a multiple of --unique {u}")
-                with console.status(f"counting {escape(model)} U={u} logits {mode}"):
-                    full = count_isolated(case)
-                    short = count_isolated(dataclasses.replace(case, prompt_len=short_p))
-            except ValueError as e:  # a case that fails is a row with its reason; the others go on
-                failed.append(str(e))
-                rows.append({**dataclasses.asdict(case), "path": "", "status": str(e)})
-                continue
-            rows += [{**r.as_dict(), "status": "ok"} for r in full]
-            fits.append((mode, u, longest_prompt(short, full, budget), longest_prompt(short, full, budget, True)))
+    # every output checked before the first count (minutes at real sizes), as a sweep's
+    table_out = TableOut(out, "--out", OWNER, COLUMNS) if out is not None else None
+    if table_out is not None:
+        try:
+            table_out.check(also=(plot,))
+        except ValueError as e:
+            fail(str(e))
+    if plot is not None:
+        _check_plot(plot, out)
+    rows: list[dict] = []
+    fits: list[tuple] = []
+    failed: list[str] = []
+    try:
+        with stopped_by_signals():
+            if table_out is None:
+                _count_all(model, batch, prompt_len, response_len, uniques, modes, dtype, layers, narrow, short_p,
+                           budget, rows, fits, failed, None)  # fmt: skip
+            else:
+                with table_out:
+                    _count_all(model, batch, prompt_len, response_len, uniques, modes, dtype, layers, narrow, short_p,
+                               budget, rows, fits, failed, table_out)  # fmt: skip
+    except Interrupted as e:
+        kept = f"the {len(rows)} row(s) counted are kept in {out}" if out is not None and rows else "nothing is kept"
+        fail(f"interrupted by {e.signal.name}: {kept}", code=128 + e.signal)
+    except (ResultsWriteError, OSError) as e:
+        fail(f"--out: {e}", code=1)
+    except ValueError as e:  # the results file is busy (a sweep or another command writes it)
+        fail(str(e))
     table = Table(title=f"saved for backward: {escape(model)}, B={batch}, P={prompt_len}, R={response_len}, {dtype}")
     for col in ("logits", "U", "path", "tokens", "per layer GiB", "total GiB", "vs ideal"):
         table.add_column(col, justify="left" if col in ("logits", "path") else "right")
@@ -168,9 +182,41 @@ def memory(
         "of every layer, derived (each layer keeps its input; one layer's saved set at a time in backward). "
         "0: not even P/8 fits."
     )
-    if out is not None:
-        _write(rows, out)
     if plot is not None and fits:
-        _plot([r for r in rows if r["status"] == "ok"], plot)
+        try:
+            _plot([r for r in rows if r["status"] == "ok"], plot)
+        except OSError as e:
+            fail(f"--plot {escape(short_name(plot))}: cannot write it ({e.strerror or e})", code=1)
     if failed:
         fail("; ".join(failed), code=1)
+
+
+def _columns(rows: list[dict]) -> list[str]:
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k in r if k not in cols]
+    return cols
+
+
+def _count_all(
+    model, batch, prompt_len, response_len, uniques, modes, dtype, layers, narrow, short_p, budget, rows, fits, failed,
+    table_out: Optional[TableOut],
+) -> None:  # fmt: skip
+    """Count every case into `rows` and `fits`; the CSV rewritten after each (an interrupt keeps them)."""
+    for mode in modes:
+        for u in uniques:
+            case = MemoryCase(model, batch, prompt_len, response_len, u, mode, dtype, layers, narrow)
+            try:
+                if batch % u:
+                    raise ValueError(f"--batch {batch} must be a multiple of --unique {u}")
+                with console.status(f"counting {escape(model)} U={u} logits {mode}"):
+                    full = count_isolated(case)
+                    short = count_isolated(dataclasses.replace(case, prompt_len=short_p))
+            except ValueError as e:  # a case that fails is a row with its reason; the others go on
+                failed.append(str(e))
+                rows.append({**dataclasses.asdict(case), "path": "", "status": str(e)})
+            else:
+                rows += [{**r.as_dict(), "status": "ok"} for r in full]
+                fits.append((mode, u, longest_prompt(short, full, budget), longest_prompt(short, full, budget, True)))
+            if table_out is not None:
+                table_out.write(rows, _columns(rows))

@@ -13,12 +13,16 @@ CLI_PACKAGES = ("typer", "rich", "pandas", "matplotlib", "pyarrow", "tomli")
 """What the cli extra installs (pyproject.toml's [project.optional-dependencies] cli)."""
 INSTALL_HINT = "pip install 'zorro[cli]'"
 EXIT_USAGE = 2  # zorro_cli.console's, which cannot be imported without rich
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as the shell reports it
 
 
 def main() -> None:
     """Run the `zorro` app, or say which cli package is missing and how to install the extra."""
     try:
         from zorro_cli.main import app
+    except KeyboardInterrupt:  # Ctrl-C while torch and the CLI load (the first seconds): one line, no traceback
+        print("interrupted by SIGINT while starting; nothing was run", file=sys.stderr)
+        raise SystemExit(EXIT_INTERRUPTED) from None
     except ModuleNotFoundError as e:
         missing = (e.name or "").partition(".")[0]
         if missing not in CLI_PACKAGES:

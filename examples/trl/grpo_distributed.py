@@ -24,7 +24,9 @@ TRL's per-step shuffle then cuts every group over the loss steps of each rank.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import tempfile
 import warnings
@@ -61,6 +63,7 @@ def main() -> None:
     config = preset_config("small-qwen3", eos_token_id=1, pad_token_id=0)
     # every rank saves the same seeded checkpoint in its own directory (nothing to synchronise)
     path = tempfile.mkdtemp(prefix=f"zorro_trl_dist_rank{os.environ.get('RANK', '0')}_")
+    atexit.register(shutil.rmtree, path, True)  # the checkpoint (~21 MB) goes when the run ends, however it ends
     tok, prompts = checkpoint(config, path, args.prompt_len)
 
     arms = {

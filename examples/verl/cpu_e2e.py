@@ -66,6 +66,36 @@ COMPARED = (
     "actor/grad_norm",
 )
 """Step-1 metrics both arms must agree on (same weights, same rollout)."""
+WORK_MARK = ".zorro_verl_cpu_e2e"
+"""The file this script leaves in the --work folder it makes: only such a folder is ever emptied."""
+CSV_OWNER = "examples/verl/cpu_e2e.py"
+CSV_COLUMNS = ("arm", "step", "job_wall_s")
+"""Columns every --csv of this script has (an existing file without them is not its own)."""
+
+
+class Refused(Exception):
+    """An argument this script will not act on; said in one line, exit status 2."""
+
+
+def prepare_work(work: Path) -> Path:
+    """The --work folder, made (and marked with WORK_MARK) by this script. A folder of this script's
+    (the mark inside) is emptied first; a new or empty one is used; any other existing path (a
+    folder holding anything, a file, a link) is refused: this script deletes only what it made."""
+    if work.is_symlink():
+        raise Refused(f"--work {work} is a symbolic link; name a folder of its own")
+    if work.exists():
+        if not work.is_dir():
+            raise Refused(f"--work {work} exists and is not a folder; name a new folder")
+        if (work / WORK_MARK).is_file() and not (work / WORK_MARK).is_symlink():
+            shutil.rmtree(work)  # made by an earlier run of this script
+        elif any(work.iterdir()):
+            raise Refused(
+                f"--work {work} exists and was not made by this script (no {WORK_MARK} in it); it would be "
+                "emptied: name a new or empty folder"
+            )
+    work.mkdir(parents=True, exist_ok=True)
+    (work / WORK_MARK).write_text("made by examples/verl/cpu_e2e.py: emptied by its next run with this --work\n")
+    return work.resolve()
 
 
 def build_model(out: Path, seed: int = 0) -> tuple[Path, int]:
@@ -313,40 +343,31 @@ def ideal(m: dict, prompts: int, n: int, vocab: int) -> dict[str, float]:
     return {"forward": c.ideal_speedup("forward"), "forward_backward": c.ideal_speedup("forward_backward")}
 
 
-def write_csv(
-    path: Path, arms: dict[str, list[dict]], walls: dict[str, float], args: argparse.Namespace, vocab: int
-) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(
-            ["arm", "step", "prompts", "n", "max_prompt_length", "max_response_length", "job_wall_s"]
-            + [f"{p}_s" for p in PHASES]
-            + ["zorro_prompt_dedup", "zorro_computed_over_logical", "grad_norm", "pg_loss"]
-            + ["ideal_forward", "ideal_forward_backward"]
-        )
-        for arm, steps in arms.items():
-            for s in steps:
-                m = s["data"]
-                w.writerow(
-                    [
-                        arm,
-                        s["step"],
-                        args.prompts,
-                        args.n,
-                        args.prompt_length,
-                        args.response_length,
-                        f"{walls[arm]:.1f}",
-                    ]
-                    + [f"{m[f'timing_s/{p}']:.4f}" if f"timing_s/{p}" in m else "" for p in PHASES]
-                    + [
-                        m.get("actor/zorro/prompt_dedup", ""),
-                        m.get("actor/zorro/computed_over_logical", ""),
-                        m.get("actor/grad_norm", ""),
-                        m.get("actor/pg_loss", ""),
-                    ]
-                    + [f"{v:.3f}" for v in ideal(m, args.prompts, args.n, vocab).values()]
-                )
+def csv_rows(arms: dict[str, list[dict]], walls: dict[str, float], args: argparse.Namespace, vocab: int):
+    """(header, rows) of the per-step timings."""
+    header = (
+        ["arm", "step", "prompts", "n", "max_prompt_length", "max_response_length", "job_wall_s"]
+        + [f"{p}_s" for p in PHASES]
+        + ["zorro_prompt_dedup", "zorro_computed_over_logical", "grad_norm", "pg_loss"]
+        + ["ideal_forward", "ideal_forward_backward"]
+    )
+    rows = []
+    for arm, steps in arms.items():
+        for s in steps:
+            m = s["data"]
+            values = (
+                [arm, s["step"], args.prompts, args.n, args.prompt_length, args.response_length, f"{walls[arm]:.1f}"]
+                + [f"{m[f'timing_s/{p}']:.4f}" if f"timing_s/{p}" in m else "" for p in PHASES]
+                + [
+                    m.get("actor/zorro/prompt_dedup", ""),
+                    m.get("actor/zorro/computed_over_logical", ""),
+                    m.get("actor/grad_norm", ""),
+                    m.get("actor/pg_loss", ""),
+                ]
+                + [f"{v:.3f}" for v in ideal(m, args.prompts, args.n, vocab).values()]
+            )
+            rows.append(dict(zip(header, values)))
+    return header, rows
 
 
 def plot_phases(csv_path: Path, png: Path) -> None:
@@ -392,13 +413,22 @@ def plot_phases(csv_path: Path, png: Path) -> None:
     )
     ax.legend(fontsize=8)
     fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
+    from zorro_harness.bench.files import replace_atomically
+
+    # the exact name, through a temporary file renamed over it: never through a link
+    replace_atomically(png, lambda f: fig.savefig(f, dpi=120, format=png.suffix.lower().lstrip(".")))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "zorro_verl_cpu_e2e")
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=Path(os.environ.get("TMPDIR", "/tmp")) / "zorro_verl_cpu_e2e",
+        help=f"a folder this script makes and fills (the model, the data, each arm's log and metrics, verl's "
+        f"rollout cache), marked with {WORK_MARK}, which each run empties first. An existing folder holding "
+        "anything else is refused (default: $TMPDIR/zorro_verl_cpu_e2e)",
+    )
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=4, help="prompts per step (train_batch_size)")
     ap.add_argument("--n", type=int, default=4, help="responses per prompt")
@@ -410,17 +440,45 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per arm")
     ap.add_argument("--check", action="store_true", help="assert the module doc's checks")
     ap.add_argument("--csv", type=Path, default=None, help="write the per-step timings here")
-    ap.add_argument("--plot", type=Path, default=None, help="draw the per-phase figure from --csv here")
+    ap.add_argument(
+        "--plot", type=Path, default=None, help="draw the per-phase figure (.png, .pdf, .svg) from --csv here"
+    )
     ap.add_argument("--replot", action="store_true", help="only draw --plot from an existing --csv")
     args = ap.parse_args()
+    if args.plot is not None and args.csv is None:
+        ap.error("--plot draws from --csv: give --csv too")
+    if args.replot and args.plot is None:
+        ap.error("--replot draws --plot from --csv: give both")
+    if args.plot is not None and args.plot.suffix.lower() not in (".png", ".pdf", ".svg"):
+        ap.error(f"--plot {args.plot}: name a .png, .pdf or .svg file")
+    try:
+        run(args)
+    except Refused as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print("interrupted: the arms' processes are stopped; nothing more is written", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def run(args: argparse.Namespace) -> None:
+    from zorro_harness.bench.results import TableOut
+
     if args.replot:
+        if not args.csv.is_file():
+            raise Refused(f"--csv {args.csv}: no such file to replot")
         plot_phases(args.csv, args.plot)
         return
-
-    work = args.work.resolve()
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    # every output checked before anything runs (or is deleted): the arms take minutes
+    table = TableOut(args.csv, "--csv", CSV_OWNER, CSV_COLUMNS) if args.csv else None
+    try:
+        if table is not None:
+            table.check(also=(args.plot,))
+        if args.plot is not None:
+            TableOut(args.plot, "--plot", CSV_OWNER).check(also=(args.csv,))
+    except ValueError as e:
+        raise Refused(str(e)) from None
+    work = prepare_work(args.work)
     t0 = time.perf_counter()
     model, vocab = build_model(work / "model")
     train, val = make_dataset(work / "data", rows=args.prompts * (args.steps + 1), system_words=args.system_words)
@@ -437,9 +495,11 @@ def main() -> None:
         for line in check(plain, zorro, args.steps, args.n, args.prompts, work):
             print("step 1 " + line)
         print("checks passed")
-    if args.csv:
-        write_csv(args.csv, {"plain": plain, "zorro": zorro}, walls, args, vocab)
-        print(f"wrote {args.csv}")
+    if table is not None:
+        header, rows = csv_rows({"plain": plain, "zorro": zorro}, walls, args, vocab)
+        with table:
+            table.write(rows, header)
+        print(f"wrote {args.csv}" + (f" (the old one is now {table.kept})" if table.kept else ""))
         if args.plot:
             plot_phases(args.csv, args.plot)
             print(f"wrote {args.plot}")

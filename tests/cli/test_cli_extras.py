@@ -71,3 +71,19 @@ def test_zorro_with_the_cli_extra_runs():
     res = run_zorro("", "analyze", "-p", "10", "-n", "2", "-r", "3", "--model", "small-qwen3", "--json")
     assert res.returncode == 0, res.stderr[-2000:]
     assert '"total_tokens": 26' in res.stdout
+
+
+def test_ctrl_c_while_the_cli_loads_is_one_line(monkeypatch, capsys):
+    """Ctrl-C in `zorro`'s first seconds (torch and the CLI importing): one line, exit 130, no traceback."""
+    import types
+
+    from zorro_cli import entry
+
+    class Loading(types.ModuleType):
+        def __getattr__(self, name):
+            raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "zorro_cli.main", Loading("zorro_cli.main"))
+    with pytest.raises(SystemExit) as e:
+        entry.main()
+    assert e.value.code == 130 and "interrupted by SIGINT" in capsys.readouterr().err

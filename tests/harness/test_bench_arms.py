@@ -95,11 +95,41 @@ def test_a_failing_case_is_a_status_row_and_the_others_stay(tmp_path, capsys):
     assert "c1: RuntimeError" in capsys.readouterr().err
 
 
-def test_rows_already_measured_survive_an_interrupted_run(tmp_path):
+def test_rows_already_measured_survive_an_interrupted_run(tmp_path, capsys):
+    """Ctrl-C: the finished rows are kept, one line says so (no traceback), exit status 130."""
     out = tmp_path / "r.csv"
-    with pytest.raises(KeyboardInterrupt):
-        main(recording_bench([], interrupt="c1"), ["--out", str(out), "--rounds", "1"])
+    assert main(recording_bench([], interrupt="c1"), ["--out", str(out), "--rounds", "1"]) == 130
     assert [(r["case"], r["status"]) for r in read(out)] == [("c0", "ok")]
+    assert "interrupted by SIGINT: the 1 row(s) finished are kept" in capsys.readouterr().err
+
+
+def test_out_is_checked_first_and_another_commands_file_is_never_replaced(tmp_path, capsys):
+    from zorro_harness.bench.results import ResultsLock
+
+    (tmp_path / "adir").mkdir()
+    sweep = tmp_path / "sweep.csv"
+    sweep.write_text("case_id,model,phase,status\nc,m,forward,ok\n")
+    busy = tmp_path / "busy.csv"
+    refusals = {
+        str(tmp_path / "adir"): "is a directory",
+        "/proc/x.csv": "cannot write in folder",
+        str(tmp_path / ("a" * 300 + ".csv")): "longer than",
+        str(sweep): "zorro bench sweep",
+        str(busy): "being written by another sweep",
+    }
+    with ResultsLock(busy):
+        for out, what in refusals.items():
+            calls: list = []
+            assert main(recording_bench(calls), ["--out", out, "--rounds", "1"]) == 2, out
+            err = capsys.readouterr().err
+            assert what in err and "Traceback" not in err, (out, err)
+            assert calls == []  # nothing measured
+    assert sweep.read_text().startswith("case_id") and not busy.exists()
+    mine = tmp_path / "r.csv"
+    assert main(recording_bench([]), ["--out", str(mine), "--rounds", "1"]) == 0
+    first = mine.read_text()
+    assert main(recording_bench([]), ["--out", str(mine), "--rounds", "1"]) == 0
+    assert (tmp_path / "r.csv.1.bak").read_text() == first  # its own earlier file: kept as a backup
 
 
 def test_a_failed_setup_fails_every_case_as_a_row(tmp_path):
@@ -270,3 +300,22 @@ def test_the_csv_cells_are_written_as_the_results_files_write_them(tmp_path):
     out = tmp_path / "b.csv"
     write_csv(out, [{"a": "=HYPERLINK(1)", "b": "two\nlines", "c": -1.5}], ["a", "b", "c"])
     assert out.read_text().splitlines() == ["a,b,c", "'=HYPERLINK(1),two lines,-1.5"]
+
+
+def test_balance_benchmark_refuses_zero_workloads():
+    """`benchmarks/balance_imbalance.py --n 0` said "ok" with no rows; it is an argument error now."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
+    res = subprocess.run(
+        [sys.executable, "benchmarks/balance_imbalance.py", "--n", "0"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2 and "must be >= 1" in res.stderr and "Traceback" not in res.stderr

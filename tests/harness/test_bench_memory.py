@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from zorro_cli.main import app
 from zorro_harness.bench.memory import MemoryCase, count_case, longest_prompt
+from zorro_harness.bench.results import from_spreadsheet_cell
 
 runner = CliRunner()
 
@@ -60,7 +61,8 @@ def test_cli_writes_rows_and_refuses_bad_input(tmp_path):
     res = runner.invoke(app, [*args, "--unique", "3,2", "--logits-mode", "memory", "--narrow", "2", "--out", str(out)])
     assert res.exit_code == 1 and "multiple of --unique" in res.output
     rows = list(csv.DictReader(out.open()))
-    assert [r["status"] for r in rows][0].startswith("--batch 4 must be a multiple")
+    # written by the results files' line writer: a cell starting with "-" is quoted for spreadsheets
+    assert from_spreadsheet_cell(rows[0]["status"]).startswith("--batch 4 must be a multiple")
     assert [r["path"] for r in rows[1:]] == ["packed", "zorro", "zorro-gather", "ideal"]
     assert not (tmp_path / "elsewhere.csv").exists()
 

@@ -117,3 +117,26 @@ def test_ctrl_c_while_the_fork_server_imports_prints_no_traceback(tmp_path):
     time.sleep(0.5)  # the fork server is importing torch and transformers
     os.killpg(proc.pid, signal.SIGINT)
     _ends_with_one_line(proc, 130)
+
+
+def test_a_case_process_whose_sweep_stopped_listening_ends_without_a_traceback(monkeypatch):
+    """Ctrl-C in the second before a sweep forks its case: the sweep has closed its end of the pipe,
+    and the case's result (or its error) cannot be sent. The case process ends quietly (SystemExit,
+    which multiprocessing ends without printing), not with a BrokenPipeError traceback."""
+    import multiprocessing
+
+    from zorro_harness.bench import case_process, isolation
+
+    monkeypatch.setattr(isolation, "die_with", lambda pid: None)
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    reader.close()
+
+    def case(conn):
+        try:
+            conn.send({"workload": 1})
+        except BaseException as e:  # as case_process's entry points: the error is sent too
+            conn.send({"error": str(e)})
+
+    with pytest.raises(SystemExit):
+        isolation._entry(case, 0, writer)
+    assert callable(case_process.workload_process)

@@ -17,16 +17,18 @@ Every row gets the trailing columns `status` ("ok", or "error" with the reason i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from zorro_harness.bench.files import LinkRefused, refuse_link, replace_atomically
+from zorro_harness.bench.files import refuse_link, replace_atomically
 from zorro_harness.bench.measure import Speedup, Stats, speedup, summarize, time_interleaved, time_once
-from zorro_harness.bench.results import csv_line
+from zorro_harness.bench.results import TableOut, csv_line
 
 STATUS_COLUMNS = ("status", "error")
 """Appended to every row: "ok" and "", or "error" and why the case failed."""
@@ -245,13 +247,50 @@ def main(bench: Benchmark, argv: Optional[Sequence[str]] = None) -> int:
     if not cases:
         print(f"no case matches --cases {args.cases}", file=sys.stderr)
         return 2
+    out: Optional[TableOut] = None
     if args.out:
+        # every output checked before anything is measured; a sweep's file or another script's refused
+        out = TableOut(args.out, "--out", f"benchmarks/{bench.name}.py", (*bench.columns, *STATUS_COLUMNS))
         try:
-            refuse_link(args.out, "--out")  # before anything is measured
-        except LinkRefused as e:
-            print(e, file=sys.stderr)
+            out.check()
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
             return 2
     rows: list[dict[str, Any]] = []
+    old_term = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        with out if out is not None else contextlib.nullcontext():
+            failed = _run_cases(bench, cases, args, out, rows)
+    except KeyboardInterrupt as e:
+        name = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
+        kept = f"the {len(rows)} row(s) finished are kept in {args.out}" if out is not None and rows else "nothing kept"
+        print(f"interrupted by {name}: {kept}", file=sys.stderr)
+        return 128 + (signal.SIGTERM if name == "SIGTERM" else signal.SIGINT)
+    except (ValueError, OSError) as e:  # the file is busy (a sweep writes it), or cannot be written
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+    ok = [r for r in rows if r["status"] == "ok"]
+    (bench.report or _print_rows)(ok, args)
+    if args.out:
+        kept = f"; the old one is now {out.kept}" if out is not None and out.kept else ""
+        print(f"wrote {args.out} ({len(rows)} rows{kept})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, stopping the script as Ctrl-C does (the finished rows are on disk already)."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
+def _run_cases(
+    bench: Benchmark, cases: list[Case], args: argparse.Namespace, out: Optional[TableOut], rows: list
+) -> int:
+    """Every case, its rows appended to `rows` and the CSV rewritten after each; the failed count."""
     failed = 0
     context, setup_error = None, None
     try:
@@ -278,16 +317,16 @@ def main(bench: Benchmark, argv: Optional[Sequence[str]] = None) -> int:
             else:
                 print(f"{case.id}: ok ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
             rows += [{**r, **meta} for r in new]
-            if args.out:
-                write_csv(args.out, rows, columns_of(bench, rows, meta))
+            if out is not None:
+                columns = columns_of(bench, rows, meta)
+                unknown = sorted({k for r in rows for k in r} - set(columns))
+                if unknown:
+                    raise ValueError(f"rows hold columns the header lacks: {unknown}")
+                out.write(rows, columns)
     finally:
         if bench.teardown is not None and context is not None:
             bench.teardown(context)
-    ok = [r for r in rows if r["status"] == "ok"]
-    (bench.report or _print_rows)(ok, args)
-    if args.out:
-        print(f"wrote {args.out} ({len(rows)} rows)", file=sys.stderr)
-    return 1 if failed else 0
+    return failed
 
 
 # ---------------------------------------------------------------- the paired (long) CSV format

@@ -62,7 +62,12 @@ def _start(ctx: Any, proc: Any) -> None:
 def _entry(target: Callable, sweep_pid: int, *args) -> None:
     """What a case process runs: target(*args), ended with the sweep."""
     die_with(sweep_pid)
-    target(*args)
+    try:
+        target(*args)
+    except (BrokenPipeError, ConnectionResetError):
+        # the sweep stopped listening (Ctrl-C before or while the case ran): there is nobody to tell,
+        # and a traceback after the sweep's one line would only confuse; end quietly
+        raise SystemExit(1) from None
 
 
 def rss_of(pid: int) -> Optional[int]:

@@ -16,7 +16,9 @@ saves (q, k, v, out, lse), so the counts are the GPU's.
 
 A model of the given shape is built with random weights and `layers` decoder layers (default 1),
 its widths divided by `narrow` (head counts, hidden and intermediate sizes, vocabulary; head dims
-kept): every count is then scaled back (x narrow; per-layer bytes x the model's layer count). Exact
+kept): every count is then scaled back (x narrow; per-layer bytes x the model's layer count). MoE
+and MLA presets (whose expert widths and latent ranks are not narrowed) are counted only with
+narrow 1, and a preset whose layers differ in kind (dense then MoE) only with all its layers. Exact
 for tensors that scale with a width (everything but int index tensors, which are counted too, and
 over-counted by the same factor in every path). The longest prompt that fits: with per-token bytes
 fixed, the saved bytes grow linearly in the prompt length at the other shapes fixed, so the prompt
@@ -46,6 +48,8 @@ from zorro_harness.bench.isolation import run_isolated
 PATHS = ("packed", "zorro", "zorro-gather")
 BACKEND_OF = {"packed": "flash_cpu", "zorro": "flash_cpu", "zorro-gather": "flash_cpu_gather"}
 NARROWED = ("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size", "vocab_size")
+UNNARROWED = ("moe_intermediate_size", "num_experts", "n_routed_experts", "kv_lora_rank", "q_lora_rank")
+"""Widths and counts of MoE and MLA a narrowed model keeps: counts with them are not x narrow."""
 OPTIMIZER_BYTES_PER_PARAM = 16
 """bf16 weight and gradient, fp32 master weight and two AdamW moments."""
 
@@ -122,6 +126,17 @@ def narrowed_config(model: str, layers: int, narrow: int):
             f"layer types {sorted(set(getattr(cfg, 'layer_types', None) or []))})"
         )
     full_layers = cfg.num_hidden_layers
+    unnarrowed = [f for f in UNNARROWED if getattr(cfg, f, None)]
+    if narrow > 1 and unnarrowed:
+        raise ValueError(
+            f"--narrow {narrow}: {model}'s {', '.join(unnarrowed)} (experts, MLA ranks) are not narrowed, so its "
+            "counts cannot be scaled back by --narrow; count it with --narrow 1"
+        )
+    if layers != full_layers and _mixed_layers(cfg):
+        raise ValueError(
+            f"--layers {layers}: {model}'s decoder layers are not all of one kind (dense and MoE), so one layer "
+            f"cannot stand for the others; count them all with --layers {full_layers}"
+        )
     if cfg.num_key_value_heads % narrow or cfg.num_attention_heads % narrow:
         raise ValueError(
             f"--narrow {narrow} must divide the head counts ({cfg.num_attention_heads} query, "
@@ -132,6 +147,15 @@ def narrowed_config(model: str, layers: int, narrow: int):
     overrides.update(num_hidden_layers=layers, head_dim=head_dim, max_position_embeddings=cfg.max_position_embeddings)
     overrides.pop("layer_types", None)
     return preset_config(model, **overrides), full_layers
+
+
+def _mixed_layers(cfg) -> bool:
+    """Whether the decoder layers differ in kind (DeepSeek-V3, GLM-4.5: the first k dense, then MoE)."""
+    return bool(
+        getattr(cfg, "first_k_dense_replace", 0)
+        or getattr(cfg, "mlp_only_layers", None)
+        or (getattr(cfg, "decoder_sparse_step", 1) or 1) > 1
+    )
 
 
 def _layer_of(model) -> tuple[Callable[[], Optional[int]], Callable[[], None]]:
@@ -285,6 +309,8 @@ def longest_prompt(
     for path in a:
         p0, p1 = a[path].case.prompt_len, b[path].case.prompt_len
         y0, y1 = (a[path].checkpointed, b[path].checkpointed) if checkpointed else (a[path].total, b[path].total)
+        if p1 == p0:
+            raise ValueError(f"longest_prompt: the two counts share the prompt length {p0}; give two lengths")
         slope = (y1 - y0) / (p1 - p0)
         out[path] = 0.0 if y0 > budget and slope >= 0 else (math.inf if slope <= 0 else p0 + (budget - y0) / slope)
     return out

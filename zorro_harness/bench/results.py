@@ -39,10 +39,11 @@ import os
 import re
 import stat
 import sys
+import tempfile
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
-from zorro_harness.bench.files import name_too_long, open_no_follow, refuse_link, short_name
+from zorro_harness.bench.files import name_too_long, open_no_follow, refuse_link, replace_atomically, short_name
 from zorro_harness.bench.sidecar import NotASidecar, ResultsWriteError, read_sidecar, sidecar_path
 
 # What a case runs (the model and the arms' settings): part of the required columns, and the
@@ -244,7 +245,7 @@ class ResultsLock:
             )
             os.close(fd)
             raise ResultsBusy(
-                f"{self.csv_path} is being written by another sweep ({holder}); wait for it to finish, "
+                f"{self.csv_path} is being written by another sweep or benchmark ({holder}); wait for it to finish, "
                 "or write to another file with --out"
             ) from None
         me = f"pid {os.getpid()}: {' '.join(sys.argv) or sys.executable}, since {dt.datetime.now().isoformat(timespec='seconds')}"
@@ -431,6 +432,112 @@ def done_keys(path: str | Path) -> set[tuple[str, str]]:
     for r in parse_results(path, drop_cut_line=True):
         last[(r["case_id"], r["phase"])] = r.get("status") or ""
     return {k for k, s in last.items() if s in DONE_STATUSES}
+
+
+SWEEP_HEADER = frozenset({"case_id", "phase", "status"})
+"""Columns every `zorro bench sweep` results file starts with (how another command knows it)."""
+
+
+def _probe_folder(folder: Path, flag: str) -> None:
+    """ValueError when no file can be created in `folder` (read-only, /proc, not ours): found out by
+    creating and removing a temporary file, before any work is done."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".zorro.", suffix=".probe")
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot write in folder {short_name(folder)} ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
+class TableOut:
+    """A results file one command writes whole, again after every finished case (`zorro bench
+    memory`, benchmarks/*.py): the one writer for them, with the sweep's rules.
+
+    - `check()` before any work: a name too long, a link (at the file or its lock), a folder that
+      does not exist or cannot be written, anything but a regular file, a sweep's results file,
+      or a file whose header lacks `columns` (not `owner`'s; no `columns`: any other file is
+      this command's, a plot) is refused, ValueError
+      with one line; `also` names other outputs of the run, which must differ from this one.
+    - `with out:` holds the results lock (results.ResultsLock, the sweep's): a sweep or another
+      command writing the file is refused as busy, and none can start on it meanwhile.
+    - `write(rows, columns)`: the first write keeps an existing file as the first free
+      `<name>.<n>.bak` (as results.backup, the file alone); every write replaces the file whole (a temporary file,
+      never through a link, renamed over it; mode 0644) with the rows so far.
+    """
+
+    def __init__(self, path: str | Path, flag: str, owner: str, columns: Sequence[str] = ()) -> None:
+        self.path = Path(path)
+        self.flag = flag
+        self.owner = owner
+        self.columns = tuple(columns)
+        """Columns the file of `owner` always has (an existing file without them is not its)."""
+        self.kept: Optional[Path] = None
+        """The backup the first write made, if any."""
+        self._lock: Optional[ResultsLock] = None
+        self._written = False
+
+    def check(self, also: Sequence[Optional[str | Path]] = ()) -> None:
+        out, flag = self.path, self.flag
+        for p, what in ((out, flag), (lock_path(out), f"{flag}'s lock")):
+            why = name_too_long(p, what)
+            if why:
+                raise ValueError(why)
+            refuse_link(p, what)
+        # the temporary file is `.<name[:64]>.XXXXXXXX.tmp`: never longer than the name limit allows
+        for other in also:
+            if other is not None and os.path.abspath(other) == os.path.abspath(out):
+                raise ValueError(f"{flag} {short_name(out)} is also named for another output; give each its own file")
+        folder = out.parent
+        if not folder.is_dir():
+            raise ValueError(f"{flag}: folder {short_name(folder)} does not exist")
+        try:
+            st = os.stat(out)
+        except FileNotFoundError:
+            st = None
+        except OSError as e:
+            raise ValueError(f"{flag} {short_name(out)}: cannot read it ({e.strerror})") from None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{flag} {short_name(out)} is {_kind(st.st_mode)}; {flag} takes a file path")
+        _probe_folder(folder, flag)
+        if st is None or st.st_size == 0:
+            return
+        header = set(_first_line(out))
+        if SWEEP_HEADER <= header:
+            raise ValueError(
+                f"{flag} {short_name(out)} holds the results of a `zorro bench sweep`; refusing to replace them: "
+                "write to another file"
+            )
+        if self.columns and not set(self.columns) <= header:
+            raise ValueError(
+                f"{flag} {short_name(out)} exists and is not a results file of {self.owner} (its first line is not "
+                "its header); refusing to replace it: write to another file"
+            )
+
+    def __enter__(self) -> "TableOut":
+        self._lock = ResultsLock(self.path)
+        self._lock.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._lock is not None:
+            self._lock.__exit__(*exc)
+            self._lock = None
+
+    def write(self, rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> None:
+        """The file, replaced whole by `rows` (each under `columns`); ResultsWriteError on failure."""
+        data = csv_line(list(columns)) + b"".join(csv_line([r.get(c, "") for c in columns]) for r in rows)
+        try:
+            if not self._written and os.path.lexists(self.path):
+                # the file alone (a JSON of that name is not this command's, unlike a sweep's sidecar)
+                n = 1
+                while os.path.lexists(self.path.with_name(f"{self.path.name}.{n}.bak")):
+                    n += 1
+                self.kept = self.path.with_name(f"{self.path.name}.{n}.bak")
+                self.path.replace(self.kept)
+            replace_atomically(self.path, lambda f: f.write(data))
+        except OSError as e:
+            raise ResultsWriteError(f"cannot write {short_name(self.path)}: {e.strerror or e}") from None
+        self._written = True
 
 
 _MOVED = ("SIDECAR_MARKER", "SIDECAR_FORMAT", "write_sidecar", "update_last_run")

@@ -272,7 +272,7 @@ def test_trainer_mode_reaches_verls_driver():
     from importlib.metadata import entry_points
 
     pytest.importorskip("transfer_queue", reason="verl's V1 trainer needs TransferQueue")
-    if not any(e.value == "zorro_core.integrations.verl.plugin" for e in entry_points(group="verl.plugins")):
+    if not any(e.value == "zorro_plugins.verl" for e in entry_points(group="verl.plugins")):
         pytest.skip("the installed zorro has no verl.plugins entry point (reinstall it: pip install -e .)")
     code = (
         "import sys, verl\n"
