@@ -10,7 +10,7 @@ position or id), so a micro-batch holding parts of groups is fine.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -92,6 +92,30 @@ def joined_logprobs(
     Raises ValueError naming the argument (check_joined_arguments, then `layout_problem`) on
     arguments or a layout it does not serve; at least one row must have a response token.
     """
+    options = {} if router_aux_loss is None else {"router_aux_loss": router_aux_loss}
+    return joined_calls(
+        lambda rows, batch: actor.forward(
+            batch, temperature=temperature, calculate_entropy=calculate_entropy, **options
+        ),
+        input_ids,
+        attention_mask,
+        response_width,
+        calculate_entropy,
+        rows_per_call,
+    )
+
+
+def joined_calls(
+    call: Callable[[torch.Tensor, RolloutBatch], Any],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_width: int,
+    calculate_entropy: bool,
+    rows_per_call: Optional[int],
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The rows of joined [prompt | response] tensors through `call(rows, batch)` (an actor's forward
+    on the RolloutBatch of those rows; `rows` their indices), chunked and placed back as
+    `joined_logprobs` says: one layout for the text and the vision calls."""
     check_joined_arguments(input_ids, attention_mask, rows_per_call)
     problem = layout_problem(attention_mask, response_width)
     if problem:
@@ -107,11 +131,9 @@ def joined_logprobs(
         chunks = list(torch.split(live, rows_per_call))
     else:
         chunks = [live]
-    options = {} if router_aux_loss is None else {"router_aux_loss": router_aux_loss}
     lps, ents = [], []
     for rows in chunks:
-        batch = RolloutBatch(input_ids[rows, :p], mask[rows, :p], input_ids[rows, p:], mask[rows, p:])
-        out = actor.forward(batch, temperature=temperature, calculate_entropy=calculate_entropy, **options)
+        out = call(rows, RolloutBatch(input_ids[rows, :p], mask[rows, :p], input_ids[rows, p:], mask[rows, p:]))
         lps.append(out.log_probs)
         ents.append(out.entropy)
     rows = torch.cat(chunks)

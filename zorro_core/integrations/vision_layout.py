@@ -13,9 +13,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from zorro_core.integrations.layout import check_joined_arguments, grouped_order, layout_problem
+from zorro_core.integrations.layout import joined_calls
 from zorro_core.models.vision import VISION_FAMILIES, token_types
-from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.multimodal import Image, MultimodalBatch
 
 VISION_KEYS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
@@ -66,31 +65,15 @@ def joined_vision_logprobs(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """`joined_logprobs` (zorro_core.integrations.layout) with `images[i]` the images of row i:
     [B, R] log-probs (and entropy), 0 on rows whose response is all padding."""
-    check_joined_arguments(input_ids, attention_mask, rows_per_call)
-    problem = layout_problem(attention_mask, response_width)
-    if problem:
-        raise ValueError(problem)
-    b, width = input_ids.shape
-    p = width - response_width
-    mask = attention_mask.long()
-    live = mask[:, p:].bool().any(1).nonzero().flatten()
-    if live.numel() == 0:
-        raise ValueError("every response in the micro-batch is all padding: nothing to compute")
-    if rows_per_call is not None and rows_per_call < live.numel():
-        live = live[grouped_order(input_ids[live, :p], mask[live, :p])]
-        chunks = list(torch.split(live, rows_per_call))
-    else:
-        chunks = [live]
-    lps, ents = [], []
-    for rows in chunks:
-        batch = RolloutBatch(input_ids[rows, :p], mask[rows, :p], input_ids[rows, p:], mask[rows, p:])
-        mm = MultimodalBatch(batch, tuple(images[i] for i in rows.tolist()))
-        out = actor.forward(mm, temperature=temperature, calculate_entropy=calculate_entropy)
-        lps.append(out.log_probs)
-        ents.append(out.entropy)
-    rows = torch.cat(chunks)
-
-    def place(parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(parts).new_zeros((b, response_width)).index_put((rows,), torch.cat(parts))
-
-    return place(lps), (place(ents) if calculate_entropy else None)
+    return joined_calls(
+        lambda rows, batch: actor.forward(
+            MultimodalBatch(batch, tuple(images[i] for i in rows.tolist())),
+            temperature=temperature,
+            calculate_entropy=calculate_entropy,
+        ),
+        input_ids,
+        attention_mask,
+        response_width,
+        calculate_entropy,
+        rows_per_call,
+    )
