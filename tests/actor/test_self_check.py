@@ -104,7 +104,17 @@ def _planted_rank(seed: int) -> dict:
         warnings.simplefilter("always")
         with wrong_head_lse() if torch.distributed.get_rank() == 0 else contextlib.nullcontext():
             alone.forward(batch)
+    # Exchange off (OpenRLHF: each rank decides per call whether zorro serves it): rank 1 never makes
+    # the call, as when it hands its micro-batch back; rank 0 checks alone and nothing waits for rank 1.
+    local = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=True)
+    local.self_check.exchange = False
+    if torch.distributed.get_rank() == 0:
+        with warnings.catch_warnings(), wrong_head_lse():
+            warnings.simplefilter("ignore")
+            local.forward(batch)
+    torch.distributed.barrier()  # the ranks still meet at the next collective
     return {
+        "local": local.self_check.metric(),
         "alone": (alone.self_check.metric(), [str(w.message) for w in caught_alone]),
         "warnings": [str(w.message) for w in caught if issubclass(w.category, SelfCheckWarning)],
         "metric": actor.self_check.metric(),
@@ -133,6 +143,7 @@ def test_a_planted_wrong_gradient_kernel_is_caught_on_two_ranks_which_agree_and_
         metric, (message,) = r["alone"]
         assert metric == 0.0 and "self-check failed" in message
         assert ("rank 0's worst parameter" in message) == (rank == 1)
+    assert [r["local"] for r in ranks] == [0.0, None]  # per-rank verdicts: rank 0 fell back, rank 1 ran none
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -147,6 +147,11 @@ class SelfCheck:
         """The first failing verdict; the actor then runs `spec`/`dedup` below."""
         self.spec: Optional[RouteSpec] = None
         self.dedup: Optional[bool] = None
+        self.exchange = True
+        """All-gather the verdicts over the ranks (`agree`). An integration whose ranks decide per call
+        whether zorro serves it (OpenRLHF) turns it off: one rank handing a call back would leave the
+        others waiting in the exchange, while two right paths on two ranks meet no collective in an
+        unsharded forward (sharded models are not checked)."""
 
     def metric(self) -> Optional[float]:
         """`zorro/self_check`: 1.0 every check passed, 0.0 one failed (the actor fell back), None none ran."""
@@ -173,7 +178,8 @@ class SelfCheck:
                     self.skipped = why
                     warnings.warn(f"zorro: the self-check is skipped: {why}", SelfCheckWarning, stacklevel=4)
                     return spec, dedup
-                verdict = self.verdicts[key] = agree(check(actor, batch, spec, dedup, temperature, key), actor.device)
+                verdict = check(actor, batch, spec, dedup, temperature, key)
+                verdict = self.verdicts[key] = agree(verdict, actor.device) if self.exchange else verdict
             if verdict.passed:
                 return spec, dedup
             nxt = fallback_of(spec, dedup)

@@ -162,6 +162,9 @@ class DedupActor(Actor):
         if self._zorro_actor is None or self._zorro_actor[0] != key:
             try:
                 actor: Any = DeduplicatedActor(model=inner, config=self._zorro_config)
+                # Each rank decides per call whether zorro serves it (a layout one rank cannot serve goes
+                # back to OpenRLHF there alone): a verdict exchange could wait for a rank that never comes.
+                actor.self_check.exchange = False
             except UnsupportedModelError as e:
                 actor = f"the dedup path refuses this model: {e}"
             self._zorro_actor = (key, actor)
