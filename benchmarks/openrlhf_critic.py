@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+# The run's metadata and printed summary are the actor benchmark's (its sibling script, on sys.path[0]).
+from openrlhf_actor import meta, report  # noqa: E402
 
 from zorro_harness.bench.arms import (  # noqa: E402
     PAIRED_COLUMNS,
@@ -40,7 +42,6 @@ from zorro_harness.bench.arms import (  # noqa: E402
     Timings,
     Trial,
     main,
-    paired_report,
     paired_rows,
 )
 from zorro_harness.bench.measure import self_timed  # noqa: E402
@@ -148,34 +149,6 @@ def rows(case: Case, t: Timings, args: argparse.Namespace) -> list[dict[str, Any
     if calls["fallback"]:  # the zorro arm would have timed OpenRLHF's own forward
         raise RuntimeError(f"zorro's critic fell back to OpenRLHF's forward: {calls}")
     return paired_rows(case["phase"], t, "openrlhf", "zorro")
-
-
-def meta(args: argparse.Namespace) -> dict[str, Any]:
-    import datetime
-    from importlib.metadata import version
-
-    import torch
-
-    return {
-        "openrlhf": version("openrlhf"),
-        "deepspeed": version("deepspeed"),
-        "torch": torch.__version__,
-        "host": platform.node(),
-        "threads": args.threads,
-        "load": f"{os.getloadavg()[0]:.1f}",
-        "preset": args.preset,
-        "packing_samples": args.packing,
-        "shape": f"{args.prompts}x{args.responses} P={args.prompt_len} R<={args.response_len}",
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    print(
-        f"{args.prompts}x{args.responses} P={args.prompt_len} R<={args.response_len}, {args.preset}, "
-        f"packing {args.packing}, {args.threads} threads"
-    )
-    paired_report(rows, args)
 
 
 BENCH = Benchmark(
