@@ -1,27 +1,36 @@
 #!/usr/bin/env bash
-# The prepared device check for a lent GPU: one script, under 10 minutes on one H200.
-#   0. the kernels' emulated suite first (flash-attn's own interface at 2.6.3/2.7.4.post1/2.8.3.post2 and
-#      torch's aten op calls over the CPU emulation of the compiled part, tests/kernel_emulation; ~30 s),
+# The prepared device check for a lent GPU: one script, inside a device-time budget on one H200.
+#   0. the kernels' emulated suite (flash-attn's own interface at 2.6.3/2.7.4.post1/2.8.3.post2 and
+#      torch's aten op calls over the CPU emulation of the compiled part, tests/kernel_emulation),
 #      also where there is no GPU: the flash-attn sdists must be in .cache/flash-attn-sdists (run
 #      `python -m tests.kernel_emulation.sdists` first; carry that folder to a machine without network);
-#   1. every GPU path against the reference: torch varlen and flash-attn varlen vs the exact
-#      reference backend, flex_attention mask mode (compiled, dynamic shapes) vs the baseline and,
-#      with gradients, vs the float64 reference (prompt and tree masks, a window), Liger and
-#      LoRA/QLoRA, fla's varlen delta rule on CUDA and the PyTorch one chosen for CPU tensors with
-#      fla installed (pytest's CUDA cases; each skips with its reason when its package is absent);
-#   2. `zorro verify gradients` on CUDA (bf16/fp32 against a float64 reference), then again
-#      with gradient checkpointing (training mode, non-reentrant and reentrant); the gather-free
-#      path's peak memory on the device beside the CPU count of saved bytes (scripts/gpu_memory_check.py);
-#   3. the GPU suites' timings (seed shapes; OOM cases become rows, nothing is lost);
-#   4. the cumulative stack (baseline, +flash attention, +liger, +dedup, +split attention).
-# Run from the repository root. Results land in $OUT (default results/gpu).
-# Optional wheels (liger-kernel, flash-attn, flash-linear-attention) are installed from .whl/
-# when present (see /work/.library/device/README.md for how to carry them).
+#   1. `zorro env` on CUDA (the self-check's verdict on this device) and nvidia-smi;
+#   2. `zorro verify gradients` on CUDA (bf16/fp32 against a float64 reference): the default paths,
+#      the kernel pair (torch's aten flash forward/backward, gather-free split), gradient checkpointing
+#      (non-reentrant and reentrant) and the cross-micro-batch schedule (`--schedule prompt_once`);
+#   3. every GPU path against the reference in pytest's CUDA cases: torch varlen and flash-attn varlen,
+#      the merged kernel pairs, flex_attention (compiled, dynamic shapes; prompt and tree masks, a
+#      window), Liger, LoRA/QLoRA, fla's varlen delta rule (each skips with its reason when its package
+#      is absent);
+#   4. the gather-free path's peak memory on the device beside the CPU count of saved bytes
+#      (scripts/gpu_memory_check.py);
+#   5. the seed-shape suite's timings (`suites/gpu.toml`, or `suites/gpu_sdpa.toml` without flash-attn;
+#      OOM cases become rows, nothing is lost; SUITE_FILTER narrows it);
+#   6. the cumulative stack (baseline, +flash attention, +liger, +dedup, +split attention).
+# GPU_CHECK_STEPS picks steps (default "0 1 2 3 4 5 6"); GPU_CHECK_BUDGET (seconds, default 570) scales
+# every step's deadline, so a short lease runs the early steps whole rather than all of them cut.
+# Run from the repository root. The results land in $RES (default results/gpu); when $OUT is set (the
+# device tool's folder, which brings back at most 8 files) they are also packed, after every step, into
+# $OUT/gpu_results.tgz, so a run cut short still returns what it finished.
+# Optional wheels (liger-kernel, flash-attn, flash-linear-attention, bitsandbytes) are installed from
+# .whl/ when present (see /work/.library/device/README.md for how to carry them).
 set -uo pipefail
-OUT=${OUT:-results/gpu}
-mkdir -p "$OUT"
+RES=${RES:-results/gpu}
+mkdir -p "$RES"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+STEPS=" ${GPU_CHECK_STEPS:-0 1 2 3 4 5 6} "
+BUDGET=${GPU_CHECK_BUDGET:-570}
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PWD:/tmp/site"
 fi
@@ -31,49 +40,87 @@ if ! $PY -c "import torch" 2>/dev/null; then
   exit 2
 fi
 start=$(date +%s)
-# Seconds until the step's deadline (since start); at least 1, since `timeout 0` means no limit.
-left() { local r=$(( ${1} - ($(date +%s) - start) )); [ "$r" -lt 1 ] && r=1; echo "$r"; }
-echo "== 0. the kernels' emulated suite (real interfaces, CPU emulation of the compiled part)"
-ZORRO_FLASH_ATTN_SDISTS_REQUIRED=1 timeout "$(left 60)" $PY -m pytest -q -rs -p no:cacheprovider \
-  tests/attention/test_kernels_emulated.py tests/attention/test_gpu_glue.py 2>&1 | tee "$OUT/pytest_emulated.txt"
+# Seconds until a step's deadline, given in thousandths of the budget; at least 1 (`timeout 0` means no limit).
+left() { local r=$(( ${1} * BUDGET / 1000 - ($(date +%s) - start) )); [ "$r" -lt 1 ] && r=1; echo "$r"; }
+want() { [[ "$STEPS" == *" $1 "* ]]; }
+snap() { [ -n "${OUT:-}" ] && tar czf "$OUT/gpu_results.tgz" -C "$RES" . 2>/dev/null; true; }
+if want 0; then
+  echo "== 0. the kernels' emulated suite (real interfaces, CPU emulation of the compiled part)"
+  ZORRO_FLASH_ATTN_SDISTS_REQUIRED=1 timeout "$(left 90)" $PY -m pytest -q -rs -p no:cacheprovider \
+    tests/attention/test_kernels_emulated.py tests/attention/test_gpu_glue.py 2>&1 | tee "$RES/pytest_emulated.txt" | tail -15
+  snap
+fi
 if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check: no CUDA device here; nothing to check (every GPU test and suite skips with its reason on CPU)"
   exit 0
 fi
-
-$PY -m zorro_cli.main env --json > "$OUT/env.json" 2>&1
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-
-echo "== 1. GPU paths against the reference"
-timeout "$(left 200)" $PY -m pytest -q -rs -p no:cacheprovider tests/attention/test_varlen.py tests/attention/test_flex.py tests/stack/test_liger.py \
-  tests/stack/test_lora.py tests/stack/test_precision.py tests/stack/test_auto.py tests/models/test_families_linear.py tests/attention/test_trie_gpu_paths.py tests/models/test_fla_device.py \
-  tests/attention/test_merged_attention.py \
-  2>&1 | tee "$OUT/pytest.txt"
-
-echo "== 2. zorro verify gradients on CUDA"
-timeout "$(left 290)" $PY -m zorro_cli.main verify gradients --device cuda --models tiny-qwen3,tiny-llama,tiny-qwen3-moe \
-  --dtype bfloat16,float32 --logits-mode compute --json > "$OUT/verify.json" 2> "$OUT/verify.err"
-echo "verify exit code: $?"
-for flavour in "" "--reentrant"; do
-  name=verify_checkpointing${flavour:+_reentrant}
-  timeout "$(left 330)" $PY -m zorro_cli.main verify gradients --device cuda --models tiny-qwen3,tiny-qwen3-moe,tiny-mistral \
-    --dtype bfloat16 --logits-mode compute --checkpointing $flavour --json > "$OUT/$name.json" 2> "$OUT/$name.err"
-  echo "verify --checkpointing $flavour exit code: $?"
-done
-
-# the gather-free path's saved bytes against the device's own count, once (zorro bench memory counts on CPU)
-timeout "$(left 350)" $PY scripts/gpu_memory_check.py --out "$OUT/memory_check.json" 2>&1 | tail -5
-
-echo "== 3. GPU suite timings"
-# flash-attn is a compiled extension the device image may lack: then the sdpa suite (PyTorch's
-# varlen attention) times the same shapes instead of a suite whose every row would be skipped.
-SUITE=gpu; $PY -c "import flash_attn" 2>/dev/null || SUITE=gpu_sdpa
-timeout "$(left 460)" $PY -m zorro_cli.main bench sweep suites/$SUITE.toml --out "$OUT/$SUITE.csv" --repeats 5 --warmup 2 \
-  ${SUITE_FILTER:+-k "$SUITE_FILTER"} 2>&1 | tail -40
-$PY -m zorro_cli.main report "$OUT/$SUITE.csv" --markdown > "$OUT/$SUITE.md" 2>&1
-
-echo "== 4. The cumulative optimization stack"
-timeout "$(left 570)" $PY -m zorro_cli.main bench sweep suites/stack.toml --out "$OUT/stack.csv" --repeats 3 --warmup 1 \
-  2>&1 | tail -20
-$PY -m zorro_cli.main report stack "$OUT/stack.csv" --markdown > "$OUT/stack.md" 2>&1
-echo "done in $(( $(date +%s) - start )) s; results in $OUT"
+if want 1; then
+  echo "== 1. zorro env (the self-check on this device)"
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  timeout "$(left 150)" $PY -m zorro_cli.main env --json > "$RES/env.json" 2> "$RES/env.err"
+  echo "env exit code: $?"; grep -i -A3 "self_check\|self-check" "$RES/env.json" | head -20
+  snap
+fi
+verify() {  # name, deadline (thousandths), verify options...
+  local name=$1 until=$2; shift 2
+  timeout "$(left "$until")" $PY -m zorro_cli.main verify gradients --device cuda --json "$@" > "$RES/$name.json" 2> "$RES/$name.err"
+  echo "verify $name exit code: $?"
+  $PY - "$RES/$name.json" <<'PYEOF'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception as e:  # a run cut short leaves no JSON: say so, keep going
+    print("  no JSON:", e); sys.exit(0)
+print("  summary:", json.dumps(d.get("summary", {})), "seconds:", d.get("seconds"))
+rs = d.get("results", [])
+ok = [r for r in rs if r.get("status") == "pass"]
+if ok:
+    w = max(ok, key=lambda r: r.get("worst_ratio") or 0)
+    print("  worst passing case:", w["case"], "ratio", w.get("worst_ratio"), w.get("worst_check"), "self_check:", w.get("self_check"))
+print("  self-check verdicts:", sorted({str(r.get("self_check")) for r in rs}))
+for r in rs:
+    if r.get("status") != "pass":
+        print("  ", r.get("case"), r.get("status"), str(r.get("reason"))[:300], r.get("worst_ratio"), r.get("worst_check"))
+PYEOF
+  snap
+}
+if want 2; then
+  echo "== 2. zorro verify gradients on CUDA"
+  verify verify 300 --models tiny-qwen3,tiny-llama,tiny-qwen3-moe --dtype bfloat16,float32 --logits-mode compute
+  verify verify_kernel_pair 370 --models tiny-qwen3,tiny-mistral --attn-implementation sdpa --mode split \
+    --varlen-backend torch_varlen --dtype bfloat16 --logits-mode compute,memory
+  verify verify_checkpointing 430 --models tiny-qwen3,tiny-qwen3-moe --dtype bfloat16 --logits-mode compute --checkpointing
+  verify verify_checkpointing_reentrant 480 --models tiny-qwen3 --dtype bfloat16 --logits-mode compute --checkpointing --reentrant
+  verify verify_schedule 530 --models tiny-qwen3,tiny-llama --dtype bfloat16,float32 --logits-mode compute --schedule prompt_once
+fi
+if want 3; then
+  echo "== 3. GPU paths against the reference (pytest's CUDA cases)"
+  timeout "$(left 700)" $PY -m pytest -q -rs -p no:cacheprovider tests/attention/test_merged_attention.py tests/attention/test_varlen.py \
+    tests/attention/test_trie_gpu_paths.py tests/attention/test_flex.py tests/stack/test_precision.py tests/stack/test_auto.py \
+    tests/stack/test_liger.py tests/stack/test_lora.py tests/models/test_families_linear.py tests/models/test_fla_device.py \
+    2>&1 | tee "$RES/pytest.txt" | tail -40
+  snap
+fi
+if want 4; then
+  echo "== 4. saved bytes: the device's allocator beside the CPU count"
+  timeout "$(left 760)" $PY scripts/gpu_memory_check.py --out "$RES/memory_check.json" 2>&1 | tail -12
+  snap
+fi
+if want 5; then
+  echo "== 5. GPU suite timings"
+  # flash-attn is a compiled extension the device image may lack: then the sdpa suite (PyTorch's
+  # varlen attention) times the same shapes instead of a suite whose every row would be skipped.
+  SUITE=gpu; $PY -c "import flash_attn" 2>/dev/null || SUITE=gpu_sdpa
+  timeout "$(left 900)" $PY -m zorro_cli.main bench sweep suites/$SUITE.toml --out "$RES/$SUITE.csv" --repeats "${SUITE_REPEATS:-5}" \
+    --warmup "${SUITE_WARMUP:-2}" ${SUITE_FILTER:+-k "$SUITE_FILTER"} 2>&1 | tail -30
+  $PY -m zorro_cli.main report "$RES/$SUITE.csv" --markdown > "$RES/$SUITE.md" 2>&1; cat "$RES/$SUITE.md" | head -40
+  snap
+fi
+if want 6; then
+  echo "== 6. The cumulative optimization stack"
+  timeout "$(left 1000)" $PY -m zorro_cli.main bench sweep suites/stack.toml --out "$RES/stack.csv" --repeats 3 --warmup 1 \
+    2>&1 | tail -20
+  $PY -m zorro_cli.main report stack "$RES/stack.csv" --markdown > "$RES/stack.md" 2>&1; cat "$RES/stack.md" | head -30
+  snap
+fi
+echo "done in $(( $(date +%s) - start )) s; results in $RES"
