@@ -6,12 +6,15 @@
 #   tf-low      2.13.0   $TF_LOW   (the declared floor: 5.6.0; 5.0-5.5 install with torch 2.13 but
 #                                   Qwen3-MoE's router output differs: zorro's aux loss fails there)
 #   tf-verl     2.13.0   $TF_VERL  (the newest release below verl's pin, transformers<5.11)
+#   tf-mid      2.13.0   $TF_MID   (5.22.0: the last release whose gated DeltaNet layers repeat q/k up to
+#                                   the value heads before the delta rule; 5.23 moved it into the kernel.
+#                                   The ends alone missed it: an H200 run on 5.17 found the adapter crashing)
 #   tf-new      2.13.0   $TF_NEW   (the newest release, 5.25.0: it pulls `kernels`, whose Funcs the
 #                                   gated DeltaNet adapter follows)
 #   torch-high  2.14.1   $TF_NEW   (the newest 2.14; a CUDA build, runs on CPU)
 #   torch-new   2.15.0   $TF_NEW   (the newest release, the top of torch>=2.6,<2.16; a CUDA build)
 #
-# Usage: scripts/version_ends.sh [END ...]   (default: all five; run from the repository root)
+# Usage: scripts/version_ends.sh [END ...]   (default: all six; run from the repository root)
 # Environments live under $ENDS_ROOT (default /tmp/zorro-ends), made on first use and reused;
 # the table lands in $OUT/version_ends.md (default results/). Exit status: 0 when every end
 # passed. Takes ~5-10 min per end on 2 cores (most of it the tests; a fresh environment adds the
@@ -29,13 +32,14 @@ ENDS_ROOT=${ENDS_ROOT:-/tmp/zorro-ends}
 OUT=${OUT:-results}
 TF_LOW=${TF_LOW:-5.6.0}
 TF_VERL=${TF_VERL:-5.10.4}
+TF_MID=${TF_MID:-5.22.0}
 TF_NEW=${TF_NEW:-5.25.0}
 PY=${PYTHON:-python3}
 TESTS=(tests/actor/test_actor.py tests/actor/test_trie_actor.py tests/models/test_families_checks.py tests/models/test_families_moe.py
   tests/models/test_families_linear.py tests/models/test_families_sliding.py tests/attention/test_flex_cpu.py tests/models/test_fla_device.py
   tests/models/test_version_gates.py)
 ENDS=("$@")
-[ ${#ENDS[@]} -eq 0 ] && ENDS=(tf-low tf-verl tf-new torch-high torch-new)
+[ ${#ENDS[@]} -eq 0 ] && ENDS=(tf-low tf-verl tf-mid tf-new torch-high torch-new)
 mkdir -p "$ENDS_ROOT" "$OUT"
 status=0
 strict=()
@@ -51,10 +55,11 @@ for end in "${ENDS[@]}"; do
   case $end in
     tf-low) torch=2.13.0 tf=$TF_LOW ;;
     tf-verl) torch=2.13.0 tf=$TF_VERL ;;
+    tf-mid) torch=2.13.0 tf=$TF_MID ;;
     tf-new) torch=2.13.0 tf=$TF_NEW ;;
     torch-high) torch=2.14.1 tf=$TF_NEW ;;
     torch-new) torch=2.15.0 tf=$TF_NEW ;;
-    *) echo "version_ends: unknown end $end (tf-low, tf-verl, tf-new, torch-high, torch-new)" >&2; exit 2 ;;
+    *) echo "version_ends: unknown end $end (tf-low, tf-verl, tf-mid, tf-new, torch-high, torch-new)" >&2; exit 2 ;;
   esac
   pipenv=()
   # This machine's pip config caps torch at the releases on its disk (torch<=2.14.1, a constraints

@@ -301,6 +301,11 @@ _MIN_TRANSFORMERS = Version("5.15.0")
 _FIRST_UNTESTED = Version("5.26.0")
 """The first release the adapter is not tested on (pyproject caps the range there too): refused, as
 5.25 was until the adapter followed its kernels Funcs and its causal_conv1d_forward step."""
+_KERNEL_REPEATS_HEADS = Version("5.23.0")
+"""Before 5.23 the layer repeats query and key up to the value heads (num_v_heads // num_k_heads) before
+the delta rule, whose PyTorch function takes equal head counts; from 5.23 the function repeats them
+itself. The adapter repeats where the installed layer does (Qwen3-Next's real config has 16 key and 32
+value heads): a GPU run on 5.17 found the adapter following only the newer convention."""
 _SPLIT_FOR_STATES = Version("5.25.0")
 """From 5.25 the layer splits q/k/v/beta/g at the tokens whose intermediate states a cache keeps (none
 without a cache) and concatenates the outputs: the same views and copy are taken here, since they change
@@ -468,6 +473,10 @@ def _layer_computation(self, hidden_states, attention_mask, choose, kwargs: dict
     value = value.reshape(bsz, seq_len, -1, self.head_v_dim)
     beta = b.sigmoid()
     g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+    repeats = self.num_v_heads // self.num_k_heads
+    if repeats > 1 and Version(transformers.__version__) < _KERNEL_REPEATS_HEADS:
+        query = query.repeat_interleave(repeats, dim=2)
+        key = key.repeat_interleave(repeats, dim=2)
 
     split = Version(transformers.__version__) >= _SPLIT_FOR_STATES
     if split:  # torch.tensor_split at seq_len: the chunked part is every token, the sequential part empty
