@@ -95,10 +95,12 @@ if want 2; then
 fi
 if want 3; then
   echo "== 3. GPU paths against the reference (pytest's CUDA cases)"
-  timeout "$(left 700)" $PY -m pytest -q -rs -p no:cacheprovider tests/attention/test_merged_attention.py tests/attention/test_varlen.py \
+  # GPU_CHECK_PYTEST replaces the test list (a rerun of what failed, say)
+  tests=${GPU_CHECK_PYTEST:-tests/attention/test_merged_attention.py tests/attention/test_varlen.py \
     tests/attention/test_trie_gpu_paths.py tests/attention/test_flex.py tests/stack/test_precision.py tests/stack/test_auto.py \
-    tests/stack/test_liger.py tests/stack/test_lora.py tests/models/test_families_linear.py tests/models/test_fla_device.py \
-    2>&1 | tee "$RES/pytest.txt" | tail -40
+    tests/stack/test_liger.py tests/stack/test_lora.py tests/models/test_families_linear.py tests/models/test_fla_device.py}
+  # --tb=short: each failure's reason in the log (pytest prints them at the end: give the step its time)
+  timeout "$(left 700)" $PY -m pytest -q -rfEs --tb=short -p no:cacheprovider $tests 2>&1 | tee "$RES/pytest.txt" | tail -60
   snap
 fi
 if want 4; then
