@@ -201,3 +201,18 @@ def test_zorro_env_and_verify_report_it():
     assert right.status == "pass" and right.self_check.startswith("pass: flash_cpu")
     assert on_sdpa.self_check == ""  # CPU sdpa: not run (CI proves it)
     assert broken.status == "fail" and broken.self_check.startswith("fail: flash_cpu")
+
+
+def test_the_checks_weights_follow_the_log_probs_device():
+    """The batch may sit on another device than the model (the actor moves it): the check's token mask
+    and weights follow the log-probs. An H200 run found the mask left on the batch's CPU device
+    (QLoRA with a CPU batch: 'Expected all tensors to be on the same device'); meta stands in for CUDA."""
+    param = torch.nn.Parameter(torch.ones(3, device="meta"))
+    batch = create_dummy_batch(batch_size=2, num_unique_prompts=1, prompt_len=4, response_len=3, vocab_size=16, seed=0)
+
+    class OnMeta:
+        def run_route(self, batch, spec, dedup, temperature):
+            return (param * 2)[None].expand(batch.batch_size, 3)
+
+    lp, grads = self_check._run(OnMeta(), batch, None, True, 1.0, [("p", param)])
+    assert lp.device.type == "meta" and grads[0].device.type == "meta" and grads[0].shape == param.shape

@@ -247,7 +247,8 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 def _run(actor: _Actor, batch: RolloutBatch, spec: RouteSpec, dedup: bool, temperature: float, params):
     lp = actor.run_route(batch, spec, dedup, temperature)
-    mask = batch.response_mask.bool()
+    # the log-probs live on the model's device, the batch may not (the actor moves it; found on an H200)
+    mask = batch.response_mask.to(lp.device).bool()
     if not params:
         return lp.detach(), []
     g = torch.Generator().manual_seed(SEED)
