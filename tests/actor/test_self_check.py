@@ -216,3 +216,42 @@ def test_the_checks_weights_follow_the_log_probs_device():
 
     lp, grads = self_check._run(OnMeta(), batch, None, True, 1.0, [("p", param)])
     assert lp.device.type == "meta" and grads[0].device.type == "meta" and grads[0].shape == param.shape
+
+
+def test_a_kernel_that_raises_here_fails_its_check_and_the_run_falls_back(monkeypatch):
+    """A kernel pair that cannot run on this device (flash-attn 2.7+'s changed calls crashed before
+    #46) fails the check like a wrong one: one warning naming the error, then sdpa split mode, and the
+    call's log-probs and gradients are the float64 reference's."""
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("fwd() takes 21 positional arguments but 24 were given")
+
+    monkeypatch.setattr(CpuFlashPair, "forward", forward)
+    model = _model()
+    batch = _batch(model)
+    weights = token_weights(batch)
+    lp_ref, _, grads_ref = per_sequence(model, batch, weights=weights, entropy=False)
+    actor = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=True)
+    with pytest.warns(SelfCheckWarning) as caught:
+        out = actor.forward_backward(batch, lambda o, rows: (o.log_probs * weights[0][rows]).sum())
+    (message,) = [str(c.message) for c in caught if c.category is SelfCheckWarning]
+    assert "flash_cpu (split mode, sdpa, float64, PromptPlan) raised TypeError: fwd() takes 21" in message
+    assert "Falling back for the rest of the run to split mode on sdpa" in message
+    assert actor.self_check.metric() == 0.0 and actor.self_check.spec.backend == "sdpa"
+    assert max_abs_error(out.log_probs, lp_ref) <= tolerances.LOGPROB_ATOL
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert max_rel_grad_error(grads, grads_ref)[0] <= tolerances.GRAD_RTOL
+
+
+def test_the_plain_computation_raising_is_the_trainers_error(monkeypatch):
+    """Nothing to fall back to after the plain computation: its own error reaches the caller."""
+    model = _model()
+    actor = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=True)
+    monkeypatch.setattr(self_check, "fallback_of", lambda spec, dedup: None)
+
+    def boom(*args, **kwargs):
+        raise ValueError("the plain path broke")
+
+    monkeypatch.setattr(actor, "run_route", boom)
+    with pytest.raises(ValueError, match="the plain path broke"):
+        actor.forward(_batch(model))

@@ -103,9 +103,14 @@ class SelfCheckVerdict:
     """The worst parameter (by error / allowance)."""
     seconds: float
     """This rank's time for the check (the three forward+backward passes of the slice)."""
+    error: str = ""
+    """What the checked path raised on this device ("" when it ran): a kernel that cannot run here
+    fails its check like a wrong one, and the fallback takes over."""
 
     def describe(self) -> str:
         mode, backend, attention, dtype, kind = self.key
+        if self.error:
+            return f"{backend} ({mode} mode, {attention}, {dtype}, {kind}) raised {self.error}"
         return (
             f"{backend} ({mode} mode, {attention}, {dtype}, {kind}) against the plain computation: "
             f"log-prob error {self.logprob_error:.3g} (allowed {self.logprob_allowed:.3g}), gradient error "
@@ -273,8 +278,16 @@ def check(
     with torch.inference_mode(False), torch.enable_grad(), _eval_mode(actor.model):
         part = slice_of(batch)
         params = _vectors(actor.model)
-        mask = part.response_mask.bool()
-        lp, grads = _run(actor, part, spec, dedup, temperature, params)
+        try:
+            lp, grads = _run(actor, part, spec, dedup, temperature, params)
+        except torch.OutOfMemoryError:
+            raise  # the device's memory, not the path: the fallback would meet it too
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot run here (its signature, this GPU) fails the check
+            if fallback_of(spec, dedup) is None:
+                raise  # the plain computation itself: nothing to fall back to, the trainer sees its error
+            seconds = time.perf_counter() - start
+            return SelfCheckVerdict(key, False, math.inf, 0.0, math.inf, 0.0, "", seconds, f"{type(e).__name__}: {e}")
+        mask = part.response_mask.to(lp.device).bool()
         lp_ref, grads_ref = _run(
             actor, part, RouteSpec("split", "reference", spec.attention), False, temperature, params
         )
