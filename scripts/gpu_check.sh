@@ -113,6 +113,7 @@ if want 5; then
   # flash-attn is a compiled extension the device image may lack: then the sdpa suite (PyTorch's
   # varlen attention) times the same shapes instead of a suite whose every row would be skipped.
   SUITE=gpu; $PY -c "import flash_attn" 2>/dev/null || SUITE=gpu_sdpa
+  SUITE=${GPU_SUITE:-$SUITE}  # gpu_quick: one case, for a short lease
   timeout "$(left 900)" $PY -m zorro_cli.main bench sweep suites/$SUITE.toml --out "$RES/$SUITE.csv" --repeats "${SUITE_REPEATS:-5}" \
     --warmup "${SUITE_WARMUP:-2}" ${SUITE_FILTER:+-k "$SUITE_FILTER"} 2>&1 | tail -30
   $PY -m zorro_cli.main report "$RES/$SUITE.csv" --markdown > "$RES/$SUITE.md" 2>&1; cat "$RES/$SUITE.md" | head -40
