@@ -497,3 +497,44 @@ def test_dynamic_batching_two_ranks_keep_openrlhf_counts():
     for r in out:
         assert_whole(r["parts"], "micro-batches")
     assert out[0]["status"] == out[1]["status"] and out[0]["status"]["zorro/batching_dedup"] == 4.0
+
+
+def test_a_model_that_falls_back_whole_gets_openrlhf_batching(ckpt, no_cuda, gloo):
+    """An MoE model (output_router_logits) falls back to OpenRLHF's forward on every call, which computes
+    every row whole: its micro-batches are OpenRLHF's own, sized by those tokens, not zorro's (sized by
+    zorro's counts they would exceed max_tokens_per_gpu). Log-prob calls, fixed and dynamic training."""
+    actor = make_actor(zo.DedupActor, ckpt)
+    assert zo.whole_model_fallback(actor) is None
+    actor.model.config.output_router_logits = True
+    why = zo.whole_model_fallback(actor)
+    assert why is not None and "MoE" in why
+    assert zo.whole_model_fallback(ns(module=actor)) == why  # under DeepSpeed: the engine's module
+
+    zb.BATCHING.report()
+    args = config(1, True, 16)
+    with pytest.warns(DedupFallbackWarning, match="the policy model: MoE"):
+        assert zb.split_rollout_samples(rollout(4, 4, seed=2), args, 0, plain_reason=f"the policy model: {why}") is None
+
+    fixed = zb.GroupedReplayBuffer(8, 0, True, False, False)
+    fixed.append(Experience.concat_experiences(rollout(4, 4, seed=2), 0))
+    zo.plain_buffer(fixed, actor, "policy")
+    assert fixed.plain_reason == f"the policy model: {why}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DedupFallbackWarning)
+        assert fixed.sample_batch_size == 8 and len(fixed) == 16  # OpenRLHF's row shuffle serves
+
+    samples = rollout(8, 4, seed=5)
+    dyn_args = dynamic_args(len(samples))
+    ours, theirs = zb.GroupedReplayBuffer(4, 0, True, False, True), NaiveReplayBuffer(4, 0, True, False, True)
+    ours.plain_reason = f"the critic model: {why}"
+    no_cuda()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DedupFallbackWarning)
+        for b in (ours, theirs):
+            b.append(Experience.concat_experiences(rollout(8, 4, seed=5), 0))
+            b.setup_dynamic_batch(Strategy(dyn_args))
+    assert ours.dynamic_indices == theirs.dynamic_indices  # OpenRLHF's partition, by the tokens it computes
+    assert ours.dynamic_sample_loss_scale == theirs.dynamic_sample_loss_scale
+    assert ours.dynamic_optimizer_step == theirs.dynamic_optimizer_step
+    report = zb.BATCHING.report()
+    assert report["dedup"] == 0 and report["fallback"] >= 3

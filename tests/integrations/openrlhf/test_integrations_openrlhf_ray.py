@@ -96,19 +96,20 @@ def test_hook_alone_gives_dedup_actor_in_every_worker(ckpt, vllm_importable):
         from zorro_core.integrations.openrlhf.actor import check_served
 
         dedup = "zorro_core.integrations.openrlhf.actor.DedupActor"
-        assert model_class(ref, "model") == (dedup, True)  # built by OpenRLHF's own init_model_from_pretrained
-        assert model_class(policy, "actor") == (dedup, True)
+        assert model_class(ref, "model") == (dedup, True, None)  # built by OpenRLHF's own init_model_from_pretrained
+        assert model_class(policy, "actor") == (dedup, True, None)
         seen = ray.get(policy._actor_handlers[0].__ray_call__.remote(openrlhf_ray.names_seen))
         assert seen == {"Actor": dedup, "ActorPPOTrainer": "zorro_core.integrations.openrlhf.actor.ActorPPOTrainer"}
         seen = ray.get(critic._actor_handlers[0].__ray_call__.remote(openrlhf_ray.names_seen))
         assert seen == {
             "get_llm_for_sequence_regression": "zorro_core.integrations.openrlhf.critic.critic_builder.<locals>.build"
         }
-        name, served = model_class(critic, "critic")
-        assert served and name.startswith("zorro_core.integrations.openrlhf.critic.")
-        check_served(policy, "actor", "policy")  # the first-call check passes
-        check_served(ref, "model", "reference")
-        check_served(critic, "critic", "critic")
+        name, served, whole = model_class(critic, "critic")
+        assert whole is None and served and name.startswith("zorro_core.integrations.openrlhf.critic.")
+        # the first-call check passes; a dense model's calls are served, so zorro's batching sizes them
+        assert check_served(policy, "actor", "policy") is None
+        assert check_served(ref, "model", "reference") is None
+        assert check_served(critic, "critic", "critic") is None
         assert launcher.Actor is Actor  # the driver itself was never touched: the hook alone did it
     finally:
         ray.shutdown()
@@ -120,7 +121,7 @@ def test_without_the_hook_the_first_call_check_refuses(ckpt, vllm_importable):
     try:
         from zorro_core.integrations.openrlhf.actor import check_served
 
-        assert model_class(ref, "model") == ("openrlhf.models.actor.Actor", False)
+        assert model_class(ref, "model") == ("openrlhf.models.actor.Actor", False, None)
         with pytest.raises(
             RuntimeError, match=r"reference model actors hold openrlhf\.models\.actor\.Actor, not a model zorro serves"
         ):

@@ -313,6 +313,7 @@ def install() -> None:
 
     ppo_critic = importlib.import_module("openrlhf.trainer.ray.ppo_critic")
     _rebind(ppo_critic, "NaiveReplayBuffer", batching.NaiveReplayBuffer, batching.GroupedReplayBuffer)
+    _rebind(ppo_critic, "CriticPPOTrainer", None, critic_trainer(ppo_critic.CriticPPOTrainer))
     models = importlib.import_module("openrlhf.models.model")
     build = critic.critic_builder(models.get_llm_for_sequence_regression)
     _rebind(ppo_critic, "get_llm_for_sequence_regression", critic.OPENRLHF_BUILDER, build)
@@ -339,6 +340,32 @@ def _rebind(module: Any, name: str, original: Any, replacement: Any) -> None:
 _SUBCLASSES: dict[tuple[str, type], type] = {}
 
 
+def plain_buffer(buffer: Any, model: Any, role: str) -> None:
+    """Tell zorro's replay buffer (`batching.GroupedReplayBuffer`) of a trainer whose `model`'s calls all
+    fall back: its training micro-batches are then OpenRLHF's own (sized by the tokens OpenRLHF computes)."""
+    if hasattr(buffer, "plain_reason"):
+        why = whole_model_fallback(model)
+        buffer.plain_reason = f"the {role} model: {why}" if why else None
+
+
+def critic_trainer(base: type) -> type:
+    """`CriticPPOTrainer` (OpenRLHF's, `base`) whose `ppo_train` tells its replay buffer when the critic's
+    calls all fall back (`plain_buffer`)."""
+    if getattr(base, "_zorro_plain_aware", False):
+        return base
+    key = ("critic", base)
+    if key not in _SUBCLASSES:
+
+        def ppo_train(self: Any, *args: Any, **kwargs: Any) -> Any:
+            plain_buffer(getattr(self, "replay_buffer", None), self.critic, "critic")
+            return base.ppo_train(self, *args, **kwargs)  # type: ignore[attr-defined]
+
+        _SUBCLASSES[key] = type(
+            base.__name__, (base,), {"ppo_train": ppo_train, "_zorro_plain_aware": True, "__module__": __name__}
+        )
+    return _SUBCLASSES[key]
+
+
 def status_trainer(base: type) -> type:
     """`ActorPPOTrainer` (OpenRLHF's, `base`) whose `ppo_train` status carries zorro's entries."""
     if getattr(base, "_zorro_status", False):
@@ -351,6 +378,7 @@ def status_trainer(base: type) -> type:
         def ppo_train(self: Any, kl_ctl: float) -> dict:
             # Before OpenRLHF's ppo_train: zorro's replay buffer sizes its micro-batches by zorro's tokens.
             check_model(self.actor, "the policy's trainer (ActorPPOTrainer.actor)")
+            plain_buffer(getattr(self, "replay_buffer", None), self.actor, "policy")
             status = base.ppo_train(self, kl_ctl)  # type: ignore[attr-defined]
             stats = self.actor.zorro_stats.take()
             group = self.strategy.ds_device_mesh["dp"].get_group() if hasattr(self.strategy, "ds_device_mesh") else None
@@ -373,13 +401,17 @@ def grouped_experience_maker(base: type) -> type:
 
         def split_rollout_samples(self: Any, rollout_samples: list) -> list:
             if not getattr(self, "_zorro_checked", False):  # once: one Ray call per model actor
-                check_served(self.actor_model_group, "actor", "policy")
+                reasons = [check_served(self.actor_model_group, "actor", "policy")]
                 if self.initial_model_group is not None:
-                    check_served(self.initial_model_group, "model", "reference")
+                    reasons.append(check_served(self.initial_model_group, "model", "reference"))
                 if self.critic_model_group is not None:
-                    check_served(self.critic_model_group, "critic", "critic")
+                    reasons.append(check_served(self.critic_model_group, "critic", "critic"))
+                # a model whose calls all fall back computes every row whole: OpenRLHF's batching sizes them
+                self._zorro_plain = next((r for r in reasons if r), None)
                 self._zorro_checked = True
-            ours = openrlhf_batching.split_rollout_samples(rollout_samples, self.args, self.tokenizer.pad_token_id)
+            ours = openrlhf_batching.split_rollout_samples(
+                rollout_samples, self.args, self.tokenizer.pad_token_id, plain_reason=self._zorro_plain
+            )
             return base.split_rollout_samples(self, rollout_samples) if ours is None else ours  # type: ignore[attr-defined]
 
         _SUBCLASSES[key] = type(
@@ -397,6 +429,18 @@ _NOT_SERVED = (
 )
 
 
+def whole_model_fallback(model: Any) -> Optional[str]:
+    """Why every call of `model` (a DedupActor, a served critic, under DeepSpeed the engine) falls back to
+    OpenRLHF's own forward, or None. Its micro-batches must then be sized by the tokens OpenRLHF computes
+    (each row whole), not by zorro's: OpenRLHF's batching forms them (`batching`'s `plain_reason`)."""
+    inner = getattr(model, "module", model)
+    base = getattr(inner, "model", inner) if isinstance(inner, DedupActor) else inner
+    config = getattr(getattr(base, "module", base), "config", None)
+    if getattr(config, "output_router_logits", False):
+        return "MoE models (output_router_logits: the router aux loss in OpenRLHF's output) fall back to OpenRLHF's forward"
+    return None
+
+
 def _served(model: Any) -> bool:
     """A DedupActor, or a critic zorro serves (`critic.serve_critic`; under DeepSpeed, the engine's module)."""
     if isinstance(model, DedupActor):
@@ -411,19 +455,20 @@ def check_model(model: Any, where: str) -> None:
         raise RuntimeError(f"{where} is {kind.__module__}.{kind.__qualname__}, not zorro's DedupActor: {_NOT_SERVED}")
 
 
-def _model_type(worker: Any, attribute: str) -> tuple[str, bool]:
+def _model_type(worker: Any, attribute: str) -> tuple[str, bool, Optional[str]]:
     """In a Ray model actor (through `__ray_call__`): its model's class name (under DeepSpeed, the engine's
-    module's), and whether zorro serves it."""
+    module's), whether zorro serves it, and why all its calls fall back (`whole_model_fallback`) or None."""
     model = getattr(worker, attribute, None)
     kind = type(getattr(model, "module", model)) if not isinstance(model, DedupActor) else type(model)
-    return f"{kind.__module__}.{kind.__qualname__}", _served(model)
+    return f"{kind.__module__}.{kind.__qualname__}", _served(model), whole_model_fallback(model)
 
 
-def check_served(group: Any, attribute: str, role: str) -> None:
+def check_served(group: Any, attribute: str, role: str) -> Optional[str]:
     """Raise RuntimeError unless every Ray actor of OpenRLHF's `RayActorGroup` `group` holds a model zorro
     serves in `attribute` (`PolicyModelActor.actor`, `ReferenceModelActor.model`: a `DedupActor`;
     `CriticModelActor.critic`: a served critic); `role` names it. One Ray call
-    (`__ray_call__`, run in the actor's process) per actor."""
+    (`__ray_call__`, run in the actor's process) per actor. Returns why the model's calls all fall
+    back (`whole_model_fallback`, naming `role`), or None."""
     import ray
 
     handles = getattr(group, "_actor_handlers", None)
@@ -433,9 +478,11 @@ def check_served(group: Any, attribute: str, role: str) -> None:
             f"(tested: OpenRLHF {' or '.join(TESTED_OPENRLHF)})"
         )
     found = ray.get([h.__ray_call__.remote(_model_type, attribute) for h in handles])
-    plain = sorted({name for name, ours in found if not ours})
+    plain = sorted({name for name, ours, _ in found if not ours})
     if plain:
         raise RuntimeError(
             f"the {role} model actors hold {', '.join(plain)}, not a model zorro serves "
-            f"({sum(not ours for _, ours in found)} of {len(found)}): {_NOT_SERVED}"
+            f"({sum(not ours for _, ours, _ in found)} of {len(found)}): {_NOT_SERVED}"
         )
+    reasons = sorted({why for _, _, why in found if why})
+    return f"the {role} model: {reasons[0]}" if reasons else None

@@ -262,10 +262,12 @@ def rollout_micro_batches(work: GroupedLengths, args: Any) -> list[list[int]]:
 
 
 def split_rollout_samples(
-    rollout_samples: list[Experience], args: Any, pad_token_id: int
+    rollout_samples: list[Experience], args: Any, pad_token_id: int, plain_reason: Optional[str] = None
 ) -> Optional[list[Experience]]:
     """`RemoteExperienceMaker.split_rollout_samples` with whole groups per rank and micro-batch, or None
-    (the reason warned) where zorro cannot plan: the caller then runs OpenRLHF's own method.
+    (the reason warned) where zorro cannot plan, or `plain_reason` says a model the calls go to falls
+    back whole (its micro-batches must fit the tokens OpenRLHF computes): the caller then runs
+    OpenRLHF's own method.
 
     Sets `index` as OpenRLHF does (the sample's place in the rollout, which its advantage code
     sorts rewards back by); returns concatenated micro-batches in rank order.
@@ -273,6 +275,8 @@ def split_rollout_samples(
     for i, sample in enumerate(rollout_samples):
         sample.index = [i]
     try:
+        if plain_reason:
+            raise _Refused(plain_reason)
         micro = rollout_micro_batches(grouped_lengths(rollout_samples), args)
     except _Refused as e:
         BATCHING.fallback.fall_back(str(e))
@@ -333,6 +337,9 @@ class GroupedReplayBuffer(NaiveReplayBuffer):
         self.micro_batch_rows = sample_batch_size
         self.zorro_micro_batches: list[list[int]] = []
         """The rows (indices into `items`) of each training micro-batch of the last plan."""
+        self.plain_reason: Optional[str] = None
+        """Why the trainer's model computes every row whole (set by its `ppo_train`, actor.plain_buffer):
+        then OpenRLHF's own batching forms the micro-batches, sized by the tokens it computes."""
 
     @property
     def sample_batch_size(self) -> int:
@@ -371,6 +378,8 @@ class GroupedReplayBuffer(NaiveReplayBuffer):
         if not self.items:
             return None
         try:
+            if self.plain_reason:
+                raise _Refused(self.plain_reason)
             work = grouped_lengths(self.items)
         except _Refused as e:
             BATCHING.fallback.fall_back(str(e))
@@ -409,6 +418,10 @@ class GroupedReplayBuffer(NaiveReplayBuffer):
         `train.max_tokens_per_gpu` (tokens it computes), the maximum over the DP ranks, as OpenRLHF
         all-reduces its own count (every rank runs as many backward passes)."""
         args = strategy.args
+        if self.plain_reason:  # the model computes every row whole: OpenRLHF's batching as it is
+            BATCHING.fallback.fall_back(self.plain_reason)
+            super().setup_dynamic_batch(strategy)
+            return
         work: Optional[GroupedLengths] = None
         try:
             _refuse_ring(args)
