@@ -172,9 +172,7 @@ def setup(args: argparse.Namespace, cases: list[Case]) -> dict[str, Any]:
         "update_critic": (critic_plain.forward_backward, critic_dedup.forward_backward),
         "update_actor": (actor_plain.forward_backward, actor_dedup.forward_backward),
     }
-    ideal = {
-        name: sum(cost[p][0] for p in parts) / sum(cost[p][1] for p in parts) for name, parts in PARTS.items()
-    }
+    ideal = {name: sum(cost[p][0] for p in parts) / sum(cost[p][1] for p in parts) for name, parts in PARTS.items()}
     return {"engines": engines, "padded": padded, "rows": rows, "losses": losses, "ideal": ideal}
 
 

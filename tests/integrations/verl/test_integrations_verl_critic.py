@@ -414,3 +414,59 @@ def test_other_engines_micro_batch_with_verls_own_during_a_zorro_call(monkeypatc
             assert transformer_impl.prepare_micro_batches("other rows") == ("zorro", "other rows")
         assert transformer_impl.prepare_micro_batches("actor rows") == ("zorro", "actor rows")
     assert transformer_impl.prepare_micro_batches is verls
+
+
+def test_zorro_sync_gives_the_critic_the_actors_external_lib():
+    from omegaconf import OmegaConf, open_dict
+
+    from zorro_core.integrations.verl.trainer import share_external_lib
+
+    lib = "zorro_core.integrations.verl.engine"
+    config = OmegaConf.create({"actor_rollout_ref": {"model": {"external_lib": lib}}, "critic": {"model": {}}})
+    OmegaConf.set_struct(config, True)
+    with open_dict(config):
+        share_external_lib(config)
+    assert config.critic.model.external_lib == lib
+    # a critic naming its own module keeps it
+    config = OmegaConf.create(
+        {"actor_rollout_ref": {"model": {"external_lib": lib}}, "critic": {"model": {"external_lib": "mine"}}}
+    )
+    share_external_lib(config)
+    assert config.critic.model.external_lib == "mine"
+    # no critic, no actor module: nothing changes
+    config = OmegaConf.create({"actor_rollout_ref": {"model": {"external_lib": None}}, "critic": {"model": {}}})
+    share_external_lib(config)
+    assert config.critic.model.get("external_lib") is None
+
+
+def test_zorro_sync_runs_the_critic_with_a_worker_that_imports_its_external_lib(monkeypatch, tmp_path):
+    """verl's critic TrainingWorker builds its engine in its constructor, from a model config made in the driver:
+    zorro's worker imports the config's external_lib first, so the engine registered by it is the one built."""
+    import sys
+
+    from verl.trainer.ppo.utils import Role
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+    from verl.workers.engine_workers import TrainingWorker
+
+    from zorro_core.integrations.verl.critic_worker import DedupCriticWorker
+    from zorro_core.integrations.verl.trainer import DedupPPOTrainerSync
+
+    module = tmp_path / "zorro_critic_probe_lib.py"
+    module.write_text("IMPORTED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    monkeypatch.setattr(
+        TrainingWorker, "__init__", lambda self, config: seen.append("zorro_critic_probe_lib" in sys.modules)
+    )
+    config = types.SimpleNamespace(model_config=types.SimpleNamespace(external_lib=["zorro_critic_probe_lib"]))
+    DedupCriticWorker(config)
+    assert seen == [True]
+
+    def verls(self):
+        self.role_worker_mapping = {Role.Critic: "verl's TrainingWorker", Role.ActorRollout: "actor"}
+
+    monkeypatch.setattr(PPOTrainerSync, "_init_resource_pool_mgr", verls)
+    trainer = object.__new__(DedupPPOTrainerSync)
+    trainer._init_resource_pool_mgr()
+    assert trainer.role_worker_mapping[Role.ActorRollout] == "actor"
+    assert trainer.role_worker_mapping[Role.Critic].__ray_actor_class__ is DedupCriticWorker

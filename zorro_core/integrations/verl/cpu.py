@@ -341,7 +341,7 @@ def _value_model_attention() -> None:
     marked: Any = load_valuehead_model
     marked._zorro_cpu = True
     marked._zorro_original = original
-    utils.load_valuehead_model = marked
+    setattr(utils, "load_valuehead_model", marked)  # noqa: B010 -- a module attribute verl looks up per call
 
 
 def needed() -> dict[str, bool]:

@@ -30,9 +30,7 @@ from zorro_core.integrations.core import require_parameters
 
 __all__ = ["DedupCriticWorker"]
 
-require_parameters(
-    TrainingWorker.__init__, ("self", "config"), f"verl {verl.__version__}", "verl 0.9.1", __name__
-)
+require_parameters(TrainingWorker.__init__, ("self", "config"), f"verl {verl.__version__}", "verl 0.9.1", __name__)
 
 
 class DedupCriticWorker(TrainingWorker):

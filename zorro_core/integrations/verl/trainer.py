@@ -40,8 +40,8 @@ from typing import Any, Optional
 import zorro_core.integrations.verl.needs  # noqa: F401 -- first: refuses a missing or too old verl
 
 # isort: split
-import verl
 import ray
+import verl
 from omegaconf import OmegaConf, open_dict
 from verl.single_controller.base.worker import Worker
 from verl.single_controller.base.worker_group import WorkerGroup
