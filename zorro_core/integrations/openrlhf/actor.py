@@ -379,7 +379,13 @@ def grouped_experience_maker(base: type) -> type:
                 if self.critic_model_group is not None:
                     check_served(self.critic_model_group, "critic", "critic")
                 self._zorro_checked = True
-            ours = openrlhf_batching.split_rollout_samples(rollout_samples, self.args, self.tokenizer.pad_token_id)
+            # OpenRLHF's experience maker runs its reward model on these micro-batches when no reward is given.
+            reward = getattr(self, "reward_model_group", None) is not None and any(
+                getattr(s, "rewards", None) is None for s in rollout_samples
+            )
+            ours = openrlhf_batching.split_rollout_samples(
+                rollout_samples, self.args, self.tokenizer.pad_token_id, reward_in_trainer=reward
+            )
             return base.split_rollout_samples(self, rollout_samples) if ours is None else ours  # type: ignore[attr-defined]
 
         _SUBCLASSES[key] = type(
