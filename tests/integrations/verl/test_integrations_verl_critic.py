@@ -347,15 +347,17 @@ def test_fallback_runs_verls_critic_with_one_warning_and_verls_micro_batches(cri
 
 
 def test_registry_picks_zorros_critic_engine():
-    """Importing zorro's verl engine (the `external_lib` line) registers the critic engine beside the actor's."""
+    """zorro's critic module registers the critic engine under the key the actor's engine takes."""
     from zorro_core.integrations.verl.cpu import use_cpu_platform
 
     use_cpu_platform()
     from verl.workers.engine import EngineRegistry
 
-    from zorro_core.integrations.verl.critic import DedupValueEngine
-    from zorro_core.integrations.verl.engine import DedupFSDPEngine, install
+    from zorro_core.integrations.verl.critic import DedupValueEngine, install
+    from zorro_core.integrations.verl.engine import DedupFSDPEngine
+    from zorro_core.integrations.verl.engine import install as install_actor
 
+    install_actor()
     install()
     for backend in ("fsdp", "fsdp2"):
         assert EngineRegistry.get_engine_cls("value_model", backend) is DedupValueEngine
@@ -448,19 +450,28 @@ def test_zorro_sync_runs_the_critic_with_a_worker_that_imports_its_external_lib(
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
     from verl.workers.engine_workers import TrainingWorker
 
+    from zorro_core.integrations.verl import critic_worker
     from zorro_core.integrations.verl.critic_worker import DedupCriticWorker
     from zorro_core.integrations.verl.trainer import DedupPPOTrainerSync
 
-    module = tmp_path / "zorro_critic_probe_lib.py"
-    module.write_text("IMPORTED = True\n")
+    (tmp_path / "zorro_critic_probe_lib.py").write_text("IMPORTED = True\n")
+    (tmp_path / "zorro_critic_probe_engine.py").write_text("IMPORTED = True\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(critic_worker, "ENGINE", "zorro_critic_probe_engine")  # stands for zorro's engine
     seen = []
+    monkeypatch.setattr(critic_worker, "register_critic_engine", lambda: seen.append("critic engine"))
     monkeypatch.setattr(
-        TrainingWorker, "__init__", lambda self, config: seen.append("zorro_critic_probe_lib" in sys.modules)
+        TrainingWorker, "__init__", lambda self, config: seen.append(("verl builds", sorted(set(sys.modules) & names)))
     )
+    names = {"zorro_critic_probe_lib", "zorro_critic_probe_engine"}
     config = types.SimpleNamespace(model_config=types.SimpleNamespace(external_lib=["zorro_critic_probe_lib"]))
     DedupCriticWorker(config)
-    assert seen == [True]
+    assert seen == [("verl builds", ["zorro_critic_probe_lib"])]  # zorro not named: the critic stays verl's
+    seen.clear()
+    config.model_config.external_lib = "zorro_critic_probe_engine"
+    DedupCriticWorker(config)
+    # zorro's engine named: its critic engine registered before verl builds the critic's engine
+    assert seen == ["critic engine", ("verl builds", sorted(names))]
 
     def verls(self):
         self.role_worker_mapping = {Role.Critic: "verl's TrainingWorker", Role.ActorRollout: "actor"}

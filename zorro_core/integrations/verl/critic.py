@@ -29,12 +29,14 @@ parallelism, and `install(zorro_config=...)` by a module the critic's `critic.mo
 name (set it to that module). These refusals are raised where the actor is built, which the micro-batching
 asks first, so a pass they refuse is micro-batched by verl's own function.
 
-Turning it on: importing `zorro_core.integrations.verl.engine` registers this engine beside the actor's
-(`install`), under the same (device, vendor) key. verl builds its engines in the worker process after the
-actor's `HFModelConfig` imported `actor_rollout_ref.model.external_lib`; with verl's default placement
-(actor, reference and critic in one resource pool, hence one process per GPU) the critic is served by the
-same line that turns zorro on for the actor. A critic placed in a process of its own gets verl's engine
-(verl does not re-import `critic.model.external_lib` in the worker).
+Turning it on: importing this module registers `DedupValueEngine` for `value_model` (`install`), under the
+(device, vendor) key the actor's engine takes. verl's critic worker builds its engine in its constructor,
+before the actor's worker imports `actor_rollout_ref.model.external_lib`, and never imports
+`critic.model.external_lib` itself; zorro's sync trainer (`trainer.v1.trainer_mode=zorro_sync`) runs the
+critic with `critic_worker.DedupCriticWorker`, which imports the critic's `external_lib` (the actor's, when
+it names none) and, when that imported zorro's engine, this module. So the README's two lines serve the
+critic too. Without `zorro_sync` the critic is verl's (name this module in a process's imports to register
+it yourself).
 """
 
 from __future__ import annotations

@@ -379,8 +379,8 @@ def config_for(external_lib: Any) -> ActorConfig:
 def install(
     zorro_config: Optional[ActorConfig] = None, device: Any = None, vendor: Any = None, module: Optional[str] = None
 ) -> type:
-    """Register `DedupFSDPEngine` for language models and `critic.DedupValueEngine` for value models (verl's
-    critic) on fsdp/fsdp2 (idempotent); with `zorro_config`,
+    """Register `DedupFSDPEngine` for language models on fsdp/fsdp2 (idempotent; verl's critic:
+    `zorro_core.integrations.verl.critic`); with `zorro_config`,
     the actor options of every engine whose model config names `module` in `external_lib`.
 
     `module` defaults to the module calling `install`: the one to name in
@@ -399,12 +399,6 @@ def install(
             raise ValueError("install(zorro_config=...) needs the name of the external_lib module (module=...)")
         _INSTALLED[canonical(module)] = zorro_config
     register_engine(DedupFSDPEngine, "language_model", device, vendor)
-    # verl's critic (value_model) is served by the same import. The critic module imports this one: when it
-    # is the module being imported, it is partial here and registers itself when it ends.
-    from zorro_core.integrations.verl import critic
-
-    if hasattr(critic, "install"):
-        critic.install(device, vendor)
     return DedupFSDPEngine
 
 
