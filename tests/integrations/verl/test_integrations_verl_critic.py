@@ -346,6 +346,43 @@ def test_fallback_runs_verls_critic_with_one_warning_and_verls_micro_batches(cri
     assert r["max_tokens"] <= BUDGET and r["sizes"][0] == r["sizes"][1], r
 
 
+def two_rank_case(path: str, seed: int) -> dict:
+    """Run on each of 2 gloo ranks (FSDP2 shards every parameter, the value head's too): each rank its own rows
+    (every second one, groups split across the ranks), zorro's critic vs verl's, training and inference."""
+    import torch.distributed as dist
+
+    prompts, responses = groups(seed)
+    padded = _batch(prompts, responses, seed)
+    rows = torch.arange(dist.get_rank(), len(prompts), dist.get_world_size())
+    from verl.utils import tensordict_utils as tu
+
+    mine = tu.index_select_tensor_dict(padded, rows)
+    mask = mine["response_mask"].bool()
+    verl_engine, zorro_engine = _engines(path, True)
+    out = {}
+    for train in (False, True):
+        meta = {"use_dynamic_bsz": True, "max_token_len_per_gpu": BUDGET, "use_remove_padding": True}
+        ref = _run(verl_engine, mine, train, global_batch_size=len(prompts), **dict(meta))
+        ours = _run(zorro_engine, mine, train, global_batch_size=len(prompts), **dict(meta))
+        out[f"train={train}"] = {**_errors(ours, ref, mask), "served": [s.served for s in ours["stats"]]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(saved_critic):
+    return launch(two_rank_case, 2, saved_critic, 3, timeout_s=400)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+def test_two_ranks_equal_verls_critic(two_ranks, train):
+    for r in two_ranks:
+        r = r[f"train={train}"]
+        assert r["served"] and all(r["served"]), r
+        assert r["values"] <= VALUE_TOL, r
+        if train:
+            assert r["n_grads"] > 20 and r["grad"] <= GRAD_TOL and r["head_grads"] == ["score.bias", "score.weight"], r
+
+
 def test_registry_picks_zorros_critic_engine():
     """zorro's critic module registers the critic engine under the key the actor's engine takes."""
     from zorro_core.integrations.verl.cpu import use_cpu_platform
