@@ -17,15 +17,21 @@ verl's sync mode). Later steps generate afresh, after verl synced each arm's upd
 vLLM. Actor and reference run in float32, so that step 1 can be compared within float32's
 tolerance; metrics come from verl's file logger (one JSON line per step).
 
-With --check it asserts: both arms finish every step; zorro's `actor/zorro/*` metrics say every
-micro-batch was served with the prompt dedup the batch allows; step 1 agrees on the old
-log-probs (verl's entropy of that pass and its rollout-vs-actor log-prob statistics), the
-advantages, the actor's loss and grad_norm. --csv writes each arm's per-step timings.
+With --critic the job is PPO with a critic (`algorithm.adv_estimator=gae`): verl's critic worker
+(`critic.*`, a `Qwen3ForTokenClassification` of the same shape, saved with a fixed value head so
+that both arms start from the same critic) computes the values for GAE and is updated each step;
+zorro serves it through the same two lines (zorro_core.integrations.verl.critic).
+
+With --check it asserts: both arms finish every step; zorro's `actor/zorro/*` metrics (and with
+--critic `critic/zorro/*`) say every micro-batch was served with the prompt dedup the batch
+allows; step 1 agrees on the old log-probs (verl's entropy of that pass and its rollout-vs-actor
+log-prob statistics), the advantages, the actor's loss and grad_norm (and with --critic the
+critic's values, returns and value loss). --csv writes each arm's per-step timings.
 
 The CPU platform (zorro_core.integrations.verl.cpu and cpu_vllm) is loaded in every Ray
 process through verl's VERL_USE_EXTERNAL_MODULES (`CPU_ENV`); it is for CPU runs only.
 
-    python examples/verl/cpu_e2e.py [--steps 2] [--prompts 4] [--n 4] [--check] [--csv results/verl_e2e.csv]
+    python examples/verl/cpu_e2e.py [--steps 2] [--prompts 4] [--n 4] [--critic] [--check] [--csv results/verl_e2e.csv]
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ ZORRO_LINES = [
     "trainer.v1.trainer_mode=zorro_sync",
 ]
 """The README's two lines: zorro's engine for the actor and the reference, zorro's balance."""
-PHASES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
+PHASES = ("gen", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights", "step")
 """verl's per-step timers (`timing_s/<phase>`) written to the CSV."""
 COMPARED = (
     "actor/entropy",
@@ -66,6 +72,8 @@ COMPARED = (
     "actor/grad_norm",
 )
 """Step-1 metrics both arms must agree on (same weights, same rollout)."""
+CRITIC_COMPARED = ("critic/values/mean", "critic/returns/mean", "critic/vf_loss", "critic/grad_norm")
+"""More step-1 metrics both arms must agree on with --critic."""
 WORK_MARK = ".zorro_verl_cpu_e2e"
 """The file this script leaves in the --work folder it makes: only such a folder is ever emptied."""
 CSV_OWNER = "examples/verl/cpu_e2e.py"
@@ -131,6 +139,23 @@ def build_model(out: Path, seed: int = 0) -> tuple[Path, int]:
     return out, config.vocab_size
 
 
+def build_critic(out: Path, model: Path, seed: int = 1) -> Path:
+    """verl's critic for the tiny Qwen3: `Qwen3ForTokenClassification` (one label) of the same config, its
+    value head drawn here (verl would draw it at load, differently in each arm), with the tokenizer."""
+    import torch
+    from transformers import AutoConfig, Qwen3ForTokenClassification
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in TOKENIZER.iterdir():
+        shutil.copy(f, out / f.name)
+    config = AutoConfig.from_pretrained(model)
+    config.num_labels = 1
+    config.architectures = ["Qwen3ForTokenClassification"]
+    torch.manual_seed(seed)
+    Qwen3ForTokenClassification(config).save_pretrained(out)
+    return out
+
+
 FILLER = "check every step and say which rule you apply then add the digits and carry".split()
 
 
@@ -164,12 +189,28 @@ def make_dataset(out: Path, rows: int, seed: int = 0, system_words: int = 0) -> 
     return train, val
 
 
+def critic_args(args: argparse.Namespace, critic: Path) -> list[str]:
+    """verl's critic for GAE, float32, colocated with the actor as verl places it by default."""
+    fp32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
+    return [
+        f"critic.model.path={critic}",
+        "critic.model.use_remove_padding=True",
+        "+critic.model.override_config.attn_implementation=sdpa",  # no flash-attn on CPU
+        "critic.strategy=fsdp2",
+        "critic.fsdp.strategy=fsdp2",
+        "critic.fsdp.use_torch_compile=False",
+        f"+critic.fsdp.mixed_precision={fp32}",
+        f"critic.ppo_micro_batch_size_per_gpu={args.micro_batch}",
+        "critic.optim.lr=1e-4",
+    ]
+
+
 def common_args(args: argparse.Namespace, model: Path, train: Path, val: Path, cache: Path) -> list[str]:
-    """verl's GRPO on one CPU "GPU" slot: actor, reference and vLLM colocated, float32 actor/reference."""
+    """verl's GRPO (--critic: GAE) on one CPU "GPU" slot: actor, reference and vLLM colocated, float32."""
     fp32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
     prompt_len = args.prompt_length
     return [
-        "algorithm.adv_estimator=grpo",
+        f"algorithm.adv_estimator={'gae' if args.critic else 'grpo'}",  # gae: with critic_args
         f"data.train_files={train}",
         f"data.val_files={val}",
         f"data.train_batch_size={args.prompts}",
@@ -221,7 +262,7 @@ def common_args(args: argparse.Namespace, model: Path, train: Path, val: Path, c
         "trainer.save_freq=-1",
         "trainer.logger=[console,file]",
         "trainer.project_name=zorro_cpu_e2e",
-        "trainer.experiment_name=grpo",
+        f"trainer.experiment_name={'gae' if args.critic else 'grpo'}",
         "skip.rollout_tq.enable=True",
         f"skip.rollout_tq.dump_dir={cache}",
         "skip.rollout_tq.steps=[1]",
@@ -293,7 +334,9 @@ def rollout_cache_lines(work: Path, arm: str) -> list[str]:
     ]
 
 
-def check(plain: list[dict], zorro: list[dict], steps: int, n: int, prompts: int, work: Path) -> list[str]:
+def check(
+    plain: list[dict], zorro: list[dict], steps: int, n: int, prompts: int, work: Path, critic: bool = False
+) -> list[str]:
     """The assertions of the module doc; returns the step-1 comparison lines."""
     dumped = [line for line in rollout_cache_lines(work, "plain") if "Dump TQ batch at step 1" in line]
     injected = [line for line in rollout_cache_lines(work, "zorro") if "Injected" in line and "from step 1" in line]
@@ -314,11 +357,18 @@ def check(plain: list[dict], zorro: list[dict], steps: int, n: int, prompts: int
             f"zorro step {s['step']}: prompt dedup {dedup}, the batch allows {1 - 1 / n}"
         )
         assert m.get("zorro/balance/split_groups", 0) == 0, f"zorro step {s['step']}: a group was split"
+        if critic:
+            served = m.get("critic/zorro/served_fraction")
+            assert served == 1.0, f"zorro step {s['step']}: critic served {served} ({sorted(m)})"
+            dedup = m.get("critic/zorro/prompt_dedup")
+            assert dedup is not None and dedup >= 1 - 1 / n - 1e-9, (
+                f"zorro step {s['step']}: the critic's prompt dedup {dedup}, the batch allows {1 - 1 / n}"
+            )
     for s in plain:
-        assert not any(k.startswith("actor/zorro/") for k in s["data"]), "plain arm logged zorro metrics"
+        assert not any("/zorro/" in k for k in s["data"]), "plain arm logged zorro metrics"
     p1, z1 = plain[0]["data"], zorro[0]["data"]
     lines, bad = [], []
-    for key in COMPARED:
+    for key in COMPARED + (CRITIC_COMPARED if critic else ()):
         assert key in p1 and key in z1, f"step 1: {key} missing (plain {key in p1}, zorro {key in z1})"
         a, b = float(p1[key]), float(z1[key])
         rel = abs(a - b) / max(abs(a), abs(b), 1e-30)
@@ -438,6 +488,7 @@ def main() -> None:
     ap.add_argument("--system-words", type=int, default=0, help="longer prompts: words added to the system prompt")
     ap.add_argument("--ray-cpus", type=int, default=16, help="Ray's logical CPUs (not cores)")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per arm")
+    ap.add_argument("--critic", action="store_true", help="PPO with verl's critic (GAE) instead of GRPO")
     ap.add_argument("--check", action="store_true", help="assert the module doc's checks")
     ap.add_argument("--csv", type=Path, default=None, help="write the per-step timings here")
     ap.add_argument(
@@ -483,6 +534,8 @@ def run(args: argparse.Namespace) -> None:
     model, vocab = build_model(work / "model")
     train, val = make_dataset(work / "data", rows=args.prompts * (args.steps + 1), system_words=args.system_words)
     base = common_args(args, model, train, val, work / "rollout_cache")
+    if args.critic:
+        base += critic_args(args, build_critic(work / "critic", model))
     plain, plain_wall = run_arm("plain", base, work, args.timeout)
     zorro, zorro_wall = run_arm("zorro", base + ZORRO_LINES, work, args.timeout)
     walls = {"plain": plain_wall, "zorro": zorro_wall}
@@ -492,7 +545,7 @@ def run(args: argparse.Namespace) -> None:
             phases = " ".join(f"{p} {m[f'timing_s/{p}']:.2f}" for p in PHASES if f"timing_s/{p}" in m)
             print(f"[{arm}] step {s['step']}: {phases}  grad_norm {m.get('actor/grad_norm')}")
     if args.check:
-        for line in check(plain, zorro, args.steps, args.n, args.prompts, work):
+        for line in check(plain, zorro, args.steps, args.n, args.prompts, work, critic=args.critic):
             print("step 1 " + line)
         print("checks passed")
     if table is not None:

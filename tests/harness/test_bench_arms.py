@@ -256,7 +256,15 @@ def test_every_main_venv_benchmark_runs_quick(name, tmp_path):
         assert list(rows[0]) == header + ["status", "error"]
 
 
-INTEGRATION = ["verl_engine", "verl_ulysses", "verl_balance", "openrlhf_actor", "openrlhf_critic", "openrlhf_dp_dedup"]
+INTEGRATION = [
+    "verl_engine",
+    "verl_ulysses",
+    "verl_balance",
+    "verl_ppo_step",
+    "openrlhf_actor",
+    "openrlhf_critic",
+    "openrlhf_dp_dedup",
+]
 
 
 def _installed(module: str) -> bool:

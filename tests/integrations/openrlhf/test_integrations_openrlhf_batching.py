@@ -538,3 +538,35 @@ def test_a_model_that_falls_back_whole_gets_openrlhf_batching(ckpt, no_cuda, glo
     assert ours.dynamic_optimizer_step == theirs.dynamic_optimizer_step
     report = zb.BATCHING.report()
     assert report["dedup"] == 0 and report["fallback"] >= 3
+
+
+def test_a_reward_model_in_the_trainer_gets_openrlhfs_dynamic_micro_batches(no_cuda, monkeypatch):
+    """OpenRLHF's experience maker runs its reward model (not served by zorro) on the log-prob micro-batches:
+    under dynamic batching they must be sized by the tokens that model computes (every row whole), so zorro
+    hands them to OpenRLHF's own batching, warned; fixed-size micro-batches (row counts) stay zorro's."""
+    from zorro_core.integrations.openrlhf import actor as openrlhf_actor
+
+    samples = rollout(4, 4, seed=5)
+    with pytest.warns(DedupFallbackWarning, match="reward model computed in the trainer"):
+        assert zb.split_rollout_samples(samples, config(2, True, 16), 0, reward_in_trainer=True) is None
+    assert zb.split_rollout_samples(rollout(4, 4, seed=5), config(2, True, 16), 0) is not None
+    assert zb.split_rollout_samples(rollout(4, 4, seed=5), config(2, False, 16), 0, reward_in_trainer=True)
+
+    # the experience maker's method passes whether a reward model will run (its group set, no rewards given)
+    seen = []
+    monkeypatch.setattr(zb, "split_rollout_samples", lambda s, a, p, reward_in_trainer: seen.append(reward_in_trainer))
+
+    class Maker:
+        def split_rollout_samples(self, rollout_samples):
+            return "openrlhf's"
+
+    maker = openrlhf_actor.grouped_experience_maker(Maker)()
+    maker._zorro_checked = True
+    maker.args, maker.tokenizer = config(2, True, 16), ns(pad_token_id=0)
+    for group, rewards, expected in ((object(), None, True), (object(), 1.0, False), (None, None, False)):
+        maker.reward_model_group = group
+        batch = rollout(4, 4, seed=5)
+        for s in batch:
+            s.rewards = rewards
+        assert maker.split_rollout_samples(batch) == "openrlhf's"  # the stand-in answered None: OpenRLHF's
+        assert seen.pop() is expected

@@ -409,8 +409,16 @@ def grouped_experience_maker(base: type) -> type:
                 # a model whose calls all fall back computes every row whole: OpenRLHF's batching sizes them
                 self._zorro_plain = next((r for r in reasons if r), None)
                 self._zorro_checked = True
+            # OpenRLHF's experience maker runs its reward model on these micro-batches when no reward is given.
+            reward = getattr(self, "reward_model_group", None) is not None and any(
+                getattr(s, "rewards", None) is None for s in rollout_samples
+            )
             ours = openrlhf_batching.split_rollout_samples(
-                rollout_samples, self.args, self.tokenizer.pad_token_id, plain_reason=self._zorro_plain
+                rollout_samples,
+                self.args,
+                self.tokenizer.pad_token_id,
+                reward_in_trainer=reward,
+                plain_reason=getattr(self, "_zorro_plain", None),
             )
             return base.split_rollout_samples(self, rollout_samples) if ours is None else ours  # type: ignore[attr-defined]
 

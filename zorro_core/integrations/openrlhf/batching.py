@@ -39,7 +39,9 @@ batching per step always. Only which rows share a micro-batch (and, across steps
 optimizer step) changes.
 
 Served by OpenRLHF's own function, with a one-time `DedupFallbackWarning` naming the reason (and
-counted in `BATCHING.fallback`): ring attention (`ds.ring_attn_size > 1`), rows that cannot be split
+counted in `BATCHING.fallback`): ring attention (`ds.ring_attn_size > 1`), dynamic log-prob micro-batches
+when a reward model is computed in the trainer (OpenRLHF's `RewardModelActor` runs the same micro-batches,
+every row whole, and zorro does not serve it), rows that cannot be split
 into prompt and response (no `action_mask`, no scored token, another layout: `rows.split_rows`),
 row counts that do not divide over the ranks or micro-batches as the plan needs.
 """
@@ -230,10 +232,20 @@ def _refuse_ring(args: Any) -> None:
         raise _Refused("ring attention (ds.ring_attn_size > 1) is not served by the dedup path")
 
 
-def rollout_micro_batches(work: GroupedLengths, args: Any) -> list[list[int]]:
+REWARD_IN_TRAINER = (
+    "a reward model computed in the trainer (OpenRLHF's RewardModelActor, which zorro does not serve) runs "
+    "these micro-batches with every row whole: OpenRLHF's own batching sizes them by the tokens it computes"
+)
+"""Why dynamic log-prob micro-batches are OpenRLHF's when the rollout's rewards come from a reward model."""
+
+
+def rollout_micro_batches(work: GroupedLengths, args: Any, reward_in_trainer: bool = False) -> list[list[int]]:
     """The log-prob micro-batches of a rollout (row indices), rank 0's first: what
-    `split_rollout_samples` returns, as rows (module doc). Raises `_Refused` where it cannot plan."""
+    `split_rollout_samples` returns, as rows (module doc). Raises `_Refused` where it cannot plan, and under
+    dynamic batching when `reward_in_trainer` (OpenRLHF's reward model runs the same micro-batches)."""
     _refuse_ring(args)
+    if reward_in_trainer and args.train.dynamic_batch_enable:
+        raise _Refused(REWARD_IN_TRAINER)
     dp = _dp_size(args)
     b = len(work.group_of_row)
     if b % dp:
@@ -262,12 +274,17 @@ def rollout_micro_batches(work: GroupedLengths, args: Any) -> list[list[int]]:
 
 
 def split_rollout_samples(
-    rollout_samples: list[Experience], args: Any, pad_token_id: int, plain_reason: Optional[str] = None
+    rollout_samples: list[Experience],
+    args: Any,
+    pad_token_id: int,
+    reward_in_trainer: bool = False,
+    plain_reason: Optional[str] = None,
 ) -> Optional[list[Experience]]:
     """`RemoteExperienceMaker.split_rollout_samples` with whole groups per rank and micro-batch, or None
     (the reason warned) where zorro cannot plan, or `plain_reason` says a model the calls go to falls
     back whole (its micro-batches must fit the tokens OpenRLHF computes): the caller then runs
-    OpenRLHF's own method.
+    OpenRLHF's own method. `reward_in_trainer`: OpenRLHF's reward model will run the same micro-batches
+    (`rollout_micro_batches`).
 
     Sets `index` as OpenRLHF does (the sample's place in the rollout, which its advantage code
     sorts rewards back by); returns concatenated micro-batches in rank order.
@@ -277,7 +294,7 @@ def split_rollout_samples(
     try:
         if plain_reason:
             raise _Refused(plain_reason)
-        micro = rollout_micro_batches(grouped_lengths(rollout_samples), args)
+        micro = rollout_micro_batches(grouped_lengths(rollout_samples), args, reward_in_trainer)
     except _Refused as e:
         BATCHING.fallback.fall_back(str(e))
         return None

@@ -39,6 +39,7 @@ from zorro_core.integrations.core import Fallback
 from zorro_core.integrations.openrlhf.rows import split_rows
 from zorro_core.integrations.openrlhf.status import CallStats
 from zorro_core.integrations.requires import require_trainer
+from zorro_core.integrations.value_model import ValueModel
 
 # Before any of OpenRLHF's names is imported (an older release lacks them), as the actor module does.
 require_trainer("openrlhf", __name__, "openrlhf", "OpenRLHF 0.11", minimum="0.11")
@@ -63,31 +64,6 @@ def critic_builder(original: Any) -> Any:
     build._zorro_critic_builder = True  # type: ignore[attr-defined]
     build.__doc__ = original.__doc__
     return build
-
-
-class _ValueModel(nn.Module):
-    """OpenRLHF's critic as zorro's actor reads a model: its base model (shared, not copied) and the config.
-
-    zorro's plan checks token ids against the lm_head's rows; the critic has none, so a head of the
-    vocabulary's size on the meta device stands in: never computed (`response_hidden` runs no lm_head),
-    never a submodule (no parameter of it is seen)."""
-
-    def __init__(self, critic: Any) -> None:
-        super().__init__()
-        self.config = critic.config
-        self.base_model_prefix = critic.base_model_prefix
-        setattr(self, critic.base_model_prefix, getattr(critic, critic.base_model_prefix))
-        hidden, vocab = int(critic.config.hidden_size), int(critic.config.vocab_size)
-        object.__setattr__(self, "_vocab_rows", nn.Linear(hidden, vocab, bias=False, device="meta"))
-        object.__setattr__(self, "_critic", critic)  # not a submodule either
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.__dict__["_vocab_rows"]
-
-    def set_attn_implementation(self, name: str) -> None:
-        """What zorro's attention registration calls: on the critic itself (a transformers PreTrainedModel),
-        so the critic's own forward dispatches the same way (its original attention, outside zorro's calls)."""
-        self.__dict__["_critic"].set_attn_implementation(name)
 
 
 class _Output(dict):
@@ -198,7 +174,7 @@ def _actor(model: Any) -> DeduplicatedActor:
     p = next(base.parameters())
     key = (id(base), p.device, p.dtype)
     if state[1] is None or state[1][0] != key:
-        state[1] = (key, DeduplicatedActor(model=_ValueModel(model), config=state[0]))
+        state[1] = (key, DeduplicatedActor(model=ValueModel(model), config=state[0]))
     return state[1][1]
 
 

@@ -8,7 +8,7 @@ process, and `use_cpu_platform()` sets it in this one. `allow_float64()` lets ve
 `PrecisionType.to_dtype` read "fp64", so that its engine can build a float64 model and FSDP2
 mixed-precision policy for exact comparisons.
 
-A whole `verl.trainer.main_ppo` job (Ray workers, the reference, the rollout) meets five more gaps
+A whole `verl.trainer.main_ppo` job (Ray workers, the reference, the critic, the rollout) meets six more gaps
 on CPU, each answered here only while the platform is this CPU one (`WORKAROUNDS`; `needed()`
 says, for the installed verl and torch, which still are, and the verl suite fails when one is
 no longer, so that it is removed):
@@ -23,6 +23,9 @@ no longer, so that it is removed):
   (forward only), and pinning needs an accelerator; on CPU there is nothing to pin for.
 - engine_registry: verl registers its FSDP engines for devices "cuda" and "npu" only; the same
   classes are registered for "cpu".
+- value_model_attention: verl's critic loader (`verl.utils.model.load_valuehead_model`) asks
+  transformers for `attn_implementation="flash_attention_2"`, whose kernel a CPU lacks; without
+  flash_attn the critic is loaded with its config's attention (the `override_config` verl set).
 - ipc: not a gap but this platform's answer: `is_ipc_supported()` is False (no CUDA IPC), so
   verl's weight sync into the rollout uses shared memory.
 
@@ -81,7 +84,7 @@ CPU_ENV = {
     "VERL_USE_EXTERNAL_MODULES": "zorro_core.integrations.verl.cpu,zorro_core.integrations.verl.cpu_vllm",
 }
 """The environment of a CPU `main_ppo` job: every Ray process selects and loads the CPU platform."""
-WORKAROUNDS = ("backend_string", "device_module", "pin_memory", "engine_registry")
+WORKAROUNDS = ("backend_string", "device_module", "pin_memory", "engine_registry", "value_model_attention")
 """The gaps of verl on CPU this module answers (module doc); `needed()` probes each."""
 
 _log = logging.getLogger(__name__)
@@ -249,6 +252,7 @@ _GROUP_FUNCTIONS = ("initialize_global_process_group", "initialize_global_proces
 _DISTRIBUTED = "verl.utils.distributed"
 _FSDP_IMPL = "verl.workers.engine.fsdp.transformer_impl"
 _ENGINE_BACKENDS = ("fsdp", "fsdp2")
+_MODEL_UTILS = "verl.utils.model"
 
 
 def _cpu_backend() -> None:
@@ -303,6 +307,43 @@ def _cpu_engines() -> None:
                 keys[PLATFORM_NAME] = keys["cuda"]
 
 
+def _flash_attn_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is None
+
+
+def _value_model_attention() -> None:
+    import importlib
+
+    utils = importlib.import_module(_MODEL_UTILS)
+    original = utils.load_valuehead_model
+    if getattr(original, "_zorro_cpu", False):
+        return
+    require_parameters(
+        original, ("local_path", "torch_dtype", "model_config", "trust_remote_code"), _RELEASE, _TESTED, _READER
+    )
+
+    def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+        if not on_cpu_platform() or not _flash_attn_missing():
+            return original(local_path, torch_dtype, model_config, trust_remote_code)
+        from transformers import AutoModelForTokenClassification
+
+        # verl's first choice (a token-classification critic), with the attention its config names.
+        return AutoModelForTokenClassification.from_pretrained(
+            pretrained_model_name_or_path=local_path,
+            torch_dtype=torch_dtype,
+            config=model_config,
+            attn_implementation=getattr(model_config, "_attn_implementation", None) or "sdpa",
+            trust_remote_code=trust_remote_code,
+        )
+
+    marked: Any = load_valuehead_model
+    marked._zorro_cpu = True
+    marked._zorro_original = original
+    setattr(utils, "load_valuehead_model", marked)  # noqa: B010 -- a module attribute verl looks up per call
+
+
 def needed() -> dict[str, bool]:
     """For the installed verl and torch, whether each workaround is still needed (imports verl's
     FSDP engine). A False means upstream answers it now: remove the workaround."""
@@ -321,7 +362,10 @@ def needed() -> dict[str, bool]:
         pins = True
     except RuntimeError:
         pins = False
+    utils = importlib.import_module(_MODEL_UTILS)
+    loader = getattr(utils.load_valuehead_model, "_zorro_original", utils.load_valuehead_model)
     return {
+        "value_model_attention": _flash_attn_missing() and '"flash_attention_2"' in inspect.getsource(loader),
         "backend_string": any('f"cpu:gloo,{get_device_name()}' in src for src in sources),
         "device_module": bool(missing_device_functions()),
         "pin_memory": not pins and "CPUOffloadPolicy(pin_memory=True)" in inspect.getsource(impl),
@@ -340,6 +384,7 @@ def install() -> None:
     after_import(_DISTRIBUTED, _cpu_backend)
     after_import(_FSDP_IMPL, _unpinned_offload)
     after_import(_FSDP_IMPL, _cpu_engines)
+    after_import(_MODEL_UTILS, _value_model_attention)
 
 
 install()
@@ -365,9 +410,11 @@ def build_engine(
     attn_implementation: str = "sdpa",
     gradient_checkpointing: bool = False,
     ulysses_sequence_parallel_size: int = 1,
+    model_type: str = "language_model",
 ):
     """`engine_cls(model_config, engine_config, optimizer_config, checkpoint_config)` initialised as
-    verl's TrainingWorker does (FSDP2 over the default process group), on CPU."""
+    verl's TrainingWorker does (FSDP2 over the default process group), on CPU; `model_type`
+    "value_model" builds verl's critic (the worker sets it on the model config)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
 
@@ -380,6 +427,7 @@ def build_engine(
         use_remove_padding=use_remove_padding,
         enable_gradient_checkpointing=gradient_checkpointing,
     )
+    model_config.model_type = model_type
     engine_config = FSDPEngineConfig(
         strategy="fsdp2",
         model_dtype=precision,

@@ -136,6 +136,7 @@ __all__ = [
     "TESTED_VERL",
     "config_for",
     "install",
+    "register_engine",
     "rows_of",
     "sequence_parallel_of",
     "unserved_reason",
@@ -378,7 +379,8 @@ def config_for(external_lib: Any) -> ActorConfig:
 def install(
     zorro_config: Optional[ActorConfig] = None, device: Any = None, vendor: Any = None, module: Optional[str] = None
 ) -> type:
-    """Register `DedupFSDPEngine` for language models on fsdp/fsdp2 (idempotent); with `zorro_config`,
+    """Register `DedupFSDPEngine` for language models on fsdp/fsdp2 (idempotent; verl's critic:
+    `zorro_core.integrations.verl.critic`); with `zorro_config`,
     the actor options of every engine whose model config names `module` in `external_lib`.
 
     `module` defaults to the module calling `install`: the one to name in
@@ -396,25 +398,29 @@ def install(
         if not module:
             raise ValueError("install(zorro_config=...) needs the name of the external_lib module (module=...)")
         _INSTALLED[canonical(module)] = zorro_config
+    register_engine(DedupFSDPEngine, "language_model", device, vendor)
+    return DedupFSDPEngine
+
+
+def register_engine(engine_cls: type, model_type: str, device: Any = None, vendor: Any = None) -> None:
+    """Register `engine_cls` for `model_type` x fsdp/fsdp2 under this platform's (device, vendor) key, or
+    the given ones (idempotent); a key another engine already holds is left to it, with a warning."""
     device = device or get_device_name()
     vendor = vendor or get_vendor() or device
-    registry = EngineRegistry._engines.get("language_model", {})
+    registry = EngineRegistry._engines.get(model_type, {})
     for backend in ("fsdp", "fsdp2"):
         current = registry.get(backend, {}).get((device, vendor))
-        if current is DedupFSDPEngine:
+        if current is engine_cls:
             continue
         if current is not None:
             warnings.warn(
-                f"zorro: verl already has a {vendor} engine for {backend} on {device} ({current.__name__}); "
-                "zorro's engine is not installed for it",
+                f"zorro: verl already has a {vendor} {model_type} engine for {backend} on {device} "
+                f"({current.__name__}); zorro's engine is not installed for it",
                 DedupFallbackWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             continue
-        EngineRegistry.register(model_type="language_model", backend=backend, device=device, vendor=vendor)(
-            DedupFSDPEngine
-        )
-    return DedupFSDPEngine
+        EngineRegistry.register(model_type=model_type, backend=backend, device=device, vendor=vendor)(engine_cls)
 
 
 install()

@@ -40,11 +40,13 @@ from typing import Any, Optional
 import zorro_core.integrations.verl.needs  # noqa: F401 -- first: refuses a missing or too old verl
 
 # isort: split
+import ray
 import verl
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 from verl.single_controller.base.worker import Worker
 from verl.single_controller.base.worker_group import WorkerGroup
 from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
+from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.seqlen_balancing import log_seqlen_unbalance
@@ -53,7 +55,14 @@ from zorro_core.integrations.core import require_assigned, require_attributes, r
 from zorro_core.integrations.deprecated import renamed
 from zorro_core.integrations.verl.balance import Balance, balance_tags, group_of_keys, split_key
 
-__all__ = ["DedupPPOTrainerSync", "SYNC_MODE", "TRAINER_NAME", "balance_metrics", "mini_batch_rows"]
+__all__ = [
+    "DedupPPOTrainerSync",
+    "SYNC_MODE",
+    "TRAINER_NAME",
+    "balance_metrics",
+    "mini_batch_rows",
+    "share_external_lib",
+]
 # The old names of the renamed classes (Zorro... -> Dedup..., the trainer class each replaces).
 __getattr__ = renamed(__name__, {"ZorroPPOTrainerSync": "DedupPPOTrainerSync"}, globals())
 
@@ -72,7 +81,11 @@ require_parameters(
 )
 # The constructor rewrites the mode before verl's reads it (module doc).
 require_parameters(PPOTrainerSync.__init__, ("self", "config"), _RELEASE, _TESTED, _READER)
-require_attributes(PPOTrainerSync, ("_get_required_batch_multiple",), _RELEASE, _TESTED, _READER)
+require_attributes(
+    PPOTrainerSync, ("_get_required_batch_multiple", "_init_resource_pool_mgr"), _RELEASE, _TESTED, _READER
+)
+# The critic's worker class, swapped after verl's _init_resource_pool_mgr fills the mapping.
+require_assigned(PPOTrainerSync, ("_init_resource_pool_mgr",), ("role_worker_mapping",), _RELEASE, _TESTED, _READER)
 # The actor's data-parallel size, read as verl's own _balance_batch reads it.
 require_assigned(WorkerGroup, ("__init__",), ("_dispatch_info",), _RELEASE, _TESTED, _READER)
 require_attributes(Worker, ("_query_dispatch_info",), _RELEASE, _TESTED, _READER)  # bound onto the worker group
@@ -111,6 +124,16 @@ def balance_metrics(balance: Balance) -> dict[str, float]:
     }
 
 
+def share_external_lib(config: Any) -> None:
+    """Give the critic's model config the actor's `external_lib` when it names none (inside `open_dict`): the
+    critic worker (`critic_worker.DedupCriticWorker`) imports it, so the line that turns zorro on for the actor
+    serves the critic too, with the options that module installed."""
+    critic_model = OmegaConf.select(config, "critic.model")
+    actor_libs = OmegaConf.select(config, "actor_rollout_ref.model.external_lib")
+    if critic_model is not None and actor_libs is not None and critic_model.get("external_lib") is None:
+        critic_model.external_lib = actor_libs
+
+
 def _group_names(keys: list[str]) -> dict[int, str]:
     names: dict[int, str] = {}
     for key, g in zip(keys, group_of_keys(keys)):
@@ -132,10 +155,19 @@ class DedupPPOTrainerSync(PPOTrainerSync):
         # verl decides by the mode string (module doc): from here on it is verl's sync mode.
         with open_dict(config):
             config.trainer.v1.trainer_mode = SYNC_MODE
+            share_external_lib(config)
         if selected != SYNC_MODE:
             _log.info("zorro: trainer %r runs as verl's %r trainer with zorro's balance", selected, SYNC_MODE)
         self.selected_trainer_mode = selected
         super().__init__(config, *args, **kwargs)
+
+    def _init_resource_pool_mgr(self):
+        super()._init_resource_pool_mgr()
+        if Role.Critic in self.role_worker_mapping:
+            # verl's TrainingWorker, importing the critic's external_lib first (critic_worker's doc).
+            from zorro_core.integrations.verl.critic_worker import DedupCriticWorker
+
+            self.role_worker_mapping[Role.Critic] = ray.remote(DedupCriticWorker)
 
     def _actor_dp_size(self) -> int:
         # verl's _balance_batch reads the actor's data-parallel size this way.
