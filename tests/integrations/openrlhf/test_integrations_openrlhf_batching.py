@@ -554,7 +554,9 @@ def test_a_reward_model_in_the_trainer_gets_openrlhfs_dynamic_micro_batches(no_c
 
     # the experience maker's method passes whether a reward model will run (its group set, no rewards given)
     seen = []
-    monkeypatch.setattr(zb, "split_rollout_samples", lambda s, a, p, reward_in_trainer: seen.append(reward_in_trainer))
+    monkeypatch.setattr(
+        zb, "split_rollout_samples", lambda s, a, p, reward_in_trainer, plain_reason: seen.append(reward_in_trainer)
+    )
 
     class Maker:
         def split_rollout_samples(self, rollout_samples):
