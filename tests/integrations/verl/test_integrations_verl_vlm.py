@@ -79,32 +79,34 @@ def vlm_padded_batch(model, spec, seed: int = 0):
     mask = torch.zeros(b, p + r, dtype=torch.long)
     position_ids = torch.zeros(b, 4, p + r, dtype=torch.long)
     mm = []
-    for i, (prompt, images, response, _) in enumerate(spec):
+    for i, (prompt, images, response, _, *video) in enumerate(spec):
         prompt_ids[i, p - len(prompt) :] = torch.tensor(prompt)
         response_ids[i, : len(response)] = torch.tensor(response)
         mask[i, p - len(prompt) : p + len(response)] = 1
         ids = torch.tensor(prompt + response)[None]
         grid = torch.stack([im[1] for im in images]) if images else None
         # verl's agent loop: the model's get_rope_index of the whole row, after the text positions.
+        vgrid = video[0][1][None] if video else None
         rope, _ = model.model.get_rope_index(
             ids,
             image_grid_thw=grid,
+            video_grid_thw=vgrid,
             mm_token_type_ids=token_types(ids, model.config),
             attention_mask=torch.ones_like(ids),
         )
         real = mask[i].bool()
         position_ids[i, 0, real] = torch.arange(ids.shape[1])
         position_ids[i, 1:, real] = rope[:, 0]
+        row: dict = {}
         if images:
-            mm.append(
-                {
-                    "pixel_values": torch.cat([im[0] for im in images]),
-                    "image_grid_thw": grid,
-                    "images_seqlens": torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0]),
-                }
+            row.update(
+                pixel_values=torch.cat([im[0] for im in images]),
+                image_grid_thw=grid,
+                images_seqlens=torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0]),
             )
-        else:
-            mm.append({})
+        if video:
+            row.update(pixel_values_videos=video[0][0], video_grid_thw=vgrid)
+        mm.append(row)
     g = torch.Generator().manual_seed(seed)
     response_mask = mask[:, p:].clone()
     return TensorDict(
@@ -222,10 +224,14 @@ def case(path: str, family: str, seed: int) -> dict:
     for name, mb in (("fixed", fixed), ("dynamic", dynamic)):
         for train in (False, True):
             refs[name, train] = _run(verl_engine, padded, train, use_remove_padding=False, **mb)
+    # Before any engine removes padding: verl then patches Qwen2.5-VL's attention class to flash-attn.
+    results["video"] = _video_fallback(verl_engine, path, family, seed)
     for rp in (True, False):
         engine = build_engine(DedupFSDPEngine, path, use_remove_padding=rp)
         patches: list[int] = []
-        engine.module.model.visual.register_forward_hook(lambda m, args, kw: patches.append(int(args[0].shape[0])))
+        engine.module.model.visual.register_forward_hook(
+            lambda m, args, kw, seen=patches: seen.append(int(args[0].shape[0]))
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for name, mb in (("fixed", fixed), ("dynamic", dynamic)):
@@ -254,6 +260,35 @@ def case(path: str, family: str, seed: int) -> dict:
     distinct = {tuple(im[0].flatten()[:4].tolist()): int(im[1].prod()) for s in spec for im in s[1]}
     results["distinct_patches"] = sum(distinct.values())
     return results
+
+
+def _video_fallback(verl_engine, path: str, family: str, seed: int) -> dict:
+    """A micro-batch holding a video goes to verl's own forward, with one warning naming the video."""
+    import warnings
+
+    from zorro_core.integrations.verl.cpu import build_engine
+    from zorro_core.integrations.verl.engine import DedupFSDPEngine
+
+    g = torch.Generator().manual_seed(seed + 1)
+    video = _image(g, 2, 4, 4)
+    frame = torch.tensor([1, 4, 4])
+    # Qwen3-VL's processor marks each frame of a video (its get_rope_index numbers them so).
+    marks = _placeholders(frame, VIDEO) * 2 if family == "qwen3_vl" else _placeholders(video[1], VIDEO)
+    spec = rows_spec(seed)[:2] + [([5] + marks + [8], [], [20, 21], 9, video)]
+    padded = vlm_padded_batch(verl_engine.module, spec, seed)
+    engine = build_engine(DedupFSDPEngine, path, use_remove_padding=False)
+    meta = {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 3, "use_remove_padding": False}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            ours = _run(engine, padded, False, **dict(meta))
+    ref = _run(verl_engine, padded, False, **dict(meta))
+    mask = padded["response_mask"].bool()
+    return {
+        "warnings": [str(w.message) for w in caught if "zorro" in str(w.message)],
+        "calls": dict(engine.zorro_calls),
+        "lp": float((ours[0] - ref[0])[mask].abs().max()),
+    }
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -298,3 +333,57 @@ def test_each_distinct_image_encoded_once_and_counted(results, rp):
 def test_planted_position_bug_fails(results):
     r = results["planted"]
     assert r["lp"] > PLANTED_MIN and r["grad"] > PLANTED_MIN, r
+
+
+def test_a_video_falls_back_to_verls_forward_with_one_warning(results):
+    r = results["video"]
+    assert len(r["warnings"]) == 1 and "video" in r["warnings"][0], r
+    assert r["calls"].get("fallback", 0) == 2 and r["calls"].get("dedup", 0) == 0, r
+    assert r["lp"] <= 1e-12, r
+
+
+def _engine(model_type: str, sp: bool = False):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(module=SimpleNamespace(config=SimpleNamespace(model_type=model_type)), use_ulysses_sp=sp)
+
+
+def _micro_batch(row: dict):
+    from tensordict import TensorDict
+    from tensordict.tensorclass import NonTensorData, NonTensorStack
+
+    return TensorDict({"multi_modal_inputs": NonTensorStack.from_list([NonTensorData(row)])}, batch_size=1)
+
+
+IMAGE_ROW = {"pixel_values": torch.zeros(16, 24), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+
+
+@pytest.mark.parametrize(
+    "engine,row,reason",
+    [
+        (("gemma3", False), IMAGE_ROW, "Gemma 3 attends bidirectionally"),
+        (("qwen3_5", False), IMAGE_ROW, "gated DeltaNet"),
+        (("qwen2_vl", False), IMAGE_ROW, "Qwen2-VL is not tested"),
+        (("llama", False), IMAGE_ROW, "not a vision-language family"),
+        (("qwen2_5_vl", True), IMAGE_ROW, "Ulysses"),
+        (("qwen3_vl", False), dict(IMAGE_ROW, pixel_values_videos=torch.zeros(32, 24)), "video"),
+        (("qwen3_vl", False), dict(IMAGE_ROW, image_sizes=torch.tensor([[8, 8]])), "image_sizes"),
+        (("qwen3_vl", False), {"image_grid_thw": torch.tensor([[1, 4, 4]])}, "lack pixel_values"),
+    ],
+    ids=["gemma3", "qwen3_5", "qwen2_vl", "text_family", "ulysses", "video", "other_key", "no_pixels"],
+)
+def test_what_is_not_served_names_the_reason(engine, row, reason):
+    from zorro_core.integrations.verl.vision import vision_reason
+
+    why = vision_reason(_engine(*engine), _micro_batch(row))
+    assert why is not None and reason in why, why
+
+
+def test_served_images_have_no_reason():
+    from types import SimpleNamespace
+
+    from zorro_core.integrations.verl.vision import vision_reason
+
+    engine = _engine("qwen3_vl")
+    engine.module.modules = lambda: iter([SimpleNamespace()])
+    assert vision_reason(engine, _micro_batch(dict(IMAGE_ROW, images_seqlens=torch.tensor([16])))) is None
