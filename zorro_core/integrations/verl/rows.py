@@ -129,12 +129,13 @@ def rows_of(micro_batch) -> VerlRows | str:
     position_ids = micro_batch["position_ids"]
     row_of = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
     local = torch.arange(values.numel(), device=lens.device) - offsets[:-1][row_of]
-    mrope = None
+    mrope: Optional[list[torch.Tensor]] = None
     if position_ids.dim() != 2:
         # verl's multimodal layout [B, 4, len]: served through the vision actor with these positions.
-        mrope = mrope_of(position_ids, offsets)
-        if isinstance(mrope, str):
-            return mrope
+        found = mrope_of(position_ids, offsets)
+        if isinstance(found, str):
+            return found
+        mrope = found
     elif not torch.equal(position_ids.values().to(local.dtype), local):
         return "position ids are not 0..len-1 per row (the dedup path numbers each sequence from 0)"
     if mrope is None and has_images(micro_batch):
