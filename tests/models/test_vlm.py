@@ -285,3 +285,42 @@ def test_micro_batching_an_image_batch_is_refused():
     actor = VisionLanguageActor(model=_model("qwen2_5_vl"))
     with pytest.raises(TypeError, match="takes a zorro_core.RolloutBatch"):
         actor.forward_backward(vision_batch(), lambda out, rows: out.log_probs.sum())
+
+
+def _own_positions(model, mm: MultimodalBatch) -> tuple[torch.Tensor, ...]:
+    """Each row's positions as a trainer computes them (verl): the model's get_rope_index of the whole row."""
+    from zorro_core.models.vision import token_types
+
+    ps, rs = mm.batch.to_lists()
+    out = []
+    for p, r, imgs in zip(ps, rs, mm.images):
+        ids = torch.tensor(p + r)[None]
+        grid = torch.tensor([i.grid_thw for i in imgs]) if imgs else None
+        pos, _ = model.model.get_rope_index(ids, mm_token_type_ids=token_types(ids, model.config), image_grid_thw=grid)
+        out.append(pos[:, 0])
+    return tuple(out)
+
+
+def test_given_positions_are_laid_exactly(family):
+    """A trainer's own positions (MultimodalBatch.positions) give the same exact result; rows whose given
+    prompt positions differ are different prompts; a wrong position is seen."""
+    model = _model(family)
+    mm = vision_batch(3)
+    given = _own_positions(model, mm)
+    out, _ = _assert_exact(VisionLanguageActor(model=model), MultimodalBatch(mm.batch, mm.images, given))
+    assert out.plan.group_of_row.tolist() == [0, 0, 1, 2, 0, 2, 3]
+    ref = vision_per_sequence(model, mm)[0]
+    shifted = list(given)
+    shifted[1] = shifted[1] + 1  # row 1's whole row one further: its own prompt now, same result (RoPE is relative)
+    out = VisionLanguageActor(model=model)(MultimodalBatch(mm.batch, mm.images, tuple(shifted)))
+    assert out.plan.group_of_row.tolist() == [0, 1, 2, 3, 0, 3, 4]
+    assert (out.log_probs.detach() - ref).abs().max().item() < LOGPROB_ATOL
+    plen = int(mm.batch.prompt_mask[1].sum())
+    shifted[1] = given[1] + 5 * (torch.arange(given[1].shape[1]) >= plen).long()  # only its response moved
+    out = VisionLanguageActor(model=model)(MultimodalBatch(mm.batch, mm.images, tuple(shifted)))
+    assert out.plan.group_of_row.tolist() == [0, 0, 1, 2, 0, 2, 3]
+    # a tiny model moves little with positions: 100x the tolerance is what a wrong position must show
+    assert (out.log_probs.detach() - ref)[1].abs().max().item() > 100 * LOGPROB_ATOL
+    assert (out.log_probs.detach() - ref)[0].abs().max().item() < LOGPROB_ATOL
+    with pytest.raises(ValueError, match=r"positions of row 0 must be an integer \[3, "):
+        MultimodalBatch(mm.batch, mm.images, (given[0][:, :-1],) + given[1:])

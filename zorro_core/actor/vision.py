@@ -10,7 +10,8 @@ every row its own prompt, every image occurrence encoded.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -22,16 +23,65 @@ from zorro_core.distributed.ulysses import SequenceParallel
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.families import forward_kwargs
 from zorro_core.models.parts import check_layers_served, check_trainable_state
-from zorro_core.models.vision import VisionFamily, check_images, encode_images, prompt_positions, vision_family
+from zorro_core.models.vision import (
+    VisionFamily,
+    check_images,
+    encode_images,
+    image_tokens,
+    prompt_positions,
+    vision_family,
+)
 from zorro_core.plan.batch import RolloutBatch
-from zorro_core.plan.multimodal import MultimodalBatch, distinct_images, mrope_positions, whole_prompt_groups
+from zorro_core.plan.multimodal import (
+    Image,
+    MultimodalBatch,
+    distinct_images,
+    given_positions,
+    mrope_positions,
+    whole_prompt_groups,
+)
 from zorro_core.plan.prompt import PromptPlan, build_prompt_plan
 
-__all__ = ["BaselineVisionLanguageActor", "VisionLanguageActor"]
+__all__ = ["BaselineVisionLanguageActor", "ImageCounts", "VisionLanguageActor"]
+
+
+@dataclass(frozen=True)
+class ImageCounts:
+    """The images of one call: as the rows hold them, and as the vision tower encoded them."""
+
+    images: int
+    """Image occurrences over the rows (what the plain computation encodes)."""
+    encoded_images: int
+    """Images through the vision tower (each distinct image once; all of them in the baseline)."""
+    patches: int
+    """Image patches over the rows (the vision tower's input in the plain computation)."""
+    encoded_patches: int
+    """Patches through the vision tower."""
+    vision_tokens: int
+    """Image tokens (after the spatial merge) over the rows."""
+    encoded_vision_tokens: int
+    """Image tokens of the encoded images."""
+
+    @classmethod
+    def of(cls, rows: Sequence[Sequence[Image]], encoded: Sequence[Image], config: Any) -> "ImageCounts":
+        merge = config.vision_config.spatial_merge_size
+        every = [img for row in rows for img in row]
+        return cls(
+            len(every),
+            len(encoded),
+            sum(i.pixel_values.shape[0] for i in every),
+            sum(i.pixel_values.shape[0] for i in encoded),
+            sum(image_tokens(i, merge) for i in every),
+            sum(image_tokens(i, merge) for i in encoded),
+        )
 
 
 class VisionLanguageActor(DeduplicatedActor):
-    """Each unique prompt (text and images) computed once, each distinct image encoded once."""
+    """Each unique prompt (text and images) computed once, each distinct image encoded once.
+
+    `last_images` holds the image counts of the latest call with images (None before one)."""
+
+    last_images: Optional[ImageCounts] = None
 
     def forward(
         self,
@@ -62,13 +112,23 @@ class VisionLanguageActor(DeduplicatedActor):
         rows = batch.batch.to(self.device)
         check_images(rows, batch.images, self.model.config)
         distinct, image_ids = distinct_images(batch.images, share=self.dedup)
-        groups = whole_prompt_groups(rows, image_ids, self.dedup)
+        groups = whole_prompt_groups(rows, image_ids, self.dedup, batch.positions)
+        self.last_images = ImageCounts.of(batch.images, distinct, self.model.config)
         plan = build_prompt_plan(rows, dedup=self.dedup, vocab_size=self.vocab_size, group_of_row=groups)
         route = Route(self.route_spec, plan)
         lp, ent = as_root_forward(
             self.model,
             lambda: self._compute_images(
-                plan, route, rows, family, distinct, image_ids, temperature, calculate_entropy, router_aux_loss
+                plan,
+                route,
+                rows,
+                family,
+                distinct,
+                image_ids,
+                temperature,
+                calculate_entropy,
+                router_aux_loss,
+                batch.positions,
             ),
         )
         return ActorOutput(plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan)
@@ -86,18 +146,23 @@ class VisionLanguageActor(DeduplicatedActor):
         temperature: float,
         calculate_entropy: bool,
         router_aux_loss: Optional[bool],
+        given: Optional[tuple[torch.Tensor, ...]] = None,
     ):
         base: Any = self.parts.base
         config: Any = self.model.config
         reps = plan.group_rep_row.tolist()
-        # The model's own positions of each unique prompt, and where its responses continue.
-        positions, nexts = [], []
-        for r in reps:
-            prompt = rows.prompts[r][rows.prompt_mask[r].bool()].long()
-            pos, nxt = prompt_positions(base, prompt, [distinct[i].grid_thw for i in image_ids[r]])
-            positions.append(pos)
-            nexts.append(nxt)
-        position_ids = mrope_positions(plan, positions, torch.tensor(nexts, device=self.device))
+        if given is not None:
+            # The trainer's own positions of every row (verl's), laid as they are.
+            position_ids = given_positions(plan, given, rows.prompt_mask.bool().sum(1))
+        else:
+            # The model's own positions of each unique prompt, and where its responses continue.
+            positions, nexts = [], []
+            for r in reps:
+                prompt = rows.prompts[r][rows.prompt_mask[r].bool()].long()
+                pos, nxt = prompt_positions(base, prompt, [distinct[i].grid_thw for i in image_ids[r]])
+                positions.append(pos)
+                nexts.append(nxt)
+            position_ids = mrope_positions(plan, positions, torch.tensor(nexts, device=self.device))
         embeds, deep = encode_images(base, distinct, family)
         # Image embeddings in packed order: unique prompts are packed by group, each its images in order.
         order = [i for r in reps for i in image_ids[r]]

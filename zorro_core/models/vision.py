@@ -125,7 +125,15 @@ def encode_images(
     grid = torch.tensor([img.grid_thw for img in images], dtype=torch.long, device=pixel_values.device)
     out: Any = base.get_image_features(pixel_values, grid)
     embeds = list(out.pooler_output)
-    deep = [list(layer) for layer in out.deepstack_features] if family.deepstack else None
+    deep = None
+    if family.deepstack:
+        # transformers splits each deepstack layer per image from some 5.x on; 5.10 gives one
+        # [image tokens, hidden] tensor per layer: split it the way the embeddings are split.
+        sizes = [e.shape[0] for e in embeds]
+        deep = [
+            list(torch.split(layer, sizes)) if torch.is_tensor(layer) else list(layer)
+            for layer in out.deepstack_features
+        ]
     return embeds, deep
 
 

@@ -9,14 +9,16 @@ text and different images are two prompts, and one image tensor passed twice is 
 The distinct images of a call are numbered once over the whole batch, so an image that recurs in
 several prompts (several groups) is encoded by the vision tower once. `mrope_positions` lays the
 model's own 3-D rotary positions of each unique prompt into the packed row and continues each
-response from its prompt, as the model numbers a whole [prompt + response] row.
+response from its prompt, as the model numbers a whole [prompt + response] row. A trainer that
+computed every row's positions itself (verl) gives them with the batch (`MultimodalBatch.positions`):
+`given_positions` lays exactly those, and rows whose prompt positions differ are different prompts.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -75,6 +77,10 @@ class MultimodalBatch:
     """The token rows, as for text (each image's placeholder tokens are in the prompt)."""
     images: tuple[tuple[Image, ...], ...]
     """Per row, its images in prompt order."""
+    positions: Optional[tuple[torch.Tensor, ...]] = None
+    """Per row, the [3, prompt_len + response_len] rotary positions of its real tokens (prompt, then
+    response) as the trainer computed them (verl's position ids); None: the actor asks the model's
+    own get_rope_index."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch, RolloutBatch):
@@ -89,6 +95,8 @@ class MultimodalBatch:
                         f"images of row {i} must be zorro_core.plan.multimodal.Image, got {type(img).__name__}"
                     )
         object.__setattr__(self, "images", rows)
+        if self.positions is not None:
+            object.__setattr__(self, "positions", _checked_positions(self.batch, self.positions))
 
     @classmethod
     def from_processor(
@@ -119,6 +127,18 @@ class MultimodalBatch:
         return cls(batch, tuple(rows))
 
 
+def _checked_positions(batch: RolloutBatch, positions: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    rows = tuple(positions)
+    if len(rows) != batch.batch_size:
+        raise ValueError(f"positions are given for {len(rows)} rows, the batch has {batch.batch_size}")
+    lens = (batch.prompt_mask.bool().sum(1) + batch.response_mask.bool().sum(1)).tolist()
+    for i, (pos, n) in enumerate(zip(rows, lens)):
+        if not isinstance(pos, torch.Tensor) or pos.is_floating_point() or tuple(pos.shape) != (3, n):
+            shape = tuple(pos.shape) if isinstance(pos, torch.Tensor) else type(pos).__name__
+            raise ValueError(f"positions of row {i} must be an integer [3, {n}] tensor (its real tokens), got {shape}")
+    return rows
+
+
 def distinct_images(rows: Sequence[Sequence[Image]], share: bool = True) -> tuple[list[Image], list[list[int]]]:
     """The distinct images of a batch (numbered by first appearance) and each row's images as those
     numbers. `share=False`: every occurrence its own image (the plain computation's encoding)."""
@@ -143,14 +163,25 @@ def distinct_images(rows: Sequence[Sequence[Image]], share: bool = True) -> tupl
     return distinct, ids
 
 
-def whole_prompt_groups(batch: RolloutBatch, image_ids: Sequence[Sequence[int]], dedup: bool = True) -> torch.Tensor:
-    """[B] group of each row by its whole prompt (text tokens and images), numbered by first
-    appearance; every row its own group without `dedup`."""
+def whole_prompt_groups(
+    batch: RolloutBatch,
+    image_ids: Sequence[Sequence[int]],
+    dedup: bool = True,
+    positions: Optional[Sequence[torch.Tensor]] = None,
+) -> torch.Tensor:
+    """[B] group of each row by its whole prompt (text tokens and images; with `positions`, also the
+    prompt tokens' given positions), numbered by first appearance; every row its own group without
+    `dedup`."""
     if not dedup:
         return torch.arange(batch.batch_size, device=batch.device)
     text = prompt_groups(batch.prompts, batch.prompt_mask, left_padded=True).tolist()
+    if positions is None:
+        placed: list[tuple] = [()] * len(text)
+    else:
+        plens = batch.prompt_mask.bool().sum(1).tolist()
+        placed = [tuple(pos[:, :n].flatten().tolist()) for pos, n in zip(positions, plens)]
     first: dict[tuple, int] = {}
-    groups = [first.setdefault((t, tuple(ids)), len(first)) for t, ids in zip(text, image_ids)]
+    groups = [first.setdefault((t, tuple(ids), p), len(first)) for t, ids, p in zip(text, image_ids, placed)]
     return torch.tensor(groups, dtype=torch.long, device=batch.device)
 
 
@@ -180,3 +211,24 @@ def mrope_positions(
     # plan.position_ids of a response token is prompt_len + j: shifted onto the model's numbering.
     response_pos = (plan.position_ids - plan.prompt_lens[g] + next_position.to(dev)[g]).expand(3, t)
     return torch.where(is_prompt[None, :], prompt_pos, response_pos)
+
+
+def given_positions(plan: PromptPlan, positions: Sequence[torch.Tensor], prompt_lens: torch.Tensor) -> torch.Tensor:
+    """[3, T] rotary positions of the packed row from each row's given positions (`positions[b]`:
+    [3, prompt_lens[b] + response_len[b]]): a prompt token takes its group's first row's position
+    (rows share a group only when their prompt positions are equal: `whole_prompt_groups`), response
+    token j of row b takes row b's position prompt_lens[b] + j. So the packed row holds exactly the
+    positions the trainer gave each row."""
+    dev = plan.input_ids.device
+    lens = torch.tensor([p.shape[1] for p in positions], device=dev)
+    flat = torch.cat([p.to(dev) for p in positions], 1)
+    row_start = torch.cumsum(lens, 0) - lens
+    t = torch.arange(plan.num_tokens, device=dev)
+    g = plan.token_group
+    is_prompt = plan.token_segment < plan.num_groups
+    row = torch.where(is_prompt, plan.group_rep_row.to(dev)[g], (plan.token_segment - plan.num_groups).clamp(min=0))
+    plen = prompt_lens.to(dev)
+    column = torch.where(is_prompt, t - plan.prompt_start[g], plen[row] + t - plan.response_start[row])
+    if bool((column < 0).any()) or bool((column >= lens[row]).any()):
+        raise ValueError("the given positions do not cover the packed row's tokens")
+    return flat[:, row_start[row] + column]

@@ -29,8 +29,13 @@ Under DeepSpeed `Actor.model` is the engine (`DeepspeedStrategy.prepare` replace
 forward runs inside the engine's forward (zorro_core.integrations.wrappers), ZeRO-3's parameter hooks
 gather as in OpenRLHF's forward (one call of each module per forward on every rank).
 
+Images of Qwen2.5-VL and Qwen3-VL (`**mm_inputs`: `pixel_values`, `image_grid_thw`) are served by the
+vision actor, each unique prompt (text and images) and each distinct image once
+(zorro_core.integrations.openrlhf.vision).
+
 Served by OpenRLHF's own forward, with a one-time `DedupFallbackWarning` naming the reason: ring attention
-(`ring_attn_group`), vision inputs, a call without `action_mask` (full logits or every position's log-prob),
+(`ring_attn_group`), videos and images of other families, a vision-language model's call without
+images, a call without `action_mask` (full logits or every position's log-prob),
 MoE models (the router aux loss in `output` is not served yet), a layout other than one contiguous run of real
 tokens per row whose scored tokens are real and follow at least one token, a call with no scored token, a
 wrapper the dedup path does not serve (FSDP1, torch.compile), and whatever the actor refuses
@@ -48,13 +53,17 @@ from packaging.version import Version
 
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
+from zorro_core.actor.vision import VisionLanguageActor
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.integrations.core import DedupFallbackWarning, Fallback, require_attributes
 from zorro_core.integrations.deprecated import renamed
 from zorro_core.integrations.openrlhf.rows import RowSplit, split_rows
 from zorro_core.integrations.openrlhf.status import CallStats
+from zorro_core.integrations.openrlhf.vision import row_images, vision_reason
 from zorro_core.integrations.requires import require_trainer
 from zorro_core.integrations.wrappers import Wrapped, unwrap
+from zorro_core.models.vision import VISION_FAMILIES
+from zorro_core.plan.multimodal import MultimodalBatch
 
 # Before any of OpenRLHF's names is imported (an older release lacks them); TESTED_OPENRLHF below.
 require_trainer("openrlhf", "zorro_core.integrations.openrlhf", "openrlhf", "OpenRLHF 0.11", minimum="0.11")
@@ -161,7 +170,10 @@ class DedupActor(Actor):
         key = (id(inner), p.device, p.dtype)
         if self._zorro_actor is None or self._zorro_actor[0] != key:
             try:
-                actor: Any = DeduplicatedActor(model=inner, config=self._zorro_config)
+                vision = getattr(getattr(inner, "config", None), "model_type", None) in VISION_FAMILIES
+                actor: Any = (VisionLanguageActor if vision else DeduplicatedActor)(
+                    model=inner, config=self._zorro_config
+                )
                 # Each rank decides per call whether zorro serves it (a layout one rank cannot serve goes
                 # back to OpenRLHF there alone): a verdict exchange could wait for a rank that never comes.
                 actor.self_check.exchange = False
@@ -175,8 +187,13 @@ class DedupActor(Actor):
     ) -> tuple[Optional[str], Optional[Wrapped], Any]:
         if ring_attn_group is not None:
             return "ring attention (ring_attn_group) is not served by the dedup path", None, None
-        if mm_inputs or getattr(self, "is_vlm", False):
-            return "vision/multimodal inputs are not served by the dedup path", None, None
+        images = {k: v for k, v in mm_inputs.items() if v is not None}
+        if images:
+            why = vision_reason(getattr(self, "_vlm_config", None), images)
+            if why is not None:
+                return why, None, None
+        elif getattr(self, "is_vlm", False):
+            return "a vision-language model's call without images is not served (untested)", None, None
         if action_mask is None:
             return "a call without action_mask (full logits, or every position's log-prob) is not served", None, None
         if attention_mask is None:
@@ -214,13 +231,18 @@ class DedupActor(Actor):
         if reason is None:
             assert wrapped is not None and action_mask is not None and attention_mask is not None
             split = split_rows(attention_mask, action_mask)
+            images = None
+            if not isinstance(split, str) and any(v is not None for v in mm_inputs.values()):
+                images = row_images(sequences, attention_mask, mm_inputs, self._vlm_config)
+                if isinstance(images, str):
+                    split = images
             if isinstance(split, str):
                 reason = f"layout not served: {split}"
             else:
                 if return_entropy:
                     assert return_output  # OpenRLHF's own contract
                 try:
-                    results = wrapped.run(lambda: self._compute(actor, sequences, split, return_entropy))
+                    results = wrapped.run(lambda: self._compute(actor, sequences, split, return_entropy, images))
                 except UnsupportedModelError as e:
                     reason = f"the dedup path refuses this call: {e}"
                 else:
@@ -249,9 +271,11 @@ class DedupActor(Actor):
             **mm_inputs,
         )
 
-    def _compute(self, actor, sequences: torch.Tensor, split: "RowSplit", calculate_entropy: bool):
+    def _compute(self, actor, sequences: torch.Tensor, split: "RowSplit", calculate_entropy: bool, images=None):
         batch = split.batch(sequences)
-        out = actor.forward(batch, temperature=float(self.temperature), calculate_entropy=calculate_entropy)
+        # With images: the live rows' own, each unique prompt (text and images) once (openrlhf.vision).
+        inputs = batch if images is None else MultimodalBatch(batch, tuple(images[i] for i in split.live.tolist()))
+        out = actor.forward(inputs, temperature=float(self.temperature), calculate_entropy=calculate_entropy)
         self.zorro_stats.served(batch.prompts, batch.prompt_mask, batch.response_mask)
         self.zorro_stats.self_check = actor.self_check.metric()
         # A tuple of tensors only: DeepSpeed's engine (like DDP) looks for the outputs its backward waits on in it.

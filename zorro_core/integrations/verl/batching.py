@@ -54,7 +54,15 @@ def micro_batch_work(data) -> Optional[GroupedLengths]:
     column = torch.arange(int(plen_t.max()), device=plen_t.device)[None]
     in_prompt = column < plen_t[:, None]
     tokens = torch.where(in_prompt, values[(offsets[:-1][:, None] + column).clamp(max=values.numel() - 1)], 0)
-    same_prompt = prompt_groups(tokens, in_prompt).tolist()
+    same_prompt: list[Any] = prompt_groups(tokens, in_prompt).tolist()
+    if rows.images is not None:
+        # Rows with images share a prompt only as the vision actor groups them (text, images, positions).
+        from zorro_core.plan.multimodal import distinct_images, whole_prompt_groups
+
+        _, image_ids = distinct_images(rows.images.images)
+        whole = whole_prompt_groups(rows.images.batch, image_ids, True, rows.images.positions).tolist()
+        for k, i in enumerate(rows.live.tolist()):
+            same_prompt[i] = ("whole", whole[k])
     plen, rlen = plen_t.tolist(), rows.response_lens.tolist()
     ids: dict[Any, int] = {}
     group = []

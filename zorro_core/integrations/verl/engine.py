@@ -56,9 +56,13 @@ with the gradient convention of verl's `gather_outputs_and_unpad` (zorro_core.di
 Under SP the actor refuses, and verl's forward serves with the reason, mask mode, linear-attention
 layers, the MoE router aux loss and head counts the all-to-all cannot split.
 
+Images (`multi_modal_inputs` with verl's 3-D mRoPE position ids) of Qwen2.5-VL and Qwen3-VL are
+served by the vision actor, each distinct image encoded once and each response at verl's own
+positions (zorro_core.integrations.verl.vision).
+
 Served by verl's own forward, with a one-time `DedupFallbackWarning` naming the reason (never
-computed wrong): multi-modal inputs or 3-D (mrope) position ids,
-position ids other than 0..len-1 per row, fused kernels, `calculate_sum_pi_squared`, top-k
+computed wrong): videos, images of another family or under Ulysses,
+position ids other than 0..len-1 per row (text) or than verl's multimodal layout, fused kernels, `calculate_sum_pi_squared`, top-k
 distillation, routed-experts replay, an FSDP1 module (`strategy=fsdp`), a micro-batch without a
 prompt/response split (SFT data), per-row temperatures that differ, a micro-batch where every
 response is empty, and whatever the actor refuses (`UnsupportedModelError`).
@@ -236,7 +240,7 @@ class DedupFSDPEngine(FSDPEngineWithLMHead):
             note = _verl_version_note()
             if note:
                 self._zorro_fallback.note(note)
-            actor = self._zorro_actor_instance = DeduplicatedActor(model=self.module, config=self.zorro_config)
+            actor = self._zorro_actor_instance = _actor_class(self.module)(model=self.module, config=self.zorro_config)
         return actor
 
     def _autocast(self):
@@ -267,8 +271,8 @@ class DedupFSDPEngine(FSDPEngineWithLMHead):
         sp = sequence_parallel_of(self)
         lp_dtype, ent_dtype = self._verl_dtypes()
         with self._autocast():
-            out = actor.forward(
-                rows.batch, temperature=temperature, calculate_entropy=calculate_entropy, sequence_parallel=sp
+            out = rows.forward(
+                actor, temperature=temperature, calculate_entropy=calculate_entropy, sequence_parallel=sp
             )
             log_probs = out.log_probs if lp_dtype is None else out.log_probs.to(lp_dtype)
             model_output = {"log_probs": rows.to_nested(log_probs)}
@@ -321,6 +325,19 @@ class DedupFSDPEngine(FSDPEngineWithLMHead):
             if isinstance(value, torch.Tensor) and value.shape[0] == order.numel():
                 model_output[key] = _select_rows(value, inverse)
         return output
+
+
+def _actor_class(model) -> type[DeduplicatedActor]:
+    """The vision actor for a served vision-language family (it serves text-only rows as the text
+    actor does; zorro_core.integrations.verl.vision), else the text actor."""
+    from zorro_core.actor.vision import VisionLanguageActor
+    from zorro_core.integrations.verl.vision import serve_own_attention
+    from zorro_core.models.vision import VISION_FAMILIES
+
+    if getattr(getattr(model, "config", None), "model_type", None) not in VISION_FAMILIES:
+        return DeduplicatedActor
+    serve_own_attention(model)
+    return VisionLanguageActor
 
 
 def _select_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

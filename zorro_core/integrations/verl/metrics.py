@@ -6,7 +6,9 @@ against the tokens of its rows; `add_metrics` puts the rank's totals into the pa
 the data-parallel ranks and chains such lists (`TrainingWorker._postprocess_output`,
 `train_mini_batch`), and the trainer reduces them with `reduce_metrics` (the mean; the minimum
 for a key with "min"), so the actor update's figures reach the user's logger as
-"actor/zorro/...". `zorro/self_check` (when the actor's self-check ran: 1.0 passed, 0.0 failed and
+"actor/zorro/...". With images: `zorro/images` and `zorro/image_patches` (the rows' own) beside
+`zorro/images_encoded` and `zorro/image_patches_encoded` (what went through the vision tower).
+`zorro/self_check` (when the actor's self-check ran: 1.0 passed, 0.0 failed and
 fell back; zorro_core.actor.self_check) is the same on every rank (the ranks agree on the verdict).
 """
 
@@ -30,6 +32,14 @@ class MicroBatchStats:
     """Tokens of the rows (prompt + response each)."""
     computed_tokens: int
     """Tokens the forward computed."""
+    images: int = 0
+    """Image occurrences of the rows (each row's own)."""
+    encoded_images: int = 0
+    """Images through the vision tower (each distinct image once when served)."""
+    patches: int = 0
+    """Image patches of the rows."""
+    encoded_patches: int = 0
+    """Patches through the vision tower."""
 
 
 def stats_of(micro_batch: Any, rows: Optional[Any]) -> MicroBatchStats:
@@ -44,8 +54,27 @@ def stats_of(micro_batch: Any, rows: Optional[Any]) -> MicroBatchStats:
     plen = prompt_lengths(micro_batch)
     prompt_tokens = int(plen.sum()) if plen is not None else 0
     if rows is None:
-        return MicroBatchStats(False, prompt_tokens, prompt_tokens, tokens, tokens)
+        from zorro_core.integrations.verl.vision import image_totals
+
+        images, patches = image_totals(micro_batch)
+        return MicroBatchStats(False, prompt_tokens, prompt_tokens, tokens, tokens, images, images, patches, patches)
     batch = rows.batch
+    counts = getattr(rows, "image_counts", None)
+    if counts is not None:
+        # The vision actor's plan groups by the whole prompt (text, images, positions).
+        computed_prompt = int(rows.plan.unique_prompt_tokens)
+        computed = computed_prompt + int(batch.response_mask.bool().sum())
+        return MicroBatchStats(
+            True,
+            prompt_tokens,
+            computed_prompt,
+            tokens,
+            computed,
+            counts.images,
+            counts.encoded_images,
+            counts.patches,
+            counts.encoded_patches,
+        )
     group = prompt_groups(batch.prompts, batch.prompt_mask).tolist()
     row_plen = batch.prompt_mask.bool().sum(1).tolist()
     first: dict[int, int] = {}
@@ -78,6 +107,16 @@ def add_metrics(output: dict, stats: list[MicroBatchStats], self_check: Optional
         "zorro/computed_tokens": float(computed),
         "zorro/computed_over_logical": computed / tokens if tokens else 1.0,
     }
+    images = sum(s.images for s in stats)
+    if images:
+        figures.update(
+            {
+                "zorro/images": float(images),
+                "zorro/images_encoded": float(sum(s.encoded_images for s in stats)),
+                "zorro/image_patches": float(sum(s.patches for s in stats)),
+                "zorro/image_patches_encoded": float(sum(s.encoded_patches for s in stats)),
+            }
+        )
     for key, value in figures.items():
         metrics[key] = [value]
     return output

@@ -10,8 +10,11 @@ from typing import Optional
 import torch
 from verl.utils import tensordict_utils as tu
 
+from zorro_core.actor.vision import ImageCounts
 from zorro_core.distributed.ulysses import SequenceParallel
+from zorro_core.integrations.verl.vision import has_images, image_rows, mrope_of, vision_reason
 from zorro_core.plan.batch import RolloutBatch
+from zorro_core.plan.multimodal import MultimodalBatch
 
 __all__ = [
     "REFUSED",
@@ -32,12 +35,34 @@ REFUSED = "the dedup path refuses the model"
 class VerlRows:
     """A micro-batch's rows split into prompt and response (on the micro-batch's device)."""
 
-    def __init__(self, batch: RolloutBatch, live: torch.Tensor, offsets, prompt_lens, response_lens):
+    def __init__(
+        self,
+        batch: RolloutBatch,
+        live: torch.Tensor,
+        offsets,
+        prompt_lens,
+        response_lens,
+        images: Optional[MultimodalBatch] = None,
+    ):
         self.batch = batch
         """The live rows (a response of >= 1 token) in zorro's layout."""
         self.live = live
         """Their indices in the micro-batch."""
         self.offsets, self.prompt_lens, self.response_lens = offsets, prompt_lens, response_lens
+        self.images = images
+        """The live rows with their images and verl's mRoPE positions (a multimodal micro-batch), else None."""
+        self.image_counts: Optional[ImageCounts] = None
+        """What the vision actor encoded of them (set by `forward`)."""
+        self.plan = None
+        """The plan of the vision actor's call (set by `forward` with images)."""
+
+    def forward(self, actor, **kwargs):
+        """The actor on these rows: with their images and positions when the micro-batch has them."""
+        if self.images is None:
+            return actor.forward(self.batch, **kwargs)
+        out = actor.forward(self.images, **kwargs)
+        self.image_counts, self.plan = actor.last_images, out.plan
+        return out
 
     def to_nested(self, values: torch.Tensor) -> torch.Tensor:
         """[live, R] per-response-token values -> verl's nested layout over every row's tokens (0 elsewhere)."""
@@ -102,12 +127,19 @@ def rows_of(micro_batch) -> VerlRows | str:
     if bool((plen < 1).any()) or bool((rlen < 0).any()):
         return "a row's prompt is empty or longer than the row"
     position_ids = micro_batch["position_ids"]
-    if position_ids.dim() != 2:
-        return "3-D (mrope) position ids"
     row_of = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
     local = torch.arange(values.numel(), device=lens.device) - offsets[:-1][row_of]
-    if not torch.equal(position_ids.values().to(local.dtype), local):
+    mrope: Optional[list[torch.Tensor]] = None
+    if position_ids.dim() != 2:
+        # verl's multimodal layout [B, 4, len]: served through the vision actor with these positions.
+        found = mrope_of(position_ids, offsets)
+        if isinstance(found, str):
+            return found
+        mrope = found
+    elif not torch.equal(position_ids.values().to(local.dtype), local):
         return "position ids are not 0..len-1 per row (the dedup path numbers each sequence from 0)"
+    if mrope is None and has_images(micro_batch):
+        return "multi-modal inputs with 1-D position ids (verl gives a vision model's rows 3-D mRoPE positions)"
     prompts = micro_batch["prompts"]
     live = (rlen > 0).nonzero().flatten()
     if live.numel() == 0:
@@ -134,7 +166,14 @@ def rows_of(micro_batch) -> VerlRows | str:
     if not torch.equal(given.to(mine.dtype), mine):
         return "the prompt tokens in input_ids differ from `prompts`: not verl's layout"
     batch = RolloutBatch.of_validated(prompt_ids, p_valid.long(), response_ids, r_valid.long())
-    return VerlRows(batch, live, offsets, plen, rlen)
+    images = None
+    if mrope is not None:
+        every = image_rows(micro_batch)
+        if isinstance(every, str):
+            return every
+        keep = live.tolist()
+        images = MultimodalBatch(batch, tuple(every[i] for i in keep), tuple(mrope[i] for i in keep))
+    return VerlRows(batch, live, offsets, plen, rlen, images)
 
 
 def flag(micro_batch, key: str) -> bool:
@@ -153,12 +192,10 @@ def unserved_reason(engine, micro_batch) -> Optional[str]:
         return "top-k distillation (teacher tensors over every token)"
     if "routed_experts" in micro_batch.keys():
         return "routed-experts replay"
-    mm = micro_batch.get("multi_modal_inputs", None)
-    if mm is not None:
-        from verl.utils.model import extract_multi_modal_inputs
-
-        if extract_multi_modal_inputs(mm):
-            return "multi-modal inputs"
+    if has_images(micro_batch) or micro_batch["position_ids"].dim() != 2:
+        reason = vision_reason(engine, micro_batch)
+        if reason is not None:
+            return reason
     from verl.utils.fsdp_utils import fsdp_version
 
     if fsdp_version(engine.module) == 1:
