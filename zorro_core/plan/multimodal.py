@@ -10,18 +10,28 @@ The distinct images of a call are numbered once over the whole batch, so an imag
 several prompts (several groups) is encoded by the vision tower once. `mrope_positions` lays the
 model's own 3-D rotary positions of each unique prompt into the packed row and continues each
 response from its prompt, as the model numbers a whole [prompt + response] row.
+
+`sharing="prefix"` (`image_trie_plan`): the token trie is built over rows whose image placeholders
+are keyed by the image they hold. Each placeholder token gets its *slot* (its row in the distinct
+images' embeddings, concatenated: image i's k-th token is `offset_i + k`), and the trie compares a
+placeholder by `vocab + slot`, so rows share a run only while their text tokens and their images
+(by content) are the same, and a different image in otherwise equal tokens is where they diverge.
+Every row's 3-D positions are the model's own numbering of that row; they are laid into the packed
+row through each row's path (`trie_mrope_positions`), which checks that rows sharing a token gave it
+the same position (the model numbers a row causally, so they must; this is asserted, not assumed).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
 
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.prompt import PromptPlan, prompt_groups
+from zorro_core.plan.trie import TriePlan, build_trie_plan
 
 
 @dataclass(frozen=True)
@@ -180,3 +190,80 @@ def mrope_positions(
     # plan.position_ids of a response token is prompt_len + j: shifted onto the model's numbering.
     response_pos = (plan.position_ids - plan.prompt_lens[g] + next_position.to(dev)[g]).expand(3, t)
     return torch.where(is_prompt[None, :], prompt_pos, response_pos)
+
+
+def image_slots(
+    batch: RolloutBatch, image_ids: Sequence[Sequence[int]], tokens_of: Sequence[int], image_token_id: int
+) -> torch.Tensor:
+    """[B, P] the slot of each real prompt token that is an image placeholder (-1 elsewhere): its row
+    in the distinct images' embeddings concatenated, image i's k-th token at sum(tokens_of[:i]) + k.
+    `tokens_of[i]`: placeholder tokens of distinct image i (the caller checked each prompt holds them)."""
+    dev = batch.device
+    n = torch.tensor([0, *tokens_of], dtype=torch.long)
+    offset = torch.cumsum(n, 0)
+    is_image = (batch.prompts == image_token_id) & batch.prompt_mask.bool()
+    slots = torch.full(batch.prompts.shape, -1, dtype=torch.long, device=dev)
+    for r, ids in enumerate(image_ids):
+        if not ids:
+            continue
+        row = torch.cat([torch.arange(int(offset[i]), int(offset[i + 1])) for i in ids]).to(dev)
+        at = is_image[r].nonzero().flatten()
+        if at.numel() != row.numel():
+            raise ValueError(
+                f"prompt of row {r} holds {at.numel()} image placeholder tokens, its images need {row.numel()}"
+            )
+        slots[r, at] = row
+    return slots
+
+
+def image_trie_plan(
+    batch: RolloutBatch, slots: torch.Tensor, image_token_id: int, vocab_size: int, min_shared_tokens: int
+) -> tuple[TriePlan, torch.Tensor]:
+    """The prefix-tree plan of a batch with images, and [T] the slot of each packed token (-1: not an
+    image token). The trie compares image placeholders by slot (image and place in it), so a shared
+    run holds the same text and the same images; the plan's input_ids are the real token ids."""
+    batch.check_vocab(vocab_size)
+    key_base = max(vocab_size, int(batch.prompts.max()) + 1)
+    keyed = torch.where(slots >= 0, key_base + slots, batch.prompts.long())
+    plan = build_trie_plan(
+        RolloutBatch.of_validated(keyed, batch.prompt_mask, batch.responses, batch.response_mask),
+        min_shared_tokens=min_shared_tokens,
+    )
+    token_slot = torch.where(plan.input_ids >= key_base, plan.input_ids - key_base, -1)
+    real = torch.where(token_slot >= 0, torch.full_like(plan.input_ids, image_token_id), plan.input_ids)
+    return replace(plan, input_ids=real), token_slot
+
+
+def trie_row_index(plan: TriePlan) -> list[torch.Tensor]:
+    """Per row, [L_b] the packed position of each token of the row (prompt then response): its path
+    from the root to the node it ends in."""
+    parent, start, length = plan.node_parent.tolist(), plan.node_start.tolist(), plan.node_len.tolist()
+    out = []
+    for n in plan.row_node.tolist():
+        path = []
+        while n >= 0:
+            path.append(n)
+            n = parent[n]
+        out.append(torch.cat([torch.arange(start[m], start[m] + length[m]) for m in reversed(path)]))
+    return [x.to(plan.device) for x in out]
+
+
+def trie_mrope_positions(plan: TriePlan, row_positions: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[3, T] rotary positions of the packed trie row from `row_positions[b]` ([3, L_b], the model's own
+    numbering of row b's prompt and response). Raises RuntimeError when two rows through a packed
+    token number it differently (a shared run must be numbered alike by every row through it)."""
+    index = trie_row_index(plan)
+    if len(row_positions) != len(index):
+        raise ValueError(f"positions are given for {len(row_positions)} rows, the plan has {len(index)}")
+    for b, (pos, at) in enumerate(zip(row_positions, index)):
+        if pos.shape != (3, at.numel()):
+            raise ValueError(f"positions of row {b} have shape {tuple(pos.shape)}, its path {at.numel()} tokens")
+    at = torch.cat(index)
+    values = torch.cat([p.to(plan.device) for p in row_positions], 1).long()
+    out = torch.full((3, plan.num_tokens), -1, dtype=torch.long, device=plan.device)
+    out[:, at] = values
+    if bool((out < 0).any()) or not torch.equal(out[:, at], values):
+        raise RuntimeError(
+            "rows that share a packed token give it different 3-D positions: the prefix plan cannot share it"
+        )
+    return out
