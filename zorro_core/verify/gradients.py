@@ -89,7 +89,8 @@ class VerifyCase:
     dtype: str
     """float64, float32 or bfloat16."""
     layout: str
-    """padded (varied prompt and response lengths, a lone row, a prefix prompt) or unpadded (equal lengths)."""
+    """padded (varied prompt and response lengths, a lone row, a prefix prompt) or unpadded (equal lengths);
+    "images" for a vision model (zorro_core.verify.vision's batches: several images per prompt, ...)."""
     actor: ActorConfig
     """The actors' options: attn_implementation (eager, sdpa, flash_attention_2), use_split_attention
     (two varlen calls, or one masked attention over the packed row), logits_mode (none, compute,
@@ -232,10 +233,17 @@ def verify_batch(layout: str, vocab_size: int, seed: int = 0) -> RolloutBatch:
     return RolloutBatch.from_lists(prompts, responses)
 
 
+def vision_models() -> dict[str, str]:
+    """The vision models verify proves ({name: model type}; zorro_core.verify.vision.VISION_MODELS)."""
+    from zorro_core.verify.vision import VISION_MODELS  # it builds on this module: imported when asked
+
+    return dict(VISION_MODELS)
+
+
 def case_unavailable(case: VerifyCase, device: str) -> Optional[str]:
     """Why a case cannot run on `device`, or None."""
     attn, split = case.actor.attn_implementation, case.actor.use_split_attention
-    if case.model not in PRESETS:
+    if case.model not in PRESETS and case.model not in vision_models():
         return f"unknown preset {case.model!r}"
     if case.dtype not in DTYPES:
         return f"unknown dtype {case.dtype!r}"
@@ -372,6 +380,8 @@ class Verifier:
         why = case_unavailable(case, self.device)
         if why:
             return CaseResult(case, "skip", why)
+        if case.model in vision_models():
+            return self.run_vision(case)
         t0 = time.perf_counter()
         try:
             model = self.model(case.model, case.dtype)
@@ -417,6 +427,17 @@ class Verifier:
             checked,
         )
 
+    def run_vision(self, case: VerifyCase) -> CaseResult:
+        """A vision model's case (zorro_core.verify.vision): its own batches with images; LoRA and the
+        prompt-once schedule are not run with images (skipped with the reason)."""
+        from zorro_core.verify.vision import run_verify_case
+
+        if self.lora_rank:
+            return CaseResult(case, "skip", "--lora is not run on the vision models")
+        if self.schedule:
+            return CaseResult(case, "skip", "the prompt-once schedule is not served with images")
+        return run_verify_case(case, self.device, self.seed, self.factor, self.bug, self.checkpointing)
+
     def self_check(self, actor, batch) -> str:
         """The self-check's verdict on the case (CaseResult.self_check): run on CUDA, and on CPU for
         the split-mode backends that run a kernel (flash_cpu, flash_cpu_gather)."""
@@ -444,11 +465,19 @@ def expand_cases(
 ) -> list[VerifyCase]:
     """Every combination, in a stable order (model outermost); each case's actor options are
     `actor`'s (default ActorConfig()) with its attention, split or mask mode and logits mode. Split
-    cases run once per varlen backend (None: the attention's default); mask cases take none."""
+    cases run once per varlen backend (None: the attention's default); mask cases take none. A vision
+    model (vision_models()) runs its own batches with images: one layout, "images", for it."""
     actor = actor or ActorConfig()
     backends = list(varlen_backends)
+    layouts, vision = list(layouts), vision_models()
     cases = []
-    for m, d, lay, a, mode, lm in itertools.product(models, dtypes, layouts, attns, modes, logits_modes):
+    attns, modes, logits_modes = list(attns), list(modes), list(logits_modes)
+    rows = [
+        (m, d, lay, a, mode, lm)
+        for m, d in itertools.product(models, dtypes)
+        for lay, a, mode, lm in itertools.product(["images"] if m in vision else layouts, attns, modes, logits_modes)
+    ]
+    for m, d, lay, a, mode, lm in rows:
         for be in backends if mode == "split" else [None]:
             options = dict(attn_implementation=a, use_split_attention=mode == "split", logits_mode=lm)
             if be is not None:
