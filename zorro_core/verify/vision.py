@@ -34,8 +34,8 @@ from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.dtypes import DTYPES as TORCH_DTYPES
 from zorro_core.plan.multimodal import Image, MultimodalBatch
 from zorro_core.stack.checkpointing import CHECKPOINTING, enable_checkpointing
-from zorro_core.verify.gradients import FACTOR, TEMPERATURE, CaseResult, Errors, VerifyCase, judge
 from zorro_core.verify.reference import loss_of, max_abs_error, rel_grad_errors, token_weights
+from zorro_core.verify.rule import FACTOR, TEMPERATURE, CaseResult, Errors, VerifyCase, judge
 from zorro_core.verify.vision_reference import vision_per_sequence
 
 FAMILIES = tuple(sorted(VISION_FAMILIES))
