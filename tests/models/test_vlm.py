@@ -428,3 +428,20 @@ def test_prefix_sharing_low_precision_stays_within_the_plain_computations_noise(
     assert d_ent <= LOW_PRECISION_FACTOR * p_ent + LOGPROB_ATOL, (d_ent, p_ent)
     worse = {n: (e, p_g[n]) for n, e in d_g.items() if e > LOW_PRECISION_FACTOR * p_g[n] + GRAD_RTOL}
     assert not worse, worse
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_the_device_fingerprint_buckets_by_every_bit(dtype):
+    """The key a GPU's images are bucketed by (computed on their device, no pixel copied to the host):
+    equal for equal pixels, changed by one value's last bit or by two values swapped."""
+    from zorro_core.plan.multimodal import _fingerprint
+
+    x = torch.randn(64, 24, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert torch.equal(_fingerprint(x), _fingerprint(x.clone()))
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
+    flipped = x.clone()
+    flipped.view(-1).view(bits)[7] ^= 1
+    swapped = x.clone()
+    swapped[0, 0], swapped[0, 1] = x[0, 1], x[0, 0]
+    assert not torch.equal(_fingerprint(x), _fingerprint(flipped))
+    assert not torch.equal(_fingerprint(x), _fingerprint(swapped))

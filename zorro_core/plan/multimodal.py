@@ -3,8 +3,10 @@
 A row's prompt is its text tokens and its images. Two rows share a group only when both are the
 same: the same real prompt tokens (as `prompt_groups` compares them) and the same images in the
 same order, images compared by content (dtype, shape, grid and every pixel value's bytes; a
-hash buckets them, `torch.equal` decides), never by object identity. So two rows with the same
-text and different images are two prompts, and one image tensor passed twice is one image.
+key buckets them, `torch.equal` decides), never by object identity. So two rows with the same
+text and different images are two prompts, and one image tensor passed twice is one image. The
+keys are computed where the pixels are (on a GPU a fingerprint of their bits: no pixel is copied
+to the host) and `torch.equal` decides on that device.
 
 The distinct images of a call are numbered once over the whole batch, so an image that recurs in
 several prompts (several groups) is encoded by the vision tower once. `mrope_positions` lays the
@@ -58,22 +60,56 @@ class Image:
             raise ValueError(f"grid_thw {grid} holds {grid[0] * grid[1] * grid[2]} patches, pixel_values {pv.shape[0]}")
         object.__setattr__(self, "grid_thw", grid)
 
-    def content_key(self) -> bytes:
-        """A digest of the image's content: dtype, shape, grid and the bytes of every pixel value."""
-        pv = self.pixel_values.detach().to("cpu").contiguous()
-        h = hashlib.sha256(f"{pv.dtype}|{tuple(pv.shape)}|{self.grid_thw}|".encode())
-        h.update(pv.view(torch.uint8).numpy().tobytes())
-        return h.digest()
+    def content_key(self) -> tuple:
+        """A key of the image's content that buckets it (dtype, shape, grid and a fingerprint of every
+        pixel value's bits, computed where the pixels are); `same_content` decides."""
+        return content_keys([self])[0]
 
     def same_content(self, other: "Image") -> bool:
-        """Exactly the same image (what the digest only buckets)."""
-        a, b = self.pixel_values, other.pixel_values
+        """Exactly the same image (what the key only buckets): every pixel value's bits compared, on
+        this image's device."""
+        a, b = self.pixel_values.detach(), other.pixel_values.detach()
         return (
             self.grid_thw == other.grid_thw
             and a.dtype == b.dtype
             and a.shape == b.shape
-            and torch.equal(a.detach().cpu(), b.detach().cpu())
+            and torch.equal(a, b.to(a.device))
         )
+
+
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _fingerprint(pixels: torch.Tensor) -> torch.Tensor:
+    """[2] int64 on the pixels' device: the sum of the pixel values' bit patterns, plain and weighted
+    by position (wrapping in int64, which is exact and order-free on every device). It only buckets
+    images (equal images have equal fingerprints; `Image.same_content` decides), so no pixel is
+    copied to the host for it."""
+    flat = pixels.detach().contiguous().view(-1)
+    words = flat.view(_WORDS[flat.element_size()]).to(torch.int64)
+    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
+    return torch.stack([words.sum(), (words * weights).sum()])
+
+
+def content_keys(images: Sequence[Image]) -> list[tuple]:
+    """The content key of each image (see `Image.content_key`). Pixels on the host: a SHA-256 of their
+    bytes (no copy needed). Elsewhere (a GPU): fingerprints computed on the device and brought to the
+    host together, one small copy a device, instead of every image's pixels."""
+    values: list = [None] * len(images)
+    on_device: dict[torch.device, list[int]] = {}
+    for i, img in enumerate(images):
+        pv = img.pixel_values.detach()
+        if pv.device.type == "cpu":
+            values[i] = hashlib.sha256(pv.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).digest()
+        else:
+            on_device.setdefault(pv.device, []).append(i)
+    for idx in on_device.values():
+        prints = torch.stack([_fingerprint(images[i].pixel_values) for i in idx]).tolist()
+        for i, v in zip(idx, prints):
+            values[i] = tuple(v)
+    return [
+        (str(img.pixel_values.dtype), tuple(img.pixel_values.shape), img.grid_thw, v) for img, v in zip(images, values)
+    ]
 
 
 @dataclass(frozen=True)
@@ -134,7 +170,8 @@ def distinct_images(rows: Sequence[Sequence[Image]], share: bool = True) -> tupl
     numbers. `share=False`: every occurrence its own image (the plain computation's encoding)."""
     distinct: list[Image] = []
     ids: list[list[int]] = []
-    buckets: dict[bytes, list[int]] = {}
+    buckets: dict[tuple, list[int]] = {}
+    keys = iter(content_keys([img for row in rows for img in row]) if share else [])
     for row in rows:
         row_ids = []
         for img in row:
@@ -142,7 +179,7 @@ def distinct_images(rows: Sequence[Sequence[Image]], share: bool = True) -> tupl
                 row_ids.append(len(distinct))
                 distinct.append(img)
                 continue
-            key = img.content_key()
+            key = next(keys)
             same = next((j for j in buckets.get(key, ()) if distinct[j].same_content(img)), None)
             if same is None:
                 same = len(distinct)
