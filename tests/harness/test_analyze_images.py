@@ -141,3 +141,50 @@ def test_images_without_grids_are_refused(tmp_path):
     data = _write(tmp_path / "img.jsonl", [{"prompt_ids": [1, IMG], "completion_ids": [3], "images": ["a.png"]}])
     res = runner.invoke(app, ["analyze", "--data", data, "--model", "tiny-qwen3", "--image-token-id", str(IMG)])
     assert res.exit_code == 2 and "holds images but the data has no image grid column" in res.output, res.output
+
+
+def test_chat_prompts_with_the_tokenizers_image_token(tmp_path):
+    """Chat data whose user turn holds Qwen's <|vision_start|><|image_pad|><|vision_end|>, a tokenizer
+    that has <|image_pad|> (found without --image-token-id), images in parquet as datasets' {bytes,
+    path}: each placeholder becomes its image's 16 tokens; rows with the same image bytes share them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["What is in the picture? A cat, a dog."] * 5, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<unk>")
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    fast.save_pretrained(str(tmp_path / "tok"))
+    pad = fast.convert_tokens_to_ids("<|image_pad|>")
+    image = "<|vision_start|><|image_pad|><|vision_end|>"
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"{image}What is in the picture?"}],
+            "completion": "A cat.",
+            "image_grid_thw": [[1, 8, 8]],
+            "images": [{"bytes": b"cat" if i < 2 else b"dog", "path": None}],
+        }
+        for i in range(3)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "vlm.parquet"))
+    args = ["analyze", "--data", str(tmp_path / "vlm.parquet"), "--tokenizer", str(tmp_path / "tok")]
+    args += ["--model", "Qwen/Qwen3-8B", "--batching", "groups", "--batch-size", "6", "--group-size", "2", "--json"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.output)
+    im = r["data"]["images"]
+    assert im["image_token_id"] == pad and im["identity"] == "content"
+    assert im["image_tokens_per_prompt"]["min"] == im["image_tokens_per_prompt"]["max"] == 16
+    assert r["data"]["distinct_prompts"] == 2  # rows 0 and 1: the same text and the same image bytes
+    assert im["image_tokens"] == {"baseline": 6 * 16, "prompt": 2 * 16}
+    assert im["vision_tower_images"] == {"baseline": 6, "dedup": 2}
