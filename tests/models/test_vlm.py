@@ -288,28 +288,15 @@ def test_micro_batching_an_image_batch_is_refused():
 
 
 def prefix_batch(seed: int = 0) -> MultimodalBatch:
-    """Rows that share prefixes of text and images: {0, 1, 6, 8} share [t1, a, 8] (6 holds a as another
-    tensor, 8's prompt ends there and its response runs on as 0's prompt does); 2 is 0's tokens with
-    another image b of the same grid (they diverge at the image); 3 and 4 share a whole prompt of two
-    images (a recurring from the first rows, then c); 5 shares [t2, a] with them and diverges where c
-    starts; 7 is text only. a, b and c are the call's three distinct images."""
-    g = torch.Generator().manual_seed(seed)
-    a, b, c = _image(g, 4, 4), _image(g, 4, 4), _image(g, 2, 4)
-    a_copy = Image(a.pixel_values.clone(), a.grid_thw)
-    t1, t2 = [5, 6, 7], [9, 10]
-    rows = [
-        (t1 + _placeholders(a) + [8, 30, 31], (a,), [11, 12, 13]),
-        (t1 + _placeholders(a) + [8, 32], (a,), [14, 15]),
-        (t1 + _placeholders(b) + [8, 30, 31], (b,), [16, 17, 18, 19]),
-        (t2 + _placeholders(a) + _placeholders(c) + [3], (a, c), [20]),
-        (t2 + _placeholders(a) + _placeholders(c) + [3], (a, c), [23, 24, 25]),
-        (t2 + _placeholders(a) + [3, 40], (a,), [21, 22]),
-        (t1 + _placeholders(a_copy) + [8, 30, 31], (a_copy,), [11, 12, 41]),
-        ([4, 5, 6, 7], (), [26, 27]),
-        (t1 + _placeholders(a) + [8], (a,), [30, 31, 42]),
-    ]
-    batch = RolloutBatch.from_lists([r[0] for r in rows], [r[2] for r in rows])
-    return MultimodalBatch(batch, tuple(r[1] for r in rows))
+    """zorro verify's prefix batch (zorro_core.verify.vision.vision_prefix_batch): rows {0, 1, 6, 8}
+    share [t1, a, 8] (6 holds a as another tensor, 8's prompt ends there and its response runs on as
+    0's prompt does); 2 is 0's tokens with another image b of the same grid (they diverge at the
+    image); 3 and 4 share a whole prompt of two images (a recurring from the first rows, then c); 5
+    shares [t2, a] with them and diverges where c starts; 7 is text only. a, b and c are the call's
+    three distinct images."""
+    from zorro_core.verify.vision import vision_prefix_batch
+
+    return vision_prefix_batch(tiny_config("qwen2_5_vl"), seed)
 
 
 def _prefix_actor(model, **options):

@@ -5,8 +5,8 @@ tower once per distinct image of the call, places the embeddings once into each 
 the packed row, gives the row the model's own 3-D mRoPE positions (zorro_core.plan.multimodal)
 and runs the text decoder through the attention hook as for text. With `sharing="prefix"` rows
 share the longest runs of equal text and equal images (a token trie whose image placeholders are
-keyed by their image's content), each row's positions its own numbering by the model. A RolloutBatch (no images) goes
-the text actor's way. BaselineVisionLanguageActor is the plain computation on the same path:
+keyed by their image's content), each row's positions its own numbering by the model. A
+RolloutBatch (no images) goes the text actor's way. BaselineVisionLanguageActor is the plain computation on the same path:
 every row its own prompt, every image occurrence encoded.
 """
 

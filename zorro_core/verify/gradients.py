@@ -62,7 +62,7 @@ from zorro_core.verify.rule import (  # noqa: F401 - the rule's names, importabl
     finite_or_none,
     judge,
 )
-from zorro_core.verify.vision import VISION_MODELS, run_verify_case
+from zorro_core.verify.vision import IMAGES_LAYOUT, VISION_MODELS, run_verify_case
 
 
 def tiny_models() -> list[str]:
@@ -333,7 +333,9 @@ def expand_cases(
     rows = [
         (m, d, lay, a, mode, lm)
         for m, d in itertools.product(models, dtypes)
-        for lay, a, mode, lm in itertools.product(["images"] if m in vision else layouts, attns, modes, logits_modes)
+        for lay, a, mode, lm in itertools.product(
+            [IMAGES_LAYOUT] if m in vision else layouts, attns, modes, logits_modes
+        )
     ]
     for m, d, lay, a, mode, lm in rows:
         for be in backends if mode == "split" else [None]:
