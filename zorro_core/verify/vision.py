@@ -233,7 +233,10 @@ def run_vision_case(
         config = tiny_config(case.family)
         options = _actor_config(case)
         attn = options.attn_implementation or "sdpa"
-        model64 = build_vision_model(config, dtype=torch.float64, seed=seed, attn_implementation=attn)
+        # The reference runs eager or sdpa in float64 (a GPU kernel such as flash_attention_2 has no
+        # float64); the actors' copy takes the case's attention.
+        ref_attn = attn if attn in ("eager", "sdpa") else "sdpa"
+        model64 = build_vision_model(config, dtype=torch.float64, seed=seed, attn_implementation=ref_attn)
         if case.frozen_tower:
             for p in model64.model.visual.parameters():
                 p.requires_grad_(False)
@@ -241,6 +244,8 @@ def run_vision_case(
         weights = token_weights(mm.batch, seed)
         ref = vision_per_sequence(model64, mm, TEMPERATURE, weights=weights)
         model = copy.deepcopy(model64).to(device=device, dtype=TORCH_DTYPES[case.dtype])
+        if attn != ref_attn:
+            model.set_attn_implementation(attn)
         if case.checkpointing:
             enable_checkpointing(model, case.checkpointing)
             model.train()
