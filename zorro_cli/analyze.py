@@ -95,6 +95,24 @@ def analyze(
     plots: Optional[str] = typer.Option(
         None, "--plots", help="--data: write ideal-vs-group-size and shared-prefix-length plots (PNG) into DIR."
     ),
+    image_grid_column: Optional[str] = typer.Option(
+        None,
+        "--image-grid-column",
+        help="--data: per row, each image's [t, h, w] patch grid (default: image_grid_thw); its image tokens "
+        "(t*h*w / merge²) are counted in the prompts.",
+    ),
+    image_column: Optional[str] = typer.Option(
+        None,
+        "--image-column",
+        help="--data: per row, its images (paths/URLs or {bytes, path}; default: images, image), only to tell "
+        "images apart (nothing is opened); without it each data row's images are its own.",
+    ),
+    image_token_id: Optional[int] = typer.Option(
+        None, "--image-token-id", help="--data: the image placeholder token (default: the tokenizer's <|image_pad|>)."
+    ),
+    spatial_merge: int = typer.Option(
+        2, "--spatial-merge-size", help="--data: the vision tower's spatial merge (2 for Qwen2.5-VL / Qwen3-VL)."
+    ),
 ) -> None:
     """Total, unique and redundant tokens of a workload and the ideal speedup of each kind of work."""
     check_name("--plots", plots)
@@ -122,6 +140,10 @@ def analyze(
                 model=model,
                 logits_mode=logits_mode.value,
                 plots=plots,
+                image_grid_column=image_grid_column,
+                image_column=image_column,
+                image_token_id=image_token_id,
+                spatial_merge=spatial_merge,
             ),
             as_json,
         )

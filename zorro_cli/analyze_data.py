@@ -40,6 +40,10 @@ class DataArgs:
     model: str
     logits_mode: str
     plots: Optional[str]
+    image_grid_column: Optional[str] = None
+    image_column: Optional[str] = None
+    image_token_id: Optional[int] = None
+    spatial_merge: int = 2
 
 
 MAX_TEMPLATE_BYTES = MAX_TEMPLATE_CHARS
@@ -75,9 +79,12 @@ def _check_counts(a: DataArgs) -> None:
         ("--generation-batch-size", a.generation_batch_size),
         ("--response-len", a.response_len),
         ("--max-len", a.max_len),
+        ("--spatial-merge-size", a.spatial_merge),
     ):
         if value is not None and value < 1:
             fail(f"{flag} must be >= 1, got {value}")
+    if a.image_token_id is not None and a.image_token_id < 0:
+        fail(f"--image-token-id must be >= 0, got {a.image_token_id}")
     if a.group_size > MAX_SIMULATED_ROWS:
         fail(f"--group-size {a.group_size:,} is over the {MAX_SIMULATED_ROWS:,} rows the simulation holds")
 
@@ -111,6 +118,10 @@ def run(a: DataArgs, as_json: bool) -> None:
                 completions="all" if a.rollouts else "sample",
                 vocab_size=getattr(config, "vocab_size", None),
                 chat_template_name=a.chat_template,
+                image_grid_column=a.image_grid_column,
+                image_column=a.image_column,
+                image_token_id=a.image_token_id,
+                spatial_merge=a.spatial_merge,
             )
             simulated = data.rows * a.group_size
             if not a.rollouts and simulated > MAX_SIMULATED_ROWS:
@@ -173,6 +184,15 @@ def print_report(r: dict) -> None:
         f"{style}{oc['rows']:,}"
         + (f" (longest {oc['longest']:,}; rows {oc['first_rows']}...)[/]" if oc["rows"] else ""),
     )
+    im = d.get("images")
+    if im:
+        it = im["image_tokens_per_prompt"]
+        t.add_row(
+            "images (rows with images / images)", f"{im['rows_with_images']:,} / {im['images']:,} ({im['identity']})"
+        )
+        t.add_row(
+            "image tokens a prompt (min / median / max)", f"{it['min']:.0f} / {it['median']:.0f} / {it['max']:.0f}"
+        )
     if b["mode"] == "rollouts":
         t.add_row("batching", f"rollouts in file order, calls of {b['batch_size']} rows: {b['calls']:,} calls")
     else:
@@ -200,6 +220,15 @@ def print_report(r: dict) -> None:
         f"{pp['total_forward']:.2f}x / {pp['total_forward_backward']:.2f}x",
     )
     w.add_row("shared by the trie beyond identical prompts", _n(p["beyond_identical_prompts_tokens"]), "")
+    im = r["data"].get("images")
+    if im:
+        tok, vis = im["image_tokens"], im["vision_tower_images"]
+        w.add_row(
+            'image tokens: every row / sharing="prompt"',
+            f"{_n(tok['baseline'])} / {_n(tok['prompt'])} ({1 - tok['prompt'] / max(tok['baseline'], 1):.0%} saved)",
+            "",
+        )
+        w.add_row("images through the vision tower: every row / dedup", f"{vis['baseline']:,} / {vis['dedup']:,}", "")
     w.add_row("prompt dedup ratio", f"{r['prompt_dedup_ratio']:.0%}", "")
     console.print(w)
 

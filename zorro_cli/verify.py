@@ -37,6 +37,7 @@ from zorro_core.verify.gradients import (
     expand_cases,
     tiny_models,
     verify_cases,
+    vision_models,
 )
 from zorro_core.verify.planted_bugs import BUGS
 from zorro_core.verify.training import TRAIN_FACTOR, TRAIN_RULE, TrainConfig, verify_training
@@ -52,7 +53,10 @@ _BUG_HELP = "Hidden, for testing the verifier: corrupt every dedup plan (" + ", 
 GRADIENTS_HELP = (
     "Every combination of model x attention x dtype x layout x split/mask x logits mode available here: "
     "the deduplicated actor and the baseline against each sequence run alone in float64 (log-probs, "
-    "entropy, every parameter's gradient). Exit code 1 on any failure.\n\n" + RULE
+    "entropy, every parameter's gradient). The vision models (tiny-qwen2.5-vl, tiny-qwen3-vl) run their own "
+    "batches with images (several images per prompt, images recurring across groups; with --sharing prefix, "
+    "rows that share text and images and diverge at an image) against each row alone with its own "
+    "pixel_values; their layout is 'images'. Exit code 1 on any failure.\n\n" + RULE
 )
 TRAINING_HELP = (
     "K AdamW steps of a GRPO-style loss (group-normalised advantages, clipped ratio, entropy bonus) "
@@ -96,9 +100,12 @@ def _verdict(results) -> tuple[dict[str, int], bool]:
 
 
 def _models(values: Optional[list[str]]) -> list[str]:
-    """The --models checked: presets, and small enough for this machine's memory (verify.guard)."""
-    models = _split(values, list(PRESETS), tiny_models(), "--models")
-    why = verify_too_large(models)
+    """The --models checked: presets and the vision models, and small enough for this machine's memory
+    (verify.guard; the vision models are tiny configs built in code)."""
+    vision = list(vision_models())
+    models = _split(values, list(PRESETS) + vision, tiny_models() + vision, "--models")
+    text = [m for m in models if m not in vision]
+    why = verify_too_large(text) if text else None
     if why:
         fail(f"--models: {why}")
     return models
@@ -124,7 +131,10 @@ def _bug(name: Optional[str]) -> Optional[str]:
 
 def gradients(
     models: Optional[list[str]] = typer.Option(
-        None, "--models", help="Presets, comma-separated (default: every tiny-* preset of a supported family)."
+        None,
+        "--models",
+        help="Presets, comma-separated (default: every tiny-* preset of a supported family, and the vision "
+        "models tiny-qwen2.5-vl and tiny-qwen3-vl, run with images).",
     ),
     attn: Optional[list[str]] = typer.Option(
         None,
@@ -336,7 +346,10 @@ def _gradients_table(results, counts, seconds, dev, bug, top) -> None:
 def training(
     steps: int = typer.Option(5, "--steps", help="AdamW steps."),
     models: Optional[list[str]] = typer.Option(
-        None, "--models", help="Presets, comma-separated (default: every tiny-* preset of a supported family)."
+        None,
+        "--models",
+        help="Presets, comma-separated (default: every tiny-* preset of a supported family, and the vision "
+        "models tiny-qwen2.5-vl and tiny-qwen3-vl, run with images).",
     ),
     attn: Optional[list[str]] = typer.Option(
         None,

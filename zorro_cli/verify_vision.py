@@ -11,15 +11,16 @@ from rich.table import Table
 
 from zorro_cli.console import STATUS_STYLE, console, escape, fail, print_json
 from zorro_core.verify.gradients import RULE
-from zorro_core.verify.vision import BUGS, DTYPES, FAMILIES, MODES, run_vision_case, vision_cases
+from zorro_core.verify.vision import BUGS, DTYPES, FAMILIES, MODES, SHARINGS, run_vision_case, vision_cases
 
 HELP = (
     "Qwen2.5-VL and Qwen3-VL (tiny random configs built in code) with images: several images per prompt, the "
     "same text with another image, an image recurring across groups. The deduplicated vision actor (each unique "
     "prompt and each distinct image once) and the plain one against each row run alone through the unmodified "
     "model with its own pixel_values in float64: log-probs, entropy, every gradient (the vision tower's "
-    "included). Whole-prompt sharing only (prefix sharing is refused with images). Exit code 1 on any "
-    "failure.\n\n" + RULE
+    "included). Both sharing modes: prompt (whole prompts, text and images) and prefix (rows share runs of "
+    "text and images, diverging at a different image). The same cases run in `zorro verify gradients "
+    "--models tiny-qwen2.5-vl,tiny-qwen3-vl`. Exit code 1 on any failure.\n\n" + RULE
 )
 
 
@@ -42,6 +43,9 @@ def vision(
     ),
     dtype: Optional[list[str]] = typer.Option(None, "--dtype", help=f"dtypes ({', '.join(DTYPES)}; default all)."),
     mode: Optional[list[str]] = typer.Option(None, "--mode", help=f"{', '.join(MODES)} (default both)."),
+    sharing: Optional[list[str]] = typer.Option(
+        None, "--sharing", help=f"The deduplicated actor's sharing ({', '.join(SHARINGS)}; default both)."
+    ),
     checkpointing: bool = typer.Option(
         True,
         "--checkpointing/--no-checkpointing",
@@ -56,9 +60,10 @@ def vision(
     if inject_bug is not None and inject_bug not in BUGS:
         fail(f"--inject-bug: unknown bug {inject_bug!r}; choose from {', '.join(BUGS)}")
     fams = _list(families, FAMILIES, "--families")
-    cases = vision_cases(fams, _list(dtype, DTYPES, "--dtype"), _list(mode, MODES, "--mode"))
+    sharings = _list(sharing, SHARINGS, "--sharing")
+    cases = vision_cases(fams, _list(dtype, DTYPES, "--dtype"), _list(mode, MODES, "--mode"), sharings=sharings)
     if checkpointing:
-        cases += vision_cases(fams, ["float64"], ["split"], ["non-reentrant", "reentrant"], [True])
+        cases += vision_cases(fams, ["float64"], ["split"], ["non-reentrant", "reentrant"], [True], sharings)
     t0 = time.perf_counter()
     results = [run_vision_case(c, seed, inject_bug) for c in cases]
     seconds = time.perf_counter() - t0

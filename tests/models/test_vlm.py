@@ -189,10 +189,7 @@ def test_what_the_vision_path_cannot_compute_is_refused(prompt, response, error,
         VisionLanguageActor(model=model)(mm)
 
 
-def test_prefix_sharing_and_unserved_families_are_refused():
-    model = _model("qwen2_5_vl")
-    with pytest.raises(UnsupportedModelError, match="sharing='prefix' with images"):
-        VisionLanguageActor(model=model, sharing="prefix")(vision_batch())
+def test_unserved_families_are_refused():
     from zorro_core.models.presets import build_model, preset_config
 
     text_model = build_model(preset_config("tiny-qwen3"))
@@ -324,3 +321,153 @@ def test_given_positions_are_laid_exactly(family):
     assert (out.log_probs.detach() - ref)[0].abs().max().item() < LOGPROB_ATOL
     with pytest.raises(ValueError, match=r"positions of row 0 must be an integer \[3, "):
         MultimodalBatch(mm.batch, mm.images, (given[0][:, :-1],) + given[1:])
+
+
+# ---------------------------------------------------------------- sharing="prefix" with images
+
+
+def prefix_batch(seed: int = 0) -> MultimodalBatch:
+    """zorro verify's prefix batch (zorro_core.verify.vision.vision_prefix_batch): rows {0, 1, 6, 8}
+    share [t1, a, 8] (6 holds a as another tensor, 8's prompt ends there and its response runs on as
+    0's prompt does); 2 is 0's tokens with another image b of the same grid (they diverge at the
+    image); 3 and 4 share a whole prompt of two images (a recurring from the first rows, then c); 5
+    shares [t2, a] with them and diverges where c starts; 7 is text only. a, b and c are the call's
+    three distinct images."""
+    from zorro_core.verify.vision import vision_prefix_batch
+
+    return vision_prefix_batch(tiny_config("qwen2_5_vl"), seed)
+
+
+def _prefix_actor(model, **options):
+    return VisionLanguageActor(model=model, sharing="prefix", min_shared_tokens=options.pop("min_shared", 1), **options)
+
+
+@pytest.mark.parametrize("split,attn,backend", MODES)
+def test_prefix_sharing_with_images_equals_each_row_alone(family, split, attn, backend):
+    model = _model(family, attn)
+    actor = _prefix_actor(model, use_split_attention=split, varlen_backend=backend)
+    mm = prefix_batch()
+    out, grads = _assert_exact(actor, mm)
+    plan = out.plan
+    assert plan.sharing == "prefix"
+    assert any(n.startswith("model.visual.") for n in grads), "the vision tower got no gradient"
+    # What is shared: [t1, a, 8] once for rows 0, 1, 6 and 8 (17 tokens), 0's and 6's whole prompt
+    # and first two response tokens once; b's row apart from its first three tokens.
+    assert plan.num_tokens < mm.batch.prompt_mask.sum() + mm.batch.response_mask.sum()
+    prompt_plan = VisionLanguageActor(model=model)(mm).plan
+    assert plan.num_tokens < prompt_plan.num_tokens
+
+
+def test_prefix_sharing_splits_at_a_different_image_and_keys_images_by_content():
+    """The trie's nodes: rows 0 and 2 (same tokens, images a and b) share only the text before the
+    image; rows 0 and 6 (a as two tensors) share their whole prompt."""
+    from zorro_core.plan.multimodal import image_slots, image_trie_plan, trie_row_index
+
+    mm = prefix_batch()
+    distinct, ids = distinct_images(mm.images)
+    assert len(distinct) == 3 and ids[0] == ids[6] == ids[8] == [0] and ids[2] == [1]
+    slots = image_slots(mm.batch, ids, [4, 4, 2], IMAGE)
+    plan, token_slot = image_trie_plan(mm.batch, slots, IMAGE, 256, 1)
+    rows = trie_row_index(plan)
+
+    def common(i: int, j: int) -> int:  # packed tokens two rows' paths share (a common prefix)
+        n = min(len(rows[i]), len(rows[j]))
+        same = (rows[i][:n] == rows[j][:n]).tolist() + [False]
+        return same.index(False)
+
+    assert common(0, 2) == 4  # t1 and the vision start token, then a's tokens vs b's
+    assert common(0, 6) == 12 + 2  # the whole prompt (t1, a in 6 tokens, 8, 30, 31) and responses' [11, 12]
+    assert common(0, 8) == 12 + 0  # 8's prompt (10 tokens) and its response's [30, 31] are 0's prompt
+    assert common(3, 5) == 2 + 6  # t2 and a (start, 4 tokens, end), then c's start vs text 3
+    assert plan.input_ids.max() < 256 and bool((plan.input_ids[token_slot >= 0] == IMAGE).all())
+    # a's 4 tokens once under t1 (rows 0, 1, 6, 8) and once under t2 (rows 3, 4, 5); b's and c's once.
+    assert torch.bincount(token_slot[token_slot >= 0]).tolist() == [2] * 4 + [1] * 4 + [1] * 2
+
+
+def test_prefix_sharing_with_checkpointing_and_a_frozen_tower(family):
+    model = _model(family)
+    enable_checkpointing(model, "non-reentrant")
+    model.train()
+    for p in model.model.visual.parameters():
+        p.requires_grad_(False)
+    _, grads = _assert_exact(_prefix_actor(model), prefix_batch(2))
+    assert not any(n.startswith("model.visual.") for n in grads)
+
+
+def test_prefix_sharing_at_the_default_min_shared_tokens(family):
+    """Runs shorter than 16 tokens are folded into their children: still exact, images still shared."""
+    _assert_exact(_prefix_actor(_model(family), min_shared=16), prefix_batch(3))
+
+
+def test_prefix_sharing_runs_the_vision_tower_once_per_distinct_image(family):
+    model = _model(family)
+    seen = []
+    model.model.visual.register_forward_hook(
+        lambda m, args, kwargs, out: seen.append(kwargs["grid_thw"].shape[0]), with_kwargs=True
+    )
+    _prefix_actor(model)(prefix_batch())
+    assert seen == [3]
+
+
+def test_rows_that_number_a_shared_token_differently_are_refused():
+    from zorro_core.plan.multimodal import image_slots, image_trie_plan, trie_mrope_positions, trie_row_index
+
+    mm = prefix_batch()
+    distinct, ids = distinct_images(mm.images)
+    plan, _ = image_trie_plan(mm.batch, image_slots(mm.batch, ids, [4, 4, 2], IMAGE), IMAGE, 256, 1)
+    lens = [len(r) for r in trie_row_index(plan)]
+    good = [torch.arange(n).expand(3, n) for n in lens]
+    assert torch.equal(trie_mrope_positions(plan, good)[0], plan.position_ids)
+    bad = [p.clone() for p in good]
+    bad[1][2, 0] += 1  # row 1 numbers its (shared) first token differently
+    with pytest.raises(RuntimeError, match="different 3-D positions"):
+        trie_mrope_positions(plan, bad)
+
+
+def test_prefix_sharing_with_text_positions_fails(monkeypatch):
+    """The planted bug: the trie row's 1-D path positions in place of the model's 3-D ones."""
+    import zorro_core.actor.vision as vision_actor
+
+    monkeypatch.setattr(vision_actor, "trie_mrope_positions", lambda plan, *a: plan.position_ids.expand(3, -1))
+    _, lp_err, _, g_err, _, _ = _errors(_prefix_actor(_model("qwen3_vl")), prefix_batch())
+    assert lp_err > 1e-3 and g_err > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_prefix_sharing_low_precision_stays_within_the_plain_computations_noise(dtype):
+    import copy
+
+    from zorro_core.verify.reference import rel_grad_errors
+    from zorro_core.verify.tolerances import LOW_PRECISION_FACTOR
+
+    model64 = _model("qwen2_5_vl")
+    mm = prefix_batch()
+    w = token_weights(mm.batch)
+    ref = vision_per_sequence(model64, mm, weights=w)
+    low = copy.deepcopy(model64).to(dtype)
+    runs = {}
+    for name, actor in (("dedup", _prefix_actor(low)), ("plain", BaselineVisionLanguageActor(model=low))):
+        _, lp_err, ent_err, _, _, grads = _errors(actor, mm, ref)
+        runs[name] = (lp_err, ent_err, rel_grad_errors(grads, ref[2]))
+    (d_lp, d_ent, d_g), (p_lp, p_ent, p_g) = runs["dedup"], runs["plain"]
+    assert d_lp <= LOW_PRECISION_FACTOR * p_lp + LOGPROB_ATOL, (d_lp, p_lp)
+    assert d_ent <= LOW_PRECISION_FACTOR * p_ent + LOGPROB_ATOL, (d_ent, p_ent)
+    worse = {n: (e, p_g[n]) for n, e in d_g.items() if e > LOW_PRECISION_FACTOR * p_g[n] + GRAD_RTOL}
+    assert not worse, worse
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_the_device_fingerprint_buckets_by_every_bit(dtype):
+    """The key a GPU's images are bucketed by (computed on their device, no pixel copied to the host):
+    equal for equal pixels, changed by one value's last bit or by two values swapped."""
+    from zorro_core.plan.multimodal import _fingerprint
+
+    x = torch.randn(64, 24, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert torch.equal(_fingerprint(x), _fingerprint(x.clone()))
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
+    flipped = x.clone()
+    flipped.view(-1).view(bits)[7] ^= 1
+    swapped = x.clone()
+    swapped[0, 0], swapped[0, 1] = x[0, 1], x[0, 0]
+    assert not torch.equal(_fingerprint(x), _fingerprint(flipped))
+    assert not torch.equal(_fingerprint(x), _fingerprint(swapped))

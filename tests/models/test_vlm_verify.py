@@ -30,8 +30,9 @@ def test_a_clean_case_passes_and_the_planted_bug_fails():
     )
     assert res.exit_code == 0, res.output
     report = json.loads(res.output)
-    assert report["counts"] == {"pass": 1, "fail": 0, "error": 0}
-    assert report["cases"][0]["worst_ratio"] <= 1.0
+    assert report["counts"] == {"pass": 2, "fail": 0, "error": 0}  # --sharing: prompt and prefix by default
+    assert [c["case"] for c in report["cases"]] == ["qwen2_5_vl/float64/split", "qwen2_5_vl/float64/split/prefix"]
+    assert all(c["worst_ratio"] <= 1.0 for c in report["cases"])
     bad = run_vision_case(VisionCase("qwen3_vl"), bug="text_positions")
     assert bad.status == "fail" and bad.worst_ratio > 100, (bad.status, bad.worst_ratio)
 
@@ -58,3 +59,52 @@ def test_bad_options_are_refused(args, match):
 def test_cases_refuse_an_unknown_value():
     with pytest.raises(ValueError, match="unknown mode 'both'"):
         vision_cases(modes=["both"])
+
+
+def _gradients(*args: str):
+    return runner.invoke(
+        app,
+        ["verify", "gradients", "--dtype", "float64", "--attn", "sdpa", "--logits-mode", "compute", "--json", *args],
+    )
+
+
+@pytest.mark.parametrize("sharing", ["prompt", "prefix"])
+def test_verify_gradients_runs_the_vision_models_with_images(sharing):
+    """`zorro verify gradients --models tiny-qwen2.5-vl,tiny-qwen3-vl` proves the vision path (layout
+    "images") by its rule, in both sharing modes; the planted bug fails it by orders of magnitude."""
+    res = _gradients("--models", "tiny-qwen2.5-vl,tiny-qwen3-vl", "--mode", "split", "--sharing", sharing)
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output)
+    assert report["summary"]["pass"] == 2 and report["passed"]
+    cases = report["results"]
+    assert [c["layout"] for c in cases] == ["images", "images"]
+    assert all(c["actor"]["sharing"] == sharing for c in cases)
+    assert all(any(p.startswith("model.visual.") for p in c["dedup"]["grad_rel_err"]) for c in cases)
+    bad = _gradients(
+        "--models", "tiny-qwen3-vl", "--mode", "mask", "--sharing", sharing, "--inject-bug", "wrong_prompt"
+    )
+    assert bad.exit_code == 1, bad.output
+    assert json.loads(bad.output)["results"][0]["worst_ratio"] > 100
+
+
+def test_verify_gradients_skips_what_the_vision_models_do_not_run():
+    res = _gradients("--models", "tiny-qwen2.5-vl", "--mode", "split", "--lora", "2")
+    report = json.loads(res.output)
+    assert res.exit_code == 1 and report["summary"]["skip"] == 1  # nothing verified is not a pass
+    assert "--lora is not run on the vision models" in report["results"][0]["reason"]
+
+
+def test_the_default_models_include_the_vision_models():
+    from zorro_core.verify.gradients import expand_cases, vision_models
+
+    cases = expand_cases(
+        ["tiny-qwen3", "tiny-qwen3-vl"], ["sdpa"], ["float64"], ["padded", "unpadded"], ["split"], ["compute"]
+    )
+    assert [(c.model, c.layout) for c in cases] == [
+        ("tiny-qwen3", "padded"),
+        ("tiny-qwen3", "unpadded"),
+        ("tiny-qwen3-vl", "images"),
+    ]
+    assert set(vision_models()) == {"tiny-qwen2.5-vl", "tiny-qwen3-vl"}
+    res = runner.invoke(app, ["verify", "gradients", "--help"])
+    assert "tiny-qwen2.5-vl" in res.output

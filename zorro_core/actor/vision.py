@@ -3,8 +3,10 @@
 VisionLanguageActor groups rows by the whole prompt (text and images by content), runs the vision
 tower once per distinct image of the call, places the embeddings once into each unique prompt of
 the packed row, gives the row the model's own 3-D mRoPE positions (zorro_core.plan.multimodal)
-and runs the text decoder through the attention hook as for text. A RolloutBatch (no images) goes
-the text actor's way. BaselineVisionLanguageActor is the plain computation on the same path:
+and runs the text decoder through the attention hook as for text. With `sharing="prefix"` rows
+share the longest runs of equal text and equal images (a token trie whose image placeholders are
+keyed by their image's content), each row's positions its own numbering by the model. A
+RolloutBatch (no images) goes the text actor's way. BaselineVisionLanguageActor is the plain computation on the same path:
 every row its own prompt, every image occurrence encoded.
 """
 
@@ -37,10 +39,14 @@ from zorro_core.plan.multimodal import (
     MultimodalBatch,
     distinct_images,
     given_positions,
+    image_slots,
+    image_trie_plan,
     mrope_positions,
+    trie_mrope_positions,
     whole_prompt_groups,
 )
 from zorro_core.plan.prompt import PromptPlan, build_prompt_plan
+from zorro_core.plan.trie import TriePlan
 
 __all__ = ["BaselineVisionLanguageActor", "ImageCounts", "VisionLanguageActor"]
 
@@ -101,20 +107,26 @@ class VisionLanguageActor(DeduplicatedActor):
         family = vision_family(self.model)
         if sequence_parallel is not None and sequence_parallel.size > 1:
             raise UnsupportedModelError("images under Ulysses sequence parallelism are not served")
-        if self.dedup and self.config.sharing != "prompt":
-            raise UnsupportedModelError(
-                f"sharing={self.config.sharing!r} with images is not served: rows with images share whole prompts "
-                "(sharing='prompt')"
-            )
         self.check_call(temperature, batch.batch, calculate_entropy)
         check_trainable_state(self.model)
         self.install_hooks()
         rows = batch.batch.to(self.device)
-        check_images(rows, batch.images, self.model.config)
+        config: Any = self.model.config
+        check_images(rows, batch.images, config)
         distinct, image_ids = distinct_images(batch.images, share=self.dedup)
         groups = whole_prompt_groups(rows, image_ids, self.dedup, batch.positions)
-        self.last_images = ImageCounts.of(batch.images, distinct, self.model.config)
-        plan = build_prompt_plan(rows, dedup=self.dedup, vocab_size=self.vocab_size, group_of_row=groups)
+        self.last_images = ImageCounts.of(batch.images, distinct, config)
+        if self.dedup and self.config.sharing == "prefix":
+            merge = config.vision_config.spatial_merge_size
+            slots = image_slots(rows, image_ids, [image_tokens(i, merge) for i in distinct], config.image_token_id)
+            plan: PromptPlan | TriePlan
+            plan, token_slot = image_trie_plan(
+                rows, slots, config.image_token_id, self.vocab_size, self.config.min_shared_tokens
+            )
+            image_rows = token_slot[token_slot >= 0]
+        else:
+            plan = build_prompt_plan(rows, dedup=self.dedup, vocab_size=self.vocab_size, group_of_row=groups)
+            image_rows = self._prompt_image_rows(plan, distinct, image_ids, config)
         route = Route(self.route_spec, plan)
         lp, ent = as_root_forward(
             self.model,
@@ -125,6 +137,8 @@ class VisionLanguageActor(DeduplicatedActor):
                 family,
                 distinct,
                 image_ids,
+                groups,
+                image_rows,
                 temperature,
                 calculate_entropy,
                 router_aux_loss,
@@ -135,14 +149,67 @@ class VisionLanguageActor(DeduplicatedActor):
 
     __call__ = forward
 
+    @staticmethod
+    def _prompt_image_rows(plan: PromptPlan, distinct: list, image_ids: list[list[int]], config: Any) -> torch.Tensor:
+        """The row of the distinct images' embeddings (concatenated) for each image placeholder of the
+        packed row, in order: unique prompts are packed by group, each its images in order."""
+        merge = config.vision_config.spatial_merge_size
+        offset = [0]
+        for img in distinct:
+            offset.append(offset[-1] + image_tokens(img, merge))
+        order = [i for r in plan.group_rep_row.tolist() for i in image_ids[r]]
+        ranges = [torch.arange(offset[i], offset[i + 1]) for i in order]
+        return torch.cat(ranges).to(plan.device) if ranges else torch.zeros(0, dtype=torch.long, device=plan.device)
+
+    def _positions(
+        self,
+        plan: PromptPlan | TriePlan,
+        rows: RolloutBatch,
+        distinct: list,
+        image_ids: list[list[int]],
+        groups,
+        given: Optional[Sequence[torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        """[3, T] the 3-D positions of the packed row: the trainer's own of every row where it gives them
+        (verl's), laid as they are; else the model's own, get_rope_index once per unique whole prompt
+        (text and images), responses continued as the model numbers a whole row."""
+        if given is not None:
+            if isinstance(plan, TriePlan):
+                return trie_mrope_positions(plan, [g.to(self.device) for g in given])
+            return given_positions(plan, given, rows.prompt_mask.bool().sum(1))
+        base: Any = self.parts.base
+        group_list = groups.tolist()
+        reps = list(dict.fromkeys(group_list))  # groups in order of first appearance
+        first_row = {g: group_list.index(g) for g in reps}
+        positions, nexts = {}, {}
+        for g in reps:
+            r = first_row[g]
+            prompt = rows.prompts[r][rows.prompt_mask[r].bool()].long()
+            positions[g], nexts[g] = prompt_positions(base, prompt, [distinct[i].grid_thw for i in image_ids[r]])
+        if isinstance(plan, TriePlan):
+            lens = rows.response_mask.bool().sum(1).tolist()
+            row_positions = [
+                torch.cat([positions[g], (nexts[g] + torch.arange(n, device=self.device)).expand(3, n)], 1)
+                for g, n in zip(group_list, lens)
+            ]
+            return trie_mrope_positions(plan, row_positions)
+        reps_of_plan = [group_list[r] for r in plan.group_rep_row.tolist()]
+        return mrope_positions(
+            plan,
+            [positions[g] for g in reps_of_plan],
+            torch.tensor([nexts[g] for g in reps_of_plan], device=self.device),
+        )
+
     def _compute_images(
         self,
-        plan: PromptPlan,
+        plan: PromptPlan | TriePlan,
         route: Route,
         rows: RolloutBatch,
         family: VisionFamily,
         distinct: list,
         image_ids: list[list[int]],
+        groups: torch.Tensor,
+        image_rows: torch.Tensor,
         temperature: float,
         calculate_entropy: bool,
         router_aux_loss: Optional[bool],
@@ -150,32 +217,20 @@ class VisionLanguageActor(DeduplicatedActor):
     ):
         base: Any = self.parts.base
         config: Any = self.model.config
-        reps = plan.group_rep_row.tolist()
-        if given is not None:
-            # The trainer's own positions of every row (verl's), laid as they are.
-            position_ids = given_positions(plan, given, rows.prompt_mask.bool().sum(1))
-        else:
-            # The model's own positions of each unique prompt, and where its responses continue.
-            positions, nexts = [], []
-            for r in reps:
-                prompt = rows.prompts[r][rows.prompt_mask[r].bool()].long()
-                pos, nxt = prompt_positions(base, prompt, [distinct[i].grid_thw for i in image_ids[r]])
-                positions.append(pos)
-                nexts.append(nxt)
-            position_ids = mrope_positions(plan, positions, torch.tensor(nexts, device=self.device))
+        position_ids = self._positions(plan, rows, distinct, image_ids, groups, given)
         embeds, deep = encode_images(base, distinct, family)
-        # Image embeddings in packed order: unique prompts are packed by group, each its images in order.
-        order = [i for r in reps for i in image_ids[r]]
         inputs_embeds = base.get_input_embeddings()(plan.input_ids[None])
         extra = {}
-        if order:
+        if image_rows.numel():
+            # Each image placeholder of the packed row takes its image's embedding row, as the model's
+            # masked_scatter places them (a shared or recurring image is gathered, its gradient summed).
             mask = (plan.input_ids == config.image_token_id)[None]
-            feats = torch.cat([embeds[i] for i in order]).to(inputs_embeds.device, inputs_embeds.dtype)
+            feats = torch.cat(embeds)[image_rows].to(inputs_embeds.device, inputs_embeds.dtype)
             inputs_embeds = inputs_embeds.masked_scatter(mask[..., None], feats)
             if family.deepstack and deep:
                 extra = dict(
                     visual_pos_masks=mask,
-                    deepstack_visual_embeds=[torch.cat([layer[i] for i in order]) for layer in deep],
+                    deepstack_visual_embeds=[torch.cat(layer)[image_rows] for layer in deep],
                 )
         outputs = base.language_model(
             input_ids=None,

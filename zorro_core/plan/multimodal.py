@@ -3,8 +3,10 @@
 A row's prompt is its text tokens and its images. Two rows share a group only when both are the
 same: the same real prompt tokens (as `prompt_groups` compares them) and the same images in the
 same order, images compared by content (dtype, shape, grid and every pixel value's bytes; a
-hash buckets them, `torch.equal` decides), never by object identity. So two rows with the same
-text and different images are two prompts, and one image tensor passed twice is one image.
+key buckets them, `torch.equal` decides), never by object identity. So two rows with the same
+text and different images are two prompts, and one image tensor passed twice is one image. The
+keys are computed where the pixels are (on a GPU a fingerprint of their bits: no pixel is copied
+to the host) and `torch.equal` decides on that device.
 
 The distinct images of a call are numbered once over the whole batch, so an image that recurs in
 several prompts (several groups) is encoded by the vision tower once. `mrope_positions` lays the
@@ -12,18 +14,28 @@ model's own 3-D rotary positions of each unique prompt into the packed row and c
 response from its prompt, as the model numbers a whole [prompt + response] row. A trainer that
 computed every row's positions itself (verl) gives them with the batch (`MultimodalBatch.positions`):
 `given_positions` lays exactly those, and rows whose prompt positions differ are different prompts.
+
+`sharing="prefix"` (`image_trie_plan`): the token trie is built over rows whose image placeholders
+are keyed by the image they hold. Each placeholder token gets its *slot* (its row in the distinct
+images' embeddings, concatenated: image i's k-th token is `offset_i + k`), and the trie compares a
+placeholder by `vocab + slot`, so rows share a run only while their text tokens and their images
+(by content) are the same, and a different image in otherwise equal tokens is where they diverge.
+Every row's 3-D positions are the model's own numbering of that row; they are laid into the packed
+row through each row's path (`trie_mrope_positions`), which checks that rows sharing a token gave it
+the same position (the model numbers a row causally, so they must; this is asserted, not assumed).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
 
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.prompt import PromptPlan, prompt_groups
+from zorro_core.plan.trie import TriePlan, build_trie_plan
 
 
 @dataclass(frozen=True)
@@ -50,22 +62,56 @@ class Image:
             raise ValueError(f"grid_thw {grid} holds {grid[0] * grid[1] * grid[2]} patches, pixel_values {pv.shape[0]}")
         object.__setattr__(self, "grid_thw", grid)
 
-    def content_key(self) -> bytes:
-        """A digest of the image's content: dtype, shape, grid and the bytes of every pixel value."""
-        pv = self.pixel_values.detach().to("cpu").contiguous()
-        h = hashlib.sha256(f"{pv.dtype}|{tuple(pv.shape)}|{self.grid_thw}|".encode())
-        h.update(pv.view(torch.uint8).numpy().tobytes())
-        return h.digest()
+    def content_key(self) -> tuple:
+        """A key of the image's content that buckets it (dtype, shape, grid and a fingerprint of every
+        pixel value's bits, computed where the pixels are); `same_content` decides."""
+        return content_keys([self])[0]
 
     def same_content(self, other: "Image") -> bool:
-        """Exactly the same image (what the digest only buckets)."""
-        a, b = self.pixel_values, other.pixel_values
+        """Exactly the same image (what the key only buckets): every pixel value's bits compared, on
+        this image's device."""
+        a, b = self.pixel_values.detach(), other.pixel_values.detach()
         return (
             self.grid_thw == other.grid_thw
             and a.dtype == b.dtype
             and a.shape == b.shape
-            and torch.equal(a.detach().cpu(), b.detach().cpu())
+            and torch.equal(a, b.to(a.device))
         )
+
+
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _fingerprint(pixels: torch.Tensor) -> torch.Tensor:
+    """[2] int64 on the pixels' device: the sum of the pixel values' bit patterns, plain and weighted
+    by position (wrapping in int64, which is exact and order-free on every device). It only buckets
+    images (equal images have equal fingerprints; `Image.same_content` decides), so no pixel is
+    copied to the host for it."""
+    flat = pixels.detach().contiguous().view(-1)
+    words = flat.view(_WORDS[flat.element_size()]).to(torch.int64)
+    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
+    return torch.stack([words.sum(), (words * weights).sum()])
+
+
+def content_keys(images: Sequence[Image]) -> list[tuple]:
+    """The content key of each image (see `Image.content_key`). Pixels on the host: a SHA-256 of their
+    bytes (no copy needed). Elsewhere (a GPU): fingerprints computed on the device and brought to the
+    host together, one small copy a device, instead of every image's pixels."""
+    values: list = [None] * len(images)
+    on_device: dict[torch.device, list[int]] = {}
+    for i, img in enumerate(images):
+        pv = img.pixel_values.detach()
+        if pv.device.type == "cpu":
+            values[i] = hashlib.sha256(pv.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).digest()
+        else:
+            on_device.setdefault(pv.device, []).append(i)
+    for idx in on_device.values():
+        prints = torch.stack([_fingerprint(images[i].pixel_values) for i in idx]).tolist()
+        for i, v in zip(idx, prints):
+            values[i] = tuple(v)
+    return [
+        (str(img.pixel_values.dtype), tuple(img.pixel_values.shape), img.grid_thw, v) for img, v in zip(images, values)
+    ]
 
 
 @dataclass(frozen=True)
@@ -144,7 +190,8 @@ def distinct_images(rows: Sequence[Sequence[Image]], share: bool = True) -> tupl
     numbers. `share=False`: every occurrence its own image (the plain computation's encoding)."""
     distinct: list[Image] = []
     ids: list[list[int]] = []
-    buckets: dict[bytes, list[int]] = {}
+    buckets: dict[tuple, list[int]] = {}
+    keys = iter(content_keys([img for row in rows for img in row]) if share else [])
     for row in rows:
         row_ids = []
         for img in row:
@@ -152,7 +199,7 @@ def distinct_images(rows: Sequence[Sequence[Image]], share: bool = True) -> tupl
                 row_ids.append(len(distinct))
                 distinct.append(img)
                 continue
-            key = img.content_key()
+            key = next(keys)
             same = next((j for j in buckets.get(key, ()) if distinct[j].same_content(img)), None)
             if same is None:
                 same = len(distinct)
@@ -232,3 +279,80 @@ def given_positions(plan: PromptPlan, positions: Sequence[torch.Tensor], prompt_
     if bool((column < 0).any()) or bool((column >= lens[row]).any()):
         raise ValueError("the given positions do not cover the packed row's tokens")
     return flat[:, row_start[row] + column]
+
+
+def image_slots(
+    batch: RolloutBatch, image_ids: Sequence[Sequence[int]], tokens_of: Sequence[int], image_token_id: int
+) -> torch.Tensor:
+    """[B, P] the slot of each real prompt token that is an image placeholder (-1 elsewhere): its row
+    in the distinct images' embeddings concatenated, image i's k-th token at sum(tokens_of[:i]) + k.
+    `tokens_of[i]`: placeholder tokens of distinct image i (the caller checked each prompt holds them)."""
+    dev = batch.device
+    n = torch.tensor([0, *tokens_of], dtype=torch.long)
+    offset = torch.cumsum(n, 0)
+    is_image = (batch.prompts == image_token_id) & batch.prompt_mask.bool()
+    slots = torch.full(batch.prompts.shape, -1, dtype=torch.long, device=dev)
+    for r, ids in enumerate(image_ids):
+        if not ids:
+            continue
+        row = torch.cat([torch.arange(int(offset[i]), int(offset[i + 1])) for i in ids]).to(dev)
+        at = is_image[r].nonzero().flatten()
+        if at.numel() != row.numel():
+            raise ValueError(
+                f"prompt of row {r} holds {at.numel()} image placeholder tokens, its images need {row.numel()}"
+            )
+        slots[r, at] = row
+    return slots
+
+
+def image_trie_plan(
+    batch: RolloutBatch, slots: torch.Tensor, image_token_id: int, vocab_size: int, min_shared_tokens: int
+) -> tuple[TriePlan, torch.Tensor]:
+    """The prefix-tree plan of a batch with images, and [T] the slot of each packed token (-1: not an
+    image token). The trie compares image placeholders by slot (image and place in it), so a shared
+    run holds the same text and the same images; the plan's input_ids are the real token ids."""
+    batch.check_vocab(vocab_size)
+    key_base = max(vocab_size, int(batch.prompts.max()) + 1)
+    keyed = torch.where(slots >= 0, key_base + slots, batch.prompts.long())
+    plan = build_trie_plan(
+        RolloutBatch.of_validated(keyed, batch.prompt_mask, batch.responses, batch.response_mask),
+        min_shared_tokens=min_shared_tokens,
+    )
+    token_slot = torch.where(plan.input_ids >= key_base, plan.input_ids - key_base, -1)
+    real = torch.where(token_slot >= 0, torch.full_like(plan.input_ids, image_token_id), plan.input_ids)
+    return replace(plan, input_ids=real), token_slot
+
+
+def trie_row_index(plan: TriePlan) -> list[torch.Tensor]:
+    """Per row, [L_b] the packed position of each token of the row (prompt then response): its path
+    from the root to the node it ends in."""
+    parent, start, length = plan.node_parent.tolist(), plan.node_start.tolist(), plan.node_len.tolist()
+    out = []
+    for n in plan.row_node.tolist():
+        path = []
+        while n >= 0:
+            path.append(n)
+            n = parent[n]
+        out.append(torch.cat([torch.arange(start[m], start[m] + length[m]) for m in reversed(path)]))
+    return [x.to(plan.device) for x in out]
+
+
+def trie_mrope_positions(plan: TriePlan, row_positions: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[3, T] rotary positions of the packed trie row from `row_positions[b]` ([3, L_b], the model's own
+    numbering of row b's prompt and response). Raises RuntimeError when two rows through a packed
+    token number it differently (a shared run must be numbered alike by every row through it)."""
+    index = trie_row_index(plan)
+    if len(row_positions) != len(index):
+        raise ValueError(f"positions are given for {len(row_positions)} rows, the plan has {len(index)}")
+    for b, (pos, at) in enumerate(zip(row_positions, index)):
+        if pos.shape != (3, at.numel()):
+            raise ValueError(f"positions of row {b} have shape {tuple(pos.shape)}, its path {at.numel()} tokens")
+    at = torch.cat(index)
+    values = torch.cat([p.to(plan.device) for p in row_positions], 1).long()
+    out = torch.full((3, plan.num_tokens), -1, dtype=torch.long, device=plan.device)
+    out[:, at] = values
+    if bool((out < 0).any()) or not torch.equal(out[:, at], values):
+        raise RuntimeError(
+            "rows that share a packed token give it different 3-D positions: the prefix plan cannot share it"
+        )
+    return out

@@ -14,10 +14,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-import math
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -34,7 +32,6 @@ from zorro_core.models.parts import model_parts, unwrap_adapters
 from zorro_core.models.presets import PRESETS, build_model, preset_config, seeded_rng
 from zorro_core.models.registry import FAMILIES
 from zorro_core.plan.batch import RolloutBatch, create_dummy_batch
-from zorro_core.plan.dtypes import DTYPES as TORCH_DTYPES
 from zorro_core.stack.checkpointing import checkpointed
 from zorro_core.stack.lora import LoraSettings, apply_lora
 from zorro_core.verify import planted_bugs
@@ -48,158 +45,24 @@ from zorro_core.verify.reference import (
     rel_grad_errors,
     token_weights,
 )
-from zorro_core.verify.tolerances import GRAD_RTOL, LOGPROB_ATOL, LOW_PRECISION_FACTOR
-
-# The float64 floors and the low-precision allowance (zorro_core.verify.tolerances), by the names
-# the pass rule uses.
-LP_FLOOR = LOGPROB_ATOL
-GRAD_FLOOR = GRAD_RTOL
-FACTOR = LOW_PRECISION_FACTOR
-TEMPERATURE = 0.7
-
-# The dtypes verify proves, in zorro_core.plan.dtypes' names.
-DTYPES = {name: TORCH_DTYPES[name] for name in ("float64", "float32", "bfloat16")}
-LAYOUTS = ("padded", "unpadded")
-MODES = ("split", "mask")
-ATTNS = ("eager", "sdpa", "flash_attention_2")
-# GPU varlen kernels that take 16-bit inputs only (float32/float64 cases skip there).
-HALF_ONLY_BACKENDS = {"flash_attn", "torch_varlen"}
-
-RULE = (
-    "Pass rule. Every case runs the deduplicated actor (dedup) and the baseline actor (same "
-    "backend, no dedup) and compares both with each sequence run alone through the unmodified "
-    "model in float64 on the same weights (ref64). "
-    f"float64: |log-prob - ref64| <= {LP_FLOOR:g} and |entropy - ref64| <= {LP_FLOOR:g} on every "
-    f"token, and ||grad - ref64|| / ||ref64|| <= {GRAD_FLOOR:g} for every parameter (the measured "
-    "float64 floor, ~6e-8 and ~6e-7, with margin). "
-    "float32/bfloat16: the dtype's own noise is the baseline's error against ref64; dedup passes "
-    f"when its error against ref64 is <= {FACTOR:g} x the baseline's + the float64 floor, for the "
-    "max log-prob error, the max entropy error and each parameter's gradient error. "
-    "A case that cannot run here (a backend needs a GPU) is skipped with the reason; an error "
-    "counts as a failure."
+from zorro_core.verify.rule import (  # noqa: F401 - the rule's names, importable from here as before
+    ATTNS,
+    DTYPES,
+    FACTOR,
+    GRAD_FLOOR,
+    HALF_ONLY_BACKENDS,
+    LAYOUTS,
+    LP_FLOOR,
+    MODES,
+    RULE,
+    TEMPERATURE,
+    CaseResult,
+    Errors,
+    VerifyCase,
+    finite_or_none,
+    judge,
 )
-
-
-@dataclass(frozen=True)
-class VerifyCase:
-    """One configuration to prove: a model, a dtype, a batch layout, and the options both actors run with."""
-
-    model: str
-    """Preset name (tiny shapes of a supported family)."""
-    dtype: str
-    """float64, float32 or bfloat16."""
-    layout: str
-    """padded (varied prompt and response lengths, a lone row, a prefix prompt) or unpadded (equal lengths)."""
-    actor: ActorConfig
-    """The actors' options: attn_implementation (eager, sdpa, flash_attention_2), use_split_attention
-    (two varlen calls, or one masked attention over the packed row), logits_mode (none, compute,
-    memory), and the dedup actor's sharing and min_shared_tokens."""
-
-    @property
-    def name(self) -> str:
-        a = self.actor
-        mode = "split" if a.use_split_attention else "mask"
-        if a.use_split_attention and a.varlen_backend:
-            mode = f"split:{a.varlen_backend}"
-        return f"{self.model}/{a.attn_implementation}/{self.dtype}/{self.layout}/{mode}/{a.logits_mode}"
-
-
-@dataclass
-class Errors:
-    """One actor's errors against ref64."""
-
-    log_prob: float
-    """max |log-prob - ref| over real tokens."""
-    entropy: float
-    """max |entropy - ref| over real tokens."""
-    grads: dict[str, float]
-    """||grad - ref|| / ||ref|| per parameter."""
-
-    @property
-    def worst_param(self) -> tuple[str, float]:
-        if not self.grads:
-            return "", 0.0
-        name = max(self.grads, key=lambda p: self.grads[p])
-        return name, self.grads[name]
-
-
-@dataclass
-class CaseResult:
-    """The verdict of one case."""
-
-    case: VerifyCase
-    status: str
-    """pass, fail, skip or error."""
-    reason: str = ""
-    """Why it failed, was skipped or errored."""
-    dedup: Optional[Errors] = None
-    baseline: Optional[Errors] = None
-    dedup_vs_baseline: float = float("nan")
-    """max |dedup log-prob - baseline log-prob|."""
-    worst_ratio: float = float("nan")
-    """max over checks of dedup error / its tolerance (> 1 fails)."""
-    worst_check: str = ""
-    """Which check has that ratio."""
-    seconds: float = 0.0
-    self_check: str = ""
-    """The actor's self-check on the case's batch (zorro_core.actor.self_check): "pass", "fail" or
-    "error", then ": " and its numbers; "" where it does not run (CPU sdpa/reference paths)."""
-
-    def to_dict(self) -> dict:
-        """Plain data for JSON (nan and inf become None, so the output is strict JSON)."""
-        f = finite_or_none
-        d = {
-            "case": self.case.name,
-            "model": self.case.model,
-            "dtype": self.case.dtype,
-            "layout": self.case.layout,
-            "actor": self.case.actor.as_dict(),
-            "status": self.status,
-            "reason": self.reason,
-            "dedup_vs_baseline_log_prob": f(self.dedup_vs_baseline),
-            "worst_ratio": f(self.worst_ratio),
-            "worst_check": self.worst_check,
-            "seconds": round(self.seconds, 3),
-            "self_check": self.self_check,
-        }
-        for who, e in (("dedup", self.dedup), ("baseline", self.baseline)):
-            if e is not None:
-                name, err = e.worst_param
-                d[who] = {
-                    "log_prob_err": f(e.log_prob),
-                    "entropy_err": f(e.entropy),
-                    "worst_param": name,
-                    "worst_param_rel_err": f(err),
-                    "grad_rel_err": {k: f(v) for k, v in e.grads.items()},
-                }
-        return d
-
-
-def finite_or_none(x: float) -> Optional[float]:
-    """x, or None for nan/inf (strict JSON has neither)."""
-    return x if math.isfinite(x) else None
-
-
-def judge(dtype: str, dedup: Errors, baseline: Errors, factor: float = FACTOR) -> tuple[float, str, list[str]]:
-    """Apply RULE: (worst error/tolerance ratio, its check, the failing checks with figures)."""
-    low = dtype != "float64"
-
-    def tol(base_err: float, floor: float) -> float:
-        return factor * base_err + floor if low else floor
-
-    checks = [
-        ("log-prob", dedup.log_prob, tol(baseline.log_prob, LP_FLOOR)),
-        ("entropy", dedup.entropy, tol(baseline.entropy, LP_FLOOR)),
-    ]
-    checks += [(f"grad {n}", e, tol(baseline.grads.get(n, 0.0), GRAD_FLOOR)) for n, e in dedup.grads.items()]
-    worst, worst_name, failing = 0.0, "", []
-    for name, err, limit in checks:
-        ratio = err / limit if math.isfinite(err) else math.inf
-        if ratio > worst or not worst_name:
-            worst, worst_name = ratio, name
-        if not ratio <= 1.0:
-            failing.append(f"{name} {err:.2e} > {limit:.2e}")
-    return worst, worst_name, failing
+from zorro_core.verify.vision import IMAGES_LAYOUT, VISION_MODELS, run_verify_case
 
 
 def tiny_models() -> list[str]:
@@ -232,10 +95,15 @@ def verify_batch(layout: str, vocab_size: int, seed: int = 0) -> RolloutBatch:
     return RolloutBatch.from_lists(prompts, responses)
 
 
+def vision_models() -> dict[str, str]:
+    """The vision models verify proves ({name: model type}; zorro_core.verify.vision.VISION_MODELS)."""
+    return dict(VISION_MODELS)
+
+
 def case_unavailable(case: VerifyCase, device: str) -> Optional[str]:
     """Why a case cannot run on `device`, or None."""
     attn, split = case.actor.attn_implementation, case.actor.use_split_attention
-    if case.model not in PRESETS:
+    if case.model not in PRESETS and case.model not in vision_models():
         return f"unknown preset {case.model!r}"
     if case.dtype not in DTYPES:
         return f"unknown dtype {case.dtype!r}"
@@ -372,6 +240,8 @@ class Verifier:
         why = case_unavailable(case, self.device)
         if why:
             return CaseResult(case, "skip", why)
+        if case.model in vision_models():
+            return self.run_vision(case)
         t0 = time.perf_counter()
         try:
             model = self.model(case.model, case.dtype)
@@ -417,6 +287,15 @@ class Verifier:
             checked,
         )
 
+    def run_vision(self, case: VerifyCase) -> CaseResult:
+        """A vision model's case (zorro_core.verify.vision): its own batches with images; LoRA and the
+        prompt-once schedule are not run with images (skipped with the reason)."""
+        if self.lora_rank:
+            return CaseResult(case, "skip", "--lora is not run on the vision models")
+        if self.schedule:
+            return CaseResult(case, "skip", "the prompt-once schedule is not served with images")
+        return run_verify_case(case, self.device, self.seed, self.factor, self.bug, self.checkpointing)
+
     def self_check(self, actor, batch) -> str:
         """The self-check's verdict on the case (CaseResult.self_check): run on CUDA, and on CPU for
         the split-mode backends that run a kernel (flash_cpu, flash_cpu_gather)."""
@@ -444,11 +323,21 @@ def expand_cases(
 ) -> list[VerifyCase]:
     """Every combination, in a stable order (model outermost); each case's actor options are
     `actor`'s (default ActorConfig()) with its attention, split or mask mode and logits mode. Split
-    cases run once per varlen backend (None: the attention's default); mask cases take none."""
+    cases run once per varlen backend (None: the attention's default); mask cases take none. A vision
+    model (vision_models()) runs its own batches with images: one layout, "images", for it."""
     actor = actor or ActorConfig()
     backends = list(varlen_backends)
+    layouts, vision = list(layouts), vision_models()
     cases = []
-    for m, d, lay, a, mode, lm in itertools.product(models, dtypes, layouts, attns, modes, logits_modes):
+    attns, modes, logits_modes = list(attns), list(modes), list(logits_modes)
+    rows = [
+        (m, d, lay, a, mode, lm)
+        for m, d in itertools.product(models, dtypes)
+        for lay, a, mode, lm in itertools.product(
+            [IMAGES_LAYOUT] if m in vision else layouts, attns, modes, logits_modes
+        )
+    ]
+    for m, d, lay, a, mode, lm in rows:
         for be in backends if mode == "split" else [None]:
             options = dict(attn_implementation=a, use_split_attention=mode == "split", logits_mode=lm)
             if be is not None:

@@ -8,8 +8,13 @@ through the deduplicated vision actor and the plain one (every row its own promp
 occurrence encoded) with a loss whose per-token weights differ per row, and compares their
 log-probs, entropies and every parameter's gradient with each row run alone through the
 unmodified model in float64 on the same weights (zorro_core.verify.vision_reference). The pass
-rule is zorro_core.verify.gradients' RULE (`judge`). Only whole-prompt sharing exists for images
-(sharing="prefix" is refused with them).
+rule is zorro_core.verify.gradients' RULE (`judge`). Both sharing modes: "prompt" (whole prompts,
+text and images) on that batch, "prefix" (a token trie whose image placeholders are keyed by image
+content) on `vision_prefix_batch`, whose rows share runs of text and images and diverge at a
+different image of the same size.
+
+`zorro verify gradients` runs these cases for the vision models of VISION_MODELS
+(`run_verify_case`: a VerifyCase of layout "images" in, a CaseResult out).
 """
 
 from __future__ import annotations
@@ -22,21 +27,27 @@ from typing import Iterable, Optional
 
 import torch
 
+from zorro_core.actor.config import ActorConfig
 from zorro_core.actor.vision import BaselineVisionLanguageActor, VisionLanguageActor
 from zorro_core.models.vision import VISION_FAMILIES, build_vision_model, tiny_config
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.dtypes import DTYPES as TORCH_DTYPES
 from zorro_core.plan.multimodal import Image, MultimodalBatch
 from zorro_core.stack.checkpointing import CHECKPOINTING, enable_checkpointing
-from zorro_core.verify.gradients import TEMPERATURE, Errors, judge
 from zorro_core.verify.reference import loss_of, max_abs_error, rel_grad_errors, token_weights
+from zorro_core.verify.rule import FACTOR, TEMPERATURE, CaseResult, Errors, VerifyCase, judge
 from zorro_core.verify.vision_reference import vision_per_sequence
 
 FAMILIES = tuple(sorted(VISION_FAMILIES))
 DTYPES = ("float64", "float32", "bfloat16")
 MODES = ("split", "mask")
+SHARINGS = ("prompt", "prefix")
 BUGS = ("text_positions",)
 """Planted to prove the check fails: "text_positions" gives the packed row 1-D text positions."""
+VISION_MODELS = {"tiny-qwen2.5-vl": "qwen2_5_vl", "tiny-qwen3-vl": "qwen3_vl"}
+"""The names `zorro verify gradients --models` takes for the vision families (tiny configs built in code)."""
+IMAGES_LAYOUT = "images"
+"""The layout of a vision model's VerifyCase: the batches above (several images per prompt, ...)."""
 
 
 @dataclass(frozen=True)
@@ -53,10 +64,19 @@ class VisionCase:
     """None, or a gradient checkpointing flavour (zorro_core.stack.checkpointing.CHECKPOINTING), in training mode."""
     frozen_tower: bool = False
     """The vision tower's parameters frozen (requires_grad False), as recipes often run."""
+    sharing: str = "prompt"
+    """The deduplicated actor's sharing: "prompt" (whole prompts) or "prefix" (a trie over whole rows)."""
+    min_shared_tokens: int = 1
+    """sharing="prefix": the shortest shared run split off (1: every common run, the strictest test)."""
+    actor: Optional[ActorConfig] = None
+    """The actors' other options (attention, varlen backend, logits mode); None: sdpa in split mode,
+    eager in mask mode, the rest default. Its split/mask and sharing fields are this case's."""
 
     @property
     def name(self) -> str:
         parts = [self.family, self.dtype, self.mode]
+        if self.sharing != "prompt":
+            parts.append(self.sharing if self.min_shared_tokens == 1 else f"{self.sharing}:{self.min_shared_tokens}")
         if self.checkpointing:
             parts.append(f"ckpt-{self.checkpointing}")
         if self.frozen_tower:
@@ -113,33 +133,74 @@ def vision_verify_batch(config, seed: int = 0, dtype: torch.dtype = torch.float6
     return MultimodalBatch(batch, tuple(r[1] for r in rows))
 
 
+def vision_prefix_batch(config, seed: int = 0, dtype: torch.dtype = torch.float64) -> MultimodalBatch:
+    """Rows sharing prefixes of text and images: rows 0, 1, 6 and 8 share [t1, a, 8] (6 holds a as
+    another tensor; 8's prompt ends there and its response runs on as 0's prompt does); row 2 is row
+    0's tokens with another image b of a's size (they diverge at the image); rows 3 and 4 share a
+    prompt of two images (a recurring, then c); row 5 shares [t2, a] with them and diverges where c
+    starts; row 7 is text only."""
+    g = torch.Generator().manual_seed(seed)
+    merge = config.vision_config.spatial_merge_size
+    dim = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
+
+    def image(h: int, w: int) -> Image:
+        return Image(torch.randn(h * w, dim, generator=g, dtype=torch.float64).to(dtype), (1, h, w))
+
+    def placeholders(img: Image) -> list[int]:
+        t, h, w = img.grid_thw
+        n = t * h * w // (merge * merge)
+        return [config.vision_start_token_id] + [config.image_token_id] * n + [config.vision_end_token_id]
+
+    a, b, c = image(4, 4), image(4, 4), image(2, 4)
+    a_copy = Image(a.pixel_values.clone(), a.grid_thw)
+    t1, t2 = [5, 6, 7], [9, 10]
+    rows = [
+        (t1 + placeholders(a) + [8, 30, 31], (a,), [11, 12, 13]),
+        (t1 + placeholders(a) + [8, 32], (a,), [14, 15]),
+        (t1 + placeholders(b) + [8, 30, 31], (b,), [16, 17, 18, 19]),
+        (t2 + placeholders(a) + placeholders(c) + [3], (a, c), [20]),
+        (t2 + placeholders(a) + placeholders(c) + [3], (a, c), [23, 24, 25]),
+        (t2 + placeholders(a) + [3, 40], (a,), [21, 22]),
+        (t1 + placeholders(a_copy) + [8, 30, 31], (a_copy,), [11, 12, 41]),
+        ([4, 5, 6, 7], (), [26, 27]),
+        (t1 + placeholders(a) + [8], (a,), [30, 31, 42]),
+    ]
+    batch = RolloutBatch.from_lists([r[0] for r in rows], [r[2] for r in rows])
+    return MultimodalBatch(batch, tuple(r[1] for r in rows))
+
+
 def vision_cases(
     families: Iterable[str] = FAMILIES,
     dtypes: Iterable[str] = DTYPES,
     modes: Iterable[str] = MODES,
     checkpointing: Iterable[Optional[str]] = (None,),
     frozen_tower: Iterable[bool] = (False,),
+    sharings: Iterable[str] = ("prompt",),
 ) -> list[VisionCase]:
     """Every combination of the options, refusing an unknown value by name."""
     families, dtypes, modes = list(families), list(dtypes), list(modes)
-    checkpointing, frozen_tower = list(checkpointing), list(frozen_tower)
+    checkpointing, frozen_tower, sharings = list(checkpointing), list(frozen_tower), list(sharings)
     for name, values, allowed in (
         ("family", families, FAMILIES),
         ("dtype", dtypes, DTYPES),
         ("mode", modes, MODES),
         ("checkpointing", checkpointing, (None,) + CHECKPOINTING),
+        ("sharing", sharings, SHARINGS),
     ):
         bad = [v for v in values if v not in allowed]
         if bad:
             raise ValueError(f"unknown {name} {bad[0]!r}; choose from {', '.join(map(str, allowed))}")
-    return [VisionCase(*c) for c in itertools.product(families, dtypes, modes, checkpointing, frozen_tower)]
+    return [
+        VisionCase(f, d, m, c, fr, sh)
+        for f, sh, d, m, c, fr in itertools.product(families, sharings, dtypes, modes, checkpointing, frozen_tower)
+    ]
 
 
 def _errors(actor, mm: MultimodalBatch, weights, ref) -> Errors:
     model = actor.model
     model.zero_grad(set_to_none=True)
     out = actor(mm, temperature=TEMPERATURE, calculate_entropy=True)
-    loss_of(out.log_probs, out.entropy, weights).backward()
+    loss_of(out.log_probs, out.entropy, tuple(w.to(out.log_probs.device) for w in weights)).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     ref_lp, ref_ent, ref_grads = ref
@@ -148,28 +209,48 @@ def _errors(actor, mm: MultimodalBatch, weights, ref) -> Errors:
     )
 
 
-def run_vision_case(case: VisionCase, seed: int = 0, bug: Optional[str] = None) -> VisionResult:
-    """Prove one case (see the module doc); `bug` plants one of BUGS in the deduplicated actor only."""
+def _actor_config(case: VisionCase) -> ActorConfig:
+    split = case.mode == "split"
+    base = case.actor or ActorConfig(attn_implementation="sdpa" if split else "eager")
+    return base.replace(
+        use_split_attention=split,
+        varlen_backend=base.varlen_backend if split else None,
+        sharing=case.sharing,
+        min_shared_tokens=case.min_shared_tokens,
+        self_check=False,
+    )
+
+
+def run_vision_case(
+    case: VisionCase, seed: int = 0, bug: Optional[str] = None, device: str = "cpu", factor: float = FACTOR
+) -> VisionResult:
+    """Prove one case (see the module doc); `bug` plants one of BUGS in the deduplicated actor only.
+    The reference runs on the CPU in float64; the actors on `device` in the case's dtype."""
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown bug {bug!r}; choose from {', '.join(BUGS)}")
     start = time.perf_counter()
     try:
         config = tiny_config(case.family)
-        attn = "sdpa" if case.mode == "split" else "eager"
-        model64 = build_vision_model(config, dtype=torch.float64, seed=seed, attn_implementation=attn)
+        options = _actor_config(case)
+        attn = options.attn_implementation or "sdpa"
+        # The reference runs eager or sdpa in float64 (a GPU kernel such as flash_attention_2 has no
+        # float64); the actors' copy takes the case's attention.
+        ref_attn = attn if attn in ("eager", "sdpa") else "sdpa"
+        model64 = build_vision_model(config, dtype=torch.float64, seed=seed, attn_implementation=ref_attn)
         if case.frozen_tower:
             for p in model64.model.visual.parameters():
                 p.requires_grad_(False)
-        mm = vision_verify_batch(config, seed)
+        mm = (vision_prefix_batch if case.sharing == "prefix" else vision_verify_batch)(config, seed)
         weights = token_weights(mm.batch, seed)
         ref = vision_per_sequence(model64, mm, TEMPERATURE, weights=weights)
-        model = copy.deepcopy(model64).to(TORCH_DTYPES[case.dtype])
+        model = copy.deepcopy(model64).to(device=device, dtype=TORCH_DTYPES[case.dtype])
+        if attn != ref_attn:
+            model.set_attn_implementation(attn)
         if case.checkpointing:
             enable_checkpointing(model, case.checkpointing)
             model.train()
-        split = case.mode == "split"
-        baseline = _errors(BaselineVisionLanguageActor(model=model, use_split_attention=split), mm, weights, ref)
-        dedup_actor = VisionLanguageActor(model=model, use_split_attention=split)
+        baseline = _errors(BaselineVisionLanguageActor(model=model, config=options), mm, weights, ref)
+        dedup_actor = VisionLanguageActor(model=model, config=options)
         if bug == "text_positions":
             with _text_positions():
                 dedup = _errors(dedup_actor, mm, weights, ref)
@@ -177,7 +258,7 @@ def run_vision_case(case: VisionCase, seed: int = 0, bug: Optional[str] = None) 
             dedup = _errors(dedup_actor, mm, weights, ref)
     except Exception as e:  # a case that cannot run counts as a failure, with its reason
         return VisionResult(case, "error", f"{type(e).__name__}: {e}", seconds=time.perf_counter() - start)
-    worst, check, failing = judge(case.dtype, dedup, baseline)
+    worst, check, failing = judge(case.dtype, dedup, baseline, factor)
     return VisionResult(
         case,
         "fail" if failing else "pass",
@@ -191,14 +272,59 @@ def run_vision_case(case: VisionCase, seed: int = 0, bug: Optional[str] = None) 
     )
 
 
+def vision_verify_case(case: VerifyCase, checkpointing: Optional[str] = None) -> VisionCase:
+    """The VisionCase of a `zorro verify gradients` case whose model is one of VISION_MODELS."""
+    a = case.actor
+    return VisionCase(
+        VISION_MODELS[case.model],
+        case.dtype,
+        "split" if a.use_split_attention else "mask",
+        checkpointing,
+        False,
+        a.sharing,
+        a.min_shared_tokens,
+        a,
+    )
+
+
+def run_verify_case(
+    case: VerifyCase,
+    device: str = "cpu",
+    seed: int = 0,
+    factor: float = FACTOR,
+    bug: Optional[str] = None,
+    checkpointing: Optional[str] = None,
+) -> CaseResult:
+    """A `zorro verify gradients` case of a vision model, proved by `run_vision_case`. `bug` (any of
+    verify's planted plan bugs) plants this path's own, "text_positions": 1-D text positions in
+    place of the 3-D mRoPE, which every vision case must fail."""
+    result = run_vision_case(
+        vision_verify_case(case, checkpointing), seed, "text_positions" if bug else None, device, factor
+    )
+    dedup, base = result.dedup, result.baseline
+    return CaseResult(
+        case,
+        result.status,
+        result.reason,
+        dedup,
+        base,
+        float("nan"),
+        result.worst_ratio,
+        result.worst_check,
+        result.seconds,
+    )
+
+
 class _text_positions:
     """Within: the vision actor gives the packed row 1-D text positions (the planted bug)."""
 
     def __enter__(self) -> None:
         import zorro_core.actor.vision as actor_vision
 
-        self._module, self._saved = actor_vision, actor_vision.mrope_positions
+        self._module = actor_vision
+        self._saved = actor_vision.mrope_positions, actor_vision.trie_mrope_positions
         actor_vision.mrope_positions = lambda plan, *args: plan.position_ids.expand(3, -1)
+        actor_vision.trie_mrope_positions = lambda plan, *args: plan.position_ids.expand(3, -1)
 
     def __exit__(self, *exc: object) -> None:
-        self._module.mrope_positions = self._saved
+        self._module.mrope_positions, self._module.trie_mrope_positions = self._saved

@@ -17,6 +17,7 @@ Errors are `DatasetError` (a ValueError) whose message starts with the file's na
 
 from __future__ import annotations
 
+import functools
 import importlib
 import warnings
 from dataclasses import dataclass
@@ -31,6 +32,14 @@ from zorro_harness.analyze.columns import (
     ids_column,
     pick_column,
     value_kind,
+)
+from zorro_harness.analyze.images import (
+    IMAGE_COLUMNS,
+    IMAGE_GRID_COLUMNS,
+    IMAGE_TOKEN,
+    SPATIAL_MERGE,
+    DataImages,
+    expand_images,
 )
 from zorro_harness.analyze.ragged import Ragged, ragged_arange
 from zorro_harness.analyze.readers import (
@@ -91,6 +100,8 @@ class TokenizedData:
     """Whether distinct pieces between special tokens were encoded once each (checked on a sample)."""
     completions_sampled: bool = False
     """Whether `completions` holds a random sample of the rows' completions (not row-aligned)."""
+    images: Optional[DataImages] = None
+    """The prompts' images (their tokens are in `prompts`, keyed by image), or None without images."""
 
     @property
     def rows(self) -> int:
@@ -120,14 +131,30 @@ def load_dataset(
     completions: str = "all",
     vocab_size: Optional[int] = None,
     chat_template_name: Optional[str] = None,
+    image_grid_column: Optional[str] = None,
+    image_column: Optional[str] = None,
+    image_token_id: Optional[int] = None,
+    spatial_merge: int = SPATIAL_MERGE,
 ) -> TokenizedData:
     """Read `path` and tokenize its prompts (and completions: "all", or "sample" for a random
     COMPLETION_SAMPLE of them, enough for their length distribution); see the module docstring.
     Every row is checked; with `vocab_size`, every token id against it. `chat_template_name` names
-    `chat_template` in errors (its file)."""
+    `chat_template` in errors (its file). With an image grid column (`image_grid_thw`, or
+    `image_grid_column`), each prompt's image placeholders become its images' tokens
+    (zorro_harness.analyze.images; `image_token_id` default: the tokenizer's <|image_pad|>)."""
     if completions not in ("all", "sample"):
         raise ValueError(f"completions must be 'all' or 'sample', got {completions!r}")
-    fmt, columns = read_columns(path, COLUMNS_READ | {c for c in (prompt_column, completion_column) if c})
+    named = {c for c in (prompt_column, completion_column, image_grid_column, image_column) if c}
+    fmt, columns = read_columns(path, COLUMNS_READ | set(IMAGE_GRID_COLUMNS + IMAGE_COLUMNS) | named)
+    with_images = functools.partial(
+        _with_images,
+        columns=columns,
+        grid_column=pick_column(path, columns, image_grid_column, IMAGE_GRID_COLUMNS, "image grid"),
+        image_column=pick_column(path, columns, image_column, IMAGE_COLUMNS, "images"),
+        image_token_id=image_token_id,
+        vocab_size=vocab_size,
+        merge=spatial_merge,
+    )
     pcol = pick_column(path, columns, prompt_column, PROMPT_ID_COLUMNS + PROMPT_COLUMNS, "prompt")
     if pcol is None:
         raise DatasetError(
@@ -152,7 +179,7 @@ def load_dataset(
             ids = ids_column(path, ccol, columns[ccol])
         data = TokenizedData(path, fmt, kind, pcol, ccol, prompts, ids)
         _check_data_vocab(data, vocab_size)
-        return data
+        return with_images(data, tokenizer=None)
     pvals = column_values(pcolumn)
     check_rows(path, pcol, pvals, kind)
     cvals = column_values(columns[ccol]) if ccol else None
@@ -178,7 +205,7 @@ def load_dataset(
             comp, _ = encode_texts(tok, cvals, False, progress)
         data = TokenizedData(path, fmt, kind, pcol, ccol, prompts, comp, split, sample.size < len(pvals))
         _check_data_vocab(data, vocab_size)
-        return data
+        return with_images(data, tokenizer=tok)
     convs = [list(c) for c in pvals]
     cache: dict[str, list[int]] = {}
     prompts, split = encode_texts(tok, tok.render(path, convs, True), False, progress, cache)
@@ -193,6 +220,52 @@ def load_dataset(
         comp = _suffix(path, whole, _take(prompts, sample))
     data = TokenizedData(path, fmt, kind, pcol, ccol, prompts, comp, split, sample.size < len(pvals))
     _check_data_vocab(data, vocab_size)
+    return with_images(data, tokenizer=tok)
+
+
+def _with_images(
+    data: TokenizedData,
+    tokenizer: Optional[LocalTokenizer],
+    columns: dict,
+    grid_column: Optional[str],
+    image_column: Optional[str],
+    image_token_id: Optional[int],
+    vocab_size: Optional[int],
+    merge: int,
+) -> TokenizedData:
+    """`data` with its prompts' images as their tokens (after the vocabulary check: image tokens are
+    keyed past the vocabulary), or as it is without an image grid column."""
+    if grid_column is None:
+        if image_column is not None:  # their tokens cannot be counted: refused rather than left out
+            raise DatasetError(
+                f"{data.path}: column {image_column!r} holds images but the data has no image grid column "
+                f"({', '.join(IMAGE_GRID_COLUMNS)}: per row, each image's [t, h, w] patch grid as the processor "
+                "gives it; or --image-grid-column)"
+            )
+        return data
+    if image_token_id is None:
+        backend = getattr(tokenizer, "backend", None) if tokenizer is not None else None
+        found = backend.token_to_id(IMAGE_TOKEN) if backend is not None else None
+        if found is None:
+            raise DatasetError(
+                f"{data.path}: column {grid_column!r} holds image grids: give --image-token-id (the image "
+                f"placeholder's id; the tokenizer has no {IMAGE_TOKEN})"
+            )
+        image_token_id = int(found)
+    key_base = max(int(vocab_size or 0), int(data.prompts.flat.max(initial=0)) + 1)
+    images = column_values(columns[image_column]) if image_column is not None else None
+    prompts, found_images = expand_images(
+        data.path,
+        data.prompts,
+        grid_column,
+        column_values(columns[grid_column]),
+        image_column,
+        images,
+        image_token_id,
+        key_base,
+        merge,
+    )
+    data.prompts, data.images = prompts, found_images
     return data
 
 

@@ -37,6 +37,7 @@ from zorro_core.plan.sharing import DEFAULT_MIN_SHARED_TOKENS
 from zorro_core.plan.trie_radix import shared_nodes
 from zorro_harness.analyze.analysis import token_counts
 from zorro_harness.analyze.dataset import TokenizedData
+from zorro_harness.analyze.images import image_counts
 from zorro_harness.analyze.prefix_index import PrefixIndex
 from zorro_harness.analyze.tokenize import Progress
 
@@ -280,6 +281,22 @@ def recommend(shape: ModelShape, work: CallWork, logits_mode: str) -> dict:
     }
 
 
+def _images_report(data: TokenizedData, call: np.ndarray, prompt: np.ndarray, rank: np.ndarray) -> Optional[dict]:
+    """The images of the data and of the simulated rows (zorro_harness.analyze.images); None without images.
+    Their tokens are in the prompts, so every token count above includes them."""
+    im = data.images
+    if im is None:
+        return None
+    return {
+        "identity": im.identity,
+        "image_token_id": im.image_token_id,
+        "rows_with_images": int((im.count > 0).sum()),
+        "images": int(im.count.sum()),
+        "image_tokens_per_prompt": _lengths(im.tokens),
+        **image_counts(im, call, prompt, rank),
+    }
+
+
 def data_report(
     data: TokenizedData,
     shape: ModelShape,
@@ -356,6 +373,7 @@ def data_report(
         )
         batching_info = {"mode": "rollouts", "batch_size": batch_size, "calls": work.rows.size, "rows": data.rows}
         row_len, row_of = plens + clens, np.arange(data.rows)
+        sim_call, sim_prompt = call, np.arange(data.rows)
     else:
         calls = sim(group_size)
         work = count(calls, MIN_SHARED_CANDIDATES)
@@ -370,6 +388,7 @@ def data_report(
             "response_len": resp_source,
         }
         row_len, row_of = plens[calls.prompt] + calls.response_len, calls.prompt
+        sim_call, sim_prompt = calls.call, calls.prompt
     if progress:
         progress("count", 1, 1)
     t_count = time.perf_counter() - t0 - t_index
@@ -417,6 +436,7 @@ def data_report(
             "prompt_tokens": _lengths(plens),
             "completion_tokens": _lengths(clens) if clens is not None else None,
             "split_tokenization": data.split_tokenization,
+            "images": _images_report(data, sim_call, sim_prompt, prompt_index.rank),
             "over_context": {
                 "rows": int(over.size),
                 "context": int(context),

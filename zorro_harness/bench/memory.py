@@ -158,11 +158,11 @@ def _mixed_layers(cfg) -> bool:
     )
 
 
-def _layer_of(model) -> tuple[Callable[[], Optional[int]], Callable[[], None]]:
-    """(the decoder layer running now, or None; remove the hooks)."""
+def _layer_of(layers) -> tuple[Callable[[], Optional[int]], Callable[[], None]]:
+    """(the index of the module of `layers` running now, or None; remove the hooks)."""
     current: list[Optional[int]] = [None]
     handles = []
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
         handles.append(layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
 
@@ -173,13 +173,15 @@ def _layer_of(model) -> tuple[Callable[[], Optional[int]], Callable[[], None]]:
     return lambda: current[0], remove
 
 
-def count_saved(model, run: Callable[[], object]) -> tuple[list[int], int]:
-    """([bytes saved inside each decoder layer], bytes saved outside them) while `run()` builds its graph."""
+def count_saved(model, run: Callable[[], object], layers=None) -> tuple[list[int], int]:
+    """([bytes saved inside each decoder layer], bytes saved outside them) while `run()` builds its graph.
+    `layers`: the modules counted one by one (default the decoder layers, `model.model.layers`)."""
+    layers = model.model.layers if layers is None else layers
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: set[int] = set()
-    per_layer = [0] * len(model.model.layers)
+    per_layer = [0] * len(layers)
     outside = [0]
-    layer_now, remove = _layer_of(model)
+    layer_now, remove = _layer_of(layers)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         s = t.untyped_storage()

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast, ProcessorMixin  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+from zorro_core.actor.config import ActorConfig  # noqa: E402
 from zorro_core.integrations.trl import DedupFallbackWarning, DedupGRPOTrainer  # noqa: E402
 from zorro_core.models.vision import build_vision_model, tiny_config, token_types  # noqa: E402
 from zorro_core.plan.batch import RolloutBatch  # noqa: E402
@@ -56,7 +57,7 @@ def _processor() -> ProcessorMixin:
     )
 
 
-def _trainer(model, tmp_path):
+def _trainer(model, tmp_path, zorro_config=None):
     args = GRPOConfig(
         output_dir=str(tmp_path / "out"),
         per_device_train_batch_size=4,
@@ -77,6 +78,7 @@ def _trainer(model, tmp_path):
         args=args,
         train_dataset=Dataset.from_dict({"prompt": ["w5 w6", "w7 w8"]}),
         processing_class=_processor(),
+        zorro_config=zorro_config,
     )
 
 
@@ -140,11 +142,15 @@ def _reference(model, ids, mask, keep, images, weights):
     return full_lp, full_ent, None, grads
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
-@pytest.mark.parametrize("batch_size", [None, 3])
-def test_vision_logps_equal_trl_float64(tmp_path, family, batch_size):
+@pytest.mark.parametrize(
+    "family,batch_size,sharing",
+    [(f, b, "prompt") for f in ("qwen2_5_vl", "qwen3_vl") for b in (None, 3)]
+    + [(f, None, "prefix") for f in ("qwen2_5_vl", "qwen3_vl")],
+)
+def test_vision_logps_equal_trl_float64(tmp_path, family, batch_size, sharing):
+    """sharing="prefix": rows share runs of text and images (zorro_core.plan.multimodal's image trie)."""
     model = build_vision_model(tiny_config(family), torch.float64)
-    trainer = _trainer(model, tmp_path)
+    trainer = _trainer(model, tmp_path, ActorConfig(sharing=sharing, min_shared_tokens=1))
     model = trainer.model
     model.train()
     ids, mask, keep, vision, images = _joined_inputs()
@@ -167,6 +173,7 @@ def test_vision_logps_equal_trl_float64(tmp_path, family, batch_size):
     assert float(ours[0][4].abs().max()) == 0.0
     assert trainer.zorro_calls == {"dedup": 1, "fallback": 0}
     assert trainer.zorro_log[-1]["images"] == 8
+    assert trainer._actor_for(model).config.sharing == sharing
 
 
 def test_unserved_vision_inputs_fall_back_with_the_reason(tmp_path):
