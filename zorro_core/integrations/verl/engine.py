@@ -129,6 +129,7 @@ from zorro_core.integrations.verl.rows import (
     temperature_of,
     unserved_reason,
 )
+from zorro_core.integrations.verl.schedule import HANDED_BACK, prompt_once_batch, schedule_metrics
 
 __all__ = [
     "DedupFSDPEngine",
@@ -294,13 +295,38 @@ class DedupFSDPEngine(FSDPEngineWithLMHead):
         from zorro_core.integrations.verl.metrics import add_metrics
 
         self._zorro_stats = []
-        if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+        output = self._prompt_once_batch(data, loss_function, forward_only)
+        if output is None and tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
             with swap_prepare_micro_batches(self):
                 output = super().forward_backward_batch(data, loss_function, forward_only)
-        else:
+        elif output is None:
             output = self._fixed_size_batch(data, loss_function, forward_only)
         actor = self.__dict__.get("_zorro_actor_instance")
-        return add_metrics(output, self._zorro_stats, actor.self_check.metric() if actor is not None else None)
+        output = add_metrics(output, self._zorro_stats, actor.self_check.metric() if actor is not None else None)
+        return schedule_metrics(
+            output, self.__dict__.pop("_zorro_schedule_stats", None), self.zorro_config.schedule == "prompt_once"
+        )
+
+    # -- the prompt-once schedule (zorro_core.integrations.verl.schedule) ---------------------------
+    def _prompt_once_batch(self, data, loss_function, forward_only):
+        """The pass under the prompt-once schedule when the config asks for it; None: the
+        within-micro-batch path serves it (not asked, or handed back with a one-time warning)."""
+        self._zorro_schedule_stats = None
+        if self.zorro_config.schedule != "prompt_once":
+            return None
+        fallback = self.__dict__.get("_zorro_schedule")
+        if fallback is None:
+            fallback = self._zorro_schedule = Fallback(HANDED_BACK)
+        result = prompt_once_batch(self, data, loss_function, forward_only)
+        if isinstance(result, str):
+            fallback.fall_back(result)
+            return None
+        fallback.served()
+        return result
+
+    def _zorro_schedule_record(self, stats) -> None:
+        per_micro_batch, self._zorro_schedule_stats = stats
+        self._zorro_stats.extend(per_micro_batch)
 
     def _zorro_record(self, micro_batch, rows) -> None:
         from zorro_core.integrations.verl.metrics import stats_of
