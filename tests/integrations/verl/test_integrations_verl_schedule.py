@@ -89,8 +89,17 @@ def single_process_case(path: str, seed: int) -> dict:
     rows = list(range(len(prompts)))
     mask = padded["response_mask"].bool()
     verl_engine, zorro_engine = _engines(path, True)
+    # Without the schedule, a group split across micro-batches is a one-time warning, never an error.
+    from zorro_core.integrations.verl.engine import SplitGroupWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for mb in MICRO_BATCHES.values():
+            _run(zorro_engine, padded, rows, False, use_remove_padding=True, **mb)
+    split_warnings = [str(w.message) for w in caught if issubclass(w.category, SplitGroupWarning)]
     _schedule_engine(zorro_engine)
     results = {"unique_prompt_tokens": sum(len(p) for p in {tuple(p) for p in prompts})}
+    results["split_warnings"] = split_warnings
     for name, mb in MICRO_BATCHES.items():
         for train in (False, True):
             ref = _run(verl_engine, padded, rows, train, use_remove_padding=True, **mb)
@@ -102,6 +111,26 @@ def single_process_case(path: str, seed: int) -> dict:
             results[key]["loss"] = (sum(ours[3]), sum(ref[3])) if train else None
             results[key]["metrics"] = metrics
             results[key]["warnings"] = [str(w.message) for w in caught if issubclass(w.category, DedupFallbackWarning)]
+    fixed = dict(MICRO_BATCHES["fixed"], use_remove_padding=True)
+    ref = _run(verl_engine, padded, rows, True, **fixed)
+    # A planted bug: phase 3 without the kept keys' and values' gradients.
+    from zorro_core.attention import external
+
+    real = external.InjectGrad.backward
+    external.InjectGrad.backward = staticmethod(lambda ctx, dout: (dout, None, None, None, None))
+    try:
+        results["planted"] = _errors(_run(zorro_engine, padded, rows, True, **fixed), ref, mask)
+    finally:
+        external.InjectGrad.backward = real
+    # Gradient checkpointing (verl's enable_gradient_checkpointing): phase 3 recomputes the prompts.
+    from zorro_core.integrations.verl.cpu import build_engine
+    from zorro_core.integrations.verl.engine import DedupFSDPEngine
+
+    checkpointed = _schedule_engine(build_engine(DedupFSDPEngine, path, gradient_checkpointing=True))
+    ours, metrics = _run_with_metrics(checkpointed, padded, rows, True, **fixed)
+    results["checkpointing"] = _errors(ours, ref, mask)
+    results["checkpointing"]["metrics"] = metrics
+    del checkpointed
     # Hand-back: prefix sharing is refused by the schedule; the within-micro-batch path serves, equal.
     _schedule_engine(zorro_engine, sharing="prefix")
     with warnings.catch_warnings(record=True) as caught:
@@ -110,7 +139,6 @@ def single_process_case(path: str, seed: int) -> dict:
             ours, metrics = _run_with_metrics(
                 zorro_engine, padded, rows, True, **dict(MICRO_BATCHES["fixed"]), use_remove_padding=True
             )
-    ref = _run(verl_engine, padded, rows, True, use_remove_padding=True, **MICRO_BATCHES["fixed"])
     results["handed_back"] = _errors(ours, ref, mask)
     results["handed_back"]["metrics"] = metrics
     results["handed_back"]["warnings"] = [
@@ -142,6 +170,24 @@ def test_schedule_equals_verl_with_groups_cut(single, mb, train):
     assert m["zorro/prompt_tokens_micro_batch"][0] > m["zorro/prompt_tokens_computed"][0], m
     assert m["zorro/prompt_tokens_plain"][0] > m["zorro/prompt_tokens_micro_batch"][0], m
     assert m["zorro/served_fraction"] == [1.0] and m["zorro/kept_bytes"][0] > 0, m
+
+
+def test_without_the_schedule_a_split_group_warns_once(single):
+    notes = single["split_warnings"]
+    assert len(notes) == 1 and "schedule='prompt_once'" in notes[0], notes
+
+
+def test_schedule_under_gradient_checkpointing_equals_verl(single):
+    r = single["checkpointing"]
+    assert r["lp"] <= LP_TOL and r["ent"] <= LP_TOL and r["n_grads"] > 20 and r["grad"] <= GRAD_TOL, r
+    assert r["metrics"]["zorro/prompt_once"] == [1.0], r
+
+
+def test_a_dropped_kept_key_gradient_fails(single):
+    """The comparison has teeth on the schedule's path: phase 3 without the kept keys' and values'
+    gradients leaves the log-probs right and the gradients far off."""
+    r = single["planted"]
+    assert r["lp"] <= LP_TOL and r["grad"] > 1e-3, r
 
 
 def test_a_refused_schedule_hands_back_with_one_warning(single):
