@@ -135,7 +135,15 @@ def test_no_private_name_is_imported_across_packages():
 OPTIONAL = {
     "verl": tuple(
         f"zorro_core.integrations.{m}"
-        for m in ("verl.engine", "verl.cpu", "verl.rows", "verl.batching", "verl.trainer", "verl.needs")
+        for m in (
+            "verl.engine",
+            "verl.cpu",
+            "verl.rows",
+            "verl.batching",
+            "verl.trainer",
+            "verl.needs",
+            "verl.schedule",
+        )
         + ("verl_engine", "verl_cpu", "verl_rows", "verl_batching", "verl_trainer", "needs_verl")
     ),
     "trl": ("zorro_core.integrations.trl", "zorro_core.integrations.trl.trainer"),
