@@ -144,6 +144,7 @@ OPTIONAL = {
             "verl.needs",
             "verl.critic",
             "verl.critic_worker",
+            "verl.schedule",
         )
         + ("verl_engine", "verl_cpu", "verl_rows", "verl_batching", "verl_trainer", "needs_verl")
     ),

@@ -360,14 +360,16 @@ class _Actor:
         temperature: float = 1.0,
         calculate_entropy: bool = False,
         attention_weight: float = 0.0,
-        schedule: str = "micro_batch",
+        schedule: Optional[str] = None,
     ):
         """Accumulate gradients over balanced micro-batches; see zorro_core.actor.microbatch.forward_backward.
 
         `schedule`: "micro_batch" (default) runs each micro-batch on its own, a prompt computed once
         per micro-batch that holds its responses; "prompt_once" computes each unique prompt once
         per step however many micro-batches its responses take (zorro_core.actor.schedule: it
-        returns a ScheduleOutput; `attention_weight` does not apply)."""
+        returns a ScheduleOutput; `attention_weight` does not apply). None: the config's `schedule`."""
+        if schedule is None:
+            schedule = self.config.schedule
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
         if schedule == "prompt_once":

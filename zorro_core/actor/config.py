@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from zorro_core.actor.logprobs import LOGITS_MODES
+from zorro_core.actor.schedule import SCHEDULES
 from zorro_core.models.moe import AUX_WEIGHTINGS
 from zorro_core.plan.sharing import DEFAULT_MIN_SHARED_TOKENS, SHARINGS, check_sharing
 
@@ -72,6 +73,12 @@ class ActorConfig:
     batch (zorro_core.actor.self_check; falls back to a right path on a mismatch). None: on for a
     CUDA device, off on CPU (CI proves the CPU paths against float64); True/False: on/off."""
 
+    schedule: str = "micro_batch"
+    """How a step's micro-batches run where zorro owns the step (`forward_backward` without its own
+    `schedule=`, verl's engine): "micro_batch" shares a prompt within each micro-batch;
+    "prompt_once" computes each unique prompt once per step however many micro-batches its
+    responses take (zorro_core.actor.schedule; docs/schedule.md)."""
+
     def __post_init__(self) -> None:
         """Every field's type and choices, checked here once: ValueError naming the field and what it takes."""
         if not isinstance(self.use_split_attention, bool):
@@ -85,6 +92,7 @@ class ActorConfig:
         _check_choice("varlen_backend", self.varlen_backend, VARLEN_BACKENDS, True)
         _check_choice("logits_mode", self.logits_mode, LOGITS_MODES, False)
         _check_choice("router_aux_weighting", self.router_aux_weighting, AUX_WEIGHTINGS, False)
+        _check_choice("schedule", self.schedule, SCHEDULES, False)
         if not isinstance(self.sharing, str):
             _check_choice("sharing", self.sharing, SHARINGS, False)
         budget = self.logits_memory_budget_mib

@@ -166,18 +166,61 @@ def prompt_once_step(
     temperature: float = 1.0,
     calculate_entropy: bool = False,
     parts: Optional[Sequence[Sequence[int]]] = None,
+    on_prompts_backward: Optional[Callable[[], None]] = None,
 ) -> ScheduleOutput:
     """One step of the prompt-once schedule (module doc), accumulating into the parameters' `.grad`.
 
     `loss_fn(out, rows)` is forward_backward's: `out` an ActorOutput of the micro-batch's rows
     ([b, R], in the order of `rows`), returning a scalar that is a sum scaled by full-batch
     constants. `parts` (row lists) overrides the budget's micro-batches, e.g. to cut every group.
+
+    `on_prompts_backward()` is called once, right before phase 3: a trainer's hook, e.g. to turn
+    FSDP's gradient sync back on so that the step's only reduction follows the prompts' backward
+    (zorro_core.integrations.verl.engine).
     """
     refusal = schedule_refusal(actor)
     if refusal:
         raise UnsupportedModelError(refusal)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be a callable loss_fn(out, rows) -> scalar tensor, got {type(loss_fn).__name__}")
+    if not torch.is_grad_enabled():
+        raise ValueError("the prompt-once schedule needs gradients: it was called under torch.no_grad()")
+    return _checked_step(
+        actor, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy, parts, on_prompts_backward
+    )
+
+
+def prompt_once_logprobs(
+    actor: Any,
+    batch: RolloutBatch,
+    max_tokens_per_micro_batch: Optional[int] = None,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    parts: Optional[Sequence[Sequence[int]]] = None,
+) -> ScheduleOutput:
+    """A log-prob pass (no loss, no gradient) of the prompt-once schedule: phases 1 and 2 under
+    no_grad, the prompts once (their keys and values kept without a graph), the responses in
+    micro-batches against them; `loss` is 0. Arguments as prompt_once_step's."""
+    refusal = schedule_refusal(actor)
+    if refusal:
+        raise UnsupportedModelError(refusal)
+    with torch.no_grad():
+        return _checked_step(
+            actor, batch, None, max_tokens_per_micro_batch, temperature, calculate_entropy, parts, None
+        )
+
+
+def _checked_step(
+    actor: Any,
+    batch: RolloutBatch,
+    loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]],
+    max_tokens_per_micro_batch: Optional[int],
+    temperature: float,
+    calculate_entropy: bool,
+    parts: Optional[Sequence[Sequence[int]]],
+    on_prompts_backward: Optional[Callable[[], None]],
+) -> ScheduleOutput:
+    """prompt_once_step / prompt_once_logprobs after their own checks (loss_fn None: a log-prob pass)."""
     if max_tokens_per_micro_batch is not None and (
         isinstance(max_tokens_per_micro_batch, bool)
         or not isinstance(max_tokens_per_micro_batch, numbers.Integral)
@@ -187,8 +230,6 @@ def prompt_once_step(
             "max_tokens_per_micro_batch must be an int >= 1 or None, got "
             f"{type(max_tokens_per_micro_batch).__name__} {max_tokens_per_micro_batch!r}"
         )
-    if not torch.is_grad_enabled():
-        raise ValueError("the prompt-once schedule needs gradients: it was called under torch.no_grad()")
     actor.check_call(temperature, batch, calculate_entropy)
     check_trainable_state(actor.model)
     actor.install_hooks()
@@ -203,14 +244,14 @@ def prompt_once_step(
     # Parameters without a gradient before the call get none back if the step fails (microbatch's rule).
     fresh = [p for p in actor.model.parameters() if p.grad is None]
     try:
-        return _step(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy)
+        return _step(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy, on_prompts_backward)
     except BaseException:
         for p in fresh:
             p.grad = None
         raise
 
 
-def _step(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy) -> ScheduleOutput:
+def _step(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy, on_prompts_backward) -> ScheduleOutput:
     dev = actor.device
     lens = torch.tensor([len(p) for p in groups.prompts], device=dev)
     starts = torch.cumsum(lens, 0) - lens
@@ -226,7 +267,7 @@ def _step(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy) -
     hidden = _forward(actor, ids, kept.positions, region)
     region.sealed = True
     first_graph = hidden[starts + lens - 1]
-    first = first_graph.detach().requires_grad_(True)
+    first = first_graph.detach().requires_grad_(loss_fn is not None)
 
     b, r = batch.responses.shape
     log_probs = torch.zeros(b, r, dtype=torch.float64 if first.dtype == torch.float64 else torch.float32, device=dev)
@@ -241,21 +282,25 @@ def _step(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy) -
         idx = torch.tensor(part, dtype=torch.long, device=dev)
         out = _responses(actor, batch, groups, part, idx, kept, first, starts, lens, temperature, calculate_entropy)
         computed.append(int(rmask[idx].sum()))
-        loss = loss_fn(out, idx)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise ValueError("loss_fn must return a scalar tensor")
-        if not loss.requires_grad:
-            raise ValueError("loss_fn returned a loss that does not require grad")
-        loss.backward()
-        total += float(loss.detach())
+        if loss_fn is not None:  # None: a log-prob pass (prompt_once_logprobs)
+            loss = loss_fn(out, idx)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise ValueError("loss_fn must return a scalar tensor")
+            if not loss.requires_grad:
+                raise ValueError("loss_fn returned a loss that does not require grad")
+            loss.backward()
+            total += float(loss.detach())
         log_probs[idx] = out.log_probs.detach().to(log_probs.dtype)
         if entropy is not None and out.entropy is not None:
             entropy[idx] = out.entropy.detach().to(entropy.dtype)
 
     # Phase 3: the prompts' backward, once, from the accumulated leaf gradients.
-    grad_first = first.grad if first.grad is not None else torch.zeros_like(first)
-    if first_graph.requires_grad:
-        torch.autograd.backward([first_graph], grad_tensors=[grad_first])
+    if loss_fn is not None:  # None: a log-prob pass (prompt_once_logprobs)
+        grad_first = first.grad if first.grad is not None else torch.zeros_like(first)
+        if on_prompts_backward is not None:
+            on_prompts_backward()
+        if first_graph.requires_grad:
+            torch.autograd.backward([first_graph], grad_tensors=[grad_first])
     kept_bytes = kept.kept_bytes() + first.numel() * first.element_size()
     return ScheduleOutput(
         log_probs,

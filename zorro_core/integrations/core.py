@@ -33,6 +33,7 @@ __all__ = [
     "grouped_order",
     "prompt_dedup_ratio",
     "prompt_groups",
+    "refuse_schedule",
     "require_assigned",
     "require_attributes",
     "require_parameters",
@@ -155,4 +156,17 @@ def require_assigned(
         raise ImportError(
             f"{trainer}: {_name(cls)}.{'/'.join(methods)} no longer set {', '.join(missing)}, which {reader} reads "
             f"(tested with {tested}); this release changed what zorro relies on, so {reader} is not used with it"
+        )
+
+
+def refuse_schedule(config: Any, trainer: str) -> None:
+    """Refuse `ActorConfig(schedule="prompt_once")` in a trainer whose own loop runs the step's
+    micro-batches (TRL, OpenRLHF): zorro sees one micro-batch per call there, so the schedule would
+    be silently ignored (docs/trainers.md, "The prompt-once schedule in TRL and OpenRLHF")."""
+    if getattr(config, "schedule", "micro_batch") != "micro_batch":
+        raise ValueError(
+            f"ActorConfig(schedule={config.schedule!r}) is not served by {trainer}: its own loop runs the "
+            "step's micro-batches one call at a time, so zorro never owns the step (docs/trainers.md, "
+            "'The prompt-once schedule in TRL and OpenRLHF'); use schedule='micro_batch' here, or verl's "
+            "engine or actor.forward_backward for the schedule"
         )

@@ -248,3 +248,16 @@ def test_version_probe():
 def test_zorro_config_type(ckpt):
     with pytest.raises(TypeError, match="ActorConfig"):
         zo.DedupActor(ckpt, attn_implementation="eager", zorro_config={"sharing": "prefix"})
+
+
+def test_the_prompt_once_schedule_is_refused(ckpt):
+    """OpenRLHF's loop runs the step's micro-batches: ActorConfig(schedule="prompt_once") would be
+    ignored, so the actor and the critic refuse it with the reason (docs/trainers.md)."""
+    from zorro_core import ActorConfig
+    from zorro_core.integrations.openrlhf import critic
+
+    config = ActorConfig(schedule="prompt_once")
+    with pytest.raises(ValueError, match="not served by OpenRLHF's PPO trainer"):
+        zo.DedupActor(ckpt, attn_implementation="eager", zorro_config=config)
+    with pytest.raises(ValueError, match="not served by OpenRLHF's PPO trainer"):
+        critic.serve_critic(object(), zorro_config=config)

@@ -175,3 +175,15 @@ def test_legacy_adapter_refuses_current_verl():
     check_legacy_verl("0.7.1")
     with pytest.raises(ImportError, match=r"verl\.engine"):
         check_legacy_verl("0.9.1")
+
+
+def test_patch_refuses_the_prompt_once_schedule():
+    """verl <= 0.7's update_policy runs the micro-batches: the schedule would be ignored, so it is refused."""
+    from zorro_core import ActorConfig
+
+    class DataParallelPPOActor(StandInActor):
+        pass
+
+    for kwargs in ({"zorro_config": ActorConfig(schedule="prompt_once")}, {"schedule": "prompt_once"}):
+        with pytest.raises(ValueError, match="not served by verl <= 0.7"):
+            patch_dp_actor(DataParallelPPOActor, **kwargs)

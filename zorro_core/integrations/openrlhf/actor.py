@@ -55,7 +55,7 @@ from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.actor.vision import VisionLanguageActor
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.integrations.core import DedupFallbackWarning, Fallback, require_attributes
+from zorro_core.integrations.core import DedupFallbackWarning, Fallback, refuse_schedule, require_attributes
 from zorro_core.integrations.deprecated import renamed
 from zorro_core.integrations.openrlhf.rows import RowSplit, split_rows
 from zorro_core.integrations.openrlhf.status import CallStats
@@ -147,6 +147,7 @@ class DedupActor(Actor):
     def __init__(self, *args: Any, zorro_config: Optional[ActorConfig] = None, **kwargs: Any) -> None:
         if zorro_config is not None and not isinstance(zorro_config, ActorConfig):
             raise TypeError(f"zorro_config must be a zorro_core.ActorConfig, got {type(zorro_config).__name__}")
+        refuse_schedule(zorro_config, "OpenRLHF's PPO trainer")
         super().__init__(*args, **kwargs)
         require_attributes(
             self,

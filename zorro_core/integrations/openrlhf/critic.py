@@ -35,7 +35,7 @@ from torch import nn
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.integrations.core import Fallback
+from zorro_core.integrations.core import Fallback, refuse_schedule
 from zorro_core.integrations.openrlhf.rows import split_rows
 from zorro_core.integrations.openrlhf.status import CallStats
 from zorro_core.integrations.requires import require_trainer
@@ -136,6 +136,7 @@ def serve_critic(model: Any, zorro_config: Optional[ActorConfig] = None) -> Any:
     `model.zorro_calls` counts the calls served ("dedup") and handed to OpenRLHF's forward ("fallback")."""
     if zorro_config is not None and not isinstance(zorro_config, ActorConfig):
         raise TypeError(f"zorro_config must be a zorro_core.ActorConfig, got {type(zorro_config).__name__}")
+    refuse_schedule(zorro_config, "OpenRLHF's PPO trainer")
     for name in ("base_model_prefix", "value_head_prefix", "normalize_reward", "mean", "std", "packing_samples"):
         if not hasattr(model, name):
             raise TypeError(

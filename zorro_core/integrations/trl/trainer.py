@@ -73,7 +73,13 @@ from zorro_core.actor.config import ActorConfig
 from zorro_core.actor.vision import VisionLanguageActor
 from zorro_core.distributed.regroup import regroup
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.integrations.core import DedupFallbackWarning, Fallback, prompt_dedup_ratio, require_attributes
+from zorro_core.integrations.core import (
+    DedupFallbackWarning,
+    Fallback,
+    prompt_dedup_ratio,
+    refuse_schedule,
+    require_attributes,
+)
 from zorro_core.integrations.deprecated import renamed
 from zorro_core.integrations.layout import joined_logprobs, layout_problem
 from zorro_core.integrations.requires import require_trainer
@@ -161,6 +167,7 @@ class DedupGRPOTrainer(GRPOTrainer):
         if zorro_config is not None and not isinstance(zorro_config, ActorConfig):
             raise TypeError(f"zorro_config must be a zorro_core.ActorConfig, got {type(zorro_config).__name__}")
         self._zorro_config = zorro_config or ActorConfig()
+        refuse_schedule(self._zorro_config, "TRL's GRPOTrainer")
         self._zorro_regroup = bool(zorro_regroup)
         self._actors: dict[int, tuple[torch.nn.Module, Any]] = {}  # id(model) -> (model, actor or refusal text)
         self._zorro_fallback = Fallback("TRL's own log-prob method serves this call")

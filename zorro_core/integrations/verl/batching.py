@@ -190,6 +190,7 @@ def swap_prepare_micro_batches(engine) -> Iterator[None]:
             chosen = zorro_micro_batches(engine, data, dp_group=dp_group, **kwargs)
             if chosen is not None:
                 engine._zorro_micro_batching = "zorro"
+                engine._zorro_parts = chosen[1]  # the engine warns once of a group split across them
                 return chosen
         engine._zorro_micro_batching = "verl"
         return original(data, dp_group=dp_group, **kwargs)

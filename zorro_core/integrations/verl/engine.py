@@ -118,6 +118,7 @@ from zorro_core.integrations.core import (
     DedupFallbackWarning,
     Fallback,
     grouped_order,
+    prompt_groups,
     require_assigned,
     require_attributes,
     require_parameters,
@@ -133,10 +134,12 @@ from zorro_core.integrations.verl.rows import (
     temperature_of,
     unserved_reason,
 )
+from zorro_core.integrations.verl.schedule import HANDED_BACK, prompt_once_batch, schedule_metrics
 
 __all__ = [
     "DedupFSDPEngine",
     "DedupFallbackWarning",
+    "SplitGroupWarning",
     "TESTED_VERL",
     "config_for",
     "install",
@@ -299,13 +302,65 @@ class DedupFSDPEngine(FSDPEngineWithLMHead):
         from zorro_core.integrations.verl.metrics import add_metrics
 
         self._zorro_stats = []
-        if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+        self._zorro_parts = None
+        output = self._prompt_once_batch(data, loss_function, forward_only)
+        if output is None and tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
             with swap_prepare_micro_batches(self):
                 output = super().forward_backward_batch(data, loss_function, forward_only)
-        else:
+        elif output is None:
             output = self._fixed_size_batch(data, loss_function, forward_only)
+        if self._zorro_parts is not None:
+            self._note_split_groups(data, self._zorro_parts)
         actor = self.__dict__.get("_zorro_actor_instance")
-        return add_metrics(output, self._zorro_stats, actor.self_check.metric() if actor is not None else None)
+        output = add_metrics(output, self._zorro_stats, actor.self_check.metric() if actor is not None else None)
+        return schedule_metrics(
+            output, self.__dict__.pop("_zorro_schedule_stats", None), self.zorro_config.schedule == "prompt_once"
+        )
+
+    # -- the prompt-once schedule (zorro_core.integrations.verl.schedule) ---------------------------
+    def _prompt_once_batch(self, data, loss_function, forward_only):
+        """The pass under the prompt-once schedule when the config asks for it; None: the
+        within-micro-batch path serves it (not asked, or handed back with a one-time warning)."""
+        self._zorro_schedule_stats = None
+        if self.zorro_config.schedule != "prompt_once":
+            return None
+        fallback = self.__dict__.get("_zorro_schedule")
+        if fallback is None:
+            fallback = self._zorro_schedule = Fallback(HANDED_BACK)
+        result = prompt_once_batch(self, data, loss_function, forward_only)
+        if isinstance(result, str):
+            fallback.fall_back(result)
+            return None
+        fallback.served()
+        return result
+
+    def _note_split_groups(self, data, parts) -> None:
+        """Once per engine, a warning when the within-micro-batch path split a prompt group across
+        micro-batches (never an error: each part computes its prompt again)."""
+        if self.__dict__.get("_zorro_split_noted"):
+            return
+        tokens = prompt_tokens(data)
+        if tokens is None:
+            return
+        group = prompt_groups(*tokens).tolist()
+        spans: dict[int, set[int]] = {}
+        for i, part in enumerate(parts):
+            for row in part:
+                spans.setdefault(group[int(row)], set()).add(i)
+        split = sum(len(s) > 1 for s in spans.values())
+        if split:
+            self._zorro_split_noted = True
+            warnings.warn(
+                f"zorro: {split} prompt group(s) of this mini-batch span several micro-batches (over the "
+                "token budget or the micro-batch size), so each part computes its prompt again; "
+                "ActorConfig(schedule='prompt_once') computes each prompt once per mini-batch (docs/schedule.md)",
+                SplitGroupWarning,
+                stacklevel=3,
+            )
+
+    def _zorro_schedule_record(self, stats) -> None:
+        per_micro_batch, self._zorro_schedule_stats = stats
+        self._zorro_stats.extend(per_micro_batch)
 
     def _zorro_record(self, micro_batch, rows) -> None:
         from zorro_core.integrations.verl.metrics import stats_of
@@ -315,6 +370,10 @@ class DedupFSDPEngine(FSDPEngineWithLMHead):
 
     def _fixed_size_batch(self, data, loss_function, forward_only):
         order = prompt_order(data)
+        size = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=0) or 0)
+        if size > 0:  # verl chunks the (ordered) rows by the micro-batch size
+            rows = order.tolist() if order is not None else list(range(len(data)))
+            self._zorro_parts = [rows[i : i + size] for i in range(0, len(rows), size)]
         if order is None:
             return super().forward_backward_batch(data, loss_function, forward_only)
         output = super().forward_backward_batch(tu.index_select_tensor_dict(data, order), loss_function, forward_only)
@@ -338,6 +397,11 @@ def _actor_class(model) -> type[DeduplicatedActor]:
         return DeduplicatedActor
     serve_own_attention(model)
     return VisionLanguageActor
+
+
+class SplitGroupWarning(UserWarning):
+    """A prompt group split across micro-batches by the within-micro-batch path (its prompt computed
+    once per part); the prompt-once schedule computes it once per mini-batch. Not a fallback."""
 
 
 def _select_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.integrations.core import DedupFallbackWarning, Fallback, require_assigned
+from zorro_core.integrations.core import DedupFallbackWarning, Fallback, refuse_schedule, require_assigned
 from zorro_core.integrations.deprecated import renamed
 from zorro_core.integrations.layout import joined_logprobs
 
@@ -180,6 +180,9 @@ def patch_dp_actor(actor_cls: Any, zorro_config: Optional[ActorConfig] = None, *
             "verl <= 0.7",
             "zorro_core.integrations.verl.legacy",
         )
+    # update_policy runs the micro-batches one _forward_micro_batch call at a time: no schedule here.
+    schedule = actor_kwargs.get("schedule", getattr(zorro_config, "schedule", "micro_batch"))
+    refuse_schedule(ActorConfig(schedule=schedule), "verl <= 0.7's DataParallelPPOActor")
     if zorro_config is not None:
         actor_kwargs = {"config": zorro_config, **actor_kwargs}
     original = actor_cls._forward_micro_batch

@@ -1,0 +1,301 @@
+"""The prompt-once schedule in zorro's verl engine against verl 0.9's own engine, in float64.
+
+`ActorConfig(schedule="prompt_once")` makes `DedupFSDPEngine.forward_backward_batch` compute each
+prompt of the mini-batch once however many micro-batches its responses take
+(zorro_core.integrations.verl.schedule). Both engines are verl's FSDP2 engine built by verl's own
+code on CPU (as in test_integrations_verl_engine.py); verl's engine runs its plain path on the
+same rows. The micro-batches are small enough that every group of more than one row is cut at a
+micro-batch boundary: log-probs, entropy, the loss and every gradient must still equal verl's,
+and the "zorro/" metrics must show each prompt computed once. Runs in fresh processes (gloo).
+Rerun: `.ci/verl_tests -k schedule` (or this file in the verl venv).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+verl = pytest.importorskip("verl", reason="verl is not installed (run .ci/verl_tests for the verl suite)")
+from packaging.version import Version  # noqa: E402
+
+if Version(verl.__version__) < Version("0.8"):
+    pytest.skip(f"verl {verl.__version__} < 0.8 has the legacy workers, not the engines", allow_module_level=True)
+
+from test_integrations_verl_engine import (  # noqa: E402
+    _engines,
+    _errors,
+    _numpy,
+    _place,
+    _run,
+    _torch,
+    groups,
+    model_dir,
+    v1_partitions,
+)
+
+from zorro_core.distributed.launch import launch  # noqa: E402
+from zorro_core.verify.tolerances import GRAD_RTOL as GRAD_TOL  # noqa: E402
+from zorro_core.verify.tolerances import LOGPROB_ATOL as LP_TOL  # noqa: E402
+
+# Fixed: 2 rows per micro-batch; dynamic: 16 tokens (verl's rows whole, the schedule's responses).
+MICRO_BATCHES = {
+    "fixed": {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 2},
+    "dynamic": {"use_dynamic_bsz": True, "max_token_len_per_gpu": 16},
+}
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    return model_dir(str(tmp_path_factory.mktemp("verl_model") / "tiny-qwen3"))
+
+
+def _schedule_engine(engine, **options):
+    from zorro_core.actor.config import ActorConfig
+
+    engine.zorro_config = ActorConfig(schedule="prompt_once", **options)
+    return engine
+
+
+def _metrics(out) -> dict:
+    return {k: v for k, v in out.get("metrics", {}).items() if k.startswith("zorro/")}
+
+
+def _run_with_metrics(engine, padded, rows, train, **meta):
+    """_run, keeping the pass's zorro metrics (forward_backward_batch's output for training,
+    infer_batch's for log-probs)."""
+    seen = {}
+    original = type(engine).forward_backward_batch
+
+    def spy(self, data, loss_function, forward_only=False):
+        out = original(self, data, loss_function, forward_only)
+        seen.update(_metrics(out))
+        return out
+
+    type(engine).forward_backward_batch = spy
+    try:
+        return _run(engine, padded, rows, train, **meta), seen
+    finally:
+        type(engine).forward_backward_batch = original
+
+
+def single_process_case(path: str, seed: int) -> dict:
+    import warnings
+
+    from zorro_core.integrations.layout import DedupFallbackWarning
+    from zorro_core.integrations.verl.cpu import padded_batch
+
+    prompts, responses, uids = groups(seed)
+    padded = padded_batch(prompts, responses, seed=seed)
+    rows = list(range(len(prompts)))
+    mask = padded["response_mask"].bool()
+    verl_engine, zorro_engine = _engines(path, True)
+    # Without the schedule, a group split across micro-batches is a one-time warning, never an error.
+    from zorro_core.integrations.verl.engine import SplitGroupWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for mb in MICRO_BATCHES.values():
+            _run(zorro_engine, padded, rows, False, use_remove_padding=True, **mb)
+    split_warnings = [str(w.message) for w in caught if issubclass(w.category, SplitGroupWarning)]
+    _schedule_engine(zorro_engine)
+    results = {"unique_prompt_tokens": sum(len(p) for p in {tuple(p) for p in prompts})}
+    results["split_warnings"] = split_warnings
+    for name, mb in MICRO_BATCHES.items():
+        for train in (False, True):
+            ref = _run(verl_engine, padded, rows, train, use_remove_padding=True, **mb)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                ours, metrics = _run_with_metrics(zorro_engine, padded, rows, train, use_remove_padding=True, **mb)
+            key = f"{name} train={train}"
+            results[key] = _errors(ours, ref, mask)
+            results[key]["loss"] = (sum(ours[3]), sum(ref[3])) if train else None
+            results[key]["metrics"] = metrics
+            results[key]["warnings"] = [str(w.message) for w in caught if issubclass(w.category, DedupFallbackWarning)]
+    fixed = dict(MICRO_BATCHES["fixed"], use_remove_padding=True)
+    ref = _run(verl_engine, padded, rows, True, **fixed)
+    # A planted bug: phase 3 without the kept keys' and values' gradients.
+    from zorro_core.attention import external
+
+    real = external.InjectGrad.backward
+    external.InjectGrad.backward = staticmethod(lambda ctx, dout: (dout, None, None, None, None))
+    try:
+        results["planted"] = _errors(_run(zorro_engine, padded, rows, True, **fixed), ref, mask)
+    finally:
+        external.InjectGrad.backward = real
+    # Gradient checkpointing (verl's enable_gradient_checkpointing): phase 3 recomputes the prompts.
+    from zorro_core.integrations.verl.cpu import build_engine
+    from zorro_core.integrations.verl.engine import DedupFSDPEngine
+
+    checkpointed = _schedule_engine(build_engine(DedupFSDPEngine, path, gradient_checkpointing=True))
+    ours, metrics = _run_with_metrics(checkpointed, padded, rows, True, **fixed)
+    results["checkpointing"] = _errors(ours, ref, mask)
+    results["checkpointing"]["metrics"] = metrics
+    del checkpointed
+    # Hand-back: prefix sharing is refused by the schedule; the within-micro-batch path serves, equal.
+    _schedule_engine(zorro_engine, sharing="prefix")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            ours, metrics = _run_with_metrics(
+                zorro_engine, padded, rows, True, **dict(MICRO_BATCHES["fixed"]), use_remove_padding=True
+            )
+    results["handed_back"] = _errors(ours, ref, mask)
+    results["handed_back"]["metrics"] = metrics
+    results["handed_back"]["warnings"] = [
+        str(w.message) for w in caught if issubclass(w.category, DedupFallbackWarning)
+    ]
+    return results
+
+
+@pytest.fixture(scope="module")
+def single(saved_model):
+    return launch(single_process_case, 1, saved_model, 0, timeout_s=300)[0]
+
+
+@pytest.mark.parametrize("mb", list(MICRO_BATCHES))
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+def test_schedule_equals_verl_with_groups_cut(single, mb, train):
+    r = single[f"{mb} train={train}"]
+    assert r["lp"] <= LP_TOL and r["ent"] <= LP_TOL, r
+    if train:
+        assert r["n_grads"] > 20 and r["grad"] <= GRAD_TOL, r
+        ours, ref = r["loss"]
+        assert abs(ours - ref) <= 1e-9 * max(1.0, abs(ref)), r
+    assert r["warnings"] == [], r
+    m = r["metrics"]
+    # the schedule ran; groups were cut at micro-batch boundaries, yet each prompt was computed once
+    assert m["zorro/prompt_once"] == [1.0] and m["zorro/split_groups"][0] >= (2 if mb == "fixed" else 1), m
+    assert m["zorro/prompts_computed"] == [4.0] and m["zorro/prompts_plain"] == [12.0], m
+    assert m["zorro/prompt_tokens_computed"] == [float(single["unique_prompt_tokens"])], m
+    assert m["zorro/prompt_tokens_micro_batch"][0] > m["zorro/prompt_tokens_computed"][0], m
+    assert m["zorro/prompt_tokens_plain"][0] > m["zorro/prompt_tokens_micro_batch"][0], m
+    assert m["zorro/served_fraction"] == [1.0] and m["zorro/kept_bytes"][0] > 0, m
+
+
+def test_without_the_schedule_a_split_group_warns_once(single):
+    notes = single["split_warnings"]
+    assert len(notes) == 1 and "schedule='prompt_once'" in notes[0], notes
+
+
+def test_schedule_under_gradient_checkpointing_equals_verl(single):
+    r = single["checkpointing"]
+    assert r["lp"] <= LP_TOL and r["ent"] <= LP_TOL and r["n_grads"] > 20 and r["grad"] <= GRAD_TOL, r
+    assert r["metrics"]["zorro/prompt_once"] == [1.0], r
+
+
+def test_a_dropped_kept_key_gradient_fails(single):
+    """The comparison has teeth on the schedule's path: phase 3 without the kept keys' and values'
+    gradients leaves the log-probs right and the gradients far off."""
+    r = single["planted"]
+    assert r["lp"] <= LP_TOL and r["grad"] > 1e-3, r
+
+
+def test_a_refused_schedule_hands_back_with_one_warning(single):
+    r = single["handed_back"]
+    assert r["lp"] <= LP_TOL and r["ent"] <= LP_TOL and r["grad"] <= GRAD_TOL, r
+    notes = [w for w in r["warnings"] if "within-micro-batch" in w]
+    assert len(notes) == 1 and "sharing='prompt' only" in notes[0], r["warnings"]
+    assert r["metrics"]["zorro/prompt_once"] == [0.0] and "zorro/prompts_computed" not in r["metrics"], r
+
+
+# -- two gloo ranks, FSDP2: one gradient sync per mini-batch, equal to verl in one process -----------
+
+
+def distributed_case(path: str, seed: int, which=("verl", "zorro")) -> dict:
+    """Each rank: its V1-balanced rows; verl's plain engine, or zorro's under the schedule, counting
+    FSDP2's gradient reduce-scatters in the training pass."""
+    import torch.distributed as dist
+
+    from zorro_core.integrations.verl.cpu import padded_batch
+
+    prompts, responses, _ = groups(seed, sizes=(4, 2, 6, 4), plens=(6, 3, 8, 5))
+    padded = padded_batch(prompts, responses, seed=seed)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = v1_partitions(padded, world)[rank] if world > 1 else list(range(len(prompts)))
+    verl_engine, zorro_engine = _engines(path, True, which)
+    out = {"rows": rows}
+    meta = {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 2, "use_remove_padding": True}
+    if "verl" in which:
+        for train in (False, True):
+            out[f"verl train={train}"] = _run(verl_engine, padded, rows, train, **dict(meta))[:3]
+    if "zorro" in which:
+        _schedule_engine(zorro_engine)
+        out["zorro train=False"] = _run(zorro_engine, padded, rows, False, **dict(meta))[:3]
+        # FSDP2 reduces a parameter group's gradients in foreach_reduce (one reduce-scatter each).
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+        calls = []
+        real = _fsdp_param_group.foreach_reduce
+
+        def counting(*args, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        _fsdp_param_group.foreach_reduce = counting
+        try:
+            (res, metrics) = _run_with_metrics(zorro_engine, padded, rows, True, **dict(meta))
+        finally:
+            _fsdp_param_group.foreach_reduce = real
+        out["zorro train=True"] = res[:3]
+        out["reduce_scatters"] = len(calls)
+        out["metrics"] = metrics
+        from torch.distributed.fsdp import FSDPModule
+
+        out["fsdp_groups"] = sum(isinstance(m, FSDPModule) for m in zorro_engine.module.modules())
+    return _numpy(out)
+
+
+@pytest.fixture(scope="module")
+def distributed(saved_model):
+    from zorro_core.integrations.verl.cpu import padded_batch
+    from zorro_core.verify.reference import rel_grad_errors
+
+    one = _torch(launch(distributed_case, 1, saved_model, 3, ("verl",), timeout_s=300)[0])
+    two = _torch(launch(distributed_case, 2, saved_model, 3, ("zorro",), threads=1, timeout_s=300))
+    prompts, responses, _ = groups(3, sizes=(4, 2, 6, 4), plens=(6, 3, 8, 5))
+    mask = padded_batch(prompts, responses, seed=3)["response_mask"].bool()
+    n = len(prompts)
+    rows = [two[0]["rows"], two[1]["rows"]]
+    assert sorted(rows[0] + rows[1]) == list(range(n))
+    errs = {}
+    for key in ("zorro train=False", "zorro train=True"):
+        train = key.endswith("True")
+        lp = _place([two[0][key][0], two[1][key][0]], rows, n)
+        ent = _place([two[0][key][1], two[1][key][1]], rows, n)
+        ref_lp, ref_ent, ref_grads = one[f"verl train={train}"]
+        width = min(lp.shape[1], ref_lp.shape[1])
+        m = mask[:, :width]
+        e = {
+            "lp": float((lp[:, :width] - ref_lp[:, :width])[m].abs().max()),
+            "ent": float((ent[:, :width] - ref_ent[:, :width])[m].abs().max()),
+        }
+        if train:
+            ge = rel_grad_errors(two[0][key][2], ref_grads)
+            e["grad"], e["n_grads"] = max(ge.values()), len(ge)
+            e["ranks_agree"] = all(torch.equal(two[0][key][2][k], two[1][key][2][k]) for k in ref_grads)
+        errs[key] = e
+    return errs, two
+
+
+def test_two_ranks_under_the_schedule_equal_verl_in_one_process(distributed):
+    errs, two = distributed
+    for key, e in errs.items():
+        assert e["lp"] <= LP_TOL and e["ent"] <= LP_TOL, (key, e)
+        if "grad" in e:
+            assert e["n_grads"] > 20 and e["grad"] <= GRAD_TOL and e["ranks_agree"], (key, e)
+    for rank in two:
+        assert rank["metrics"]["zorro/prompt_once"] == [1.0], rank["metrics"]
+
+
+def test_two_ranks_sync_gradients_once_after_the_prompts_backward(distributed):
+    """FSDP2 reduce-scatters each parameter group once per mini-batch (phase 3), not once per
+    micro-batch: the count equals the number of FSDP modules (verl shards the decoder layers, the
+    embedding, lm_head and the root)."""
+    _, two = distributed
+    for rank in two:
+        micro_batches = rank["metrics"]["zorro/micro_batches"][0]
+        assert micro_batches >= 2, rank["metrics"]
+        assert rank["fsdp_groups"] >= 3 and rank["reduce_scatters"] == rank["fsdp_groups"], (
+            rank["reduce_scatters"],
+            rank["fsdp_groups"],
+        )
