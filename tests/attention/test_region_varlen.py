@@ -4,6 +4,7 @@ micro-batch boundary splitting a group; through `flash_cpu` on CPU and through f
 torch's real Python over the kernels' CPU emulation (tests/kernel_emulation); a planted bug fails."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -154,11 +155,8 @@ def test_a_planted_unmerged_lse_fails(tiny_models, per_sequence_reference, monke
 # --- the CUDA pairs' own Python over the kernels' CPU emulation, 16-bit, by verify's rule ----------
 
 INSTALL = {
-    "torch_varlen": lambda emu, mp, calls: install_torch_varlen(emu, mp, calls),
-    **{
-        f"flash_attn-{v}": (lambda v: lambda emu, mp, calls: install_flash_attn(emu, mp, calls, v))(v)
-        for v in VERSIONS
-    },
+    "torch_varlen": install_torch_varlen,
+    **{f"flash_attn-{v}": functools.partial(install_flash_attn, version=v) for v in VERSIONS},
 }
 
 
@@ -174,7 +172,9 @@ def reference64():
 
 def _schedule_errors(model, batch, w, ref, backend) -> Errors:
     res, grads = _schedule(model, batch, w, INTERLEAVED, backend=backend, temperature=1.0)
-    return Errors(max_abs_error(res.log_probs, ref[0]), max_abs_error(res.entropy, ref[1]), rel_grad_errors(grads, ref[2]))
+    return Errors(
+        max_abs_error(res.log_probs, ref[0]), max_abs_error(res.entropy, ref[1]), rel_grad_errors(grads, ref[2])
+    )
 
 
 @pytest.mark.parametrize("name", list(INSTALL))
