@@ -144,14 +144,14 @@ def memory(
             fail("--plot draws the unbudgeted paths; it does not go with --budget")
         _check_plot(plot, out)
     if budget is not None:
-        from zorro_cli import bench_memory_schedule
+        from zorro_cli import bench_schedule
 
         cases = [
             ScheduleCase(model, batch, prompt_len, response_len, u, budget, m, dtype, layers, narrow)
             for m in modes
             for u in uniques
         ]
-        bench_memory_schedule.run(cases, gpu_gib, budget_bytes, shards, table_out, out)
+        bench_schedule.run(cases, gpu_gib, budget_bytes, shards, table_out, out)
         return
     rows: list[dict] = []
     fits: list[tuple] = []

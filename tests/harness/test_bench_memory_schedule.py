@@ -8,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from zorro_cli import bench_memory_schedule
+from zorro_cli import bench_schedule
 from zorro_cli.main import app
 from zorro_core import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
@@ -76,11 +76,9 @@ def test_longest_prompt_search_gives_back_the_counted_prompt(count, checkpointed
 
 def test_cli_budget_writes_both_paths(tmp_path, monkeypatch):
     """The command's wiring (the search itself is tested above): one count, in this process."""
-    monkeypatch.setattr(bench_memory_schedule, "count_schedule_isolated", sm.count_schedule_case)
+    monkeypatch.setattr(bench_schedule, "count_schedule_isolated", sm.count_schedule_case)
     searched = []
-    monkeypatch.setattr(
-        bench_memory_schedule, "longest_prompt_search", lambda case, path, *a: searched.append(path) or 7
-    )
+    monkeypatch.setattr(bench_schedule, "longest_prompt_search", lambda case, path, *a: searched.append(path) or 7)
     out = tmp_path / "s.csv"
     args = ["bench", "memory", "--model", "tiny-qwen3", "--batch", "6", "--unique", "1", "--prompt-len", "24"]
     args += ["--response-len", "8", "--budget", "20", "--logits-mode", "memory", "--narrow", "2", "--gpu-gib", "0.001"]

@@ -1,5 +1,6 @@
-"""`zorro bench memory --budget`: the prompt-once schedule against the within-micro-batch path,
-counted as `zorro bench memory` counts (zorro_harness.bench.memory: every tensor autograd saves,
+"""`zorro bench memory --budget`: the prompt-once schedule's memory against the within-micro-batch path.
+
+Counted as `zorro bench memory` counts (zorro_harness.bench.memory: every tensor autograd saves,
 each storage once, parameters left out, on CPU through `flash_cpu`, a narrowed model scaled back).
 
 At a micro-batch token budget, one step of each path:
@@ -140,6 +141,22 @@ class PathCount:
             return micro
         resident = n * self.prompt_tokens * hb + self.prompt_outside + self.kept + self.kept_grad
         return max(resident + micro, resident + self.prompt_layer)
+
+    def as_built(self) -> "PathCount":
+        """The count of the model as built (its `layers`, its narrowed widths), not scaled to the
+        preset's: what a device running that same small model holds."""
+        f = self.case.layers / (self.case.narrow * self.full_layers)
+        return dataclasses.replace(
+            self,
+            prompt_layer=self.prompt_layer / self.case.narrow,
+            prompt_outside=self.prompt_outside / self.case.narrow,
+            kept=self.kept * f,
+            kept_unsaved=self.kept_unsaved * f,
+            layer=self.layer / self.case.narrow,
+            outside=self.outside / self.case.narrow,
+            full_layers=self.case.layers,
+            hidden_bytes=self.hidden_bytes // self.case.narrow,
+        )
 
     def as_dict(self) -> dict:
         return {
