@@ -59,31 +59,32 @@ def _count_all(cases, count, budget_bytes, rows, failed, table_out) -> None:
         try:
             with console.status(f"counting {escape(case.model)} U={case.unique} logits {case.logits_mode}"):
                 counts = count(case)
-                fits = {
-                    (path, ckpt): longest_prompt_search(case, path, budget_bytes, ckpt, count)
-                    for path in SCHEDULE_PATHS
-                    for ckpt in (False, True)
-                }
+            speedup = ideal_speedup(counts)
+            mine = [
+                {**counts[p].as_dict(), "ideal_speedup": round(speedup, 4) if speedup else "", "status": "ok"}
+                for p in SCHEDULE_PATHS
+            ]
+            rows += mine
+            _write(rows, table_out)  # the counts kept before the search (minutes of counts at small P)
+            with console.status(f"searching the longest prompt: {escape(case.model)} logits {case.logits_mode}"):
+                for row, path in zip(mine, SCHEDULE_PATHS):
+                    row["longest_prompt"] = longest_prompt_search(case, path, budget_bytes, False, count)
+                    row["longest_prompt_checkpointed"] = longest_prompt_search(case, path, budget_bytes, True, count)
         except ValueError as e:  # a case that fails is a row with its reason; the others go on
             failed.append(str(e))
+            rows[:] = [r for r in rows if r.get("status") != "ok" or r["logits_mode"] != case.logits_mode
+                       or r["unique"] != case.unique]  # fmt: skip
             rows.append({**case.__dict__, "path": "", "status": str(e)})
-        else:
-            speedup = ideal_speedup(counts)
-            for path in SCHEDULE_PATHS:
-                rows.append(
-                    {
-                        **counts[path].as_dict(),
-                        "ideal_speedup": round(speedup, 4) if speedup else "",
-                        "longest_prompt": fits[path, False],
-                        "longest_prompt_checkpointed": fits[path, True],
-                        "status": "ok",
-                    }
-                )
-        if table_out is not None:
-            cols: list[str] = []
-            for r in rows:
-                cols += [k for k in r if k not in cols]
-            table_out.write(rows, cols)
+        _write(rows, table_out)
+
+
+def _write(rows: list[dict], table_out: Optional[TableOut]) -> None:
+    if table_out is None:
+        return
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k in r if k not in cols]
+    table_out.write(rows, cols)
 
 
 def _print(rows: list[dict], gpu_gib: float, shards: int) -> None:
@@ -112,8 +113,8 @@ def _print(rows: list[dict], gpu_gib: float, shards: int) -> None:
             f"{r['peak_bytes'] / GIB:.1f}",
             f"{r['peak_checkpointed_bytes'] / GIB:.1f}",
             f"{r['flops_fwd_bwd'] / 1e15:.2f}",
-            f"{r['longest_prompt']:,}",
-            f"{r['longest_prompt_checkpointed']:,}",
+            f"{r.get('longest_prompt', 0):,}",
+            f"{r.get('longest_prompt_checkpointed', 0):,}",
         )
     console.print(table)
     speedups = sorted({r["ideal_speedup"] for r in ok if r["ideal_speedup"]})
