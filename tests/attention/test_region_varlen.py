@@ -111,14 +111,15 @@ def test_flash_cpu_exact_under_checkpointing(tiny_models, per_sequence_reference
     _assert_exact(res, grads, ref)
 
 
-def test_a_window_that_cuts_a_prompt_keeps_the_dense_call(tiny_models, per_sequence_reference):
-    """tiny-qwen2-sliding's window (5) cuts its 7-token prompt: those layers run the dense masked
-    call, said once, and stay exact."""
-    model = tiny_models("tiny-qwen2-sliding")
-    batch, w, ref = per_sequence_reference("tiny-qwen2-sliding", lambda: model, mixed_batch, 0.7, 3)
+@pytest.mark.parametrize("name", ["tiny-qwen2-sliding", "tiny-gemma3"])
+def test_a_window_that_cuts_a_prompt_keeps_the_dense_call(tiny_models, per_sequence_reference, name):
+    """A window shorter than the 7-token prompt: those layers run the dense masked call, said once,
+    and stay exact; Gemma 3's full layers run the kernel pair in the same forward."""
+    model = tiny_models(name)
+    batch, w, ref = per_sequence_reference(name, lambda: model, mixed_batch, 0.7, 3)
     region_varlen._warned.clear()
-    with pytest.warns(RuntimeWarning, match="window 5"):
-        res, grads = _schedule(model, batch, w, CUT_EVERY_BOUNDARY)
+    with pytest.warns(RuntimeWarning, match=f"window {model.config.sliding_window}"):
+        res, grads = _schedule(model, batch, w, INTERLEAVED)
     _assert_exact(res, grads, ref)
 
 
