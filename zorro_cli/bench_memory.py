@@ -17,6 +17,7 @@ from zorro_core.models.presets import PRESETS
 from zorro_harness.bench.files import replace_atomically, short_name
 from zorro_harness.bench.memory import MemoryCase, count_isolated, longest_prompt, narrowed_config, parameter_bytes
 from zorro_harness.bench.results import ResultsWriteError, TableOut
+from zorro_harness.bench.schedule_memory import ScheduleCase
 
 GIB = 1024**3
 
@@ -103,9 +104,18 @@ def memory(
     ),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the rows as CSV here."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a bar plot (PNG) of each path against the ideal."),
+    budget: Optional[int] = typer.Option(
+        None,
+        "--budget",
+        min=1,
+        help="A micro-batch token budget: count the prompt-once schedule against the within-micro-batch path "
+        "at it (peak and saved bytes, with and without checkpointing, the longest prompt) instead of the "
+        "unbudgeted paths.",
+    ),
 ) -> None:
     """Bytes saved for backward per decoder layer and in total: packed baseline, zorro (gather-free,
-    flash_cpu), zorro's pre-merge GPU path, and the ideal; counted exactly on CPU."""
+    flash_cpu), zorro's pre-merge GPU path, and the ideal; counted exactly on CPU. With --budget: the
+    prompt-once schedule against the within-micro-batch path at that budget."""
     if model not in PRESETS:
         fail(f"--model: unknown preset {escape(model)!r} (`zorro env` lists them)")
     if dtype not in ("bfloat16", "float32"):
@@ -118,7 +128,7 @@ def memory(
         fail(f"--gpu-gib must be a positive number of GiB, got {gpu_gib}")
     short_p = max(1, prompt_len // 8)  # the second length the longest prompt is read off (never P itself)
     try:
-        budget = gpu_gib * GIB - parameter_bytes(model) / shards
+        budget_bytes = gpu_gib * GIB - parameter_bytes(model) / shards
         narrowed_config(model, layers, narrow)  # refuse a shape before any process starts
     except ValueError as e:
         fail(str(e))
@@ -130,7 +140,19 @@ def memory(
         except ValueError as e:
             fail(str(e))
     if plot is not None:
+        if budget is not None:
+            fail("--plot draws the unbudgeted paths; it does not go with --budget")
         _check_plot(plot, out)
+    if budget is not None:
+        from zorro_cli import bench_schedule
+
+        cases = [
+            ScheduleCase(model, batch, prompt_len, response_len, u, budget, m, dtype, layers, narrow)
+            for m in modes
+            for u in uniques
+        ]
+        bench_schedule.run(cases, gpu_gib, budget_bytes, shards, table_out, out)
+        return
     rows: list[dict] = []
     fits: list[tuple] = []
     failed: list[str] = []
@@ -138,11 +160,11 @@ def memory(
         with stopped_by_signals():
             if table_out is None:
                 _count_all(model, batch, prompt_len, response_len, uniques, modes, dtype, layers, narrow, short_p,
-                           budget, rows, fits, failed, None)  # fmt: skip
+                           budget_bytes, rows, fits, failed, None)  # fmt: skip
             else:
                 with table_out:
                     _count_all(model, batch, prompt_len, response_len, uniques, modes, dtype, layers, narrow, short_p,
-                               budget, rows, fits, failed, table_out)  # fmt: skip
+                               budget_bytes, rows, fits, failed, table_out)  # fmt: skip
     except Interrupted as e:
         kept = f"the {len(rows)} row(s) counted are kept in {out}" if out is not None and rows else "nothing is kept"
         fail(f"interrupted by {e.signal.name}: {kept}", code=128 + e.signal)

@@ -83,6 +83,10 @@ class AttentionBackend:
             warnings.warn(f"zorro: {self.name} runs the gather path for this plan: {why}", RuntimeWarning, stacklevel=2)
         return why is None
 
+    def kernel_pair(self, dtype: torch.dtype) -> Optional[KernelPair]:
+        """The kernel pair that runs gather-free calls on inputs of `dtype` here (None: none does)."""
+        return self.pair
+
     def varlen(
         self, q, k, v, seg: Segments, scale: float, window: Optional[int] = None, layouts: Optional[Layouts] = None
     ) -> torch.Tensor:
@@ -180,6 +184,9 @@ class FlashCpuBackend(SdpaBackend):
 
     def gather_free(self, plan, q, window):
         return cpu_flash_unavailable(q.dtype) is None and super().gather_free(plan, q, window)
+
+    def kernel_pair(self, dtype):
+        return self.pair if cpu_flash_unavailable(dtype) is None else None
 
 
 class FlashCpuGatherBackend(AttentionBackend):

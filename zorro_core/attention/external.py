@@ -12,8 +12,12 @@ the route (`route.region`) makes the hook run that way:
 - attend (phase 2, the responses): the queries are response tokens; the keys are [the kept keys
   of the micro-batch's prompts | the row's own keys]; a response token sees all of its prompt and
   its own earlier tokens (a sliding window counted in positions, as the plain mask does).
-The attention is one masked SDPA call over that key region: exact and simple, dense in the
-region (a [Tq, Tp + Tq] mask); a varlen cross call over the region is the GPU follow-up.
+Where the actor's varlen backend has a kernel pair (flash-attn's, torch's aten flash ops,
+`flash_cpu`), both run the split path's varlen calls (zorro_core.attention.region_varlen): the
+prompts self-causal; the responses causal over themselves, then against their prompts' kept keys in
+place, merged by log-sum-exp. Elsewhere (reference, sdpa, mask mode, a window that cuts a prompt)
+the attention is one masked SDPA call over the key region: exact, dense in the region (a
+[Tq, Tp + Tq] mask and a [kept | own] copy of the keys).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zorro_core.attention.region_varlen import attend_kept, capture_attention, region_pair
 from zorro_core.errors import UnsupportedModelError
 
 
@@ -89,6 +94,8 @@ class KeyRegion:
     sealed: bool = False
     """Set after the forward: later capture calls are checkpointing's recompute (in backward)."""
     _masks: dict = field(default_factory=dict, repr=False)
+    _varlen: dict = field(default_factory=dict, repr=False)
+    """The kernel calls' layouts (region_varlen), built once per forward."""
 
     def mask(self, window: Optional[int]) -> torch.Tensor:
         """[T, keys] bool: which keys each query sees, built once per window."""
@@ -116,10 +123,16 @@ class KeyRegion:
         value: torch.Tensor,
         scale: float,
         window: Optional[int],
+        backend: Optional[str] = None,
     ) -> torch.Tensor:
-        """q [1, Hq, T, D], k [1, Hkv, T, D], v [1, Hkv, T, Dv] -> [1, T, Hq, Dv]."""
+        """q [1, Hq, T, D], k [1, Hkv, T, D], v [1, Hkv, T, Dv] -> [1, T, Hq, Dv]. `backend`: the
+        actor's varlen backend in split mode (its kernel pair, if any, runs the calls), else None."""
+        pair = region_pair(backend, query.dtype, self.positions, window)
         if self.capture:
-            out = self._sdpa(query, key, value, scale, window)
+            if pair is None:
+                out = self._sdpa(query, key, value, scale, window)
+            else:
+                out = capture_attention(self, query, key, value, scale, pair)
             if module in self.kept.keys and not self.sealed:
                 raise UnsupportedModelError(
                     f"attention module {type(module).__name__} ran twice in one forward: its kept keys and "
@@ -136,8 +149,12 @@ class KeyRegion:
                 f"no kept keys for attention module {type(module).__name__}: the prompts' forward did not reach it"
             )
         p0, p1 = self.prompt_span
-        k = torch.cat([self.kept.keys[module][:, :, p0:p1].to(key.dtype), key], dim=2)
-        v = torch.cat([self.kept.values[module][:, :, p0:p1].to(value.dtype), value], dim=2)
+        kept_k = self.kept.keys[module][:, :, p0:p1].to(key.dtype)
+        kept_v = self.kept.values[module][:, :, p0:p1].to(value.dtype)
+        if pair is not None:
+            return attend_kept(self, query, key, value, kept_k, kept_v, scale, pair)
+        k = torch.cat([kept_k, key], dim=2)
+        v = torch.cat([kept_v, value], dim=2)
         return self._sdpa(query, k, v, scale, window)
 
     def _sdpa(self, q, k, v, scale: float, window: Optional[int]) -> torch.Tensor:

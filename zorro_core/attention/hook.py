@@ -212,7 +212,8 @@ def zorro_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     route.calls += 1
     if route.region is not None:
-        return route.region.attend(module, query, key, value, scale, sliding_window), None
+        backend = route.spec.backend if route.mode == "split" else None
+        return route.region.attend(module, query, key, value, scale, sliding_window, backend), None
     if route.mode == "mask":
         if route.sequence_parallel is not None:
             raise UnsupportedModelError("mask mode under Ulysses sequence parallelism (split mode serves it)")
