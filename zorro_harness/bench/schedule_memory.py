@@ -194,7 +194,7 @@ class _PhaseCounter:
         """Kept storage pointer -> its bytes."""
         self.kept_in_phase1: dict[int, bool] = {}
         self.n = n
-        self.layer_now, self.remove = _layer_of(model)
+        self.layer_now, self.remove = _layer_of(model.model.layers)
 
     def next_phase(self, *_: Any) -> None:
         self.phase += 1
