@@ -28,6 +28,7 @@ router aux loss (its statistics span a forward's tokens).
 
 from __future__ import annotations
 
+import functools
 import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -40,8 +41,10 @@ from zorro_core.attention.external import KeptPrefix, KeyRegion
 from zorro_core.attention.hook import Route, route_mask
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.families import forward_kwargs, wants_router_logits
+from zorro_core.models.moe import load_balancing_loss
 from zorro_core.models.parts import check_layers_served, check_trainable_state
 from zorro_core.plan.batch import RolloutBatch
+from zorro_core.plan.trie_radix import radix_tree_of
 
 SCHEDULES = ("micro_batch", "prompt_once")
 """forward_backward's schedules: each micro-batch on its own (today's), or each prompt once per step."""
@@ -67,6 +70,10 @@ class ScheduleOutput:
     """Bytes of the kept keys and values (and first-token hidden states) held from phase 1 to 3."""
     split_groups: list[int]
     """Groups (unique prompts, in first-seen order) whose responses span more than one micro-batch."""
+    prompt_nodes: int = 0
+    """Nodes phase 1 computed: the unique prompts, or under sharing="prefix" their trie's nodes."""
+    aux_losses: Optional[list[float]] = None
+    """Each micro-batch's MoE router aux loss (its ActorOutput.aux_loss), when the step computed it."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,72 @@ class Groups:
         return cls([list(p) for p in ids], group_of_row, [len(r) for r in responses])
 
 
+@dataclass(frozen=True)
+class PromptNodes:
+    """What phase 1 computes: the unique prompts as nodes, one per prompt (sharing="prompt") or
+    their radix trie (sharing="prefix": a prefix several prompts share is one node, computed once;
+    a prompt that is a prefix of another ends at a node boundary). Packed in depth-first order,
+    each node's tokens at their path positions."""
+
+    ids: torch.Tensor
+    """[Tp] packed token ids."""
+    positions: torch.Tensor
+    """[Tp] each token's position along its path."""
+    token_node: torch.Tensor
+    """[Tp] the node of each packed token."""
+    node_span: list[tuple[int, int]]
+    """Node -> its [start, end) in the packed row."""
+    ancestors: torch.Tensor
+    """[N, N] bool: node a is an ancestor-or-self of node n (the identity for sharing="prompt")."""
+    end_node: list[int]
+    """Unique prompt -> the node it ends in."""
+    rank: list[int]
+    """Unique prompt -> its end node's depth-first rank (rows run in this order: a micro-batch's
+    prompts then share their paths' nodes)."""
+    trie: bool
+    """Whether the nodes are a prefix trie (else each prompt is its own root)."""
+
+    @classmethod
+    def of(cls, prompts: list[list[int]], sharing: str, device: torch.device) -> "PromptNodes":
+        if sharing == "prefix":
+            start, end, parent, end_node = radix_tree_of(prompts)
+        else:
+            start, end, parent, end_node = [0] * len(prompts), [len(p) for p in prompts], [-1] * len(prompts), []
+            end_node = list(range(len(prompts)))
+        n = len(start)
+        children: list[list[int]] = [[] for _ in range(n)]
+        roots = []
+        for x, p in enumerate(parent):
+            (children[p] if p >= 0 else roots).append(x)
+        rep = [-1] * n  # a prompt through each node: its tokens are the node's
+        for g, e in enumerate(end_node):
+            x = e
+            while x >= 0 and rep[x] < 0:
+                rep[x], x = g, parent[x]
+        order, stack = [], list(reversed(roots))
+        while stack:
+            x = stack.pop()
+            order.append(x)
+            stack.extend(reversed(children[x]))
+        anc = torch.zeros(n, n, dtype=torch.bool)
+        for x in range(n):
+            y = x
+            while y >= 0:
+                anc[y, x], y = True, parent[y]
+        ids, pos, tok_node, span, at = [], [], [], [(0, 0)] * n, 0
+        for x in order:
+            ids += prompts[rep[x]][start[x] : end[x]]
+            pos += range(start[x], end[x])
+            tok_node += [x] * (end[x] - start[x])
+            span[x] = (at, at + end[x] - start[x])
+            at += end[x] - start[x]
+        tin = {x: i for i, x in enumerate(order)}
+        t = functools.partial(torch.tensor, dtype=torch.long, device=device)
+        return cls(
+            t(ids), t(pos), t(tok_node), span, anc.to(device), end_node, [tin[e] for e in end_node], sharing == "prefix"
+        )
+
+
 def schedule_refusal(actor: Any, router_aux_loss: Optional[bool] = None) -> Optional[str]:
     """Why the prompt-once schedule cannot run `actor` (None: it can)."""
     return refusal_for(
@@ -102,28 +175,28 @@ def refusal_for(
     ModelParts and config (so a caller can ask before building an actor)."""
     if not dedup:
         return "the prompt-once schedule runs the deduplicated actor (the baseline computes every prompt per row)"
-    if sharing != "prompt":
-        return (
-            f"the prompt-once schedule serves sharing='prompt' only, not {sharing!r} "
-            "(trie nodes as kept prefixes are not built yet)"
-        )
+    if sharing not in ("prompt", "prefix"):
+        return f"the prompt-once schedule serves sharing='prompt' or 'prefix', not {sharing!r}"
     if parts.num_linear_layers:
         return (
             "the prompt-once schedule does not serve linear-attention layers yet (their recurrent state "
             "at a prompt's end is not kept)"
         )
-    if wants_router_logits(parts, config, router_aux_loss):
-        return (
-            "the prompt-once schedule does not compute the MoE router aux loss (its token statistics span "
-            "a forward; pass router_aux_loss=False or set config.output_router_logits=False)"
-        )
     return None
 
 
-def response_micro_batches(groups: Groups, max_tokens: Optional[int]) -> list[list[int]]:
-    """Rows in group order, cut greedily when the next row would pass `max_tokens` response tokens
-    (a row longer than the budget alone is a micro-batch). None: one micro-batch."""
-    order = sorted(range(len(groups.group_of_row)), key=lambda r: (groups.group_of_row[r], r))
+def _row_order(groups: Groups, rank: Optional[Sequence[int]]) -> list[int]:
+    key = rank if rank is not None else range(len(groups.prompts))
+    return sorted(range(len(groups.group_of_row)), key=lambda r: (key[groups.group_of_row[r]], r))
+
+
+def response_micro_batches(
+    groups: Groups, max_tokens: Optional[int], rank: Optional[Sequence[int]] = None
+) -> list[list[int]]:
+    """Rows in group order (by `rank` of each group when given: a trie's depth-first order), cut
+    greedily when the next row would pass `max_tokens` response tokens (a row longer than the
+    budget alone is a micro-batch). None: one micro-batch."""
+    order = _row_order(groups, rank)
     if max_tokens is None:
         return [order]
     parts: list[list[int]] = [[]]
@@ -138,10 +211,10 @@ def response_micro_batches(groups: Groups, max_tokens: Optional[int]) -> list[li
     return parts
 
 
-def cut_every_group(groups: Groups) -> list[list[int]]:
+def cut_every_group(groups: Groups, rank: Optional[Sequence[int]] = None) -> list[list[int]]:
     """Rows in group order, cut between every two rows of one group and never between groups: every
     micro-batch boundary then splits a group (the strictest test of the kept prefix)."""
-    order = sorted(range(len(groups.group_of_row)), key=lambda r: (groups.group_of_row[r], r))
+    order = _row_order(groups, rank)
     parts = [[order[0]]]
     for prev, row in zip(order, order[1:]):
         if groups.group_of_row[prev] == groups.group_of_row[row]:
@@ -166,12 +239,15 @@ def prompt_once_step(
     temperature: float = 1.0,
     calculate_entropy: bool = False,
     parts: Optional[Sequence[Sequence[int]]] = None,
+    router_aux_loss: Optional[bool] = None,
 ) -> ScheduleOutput:
     """One step of the prompt-once schedule (module doc), accumulating into the parameters' `.grad`.
 
     `loss_fn(out, rows)` is forward_backward's: `out` an ActorOutput of the micro-batch's rows
     ([b, R], in the order of `rows`), returning a scalar that is a sum scaled by full-batch
     constants. `parts` (row lists) overrides the budget's micro-batches, e.g. to cut every group.
+    `router_aux_loss` (None: as config.output_router_logits says): each micro-batch's
+    `out.aux_loss` is then the MoE router aux loss of its rows at logical counts (module doc).
     """
     refusal = schedule_refusal(actor)
     if refusal:
@@ -195,38 +271,44 @@ def prompt_once_step(
     batch.check_vocab(actor.vocab_size)
     batch = batch.to(actor.device)
     groups = Groups.of(batch)
+    nodes = PromptNodes.of(groups.prompts, actor.config.sharing, actor.device)
     rows = (
         _check_parts(parts, batch.batch_size)
         if parts is not None
-        else response_micro_batches(groups, max_tokens_per_micro_batch)
+        else response_micro_batches(groups, max_tokens_per_micro_batch, nodes.rank)
     )
+    aux = wants_router_logits(actor.parts, actor.model.config, router_aux_loss)
     # Parameters without a gradient before the call get none back if the step fails (microbatch's rule).
     fresh = [p for p in actor.model.parameters() if p.grad is None]
     try:
-        return _step(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy)
+        return _step(actor, batch, loss_fn, groups, nodes, rows, temperature, calculate_entropy, aux)
     except BaseException:
         for p in fresh:
             p.grad = None
         raise
 
 
-def _step(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy) -> ScheduleOutput:
+def _step(actor, batch, loss_fn, groups, nodes, rows, temperature, calculate_entropy, aux) -> ScheduleOutput:
     dev = actor.device
     lens = torch.tensor([len(p) for p in groups.prompts], device=dev)
-    starts = torch.cumsum(lens, 0) - lens
-    kept = KeptPrefix(
-        positions=torch.cat([torch.arange(int(n), device=dev) for n in lens]),
-        prompt_of=torch.repeat_interleave(torch.arange(len(lens), device=dev), lens),
-    )
+    last = torch.tensor([nodes.node_span[e][1] - 1 for e in nodes.end_node], device=dev)
+    kept = KeptPrefix(positions=nodes.positions, prompt_of=nodes.token_node)
 
-    # Phase 1: the unique prompts once; the graph is kept for phase 3 (layer boundaries only
+    # Phase 1: the prompts' nodes once; the graph is kept for phase 3 (layer boundaries only
     # under gradient checkpointing), the keys, values and first-token hidden states as leaves.
-    ids = torch.tensor([t for p in groups.prompts for t in p], device=dev)
-    region = KeyRegion(kept, kept.positions, kept.prompt_of, kept.prompt_of, capture=True)
-    hidden = _forward(actor, ids, kept.positions, region)
+    ancestors = nodes.ancestors if nodes.trie else None
+    region = KeyRegion(kept, kept.positions, kept.prompt_of, kept.prompt_of, capture=True, ancestors=ancestors)
+    hidden, router_graph = _forward(actor, nodes.ids, kept.positions, region, aux)
     region.sealed = True
-    first_graph = hidden[starts + lens - 1]
+    first_graph = hidden[last]
     first = first_graph.detach().requires_grad_(True)
+    router = [r.detach().requires_grad_(r.requires_grad) for r in router_graph]
+    if aux and hidden.requires_grad and not all(r.requires_grad for r in router_graph):
+        raise UnsupportedModelError(
+            "the MoE router aux loss under the prompt-once schedule: the router logits carry no gradient "
+            "(reentrant gradient checkpointing runs the layers under no_grad), so the loss's gradient would be "
+            "lost; use non-reentrant checkpointing or router_aux_loss=False"
+        )
 
     b, r = batch.responses.shape
     log_probs = torch.zeros(b, r, dtype=torch.float64 if first.dtype == torch.float64 else torch.float32, device=dev)
@@ -235,11 +317,14 @@ def _step(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy) -
     rmask = batch.response_mask.bool()
     spans: dict[int, set[int]] = {}
     computed = []
+    aux_losses = []
     for i, part in enumerate(rows):
         for row in part:
             spans.setdefault(groups.group_of_row[row], set()).add(i)
         idx = torch.tensor(part, dtype=torch.long, device=dev)
-        out = _responses(actor, batch, groups, part, idx, kept, first, starts, lens, temperature, calculate_entropy)
+        out = _responses(
+            actor, batch, groups, nodes, part, idx, kept, first, router, lens, temperature, calculate_entropy
+        )
         computed.append(int(rmask[idx].sum()))
         loss = loss_fn(out, idx)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -248,29 +333,46 @@ def _step(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy) -
             raise ValueError("loss_fn returned a loss that does not require grad")
         loss.backward()
         total += float(loss.detach())
+        if out.aux_loss is not None:
+            aux_losses.append(float(out.aux_loss.detach()))
         log_probs[idx] = out.log_probs.detach().to(log_probs.dtype)
         if entropy is not None and out.entropy is not None:
             entropy[idx] = out.entropy.detach().to(entropy.dtype)
 
-    # Phase 3: the prompts' backward, once, from the accumulated leaf gradients.
-    grad_first = first.grad if first.grad is not None else torch.zeros_like(first)
+    # Phase 3: the prompts' backward, once, from the accumulated leaf gradients (the first-token
+    # hidden states' and the router logits'; the keys' and values' through each layer's InjectGrad).
+    roots, grads = _phase3_roots(first_graph, first, router_graph, router)
     if first_graph.requires_grad:
-        torch.autograd.backward([first_graph], grad_tensors=[grad_first])
+        torch.autograd.backward(roots, grad_tensors=grads)
     kept_bytes = kept.kept_bytes() + first.numel() * first.element_size()
+    kept_bytes += sum(x.numel() * x.element_size() for x in router)
     return ScheduleOutput(
         log_probs,
         entropy,
         total,
         rows,
-        int(lens.sum()),
+        int(nodes.ids.numel()),
         computed,
         kept_bytes,
         sorted(g for g, s in spans.items() if len(s) > 1),
+        len(nodes.node_span),
+        aux_losses if aux else None,
     )
 
 
-def _forward(actor: Any, ids: torch.Tensor, positions: torch.Tensor, region: KeyRegion) -> torch.Tensor:
-    """The decoder stack over one packed row with the key region in the route: hidden [T, H]."""
+def _phase3_roots(first_graph, first, router_graph, router) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Phase 3's roots in the prompts' graph and their gradients: the first-token hidden states', then
+    each MoE layer's router logits' that phase 2 reached (the keys' and values' go by InjectGrad)."""
+    roots = [first_graph] + [g for g, leaf in zip(router_graph, router) if leaf.grad is not None]
+    grads = [first.grad if first.grad is not None else torch.zeros_like(first)]
+    return roots, grads + [leaf.grad for leaf in router if leaf.grad is not None]
+
+
+def _forward(
+    actor: Any, ids: torch.Tensor, positions: torch.Tensor, region: KeyRegion, aux: bool
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The decoder stack over one packed row with the key region in the route: hidden [T, H], and
+    each MoE layer's router logits [T, E] when `aux`."""
     route = Route(actor.route_spec, None)
     route.region = region
 
@@ -281,31 +383,41 @@ def _forward(actor: Any, ids: torch.Tensor, positions: torch.Tensor, region: Key
             attention_mask=route_mask(actor.device),
             use_cache=False,
             zorro_route=route,
-            **forward_kwargs(actor.parts, actor.model.config, False),
+            **forward_kwargs(actor.parts, actor.model.config, aux),
         )
-        return outputs.last_hidden_state[0]
+        return outputs.last_hidden_state[0], list(outputs.router_logits) if aux else []
 
-    hidden = as_root_forward(actor.model, run)
+    hidden, router = as_root_forward(actor.model, run)
     check_layers_served(actor.parts, route)
-    return hidden
+    return hidden, router
 
 
 def _responses(
-    actor, batch, groups, part, idx, kept, first, starts, lens, temperature, calculate_entropy
+    actor, batch, groups, nodes, part, idx, kept, first, router, lens, temperature, calculate_entropy
 ) -> ActorOutput:
     """Phase 2 for one micro-batch: its responses against their prompts' kept keys and values."""
     dev = actor.device
     rlens = batch.response_mask.bool()[idx].sum(1)
     g_of = torch.tensor([groups.group_of_row[row] for row in part], device=dev)
+    end_of = torch.tensor([nodes.end_node[groups.group_of_row[row]] for row in part], device=dev)
     ids = batch.responses[idx][batch.response_mask.bool()[idx]]
     seg = torch.repeat_interleave(torch.arange(len(part), device=dev), rlens)
     within = torch.arange(ids.numel(), device=dev) - torch.repeat_interleave(torch.cumsum(rlens, 0) - rlens, rlens)
-    prompt_of = g_of[seg]
-    positions = lens[prompt_of] + within
-    g0, g1 = int(g_of.min()), int(g_of.max())
-    span = (int(starts[g0]), int(starts[g1] + lens[g1]))
-    region = KeyRegion(kept, positions, seg, prompt_of, capture=False, prompt_span=span)
-    hidden = _forward(actor, ids, positions, region)
+    positions = lens[g_of][seg] + within
+    # The key region: the packed span of every node on the micro-batch's prompts' paths (a trie's
+    # span may hold other nodes too: the mask hides them).
+    needed = nodes.ancestors[:, end_of].any(1).nonzero().flatten().tolist()
+    span = (min(nodes.node_span[x][0] for x in needed), max(nodes.node_span[x][1] for x in needed))
+    region = KeyRegion(
+        kept,
+        positions,
+        seg,
+        end_of[seg],
+        capture=False,
+        prompt_span=span,
+        ancestors=nodes.ancestors if nodes.trie else None,
+    )
+    hidden, resp_router = _forward(actor, ids, positions, region, bool(router))
     # Token j of a response is predicted by its token j-1's hidden state; token 0 by the prompt's
     # kept last hidden state (rows [0, n) of `states`).
     n = len(part)
@@ -316,4 +428,21 @@ def _responses(
     mask = batch.response_mask.bool()[idx]
     lp_out = lp.new_zeros(mask.shape).masked_scatter(mask, lp)
     ent_out = ent.new_zeros(mask.shape).masked_scatter(mask, ent) if ent is not None else None
-    return ActorOutput(lp_out, ent_out, None, None)
+    aux = _aux_loss(actor, nodes, span, end_of, router, resp_router) if router else None
+    return ActorOutput(lp_out, ent_out, None, aux)
+
+
+def _aux_loss(actor, nodes, span, end_of, router, resp_router) -> torch.Tensor:
+    """The micro-batch's MoE router aux loss at logical counts: what the plain computation of its
+    rows gives (transformers' load_balancing_loss_func over each row's prompt and response). A kept
+    prompt token counts once per row of the micro-batch whose path holds it ("multiplicity"), or
+    once if any does ("unique": the deduplicated token set, as the actor's option says); its router
+    logits are phase 1's leaves, whose gradients phase 3 hands to the prompts' graph."""
+    p0, p1 = span
+    rows_through = nodes.ancestors[nodes.token_node[p0:p1]][:, end_of].to(torch.float64).sum(1)
+    if actor.config.router_aux_weighting == "unique":
+        rows_through = (rows_through > 0).to(torch.float64)
+    weights = torch.cat([rows_through, rows_through.new_ones(resp_router[0].shape[0])])
+    logits = [torch.cat([kept[p0:p1].to(resp.dtype), resp]) for kept, resp in zip(router, resp_router)]
+    cfg = actor.model.config
+    return load_balancing_loss(logits, cfg.num_experts, cfg.num_experts_per_tok, weights)
