@@ -25,14 +25,24 @@ from transformers import PreTrainedModel
 
 from zorro_core.actor.actor import BaselineActor, DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
-from zorro_core.actor.schedule import Groups, cut_every_group, prompt_once_step, refusal_for, schedule_refusal
+from zorro_core.actor.schedule import (
+    Groups,
+    PromptNodes,
+    cut_every_group,
+    prompt_once_step,
+    refusal_for,
+    response_micro_batches,
+    schedule_refusal,
+)
 from zorro_core.actor.self_check import verdict_of
 from zorro_core.attention.backends import backend_unavailable, default_backend
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.linear_attention import fla_available
+from zorro_core.models.moe import is_moe
 from zorro_core.models.parts import model_parts, unwrap_adapters
 from zorro_core.models.presets import PRESETS, build_model, preset_config, seeded_rng
 from zorro_core.models.registry import FAMILIES
+from zorro_core.plan.balance import select_rows
 from zorro_core.plan.batch import RolloutBatch, create_dummy_batch
 from zorro_core.plan.dtypes import DTYPES as TORCH_DTYPES
 from zorro_core.stack.checkpointing import checkpointed
@@ -45,10 +55,11 @@ from zorro_core.verify.reference import (
     loss_of,
     max_abs_error,
     per_sequence,
+    per_sequence_aux,
     rel_grad_errors,
     token_weights,
 )
-from zorro_core.verify.tolerances import GRAD_RTOL, LOGPROB_ATOL, LOW_PRECISION_FACTOR
+from zorro_core.verify.tolerances import AUX_RTOL, GRAD_RTOL, LOGPROB_ATOL, LOW_PRECISION_FACTOR
 
 # The float64 floors and the low-precision allowance (zorro_core.verify.tolerances), by the names
 # the pass rule uses.
@@ -56,6 +67,8 @@ LP_FLOOR = LOGPROB_ATOL
 GRAD_FLOOR = GRAD_RTOL
 FACTOR = LOW_PRECISION_FACTOR
 TEMPERATURE = 0.7
+AUX_COEF = 0.37
+"""The schedule mode's MoE cases: the loss adds this times each micro-batch's router aux loss."""
 
 # The dtypes verify proves, in zorro_core.plan.dtypes' names.
 DTYPES = {name: TORCH_DTYPES[name] for name in ("float64", "float32", "bfloat16")}
@@ -114,6 +127,8 @@ class Errors:
     """max |entropy - ref| over real tokens."""
     grads: dict[str, float]
     """||grad - ref|| / ||ref|| per parameter."""
+    aux: Optional[float] = None
+    """The schedule mode's MoE cases: max |aux loss - ref| / ref over the micro-batches (None: not computed)."""
 
     @property
     def worst_param(self) -> tuple[str, float]:
@@ -172,6 +187,8 @@ class CaseResult:
                     "worst_param_rel_err": f(err),
                     "grad_rel_err": {k: f(v) for k, v in e.grads.items()},
                 }
+                if e.aux is not None:
+                    d[who]["aux_loss_rel_err"] = f(e.aux)
         return d
 
 
@@ -192,6 +209,8 @@ def judge(dtype: str, dedup: Errors, baseline: Errors, factor: float = FACTOR) -
         ("entropy", dedup.entropy, tol(baseline.entropy, LP_FLOOR)),
     ]
     checks += [(f"grad {n}", e, tol(baseline.grads.get(n, 0.0), GRAD_FLOOR)) for n, e in dedup.grads.items()]
+    if dedup.aux is not None:
+        checks.append(("aux loss", dedup.aux, tol(baseline.aux or 0.0, AUX_RTOL)))
     worst, worst_name, failing = 0.0, "", []
     for name, err, limit in checks:
         ratio = err / limit if math.isfinite(err) else math.inf
@@ -352,21 +371,69 @@ class Verifier:
         ref_lp, ref_ent, ref_grads = ref
         return Errors(max_abs_error(lp, ref_lp), max_abs_error(ent, ref_ent), rel_grad_errors(grads, ref_grads)), lp
 
-    def schedule_errors(self, actor, batch, w, ref) -> tuple[Errors, torch.Tensor]:
-        """The dedup actor's errors under the prompt-once schedule (loss_of's sum, split per micro-batch)."""
+    def schedule_parts(self, actor, batch) -> list[list[int]]:
+        """The schedule's micro-batches: `max_tokens` response tokens each, or (None) cut between every
+        two rows of a group, so that every boundary splits one; rows in the prompts' trie order."""
+        groups = Groups.of(batch)
+        rank = PromptNodes.of(groups.prompts, actor.config.sharing, torch.device("cpu")).rank
+        if self.max_tokens is None:
+            return cut_every_group(groups, rank)
+        return response_micro_batches(groups, self.max_tokens, rank)
+
+    def aux_reference(self, name: str, dtype: str, layout: str, parts: list[list[int]]):
+        """reference() for the schedule's MoE cases: the loss adds AUX_COEF x each micro-batch's router
+        aux loss, as the plain computation of its rows gives it (reference.per_sequence_aux)."""
+        batch, w, _ = self.reference(name, dtype, layout)
+        weights_of = "bfloat16" if dtype == "bfloat16" else "float32"
+        key = (name, weights_of, layout, "aux", tuple(map(tuple, parts)))
+        if key not in self._refs:
+            m64 = copy.deepcopy(self.model(name, weights_of)).to(torch.float64)
+            unwrap_adapters(m64).set_attn_implementation("eager")
+            with exact_delta_rule(m64):
+                self._refs[key] = per_sequence_aux(m64, batch, TEMPERATURE, w, parts, AUX_COEF)
+            del m64
+        return self._refs[key]
+
+    def schedule_errors(self, actor, batch, w, ref, parts, aux: bool) -> tuple[Errors, torch.Tensor]:
+        """The dedup actor's errors under the prompt-once schedule (loss_of's sum, split per micro-batch,
+        plus AUX_COEF x each micro-batch's aux loss when `aux`)."""
         w_lp, w_ent = w
 
         def loss_fn(out, rows):
-            return loss_of(out.log_probs, out.entropy, (w_lp[rows.cpu()], w_ent[rows.cpu()]))
+            loss = loss_of(out.log_probs, out.entropy, (w_lp[rows.cpu()], w_ent[rows.cpu()]))
+            return loss + AUX_COEF * out.aux_loss if aux else loss
 
         actor.model.zero_grad(set_to_none=True)
-        parts = None if self.max_tokens is not None else cut_every_group(Groups.of(batch))
-        res = prompt_once_step(actor, batch, loss_fn, self.max_tokens, TEMPERATURE, calculate_entropy=True, parts=parts)
+        res = prompt_once_step(
+            actor, batch, loss_fn, None, TEMPERATURE, calculate_entropy=True, parts=parts, router_aux_loss=aux
+        )
         grads = {n: p.grad.detach().clone() for n, p in actor.model.named_parameters() if p.grad is not None}
         actor.model.zero_grad(set_to_none=True)
         lp, ent = res.log_probs.cpu(), res.entropy.cpu() if res.entropy is not None else None
-        ref_lp, ref_ent, ref_grads = ref
-        return Errors(max_abs_error(lp, ref_lp), max_abs_error(ent, ref_ent), rel_grad_errors(grads, ref_grads)), lp
+        return self._against(ref, lp, ent, grads, res.aux_losses if aux else None), lp
+
+    def baseline_aux_errors(self, actor, batch, w, ref, parts) -> tuple[Errors, torch.Tensor]:
+        """The baseline actor on the schedule's micro-batches with the same aux term (the dtype's own error)."""
+        actor.model.zero_grad(set_to_none=True)
+        lp, ent, auxes = torch.zeros_like(ref[0]), torch.zeros_like(ref[1]), []
+        for part in parts:
+            idx = torch.tensor(part, dtype=torch.long, device=batch.device)
+            out = actor.forward(select_rows(batch, idx), TEMPERATURE, calculate_entropy=True, router_aux_loss=True)
+            rows = idx.cpu()
+            (loss_of(out.log_probs, out.entropy, (w[0][rows], w[1][rows])) + AUX_COEF * out.aux_loss).backward()
+            lp[rows], ent[rows] = out.log_probs.detach().cpu().to(lp.dtype), out.entropy.detach().cpu().to(ent.dtype)
+            auxes.append(float(out.aux_loss.detach()))
+        grads = {n: p.grad.detach().clone() for n, p in actor.model.named_parameters() if p.grad is not None}
+        actor.model.zero_grad(set_to_none=True)
+        return self._against(ref, lp, ent, grads, auxes), lp
+
+    @staticmethod
+    def _against(ref, lp, ent, grads, auxes) -> Errors:
+        ref_lp, ref_ent, ref_grads = ref[:3]
+        aux = None
+        if auxes is not None:
+            aux = max(abs(a - b) / abs(b) for a, b in zip(auxes, ref[3]))
+        return Errors(max_abs_error(lp, ref_lp), max_abs_error(ent, ref_ent), rel_grad_errors(grads, ref_grads), aux)
 
     def run(self, case: VerifyCase) -> CaseResult:
         why = case_unavailable(case, self.device)
@@ -393,11 +460,24 @@ class Verifier:
             if refusal:
                 return CaseResult(case, "skip", refusal)
             with checkpointed(model, self.checkpointing), self._float64_kernel(model, case.dtype):
-                base, base_lp = self.errors(BaselineActor(model=model, config=config), batch, w, ref)
+                baseline = BaselineActor(model=model, config=config)
                 if self.schedule:
-                    dedup, dedup_lp = self.schedule_errors(actor, batch, w, ref)
+                    parts = self.schedule_parts(actor, batch)
+                    # MoE with the Switch aux loss: the loss carries each micro-batch's aux loss.
+                    aux = is_moe(model.config) and model_parts(model).moe
+                    if aux and self.checkpointing == "reentrant":
+                        return CaseResult(
+                            case, "skip", "the MoE router aux loss under reentrant checkpointing (no router gradient)"
+                        )
+                    if aux:
+                        ref = self.aux_reference(case.model, case.dtype, case.layout, parts)
+                        base, base_lp = self.baseline_aux_errors(baseline, batch, w, ref, parts)
+                    else:
+                        base, base_lp = self.errors(baseline, batch, w, ref)
+                    dedup, dedup_lp = self.schedule_errors(actor, batch, w, ref, parts, aux)
                     checked = self.self_check(actor, batch)
                 else:
+                    base, base_lp = self.errors(baseline, batch, w, ref)
                     with inject_bug(self.bug, actor):
                         dedup, dedup_lp = self.errors(actor, batch, w, ref)
                         checked = self.self_check(actor, batch)
