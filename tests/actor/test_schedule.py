@@ -138,9 +138,9 @@ def test_refusals(tiny_models):
 
 
 @pytest.mark.skipif(not QWEN3_NEXT_ADAPTABLE, reason=QWEN3_NEXT_REASON)
-def test_refuses_linear_attention(tiny_models):
-    with pytest.raises(UnsupportedModelError, match="linear-attention"):
-        DeduplicatedActor(model=tiny_models("tiny-qwen3-next")).forward_backward(
+def test_refuses_linear_attention_in_a_prefix_trie(tiny_models):
+    with pytest.raises(UnsupportedModelError, match="linear-attention layers with sharing='prompt' only"):
+        DeduplicatedActor(model=tiny_models("tiny-qwen3-next"), sharing="prefix").forward_backward(
             mixed_batch(), lambda out, rows: out.log_probs.sum(), schedule="prompt_once"
         )
 

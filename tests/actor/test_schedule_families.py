@@ -5,7 +5,8 @@ checkpointing off and on, and a planted bug that fails."""
 
 import pytest
 import torch
-from helpers import GRAD_RTOL, LP_ATOL
+from helpers import GRAD_RTOL, LP_ATOL, mixed_batch
+from versions import QWEN3_NEXT_ADAPTABLE, QWEN3_NEXT_REASON
 
 from zorro_core import DeduplicatedActor
 from zorro_core.actor import schedule
@@ -14,6 +15,7 @@ from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.moe import load_balancing_loss
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.stack.checkpointing import checkpointed
+from zorro_core.verify.delta_rule import exact_delta_rule
 from zorro_core.verify.reference import max_rel_grad_error, token_weights
 
 TEMPERATURE = 0.7
@@ -264,3 +266,81 @@ def test_moe_aux_loss_unique_counts_each_kept_token_once(tiny_models):
             assert abs(got - want) < AUX_RTOL * want
             if sum(len(prompts[row]) for row in part) > len(seen):  # a prompt token on 2 rows' paths
                 assert abs(got - plain) > 1e3 * AUX_RTOL * plain  # then the counts differ
+
+
+# ---------------------------------------------------------------- linear attention (gated DeltaNet)
+
+LINEAR = [
+    pytest.param(n, marks=pytest.mark.skipif(not QWEN3_NEXT_ADAPTABLE, reason=QWEN3_NEXT_REASON))
+    for n in ("tiny-qwen3-next", "tiny-qwen3.5")
+]
+
+
+def linear_reference(tiny_models, name, aux_coef=None, **overrides):
+    """The reference with the float64 delta rule (transformers' runs in float32 whatever the dtype)."""
+    key = (name, "linear", aux_coef, tuple(sorted(overrides.items())))
+    if key not in _REFS:
+        model = tiny_models(name, **overrides)
+        batch = mixed_batch()  # prompts of 7, 4 and 3 tokens: the conv window (K = 4) reaches into each
+        w = token_weights(batch, seed=5)
+        parts = cut(batch)
+        with exact_delta_rule(model):
+            _REFS[key] = (batch, w, parts, reference(model, batch, w, parts, aux_coef))
+    return _REFS[key]
+
+
+@pytest.mark.parametrize("flavour", [None, "non-reentrant", "reentrant"])
+@pytest.mark.parametrize("name", LINEAR)
+def test_linear_attention_state_and_conv_window_kept(tiny_models, name, flavour):
+    batch, w, parts, ref = linear_reference(tiny_models, name)
+    model = tiny_models(name)
+    with exact_delta_rule(model):
+        res, grads = run(DeduplicatedActor(model=model), batch, w, parts, flavour)
+    assert res.prompt_tokens == 14 and res.split_groups == [0, 1]
+    lp_err, ent_err, g_err, g_name = errors(res, grads, ref)
+    assert lp_err < LP_ATOL and ent_err < LP_ATOL
+    assert g_err < GRAD_RTOL, f"gradient of {g_name} off by {g_err:.2e}"
+
+
+@pytest.mark.skipif(not QWEN3_NEXT_ADAPTABLE, reason=QWEN3_NEXT_REASON)
+def test_linear_attention_with_the_moe_aux_loss(tiny_models):
+    """Qwen3-Next: gated DeltaNet, full attention and MoE layers, the aux loss at logical counts."""
+    batch, w, parts, ref = linear_reference(tiny_models, "tiny-qwen3-next", AUX, output_router_logits=True)
+    model = tiny_models("tiny-qwen3-next", output_router_logits=True)
+    with exact_delta_rule(model):
+        res, grads = run(DeduplicatedActor(model=model), batch, w, parts, None, AUX)
+    assert all(abs(a - b) < AUX_RTOL * b for a, b in zip(res.aux_losses, ref[3]))
+    lp_err, ent_err, g_err, g_name = errors(res, grads, ref)
+    assert lp_err < LP_ATOL and ent_err < LP_ATOL
+    assert g_err < GRAD_RTOL, f"gradient of {g_name} off by {g_err:.2e}"
+
+
+@pytest.mark.skipif(not QWEN3_NEXT_ADAPTABLE, reason=QWEN3_NEXT_REASON)
+@pytest.mark.parametrize("bug", ["zero_state", "no_window_grad"])
+def test_linear_attention_planted_bugs_fail(tiny_models, monkeypatch, bug):
+    """Planted bugs: responses start from a zero state instead of the kept one (the log-probs are
+    off), or phase 3 drops the kept conv windows' gradients (the gradients are off)."""
+    from zorro_core.models import linear_kept
+
+    batch, w, parts, ref = linear_reference(tiny_models, "tiny-qwen3-next")
+    if bug == "zero_state":
+        real = linear_kept._delta_varlen
+
+        def from_zero(kernel, calls, x, init, *rest):
+            return real(kernel, calls, x, None if init is None else torch.zeros_like(init), *rest)
+
+        monkeypatch.setattr(linear_kept, "_delta_varlen", from_zero)
+    else:
+        real_apply = linear_kept.InjectGrad.apply
+
+        class NoWindow:
+            @staticmethod
+            def apply(out, window, state, kept, layer):
+                return real_apply(out, window.detach(), state, kept, layer)
+
+        monkeypatch.setattr(linear_kept, "InjectGrad", NoWindow)
+    model = tiny_models("tiny-qwen3-next")
+    with exact_delta_rule(model):
+        res, grads = run(DeduplicatedActor(model=model), batch, w, parts)
+    lp_err, _, g_err, _ = errors(res, grads, ref)
+    assert (lp_err if bug == "zero_state" else g_err) > 1e-3

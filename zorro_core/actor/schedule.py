@@ -177,10 +177,10 @@ def refusal_for(
         return "the prompt-once schedule runs the deduplicated actor (the baseline computes every prompt per row)"
     if sharing not in ("prompt", "prefix"):
         return f"the prompt-once schedule serves sharing='prompt' or 'prefix', not {sharing!r}"
-    if parts.num_linear_layers:
+    if parts.num_linear_layers and sharing == "prefix":
         return (
-            "the prompt-once schedule does not serve linear-attention layers yet (their recurrent state "
-            "at a prompt's end is not kept)"
+            "the prompt-once schedule serves linear-attention layers with sharing='prompt' only (a trie "
+            "node's recurrent state from its parent's is not built)"
         )
     return None
 

@@ -453,14 +453,24 @@ def _layer_computation(self, hidden_states, attention_mask, choose, kwargs: dict
         z = self.in_proj_z(hidden_states).reshape(bsz, seq_len, -1, self.head_v_dim)
         b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
 
-    mixed_qkv = _dedup_conv(
-        layer_function(self, _CONV_FN),
-        mixed_qkv,
-        self.conv1d.weight.squeeze(1),
-        self.conv1d.bias,
-        activation=self.activation,
-        **kwargs,
-    )
+    route = kwargs.get("zorro_route")
+    kept = None
+    if getattr(route, "region", None) is not None:  # the prompt-once schedule: state and conv window kept
+        from zorro_core.models.linear_kept import KeptLinear  # imports this module's kernels
+
+        kept = KeptLinear(route.region, route, self)
+        conv_fn = layer_function(self, _CONV_FN)
+        weight = self.conv1d.weight.squeeze(1)
+        mixed_qkv = kept.conv(conv_fn, mixed_qkv, weight, self.conv1d.bias, self.activation)
+    else:
+        mixed_qkv = _dedup_conv(
+            layer_function(self, _CONV_FN),
+            mixed_qkv,
+            self.conv1d.weight.squeeze(1),
+            self.conv1d.bias,
+            activation=self.activation,
+            **kwargs,
+        )
     mixed_qkv = mixed_qkv.transpose(1, 2)
     query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     query = query.reshape(bsz, seq_len, -1, self.head_k_dim)
@@ -475,20 +485,24 @@ def _layer_computation(self, hidden_states, attention_mask, choose, kwargs: dict
     kernel = layer_function(self, _DELTA_FN)
     if choose is not None:
         kernel = choose(kernel, query)
-    core, _ = _dedup_delta_rule(
-        kernel,
-        query,
-        key,
-        value,
-        g=g,
-        beta=beta,
-        initial_state=None,
-        output_final_state=False,
-        use_qk_l2norm_in_kernel=True,
-        cu_seqlens=kwargs.pop("cu_seq_lens_q", None),
-        **kwargs,
-    )
+    if kept is not None:
+        core = kept.delta_rule(kernel, query, key, value, g, beta)
+    else:
+        core, _ = _dedup_delta_rule(
+            kernel,
+            query,
+            key,
+            value,
+            g=g,
+            beta=beta,
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=kwargs.pop("cu_seq_lens_q", None),
+            **kwargs,
+        )
     if split:
         core = torch.cat([core], dim=1)
     core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-    return self.out_proj(core.reshape(bsz, seq_len, -1))
+    out = self.out_proj(core.reshape(bsz, seq_len, -1))
+    return kept.finish(out) if kept is not None else out
