@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -37,12 +38,22 @@ import torch
 
 from zorro_core.actor.fsdp import as_root_forward
 from zorro_core.actor.output import ActorOutput
+from zorro_core.actor.self_check import (
+    SEED,
+    SelfCheckVerdict,
+    SelfCheckWarning,
+    agree,
+    check,
+    compute_dtype,
+    sharded,
+)
 from zorro_core.attention.external import KeptPrefix, KeyRegion
-from zorro_core.attention.hook import Route, route_mask
+from zorro_core.attention.hook import Route, RouteSpec, route_mask
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.families import forward_kwargs, wants_router_logits
 from zorro_core.models.moe import load_balancing_loss
 from zorro_core.models.parts import check_layers_served, check_trainable_state
+from zorro_core.plan.balance import select_rows
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.trie_radix import radix_tree_of
 
@@ -74,6 +85,9 @@ class ScheduleOutput:
     """Nodes phase 1 computed: the unique prompts, or under sharing="prefix" their trie's nodes."""
     aux_losses: Optional[list[float]] = None
     """Each micro-batch's MoE router aux loss (its ActorOutput.aux_loss), when the step computed it."""
+    fallback: Optional[str] = None
+    """Why the step ran its micro-batches each on its own (each prompt once per micro-batch, through
+    actor.forward) instead: the schedule's self-check failed on this machine. None: it did not."""
 
 
 @dataclass(frozen=True)
@@ -278,9 +292,12 @@ def prompt_once_step(
         else response_micro_batches(groups, max_tokens_per_micro_batch, nodes.rank)
     )
     aux = wants_router_logits(actor.parts, actor.model.config, router_aux_loss)
+    failed = self_check(actor, batch, temperature)
     # Parameters without a gradient before the call get none back if the step fails (microbatch's rule).
     fresh = [p for p in actor.model.parameters() if p.grad is None]
     try:
+        if failed is not None:
+            return _each_on_its_own(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy, aux, failed)
         return _step(actor, batch, loss_fn, groups, nodes, rows, temperature, calculate_entropy, aux)
     except BaseException:
         for p in fresh:
@@ -446,3 +463,131 @@ def _aux_loss(actor, nodes, span, end_of, router, resp_router) -> torch.Tensor:
     logits = [torch.cat([kept[p0:p1].to(resp.dtype), resp]) for kept, resp in zip(router, resp_router)]
     cfg = actor.model.config
     return load_balancing_loss(logits, cfg.num_experts, cfg.num_experts_per_tok, weights)
+
+
+# ---------------------------------------------------------------- the self-check
+
+
+def self_check(actor: Any, batch: RolloutBatch, temperature: float) -> Optional[str]:
+    """The schedule's self-check (zorro_core.actor.self_check: on CUDA by default, ActorConfig.self_check),
+    once per (attention, dtype, sharing): the schedule on a slice of the batch, cut so that every
+    micro-batch boundary splits its group, against the plain computation on the reference backend,
+    by the self-check's rule (log-probs, and the gradient of a random projection of them for the
+    trainable vector parameters). The schedule's attention is its own masked SDPA call and its
+    phases are its own, which `forward`'s check does not run. None: the schedule runs; else why it
+    does not (it failed here: the step then runs each micro-batch on its own, warned once)."""
+    sc = actor.self_check
+    if not sc.enabled or sc.skipped is not None:
+        return None
+    key = _check_key(actor)
+    verdict = sc.verdicts.get(key)
+    if verdict is None:
+        why = sharded(actor.model)
+        if why:
+            sc.skipped = why
+            warnings.warn(f"zorro: the self-check is skipped: {why}", SelfCheckWarning, stacklevel=4)
+            return None
+        verdict = _check(actor, batch, temperature)
+        verdict = sc.verdicts[key] = agree(verdict, actor.device) if sc.exchange else verdict
+        if not verdict.passed:
+            sc.failed = sc.failed or verdict
+            warnings.warn(
+                f"zorro: self-check failed, the prompt-once schedule's {verdict.describe()}. Its steps run each "
+                "micro-batch on its own (each prompt once per micro-batch) for the rest of the run.",
+                SelfCheckWarning,
+                stacklevel=4,
+            )
+    return None if verdict.passed else f"the schedule's self-check failed: {verdict.describe()}"
+
+
+def schedule_verdict(actor: Any, batch: RolloutBatch, temperature: float = 1.0) -> SelfCheckVerdict:
+    """The schedule's self-check on `batch`, agreed over the ranks, without switching the actor (what
+    `zorro verify gradients --schedule prompt_once` reports beside its proof)."""
+    return agree(_check(actor, batch, temperature), actor.device)
+
+
+def _check_key(actor: Any) -> tuple[str, ...]:
+    dtype = str(compute_dtype(actor)).split(".")[-1]
+    return ("prompt_once", "masked sdpa", actor.attn_implementation, dtype, actor.config.sharing)
+
+
+def _check(actor: Any, batch: RolloutBatch, temperature: float) -> SelfCheckVerdict:
+    spec = RouteSpec("split", "reference", actor.attn_implementation)  # not run: `under_test` is
+    return check(
+        actor,
+        batch,
+        spec,
+        True,
+        temperature,
+        _check_key(actor),
+        lambda part, params: _checked_step(actor, part, temperature, params),
+    )
+
+
+def _checked_step(actor: Any, part: RolloutBatch, temperature: float, params) -> tuple[torch.Tensor, list]:
+    """The schedule's log-probs of the slice `part` and the gradients of `params` of the self-check's
+    projection, every boundary splitting the group. The other trainable parameters are frozen
+    meanwhile (no gradient memory for them) and every parameter's `.grad` is left as it was."""
+    checked = {id(p) for _, p in params}
+    frozen = [p for p in actor.model.parameters() if p.requires_grad and id(p) not in checked]
+    saved = [(p, p.grad) for _, p in params]
+    try:
+        for p in frozen:
+            p.requires_grad_(False)
+        for _, p in params:
+            p.grad = None
+        part = part.to(actor.device)
+        groups = Groups.of(part)
+        nodes = PromptNodes.of(groups.prompts, actor.config.sharing, actor.device)
+        g = torch.Generator().manual_seed(SEED)
+        w = torch.randn(part.responses.shape, generator=g, dtype=torch.float64).to(actor.device)
+        mask = part.response_mask.bool()
+
+        def loss_fn(out, idx):
+            return (out.log_probs * w[idx].to(out.log_probs.dtype) * mask[idx]).sum()
+
+        rows = cut_every_group(groups, nodes.rank)
+        res = _step(actor, part, loss_fn, groups, nodes, rows, temperature, False, False)
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for _, p in params]
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+        for p, grad in saved:
+            p.grad = grad
+    return res.log_probs, grads
+
+
+def _each_on_its_own(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy, aux, why) -> ScheduleOutput:
+    """The step's micro-batches each through actor.forward (its prompts computed in each, the
+    within-micro-batch path, itself self-checked): the fallback after the schedule's check failed."""
+    dev = actor.device
+    b, r = batch.responses.shape
+    log_probs = entropy = None
+    total, computed, prompt_tokens, aux_losses = 0.0, [], 0, []
+    spans: dict[int, set[int]] = {}
+    for i, part in enumerate(rows):
+        for row in part:
+            spans.setdefault(groups.group_of_row[row], set()).add(i)
+        idx = torch.tensor(part, dtype=torch.long, device=dev)
+        out = actor.forward(select_rows(batch, idx), temperature, calculate_entropy, router_aux_loss=aux)
+        loss = loss_fn(out, idx)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
+            raise ValueError("loss_fn must return a scalar tensor that requires grad")
+        loss.backward()
+        total += float(loss.detach())
+        n = int(batch.response_mask[idx].sum())
+        computed.append(n)
+        prompt_tokens += int(out.plan.num_tokens) - n
+        if out.aux_loss is not None:
+            aux_losses.append(float(out.aux_loss.detach()))
+        if log_probs is None:
+            log_probs = out.log_probs.new_zeros(b, r)
+            entropy = out.log_probs.new_zeros(b, r) if out.entropy is not None else None
+        log_probs[idx] = out.log_probs.detach()
+        if entropy is not None and out.entropy is not None:
+            entropy[idx] = out.entropy.detach()
+    assert log_probs is not None  # a validated batch has rows
+    split = sorted(g for g, s in spans.items() if len(s) > 1)
+    return ScheduleOutput(
+        log_probs, entropy, total, rows, prompt_tokens, computed, 0, split, 0, aux_losses if aux else None, why
+    )

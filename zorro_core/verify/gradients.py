@@ -33,6 +33,7 @@ from zorro_core.actor.schedule import (
     refusal_for,
     response_micro_batches,
     schedule_refusal,
+    schedule_verdict,
 )
 from zorro_core.actor.self_check import verdict_of
 from zorro_core.attention.backends import backend_unavailable, default_backend
@@ -475,7 +476,7 @@ class Verifier:
                     else:
                         base, base_lp = self.errors(baseline, batch, w, ref)
                     dedup, dedup_lp = self.schedule_errors(actor, batch, w, ref, parts, aux)
-                    checked = self.self_check(actor, batch)
+                    checked = self.self_check(actor, batch, schedule=True)
                 else:
                     base, base_lp = self.errors(baseline, batch, w, ref)
                     with inject_bug(self.bug, actor):
@@ -497,16 +498,19 @@ class Verifier:
             checked,
         )
 
-    def self_check(self, actor, batch) -> str:
+    def self_check(self, actor, batch, schedule: bool = False) -> str:
         """The self-check's verdict on the case (CaseResult.self_check): run on CUDA, and on CPU for
-        the split-mode backends that run a kernel (flash_cpu, flash_cpu_gather)."""
+        the split-mode backends that run a kernel (flash_cpu, flash_cpu_gather); under the schedule
+        (`schedule`) its own check (its masked SDPA and its phases), on CUDA."""
         spec = actor.route_spec
-        if not self.device.startswith("cuda") and not (
-            spec.mode == "split" and spec.backend not in ("reference", "sdpa")
-        ):
+        kernel_here = not schedule and spec.mode == "split" and spec.backend not in ("reference", "sdpa")
+        if not self.device.startswith("cuda") and not kernel_here:
             return ""
         try:
-            verdict = verdict_of(actor, batch, TEMPERATURE)
+            if schedule:
+                verdict = schedule_verdict(actor, batch, TEMPERATURE)
+            else:
+                verdict = verdict_of(actor, batch, TEMPERATURE)
         except Exception as e:  # noqa: BLE001 - reported beside the proof, which stands on its own
             return f"error: {type(e).__name__}: {e}"
         return f"{'pass' if verdict.passed else 'fail'}: {verdict.describe()}"
