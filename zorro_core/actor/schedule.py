@@ -143,7 +143,7 @@ class PromptNodes:
             end_node = list(range(len(prompts)))
         n = len(start)
         children: list[list[int]] = [[] for _ in range(n)]
-        roots = []
+        roots: list[int] = []
         for x, p in enumerate(parent):
             (children[p] if p >= 0 else roots).append(x)
         rep = [-1] * n  # a prompt through each node: its tokens are the node's
@@ -161,7 +161,10 @@ class PromptNodes:
             y = x
             while y >= 0:
                 anc[y, x], y = True, parent[y]
-        ids, pos, tok_node, span, at = [], [], [], [(0, 0)] * n, 0
+        ids: list[int] = []
+        pos: list[int] = []
+        tok_node: list[int] = []
+        span, at = [(0, 0)] * n, 0
         for x in order:
             ids += prompts[rep[x]][start[x] : end[x]]
             pos += range(start[x], end[x])

@@ -455,7 +455,9 @@ def _layer_computation(self, hidden_states, attention_mask, choose, kwargs: dict
 
     route = kwargs.get("zorro_route")
     kept = None
-    if getattr(route, "region", None) is not None:  # the prompt-once schedule: state and conv window kept
+    if (
+        route is not None and getattr(route, "region", None) is not None
+    ):  # the prompt-once schedule: state and conv window kept
         from zorro_core.models.linear_kept import KeptLinear  # imports this module's kernels
 
         kept = KeptLinear(route.region, route, self)

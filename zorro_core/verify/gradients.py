@@ -189,7 +189,7 @@ class CaseResult:
                     "grad_rel_err": {k: f(v) for k, v in e.grads.items()},
                 }
                 if e.aux is not None:
-                    d[who]["aux_loss_rel_err"] = f(e.aux)
+                    d[who]["aux_loss_rel_err"] = f(e.aux)  # type: ignore[index]
         return d
 
 
@@ -325,7 +325,7 @@ class Verifier:
         self.factor = factor
         self.bug = bug
         self._models: dict[tuple[str, str], Any] = {}  # causal LMs, or peft models around them
-        self._refs: dict[tuple[str, str, str], tuple] = {}
+        self._refs: dict[tuple, tuple] = {}
 
     def model(self, name: str, dtype: str) -> Any:  # a causal LM, or a peft model around one
         """Weights are drawn once in float32 and cast, so every dtype holds the same model."""

@@ -7,7 +7,7 @@ against this.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -105,7 +105,7 @@ def per_sequence_aux(model: nn.Module, batch, temperature: float, weights, parts
         loss = loss + (weights[0][i, : len(resp)].to(lp) * lp).sum() + (weights[1][i, : len(resp)].to(ent) * ent).sum()
         lp_out[i, : len(resp)], ent_out[i, : len(resp)] = lp.detach().cpu(), ent.detach().cpu()
         routers.append(router)
-    cfg = getattr(model, "config", None) or model.model.config
+    cfg: Any = model.config
     auxes = []
     for part in parts:
         layers = [torch.cat([routers[row][layer] for row in part]) for layer in range(len(routers[0]))]
