@@ -4,7 +4,6 @@ with groups cut at every micro-batch boundary; what it does not serve is refused
 import pytest
 import torch
 from helpers import GRAD_RTOL, LP_ATOL, mixed_batch
-from versions import QWEN3_NEXT_ADAPTABLE, QWEN3_NEXT_REASON
 
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.actor.schedule import Groups, prompt_once_step, response_micro_batches
@@ -135,14 +134,6 @@ def test_refusals(tiny_models):
     with pytest.raises(ValueError, match="every row"):
         prompt_once_step(actor, batch, loss, parts=[[0, 1], [2]])
     assert model.zero_grad(set_to_none=True) is None and all(p.grad is None for p in model.parameters())
-
-
-@pytest.mark.skipif(not QWEN3_NEXT_ADAPTABLE, reason=QWEN3_NEXT_REASON)
-def test_refuses_linear_attention_in_a_prefix_trie(tiny_models):
-    with pytest.raises(UnsupportedModelError, match="linear-attention layers with sharing='prompt' only"):
-        DeduplicatedActor(model=tiny_models("tiny-qwen3-next"), sharing="prefix").forward_backward(
-            mixed_batch(), lambda out, rows: out.log_probs.sum(), schedule="prompt_once"
-        )
 
 
 def test_a_dropped_key_gradient_is_caught(tiny_models, per_sequence_reference, monkeypatch):

@@ -118,6 +118,25 @@ def cached_reference(tiny_models, name, aux_coef=None, **overrides):
     return _REFS[key]
 
 
+LINEAR = [
+    pytest.param(n, marks=pytest.mark.skipif(not QWEN3_NEXT_ADAPTABLE, reason=QWEN3_NEXT_REASON))
+    for n in ("tiny-qwen3-next", "tiny-qwen3.5")
+]
+
+
+def trie_reference(tiny_models, name):
+    """cached_reference on the trie batch, with the float64 delta rule for gated DeltaNet families."""
+    key = (name, "trie")
+    if key not in _REFS:
+        model = tiny_models(name)
+        batch = trie_batch()
+        w = token_weights(batch, seed=5)
+        parts = cut(batch)
+        with exact_delta_rule(model):
+            _REFS[key] = (batch, w, parts, reference(model, batch, w, parts))
+    return _REFS[key]
+
+
 # ---------------------------------------------------------------- prefix tries
 
 
@@ -137,13 +156,17 @@ TRIE_FAMILIES = [
     "tiny-qwen2-sliding",  # a window (5) shorter than a path (11)
     "tiny-gemma3",  # sliding and full layers
     "tiny-deepseek-v3",  # MLA
+    # gated DeltaNet: a node from its parent's state; a conv window (4) across a 1-token node
+    *LINEAR,
 ]
 
 
 @pytest.mark.parametrize("name", TRIE_FAMILIES)
 def test_prefix_trie_exact_with_every_boundary_cutting_a_group(tiny_models, name):
-    batch, w, parts, ref = cached_reference(tiny_models, name)
-    res, grads = run(DeduplicatedActor(model=tiny_models(name), sharing="prefix"), batch, w, parts)
+    batch, w, parts, ref = trie_reference(tiny_models, name)
+    model = tiny_models(name)
+    with exact_delta_rule(model):
+        res, grads = run(DeduplicatedActor(model=model, sharing="prefix"), batch, w, parts)
     assert res.prompt_tokens == unique_prefixes(PROMPTS) and res.prompt_nodes == 7
     assert sum(res.response_tokens) == int(batch.response_mask.sum())
     assert res.split_groups == [0, 1, 2, 4]  # group ids in first-seen order: PROMPTS 0, 1, 5, 3
@@ -153,16 +176,19 @@ def test_prefix_trie_exact_with_every_boundary_cutting_a_group(tiny_models, name
 
 
 @pytest.mark.parametrize("flavour", ["non-reentrant", "reentrant"])
-def test_prefix_trie_exact_under_checkpointing(tiny_models, flavour):
-    batch, w, parts, ref = cached_reference(tiny_models, "tiny-qwen3")
-    res, grads = run(DeduplicatedActor(model=tiny_models("tiny-qwen3"), sharing="prefix"), batch, w, parts, flavour)
+@pytest.mark.parametrize("name", ["tiny-qwen3", LINEAR[0]])
+def test_prefix_trie_exact_under_checkpointing(tiny_models, flavour, name):
+    batch, w, parts, ref = trie_reference(tiny_models, name)
+    model = tiny_models(name)
+    with exact_delta_rule(model):
+        res, grads = run(DeduplicatedActor(model=model, sharing="prefix"), batch, w, parts, flavour)
     lp_err, ent_err, g_err, g_name = errors(res, grads, ref)
     assert lp_err < LP_ATOL and ent_err < LP_ATOL
     assert g_err < GRAD_RTOL, f"gradient of {g_name} off by {g_err:.2e}"
 
 
 def test_prefix_trie_budget_runs_rows_in_trie_order(tiny_models):
-    batch, w, _, ref = cached_reference(tiny_models, "tiny-qwen3")
+    batch, w, _, ref = trie_reference(tiny_models, "tiny-qwen3")
     actor = DeduplicatedActor(model=tiny_models("tiny-qwen3"), sharing="prefix")
     model = actor.model
     model.zero_grad(set_to_none=True)
@@ -184,10 +210,12 @@ def test_prefix_trie_budget_runs_rows_in_trie_order(tiny_models):
     assert lp_err < LP_ATOL and ent_err < LP_ATOL and g_err < GRAD_RTOL, (lp_err, g_name, g_err)
 
 
-def test_a_trie_without_its_ancestors_is_caught(tiny_models, monkeypatch):
+@pytest.mark.parametrize("name", ["tiny-qwen3", *LINEAR])
+def test_a_trie_without_its_ancestors_is_caught(tiny_models, monkeypatch, name):
     """Planted bug: every token sees only its own node (the ancestors matrix the identity), so a
-    response misses its path's upper nodes: the log-probs are off by far more than the tolerance."""
-    batch, w, parts, ref = cached_reference(tiny_models, "tiny-qwen3")
+    response misses its path's upper nodes (a gated DeltaNet node starts from zeros, its conv window
+    stops at the node): the log-probs are off by far more than the tolerance."""
+    batch, w, parts, ref = trie_reference(tiny_models, name)
     real = PromptNodes.of.__func__
 
     def flat(cls, prompts, sharing, device):
@@ -196,7 +224,9 @@ def test_a_trie_without_its_ancestors_is_caught(tiny_models, monkeypatch):
         return PromptNodes(**{**nodes.__dict__, "ancestors": eye})
 
     monkeypatch.setattr(PromptNodes, "of", classmethod(flat))
-    res, grads = run(DeduplicatedActor(model=tiny_models("tiny-qwen3"), sharing="prefix"), batch, w, parts)
+    model = tiny_models(name)
+    with exact_delta_rule(model):
+        res, grads = run(DeduplicatedActor(model=model, sharing="prefix"), batch, w, parts)
     assert errors(res, grads, ref)[0] > 1e-2
 
 
@@ -269,11 +299,6 @@ def test_moe_aux_loss_unique_counts_each_kept_token_once(tiny_models):
 
 
 # ---------------------------------------------------------------- linear attention (gated DeltaNet)
-
-LINEAR = [
-    pytest.param(n, marks=pytest.mark.skipif(not QWEN3_NEXT_ADAPTABLE, reason=QWEN3_NEXT_REASON))
-    for n in ("tiny-qwen3-next", "tiny-qwen3.5")
-]
 
 
 def linear_reference(tiny_models, name, aux_coef=None, **overrides):

@@ -20,10 +20,13 @@ Exact: the same sums as the per-sequence computation; each response's log-probs 
 on which micro-batch holds it. Loss normalisation is zorro_core.actor.microbatch's: `loss_fn`
 returns a sum scaled by constants of the FULL batch.
 
-Served: sharing="prompt", attention layers (full, GQA, sliding windows, MLA), MoE without its
-router aux loss. Refused with the reason (fail closed): the baseline actor, sharing="prefix",
-linear-attention layers (their recurrent state at the prompt's end is not kept yet), the MoE
-router aux loss (its statistics span a forward's tokens).
+Served: sharing="prompt" and "prefix" (phase 1 computes the prompts' radix trie, each node once;
+a response attends to its whole root-to-leaf path), attention layers (full, GQA, sliding windows,
+MLA), gated DeltaNet layers (each prompt's state at its end and its conv window kept:
+zorro_core.models.linear_kept), MoE with its router aux loss at logical counts (each micro-batch's
+equals the plain computation of its rows; the prompts' router logits kept as leaves). Self-checked
+like `forward` (`self_check`). Refused with the reason (fail closed): the baseline actor, the aux
+loss under reentrant checkpointing (its router logits carry no gradient).
 """
 
 from __future__ import annotations
@@ -194,11 +197,6 @@ def refusal_for(
         return "the prompt-once schedule runs the deduplicated actor (the baseline computes every prompt per row)"
     if sharing not in ("prompt", "prefix"):
         return f"the prompt-once schedule serves sharing='prompt' or 'prefix', not {sharing!r}"
-    if parts.num_linear_layers and sharing == "prefix":
-        return (
-            "the prompt-once schedule serves linear-attention layers with sharing='prompt' only (a trie "
-            "node's recurrent state from its parent's is not built)"
-        )
     return None
 
 
