@@ -345,16 +345,16 @@ def test_linear_attention_with_the_moe_aux_loss(tiny_models):
 def test_linear_attention_planted_bugs_fail(tiny_models, monkeypatch, bug):
     """Planted bugs: responses start from a zero state instead of the kept one (the log-probs are
     off), or phase 3 drops the kept conv windows' gradients (the gradients are off)."""
-    from zorro_core.models import linear_kept
+    from zorro_core.attention import external_linear as linear_kept
 
     batch, w, parts, ref = linear_reference(tiny_models, "tiny-qwen3-next")
     if bug == "zero_state":
-        real = linear_kept._delta_varlen
+        real = linear_kept.delta_varlen
 
         def from_zero(kernel, calls, x, init, *rest):
             return real(kernel, calls, x, None if init is None else torch.zeros_like(init), *rest)
 
-        monkeypatch.setattr(linear_kept, "_delta_varlen", from_zero)
+        monkeypatch.setattr(linear_kept, "delta_varlen", from_zero)
     else:
         real_apply = linear_kept.InjectGrad.apply
 

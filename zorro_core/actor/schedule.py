@@ -23,7 +23,7 @@ returns a sum scaled by constants of the FULL batch.
 Served: sharing="prompt" and "prefix" (phase 1 computes the prompts' radix trie, each node once;
 a response attends to its whole root-to-leaf path), attention layers (full, GQA, sliding windows,
 MLA), gated DeltaNet layers (each prompt's state at its end and its conv window kept:
-zorro_core.models.linear_kept), MoE with its router aux loss at logical counts (each micro-batch's
+zorro_core.attention.external_linear), MoE with its router aux loss at logical counts (each micro-batch's
 equals the plain computation of its rows; the prompts' router logits kept as leaves). Self-checked
 like `forward` (`self_check`). Refused with the reason (fail closed): the baseline actor, the aux
 loss under reentrant checkpointing (its router logits carry no gradient).
@@ -31,7 +31,6 @@ loss under reentrant checkpointing (its router logits carry no gradient).
 
 from __future__ import annotations
 
-import functools
 import numbers
 import warnings
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from zorro_core.actor.self_check import (
     sharded,
 )
 from zorro_core.attention.external import KeptPrefix, KeyRegion
+from zorro_core.attention.external_linear import KeptLinear
 from zorro_core.attention.hook import Route, RouteSpec, route_mask
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.families import forward_kwargs, wants_router_logits
@@ -58,7 +58,7 @@ from zorro_core.models.moe import load_balancing_loss
 from zorro_core.models.parts import check_layers_served, check_trainable_state
 from zorro_core.plan.balance import select_rows
 from zorro_core.plan.batch import RolloutBatch
-from zorro_core.plan.trie_radix import radix_tree_of
+from zorro_core.plan.prompt_nodes import PromptNodes
 
 SCHEDULES = ("micro_batch", "prompt_once")
 """forward_backward's schedules: each micro-batch on its own (today's), or each prompt once per step."""
@@ -110,75 +110,6 @@ class Groups:
         ids: dict[tuple[int, ...], int] = {}
         group_of_row = [ids.setdefault(tuple(p), len(ids)) for p in prompts]
         return cls([list(p) for p in ids], group_of_row, [len(r) for r in responses])
-
-
-@dataclass(frozen=True)
-class PromptNodes:
-    """What phase 1 computes: the unique prompts as nodes, one per prompt (sharing="prompt") or
-    their radix trie (sharing="prefix": a prefix several prompts share is one node, computed once;
-    a prompt that is a prefix of another ends at a node boundary). Packed in depth-first order,
-    each node's tokens at their path positions."""
-
-    ids: torch.Tensor
-    """[Tp] packed token ids."""
-    positions: torch.Tensor
-    """[Tp] each token's position along its path."""
-    token_node: torch.Tensor
-    """[Tp] the node of each packed token."""
-    node_span: list[tuple[int, int]]
-    """Node -> its [start, end) in the packed row."""
-    ancestors: torch.Tensor
-    """[N, N] bool: node a is an ancestor-or-self of node n (the identity for sharing="prompt")."""
-    end_node: list[int]
-    """Unique prompt -> the node it ends in."""
-    rank: list[int]
-    """Unique prompt -> its end node's depth-first rank (rows run in this order: a micro-batch's
-    prompts then share their paths' nodes)."""
-    trie: bool
-    """Whether the nodes are a prefix trie (else each prompt is its own root)."""
-
-    @classmethod
-    def of(cls, prompts: list[list[int]], sharing: str, device: torch.device) -> "PromptNodes":
-        if sharing == "prefix":
-            start, end, parent, end_node = radix_tree_of(prompts)
-        else:
-            start, end, parent, end_node = [0] * len(prompts), [len(p) for p in prompts], [-1] * len(prompts), []
-            end_node = list(range(len(prompts)))
-        n = len(start)
-        children: list[list[int]] = [[] for _ in range(n)]
-        roots: list[int] = []
-        for x, p in enumerate(parent):
-            (children[p] if p >= 0 else roots).append(x)
-        rep = [-1] * n  # a prompt through each node: its tokens are the node's
-        for g, e in enumerate(end_node):
-            x = e
-            while x >= 0 and rep[x] < 0:
-                rep[x], x = g, parent[x]
-        order, stack = [], list(reversed(roots))
-        while stack:
-            x = stack.pop()
-            order.append(x)
-            stack.extend(reversed(children[x]))
-        anc = torch.zeros(n, n, dtype=torch.bool)
-        for x in range(n):
-            y = x
-            while y >= 0:
-                anc[y, x], y = True, parent[y]
-        ids: list[int] = []
-        pos: list[int] = []
-        tok_node: list[int] = []
-        span, at = [(0, 0)] * n, 0
-        for x in order:
-            ids += prompts[rep[x]][start[x] : end[x]]
-            pos += range(start[x], end[x])
-            tok_node += [x] * (end[x] - start[x])
-            span[x] = (at, at + end[x] - start[x])
-            at += end[x] - start[x]
-        tin = {x: i for i, x in enumerate(order)}
-        t = functools.partial(torch.tensor, dtype=torch.long, device=device)
-        return cls(
-            t(ids), t(pos), t(tok_node), span, anc.to(device), end_node, [tin[e] for e in end_node], sharing == "prefix"
-        )
 
 
 def schedule_refusal(actor: Any, router_aux_loss: Optional[bool] = None) -> Optional[str]:
@@ -315,7 +246,9 @@ def _step(actor, batch, loss_fn, groups, nodes, rows, temperature, calculate_ent
     # Phase 1: the prompts' nodes once; the graph is kept for phase 3 (layer boundaries only
     # under gradient checkpointing), the keys, values and first-token hidden states as leaves.
     ancestors = nodes.ancestors if nodes.trie else None
-    region = KeyRegion(kept, kept.positions, kept.prompt_of, kept.prompt_of, capture=True, ancestors=ancestors)
+    region = KeyRegion(
+        kept, kept.positions, kept.prompt_of, kept.prompt_of, capture=True, ancestors=ancestors, linear=KeptLinear
+    )
     hidden, router_graph = _forward(actor, nodes.ids, kept.positions, region, aux)
     region.sealed = True
     first_graph = hidden[last]
@@ -434,6 +367,7 @@ def _responses(
         capture=False,
         prompt_span=span,
         ancestors=nodes.ancestors if nodes.trie else None,
+        linear=KeptLinear,
     )
     hidden, resp_router = _forward(actor, ids, positions, region, bool(router))
     # Token j of a response is predicted by its token j-1's hidden state; token 0 by the prompt's

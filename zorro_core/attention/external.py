@@ -19,7 +19,7 @@ region (a [Tq, Tp + Tq] mask); a varlen cross call over the region is the GPU fo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +92,9 @@ class KeyRegion:
     """Prefix tries: [N, N] bool, node a is an ancestor-or-self of node n. `prompt_of` and
     `kept.prompt_of` are then trie nodes, and a token sees the kept tokens of its node's whole
     root-to-node path. None: a token sees its own prompt's tokens only (nodes are prompts)."""
+    linear: Optional[Callable[..., Any]] = None
+    """Gated DeltaNet layers: (region, route, layer) -> the layer's forward under this region
+    (zorro_core.attention.external_linear.KeptLinear, set by the schedule). None: not served."""
     _masks: dict = field(default_factory=dict, repr=False)
 
     def _sees(self, key_node: torch.Tensor, query_node: torch.Tensor) -> torch.Tensor:

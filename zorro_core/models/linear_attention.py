@@ -141,7 +141,7 @@ def delta_rule_kernel(module_kernel, x: torch.Tensor):
     return module_kernel, False
 
 
-def _delta_varlen(kernel, calls: Calls, x: tuple, init: Optional[torch.Tensor], chunk: int, final: bool, use_fla: bool):
+def delta_varlen(kernel, calls: Calls, x: tuple, init: Optional[torch.Tensor], chunk: int, final: bool, use_fla: bool):
     """Run the delta rule over the segments of `calls`; returns ([N, Hv, Dv] outputs in segment order, final states)."""
     if use_fla:
         args = [a[calls.index][None] for a in x]
@@ -222,7 +222,7 @@ def _dedup_delta_rule(
             zero = torch.zeros(1, hv, dk, dv, dtype=finals[0].dtype if finals else torch.float32, device=query.device)
             init = torch.cat([zero, *finals])[step.state]
         last = i == len(lay.steps) - 1
-        out, state = _delta_varlen(kernel, step.calls, x, init, chunk_size, not last, use_fla)
+        out, state = delta_varlen(kernel, step.calls, x, init, chunk_size, not last, use_fla)
         outs.append(out)
         if not last:
             finals.append(state)
@@ -455,12 +455,11 @@ def _layer_computation(self, hidden_states, attention_mask, choose, kwargs: dict
 
     route = kwargs.get("zorro_route")
     kept = None
-    if (
-        route is not None and getattr(route, "region", None) is not None
-    ):  # the prompt-once schedule: state and conv window kept
-        from zorro_core.models.linear_kept import KeptLinear  # imports this module's kernels
-
-        kept = KeptLinear(route.region, route, self)
+    region = getattr(route, "region", None) if route is not None else None
+    if region is not None:  # the prompt-once schedule: the prompts' state and conv window kept
+        if region.linear is None:
+            raise UnsupportedModelError("a gated DeltaNet layer under a key region that does not serve it")
+        kept = region.linear(region, route, self)
         conv_fn = layer_function(self, _CONV_FN)
         weight = self.conv1d.weight.squeeze(1)
         mixed_qkv = kept.conv(conv_fn, mixed_qkv, weight, self.conv1d.bias, self.activation)

@@ -1,6 +1,7 @@
 """Gated DeltaNet layers under the prompt-once schedule: each prompt's recurrent state at its end, and
 its conv window, kept as leaves (zorro_core.actor.schedule; the attention layers' side is
-zorro_core.attention.external).
+zorro_core.attention.external). The schedule puts `KeptLinear` in its KeyRegion (`region.linear`);
+the gated DeltaNet adapter (zorro_core.models.linear_attention) runs the layer through it.
 
 A gated DeltaNet layer carries a prompt forward in two things: the delta rule's state after the
 prompt's last token ([Hv, Dk, Dv]) and the causal conv's inputs at its last K-1 positions (the
@@ -30,7 +31,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from zorro_core.attention.external import InjectGrad
-from zorro_core.models.linear_attention import _delta_varlen, delta_rule_kernel
+from zorro_core.models.linear_attention import delta_rule_kernel, delta_varlen
 from zorro_core.models.linear_layout import DEFAULT_CHUNK, calls_of
 from zorro_core.plan.segments import concat_ranges
 
@@ -157,7 +158,7 @@ class KeptLinear:
             seg_len = torch.diff(torch.cat([starts, starts.new_tensor([t])]))
             calls = calls_of(torch.arange(t, device=query.device), seg_len, t)
             init = r.kept.values[self.layer][r.prompt_of[starts]]
-            out, _ = _delta_varlen(kernel, calls, x, init, DEFAULT_CHUNK, False, use_fla)
+            out, _ = delta_varlen(kernel, calls, x, init, DEFAULT_CHUNK, False, use_fla)
             self.route.count_adapter_call("linear_attention")
             return out[None]
         n = nodes.end.numel()
@@ -168,7 +169,7 @@ class KeptLinear:
             seg_len = nodes.end[at] - nodes.start[at]
             index = concat_ranges(nodes.first[at], seg_len, int(seg_len.sum()))
             init = None if lv == 0 else torch.stack([states[p] for p in nodes.parent[at].tolist()])
-            out, final = _delta_varlen(kernel, calls_of(index, seg_len, t), x, init, DEFAULT_CHUNK, True, use_fla)
+            out, final = delta_varlen(kernel, calls_of(index, seg_len, t), x, init, DEFAULT_CHUNK, True, use_fla)
             for j, node in enumerate(at.tolist()):
                 states[node] = final[j]
             outs.append(out)
