@@ -123,7 +123,9 @@ def refusal_for(
     dedup: bool, sharing: str, parts: Any, config: Any, router_aux_loss: Optional[bool] = None
 ) -> Optional[str]:
     """schedule_refusal from what it reads: an actor's dedup flag, its sharing, its model's
-    ModelParts and config (so a caller can ask before building an actor)."""
+    ModelParts and config (so a caller can ask before building an actor). Every family and both
+    sharing modes are served now; `parts`, `config` and `router_aux_loss` stay for the callers.
+    The aux loss under reentrant checkpointing is refused when the step runs (it shows in phase 1)."""
     if not dedup:
         return "the prompt-once schedule runs the deduplicated actor (the baseline computes every prompt per row)"
     if sharing not in ("prompt", "prefix"):

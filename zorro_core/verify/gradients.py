@@ -464,12 +464,9 @@ class Verifier:
                 baseline = BaselineActor(model=model, config=config)
                 if self.schedule:
                     parts = self.schedule_parts(actor, batch)
-                    # MoE with the Switch aux loss: the loss carries each micro-batch's aux loss.
-                    aux = is_moe(model.config) and model_parts(model).moe
-                    if aux and self.checkpointing == "reentrant":
-                        return CaseResult(
-                            case, "skip", "the MoE router aux loss under reentrant checkpointing (no router gradient)"
-                        )
+                    # MoE with the Switch aux loss: the loss carries each micro-batch's aux loss (not under
+                    # reentrant checkpointing, where the schedule refuses it: its routers get no gradient).
+                    aux = is_moe(model.config) and model_parts(model).moe and self.checkpointing != "reentrant"
                     if aux:
                         ref = self.aux_reference(case.model, case.dtype, case.layout, parts)
                         base, base_lp = self.baseline_aux_errors(baseline, batch, w, ref, parts)
