@@ -4,7 +4,6 @@ with groups cut at every micro-batch boundary; what it does not serve is refused
 import pytest
 import torch
 from helpers import GRAD_RTOL, LP_ATOL, mixed_batch
-from versions import QWEN3_NEXT_ADAPTABLE, QWEN3_NEXT_REASON
 
 from zorro_core import BaselineActor, DeduplicatedActor
 from zorro_core.actor.schedule import Groups, prompt_once_step, response_micro_batches
@@ -127,8 +126,6 @@ def test_refusals(tiny_models):
 
     with pytest.raises(UnsupportedModelError, match="deduplicated actor"):
         BaselineActor(model=model).forward_backward(batch, loss, schedule="prompt_once")
-    with pytest.raises(UnsupportedModelError, match="sharing='prompt' only"):
-        DeduplicatedActor(model=model, sharing="prefix").forward_backward(batch, loss, schedule="prompt_once")
     actor = DeduplicatedActor(model=model)
     with pytest.raises(ValueError, match="unknown schedule"):
         actor.forward_backward(batch, loss, schedule="prompt-once")
@@ -137,22 +134,6 @@ def test_refusals(tiny_models):
     with pytest.raises(ValueError, match="every row"):
         prompt_once_step(actor, batch, loss, parts=[[0, 1], [2]])
     assert model.zero_grad(set_to_none=True) is None and all(p.grad is None for p in model.parameters())
-
-
-def test_refuses_moe_aux_loss(tiny_models):
-    model = tiny_models("tiny-qwen3-moe", output_router_logits=True)
-    with pytest.raises(UnsupportedModelError, match="router aux loss"):
-        DeduplicatedActor(model=model).forward_backward(
-            mixed_batch(), lambda out, rows: out.log_probs.sum(), schedule="prompt_once"
-        )
-
-
-@pytest.mark.skipif(not QWEN3_NEXT_ADAPTABLE, reason=QWEN3_NEXT_REASON)
-def test_refuses_linear_attention(tiny_models):
-    with pytest.raises(UnsupportedModelError, match="linear-attention"):
-        DeduplicatedActor(model=tiny_models("tiny-qwen3-next")).forward_backward(
-            mixed_batch(), lambda out, rows: out.log_probs.sum(), schedule="prompt_once"
-        )
 
 
 def test_a_dropped_key_gradient_is_caught(tiny_models, per_sequence_reference, monkeypatch):
@@ -215,3 +196,41 @@ def test_an_attention_module_run_twice_in_one_forward_is_refused():
     region.sealed = True  # after the forward: checkpointing's recompute, served with the first leaves
     region.attend(layer, q, k, v, 0.5, None)
     assert kept.keys[layer].requires_grad and kept.keys[layer].grad_fn is None
+
+
+def test_the_schedule_is_self_checked(tiny_models, per_sequence_reference):
+    """With the self-check on (CUDA's default; forced here), the schedule's first step checks its own
+    path on a slice of the batch, records the verdict, and leaves the step's gradients exact."""
+    model = tiny_models("tiny-qwen3")
+    batch, w, ref = per_sequence_reference("tiny-qwen3", lambda: model, mixed_batch, 0.7, 3)
+    actor = DeduplicatedActor(model=model, self_check=True)
+    model.zero_grad(set_to_none=True)
+    res = prompt_once_step(actor, batch, loss_fn_of(w), None, 0.7, True, parts=CUT_EVERY_BOUNDARY)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    (key, verdict), *_ = [(k, v) for k, v in actor.self_check.verdicts.items() if k[0] == "prompt_once"]
+    assert verdict.passed and verdict.grad_error < 1e-6 and res.fallback is None, verdict.describe()
+    assert actor.self_check.metric() == 1.0
+    assert_exact(res, grads, ref)
+
+
+def test_a_failing_self_check_falls_back_to_each_micro_batch_on_its_own(
+    tiny_models, per_sequence_reference, monkeypatch
+):
+    """Planted bug in the schedule (the kept keys' and values' gradients dropped): its self-check fails,
+    says so once, and the step runs each micro-batch through actor.forward instead: still exact."""
+    from zorro_core.actor.self_check import SelfCheckWarning
+    from zorro_core.attention import external
+
+    model = tiny_models("tiny-qwen3")
+    batch, w, ref = per_sequence_reference("tiny-qwen3", lambda: model, mixed_batch, 0.7, 3)
+    monkeypatch.setattr(external.InjectGrad, "backward", staticmethod(lambda ctx, dout: (dout, None, None, None, None)))
+    actor = DeduplicatedActor(model=model, self_check=True)
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(SelfCheckWarning, match="prompt-once schedule"):
+        res = prompt_once_step(actor, batch, loss_fn_of(w), None, 0.7, True, parts=CUT_EVERY_BOUNDARY)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    assert res.fallback and "self-check failed" in res.fallback and actor.self_check.metric() == 0.0
+    assert res.prompt_tokens > 14  # each prompt once per micro-batch that holds its rows
+    assert_exact(res, grads, ref)

@@ -37,3 +37,43 @@ def test_cli_schedule_mode_and_its_refusals():
     assert out["schedule"] == "prompt_once" and out["max_tokens"] == 4 and out["summary"]["pass"] == 1
     assert "needs --schedule prompt_once" in runner.invoke(app, [*args, "--max-tokens", "4"]).output
     assert "unknown schedule" in runner.invoke(app, [*args, "--schedule", "once"]).output
+
+
+def test_schedule_mode_serves_prefix_tries_the_aux_loss_and_linear_attention():
+    """The families the schedule once refused, proved by verify's rule in float64: an MoE model with
+    each micro-batch's router aux loss in the loss (its value judged too) in a prefix trie, and
+    Qwen3-Next's gated DeltaNet layers (with its MoE aux loss)."""
+    from versions import QWEN3_NEXT_ADAPTABLE
+
+    from zorro_core.actor.config import ActorConfig
+    from zorro_core.verify.tolerances import AUX_RTOL
+
+    cases = expand_cases(
+        ["tiny-qwen3-moe"], ["sdpa"], ["float64"], ["padded"], ["split"], ["none"], ActorConfig(sharing="prefix")
+    )
+    if QWEN3_NEXT_ADAPTABLE:
+        cases += expand_cases(["tiny-qwen3-next"], ["sdpa"], ["float64"], ["unpadded"], ["split"], ["none"])
+    results = verify_cases(cases, schedule="prompt_once")
+    assert [r.status for r in results] == ["pass"] * len(cases), [r.reason for r in results]
+    for r in results:
+        assert r.dedup.aux is not None and r.dedup.aux < AUX_RTOL and "aux_loss_rel_err" in r.to_dict()["dedup"]
+
+
+def test_a_prefix_trie_on_a_kernel_pair_backend_stays_exact():
+    """The kernel pair's region calls (each prompt self-causal, each response against its own prompt) do
+    not hold for a trie, whose nodes attend to their ancestors: the schedule runs the dense call there.
+    Both features met in one merge; without the guard the trie case's log-probs were off by 0.27."""
+    from zorro_core.actor.config import ActorConfig
+
+    cases = expand_cases(
+        ["tiny-qwen3"],
+        ["sdpa"],
+        ["float64"],
+        ["padded", "unpadded"],
+        ["split"],
+        ["none"],
+        actor=ActorConfig(sharing="prefix"),
+        varlen_backends=["flash_cpu"],
+    )
+    results = verify_cases(cases, schedule="prompt_once")
+    assert [r.status for r in results] == ["pass", "pass"], [r.reason for r in results]

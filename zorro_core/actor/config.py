@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from zorro_core.actor.logprobs import LOGITS_MODES
-from zorro_core.actor.schedule import SCHEDULES
 from zorro_core.models.moe import AUX_WEIGHTINGS
 from zorro_core.plan.sharing import DEFAULT_MIN_SHARED_TOKENS, SHARINGS, check_sharing
 
@@ -21,6 +20,9 @@ VARLEN_BACKENDS = ("reference", "sdpa", "flash_cpu", "torch_varlen", "flash_attn
 """The names `varlen_backend` takes (zorro_core.attention.backends.BACKENDS has one backend of each)."""
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "auto")
 """The names `attn_implementation` takes, besides any name registered in transformers' AttentionInterface."""
+
+SCHEDULES = ("micro_batch", "prompt_once")
+"""The actor's steps (zorro_core.actor.schedule): within micro-batches, or each prompt once per step."""
 
 
 def _registered_attention() -> list[str]:

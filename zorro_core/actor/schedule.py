@@ -20,31 +20,46 @@ Exact: the same sums as the per-sequence computation; each response's log-probs 
 on which micro-batch holds it. Loss normalisation is zorro_core.actor.microbatch's: `loss_fn`
 returns a sum scaled by constants of the FULL batch.
 
-Served: sharing="prompt", attention layers (full, GQA, sliding windows, MLA), MoE without its
-router aux loss. Refused with the reason (fail closed): the baseline actor, sharing="prefix",
-linear-attention layers (their recurrent state at the prompt's end is not kept yet), the MoE
-router aux loss (its statistics span a forward's tokens).
+Served: sharing="prompt" and "prefix" (phase 1 computes the prompts' radix trie, each node once;
+a response attends to its whole root-to-leaf path), attention layers (full, GQA, sliding windows,
+MLA), gated DeltaNet layers (each prompt's state at its end and its conv window kept:
+zorro_core.attention.external_linear), MoE with its router aux loss at logical counts (each micro-batch's
+equals the plain computation of its rows; the prompts' router logits kept as leaves). Self-checked
+like `forward` (`self_check`). Refused with the reason (fail closed): the baseline actor, the aux
+loss under reentrant checkpointing (its router logits carry no gradient).
 """
 
 from __future__ import annotations
 
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from zorro_core.actor.config import SCHEDULES as SCHEDULES  # re-exported: forward_backward's schedules
 from zorro_core.actor.fsdp import as_root_forward
 from zorro_core.actor.output import ActorOutput
+from zorro_core.actor.self_check import (
+    SEED,
+    SelfCheckVerdict,
+    SelfCheckWarning,
+    agree,
+    check,
+    compute_dtype,
+    sharded,
+)
 from zorro_core.attention.external import KeptPrefix, KeyRegion
-from zorro_core.attention.hook import Route, route_mask
+from zorro_core.attention.external_linear import KeptLinear
+from zorro_core.attention.hook import Route, RouteSpec, route_mask
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.families import forward_kwargs, wants_router_logits
+from zorro_core.models.moe import load_balancing_loss
 from zorro_core.models.parts import check_layers_served, check_trainable_state
+from zorro_core.plan.balance import select_rows
 from zorro_core.plan.batch import RolloutBatch
-
-SCHEDULES = ("micro_batch", "prompt_once")
-"""forward_backward's schedules: each micro-batch on its own (today's), or each prompt once per step."""
+from zorro_core.plan.prompt_nodes import PromptNodes
 
 
 @dataclass
@@ -67,6 +82,13 @@ class ScheduleOutput:
     """Bytes of the kept keys and values (and first-token hidden states) held from phase 1 to 3."""
     split_groups: list[int]
     """Groups (unique prompts, in first-seen order) whose responses span more than one micro-batch."""
+    prompt_nodes: int = 0
+    """Nodes phase 1 computed: the unique prompts, or under sharing="prefix" their trie's nodes."""
+    aux_losses: Optional[list[float]] = None
+    """Each micro-batch's MoE router aux loss (its ActorOutput.aux_loss), when the step computed it."""
+    fallback: Optional[str] = None
+    """Why the step ran its micro-batches each on its own (each prompt once per micro-batch, through
+    actor.forward) instead: the schedule's self-check failed on this machine. None: it did not."""
 
 
 @dataclass(frozen=True)
@@ -99,31 +121,28 @@ def refusal_for(
     dedup: bool, sharing: str, parts: Any, config: Any, router_aux_loss: Optional[bool] = None
 ) -> Optional[str]:
     """schedule_refusal from what it reads: an actor's dedup flag, its sharing, its model's
-    ModelParts and config (so a caller can ask before building an actor)."""
+    ModelParts and config (so a caller can ask before building an actor). Every family and both
+    sharing modes are served now; `parts`, `config` and `router_aux_loss` stay for the callers.
+    The aux loss under reentrant checkpointing is refused when the step runs (it shows in phase 1)."""
     if not dedup:
         return "the prompt-once schedule runs the deduplicated actor (the baseline computes every prompt per row)"
-    if sharing != "prompt":
-        return (
-            f"the prompt-once schedule serves sharing='prompt' only, not {sharing!r} "
-            "(trie nodes as kept prefixes are not built yet)"
-        )
-    if parts.num_linear_layers:
-        return (
-            "the prompt-once schedule does not serve linear-attention layers yet (their recurrent state "
-            "at a prompt's end is not kept)"
-        )
-    if wants_router_logits(parts, config, router_aux_loss):
-        return (
-            "the prompt-once schedule does not compute the MoE router aux loss (its token statistics span "
-            "a forward; pass router_aux_loss=False or set config.output_router_logits=False)"
-        )
+    if sharing not in ("prompt", "prefix"):
+        return f"the prompt-once schedule serves sharing='prompt' or 'prefix', not {sharing!r}"
     return None
 
 
-def response_micro_batches(groups: Groups, max_tokens: Optional[int]) -> list[list[int]]:
-    """Rows in group order, cut greedily when the next row would pass `max_tokens` response tokens
-    (a row longer than the budget alone is a micro-batch). None: one micro-batch."""
-    order = sorted(range(len(groups.group_of_row)), key=lambda r: (groups.group_of_row[r], r))
+def _row_order(groups: Groups, rank: Optional[Sequence[int]]) -> list[int]:
+    key = rank if rank is not None else range(len(groups.prompts))
+    return sorted(range(len(groups.group_of_row)), key=lambda r: (key[groups.group_of_row[r]], r))
+
+
+def response_micro_batches(
+    groups: Groups, max_tokens: Optional[int], rank: Optional[Sequence[int]] = None
+) -> list[list[int]]:
+    """Rows in group order (by `rank` of each group when given: a trie's depth-first order), cut
+    greedily when the next row would pass `max_tokens` response tokens (a row longer than the
+    budget alone is a micro-batch). None: one micro-batch."""
+    order = _row_order(groups, rank)
     if max_tokens is None:
         return [order]
     parts: list[list[int]] = [[]]
@@ -138,10 +157,10 @@ def response_micro_batches(groups: Groups, max_tokens: Optional[int]) -> list[li
     return parts
 
 
-def cut_every_group(groups: Groups) -> list[list[int]]:
+def cut_every_group(groups: Groups, rank: Optional[Sequence[int]] = None) -> list[list[int]]:
     """Rows in group order, cut between every two rows of one group and never between groups: every
     micro-batch boundary then splits a group (the strictest test of the kept prefix)."""
-    order = sorted(range(len(groups.group_of_row)), key=lambda r: (groups.group_of_row[r], r))
+    order = _row_order(groups, rank)
     parts = [[order[0]]]
     for prev, row in zip(order, order[1:]):
         if groups.group_of_row[prev] == groups.group_of_row[row]:
@@ -167,12 +186,15 @@ def prompt_once_step(
     calculate_entropy: bool = False,
     parts: Optional[Sequence[Sequence[int]]] = None,
     on_prompts_backward: Optional[Callable[[], None]] = None,
+    router_aux_loss: Optional[bool] = None,
 ) -> ScheduleOutput:
     """One step of the prompt-once schedule (module doc), accumulating into the parameters' `.grad`.
 
     `loss_fn(out, rows)` is forward_backward's: `out` an ActorOutput of the micro-batch's rows
     ([b, R], in the order of `rows`), returning a scalar that is a sum scaled by full-batch
     constants. `parts` (row lists) overrides the budget's micro-batches, e.g. to cut every group.
+    `router_aux_loss` (None: as config.output_router_logits says): each micro-batch's
+    `out.aux_loss` is then the MoE router aux loss of its rows at logical counts (module doc).
 
     `on_prompts_backward()` is called once, right before phase 3: a trainer's hook, e.g. to turn
     FSDP's gradient sync back on so that the step's only reduction follows the prompts' backward
@@ -186,7 +208,15 @@ def prompt_once_step(
     if not torch.is_grad_enabled():
         raise ValueError("the prompt-once schedule needs gradients: it was called under torch.no_grad()")
     return _checked_step(
-        actor, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy, parts, on_prompts_backward
+        actor,
+        batch,
+        loss_fn,
+        max_tokens_per_micro_batch,
+        temperature,
+        calculate_entropy,
+        parts,
+        on_prompts_backward,
+        router_aux_loss,
     )
 
 
@@ -205,8 +235,9 @@ def prompt_once_logprobs(
     if refusal:
         raise UnsupportedModelError(refusal)
     with torch.no_grad():
+        # no loss, so no router aux loss either (router_aux_loss=False)
         return _checked_step(
-            actor, batch, None, max_tokens_per_micro_batch, temperature, calculate_entropy, parts, None
+            actor, batch, None, max_tokens_per_micro_batch, temperature, calculate_entropy, parts, None, False
         )
 
 
@@ -219,6 +250,7 @@ def _checked_step(
     calculate_entropy: bool,
     parts: Optional[Sequence[Sequence[int]]],
     on_prompts_backward: Optional[Callable[[], None]],
+    router_aux_loss: Optional[bool],
 ) -> ScheduleOutput:
     """prompt_once_step / prompt_once_logprobs after their own checks (loss_fn None: a log-prob pass)."""
     if max_tokens_per_micro_batch is not None and (
@@ -236,38 +268,53 @@ def _checked_step(
     batch.check_vocab(actor.vocab_size)
     batch = batch.to(actor.device)
     groups = Groups.of(batch)
+    nodes = PromptNodes.of(groups.prompts, actor.config.sharing, actor.device)
     rows = (
         _check_parts(parts, batch.batch_size)
         if parts is not None
-        else response_micro_batches(groups, max_tokens_per_micro_batch)
+        else response_micro_batches(groups, max_tokens_per_micro_batch, nodes.rank)
     )
+    aux = wants_router_logits(actor.parts, actor.model.config, router_aux_loss)
+    failed = self_check(actor, batch, temperature)
     # Parameters without a gradient before the call get none back if the step fails (microbatch's rule).
     fresh = [p for p in actor.model.parameters() if p.grad is None]
     try:
-        return _step(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy, on_prompts_backward)
+        if failed is not None:
+            return _each_on_its_own(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy, aux, failed)
+        return _step(
+            actor, batch, loss_fn, groups, nodes, rows, temperature, calculate_entropy, aux, on_prompts_backward
+        )
     except BaseException:
         for p in fresh:
             p.grad = None
         raise
 
 
-def _step(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy, on_prompts_backward) -> ScheduleOutput:
+def _step(
+    actor, batch, loss_fn, groups, nodes, rows, temperature, calculate_entropy, aux, on_prompts_backward=None
+) -> ScheduleOutput:
     dev = actor.device
     lens = torch.tensor([len(p) for p in groups.prompts], device=dev)
-    starts = torch.cumsum(lens, 0) - lens
-    kept = KeptPrefix(
-        positions=torch.cat([torch.arange(int(n), device=dev) for n in lens]),
-        prompt_of=torch.repeat_interleave(torch.arange(len(lens), device=dev), lens),
-    )
+    last = torch.tensor([nodes.node_span[e][1] - 1 for e in nodes.end_node], device=dev)
+    kept = KeptPrefix(positions=nodes.positions, prompt_of=nodes.token_node)
 
-    # Phase 1: the unique prompts once; the graph is kept for phase 3 (layer boundaries only
+    # Phase 1: the prompts' nodes once; the graph is kept for phase 3 (layer boundaries only
     # under gradient checkpointing), the keys, values and first-token hidden states as leaves.
-    ids = torch.tensor([t for p in groups.prompts for t in p], device=dev)
-    region = KeyRegion(kept, kept.positions, kept.prompt_of, kept.prompt_of, capture=True)
-    hidden = _forward(actor, ids, kept.positions, region)
+    ancestors = nodes.ancestors if nodes.trie else None
+    region = KeyRegion(
+        kept, kept.positions, kept.prompt_of, kept.prompt_of, capture=True, ancestors=ancestors, linear=KeptLinear
+    )
+    hidden, router_graph = _forward(actor, nodes.ids, kept.positions, region, aux)
     region.sealed = True
-    first_graph = hidden[starts + lens - 1]
+    first_graph = hidden[last]
     first = first_graph.detach().requires_grad_(loss_fn is not None)
+    router = [r.detach().requires_grad_(r.requires_grad) for r in router_graph]
+    if aux and hidden.requires_grad and not all(r.requires_grad for r in router_graph):
+        raise UnsupportedModelError(
+            "the MoE router aux loss under the prompt-once schedule: the router logits carry no gradient "
+            "(reentrant gradient checkpointing runs the layers under no_grad), so the loss's gradient would be "
+            "lost; use non-reentrant checkpointing or router_aux_loss=False"
+        )
 
     b, r = batch.responses.shape
     log_probs = torch.zeros(b, r, dtype=torch.float64 if first.dtype == torch.float64 else torch.float32, device=dev)
@@ -276,11 +323,14 @@ def _step(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy, o
     rmask = batch.response_mask.bool()
     spans: dict[int, set[int]] = {}
     computed = []
+    aux_losses = []
     for i, part in enumerate(rows):
         for row in part:
             spans.setdefault(groups.group_of_row[row], set()).add(i)
         idx = torch.tensor(part, dtype=torch.long, device=dev)
-        out = _responses(actor, batch, groups, part, idx, kept, first, starts, lens, temperature, calculate_entropy)
+        out = _responses(
+            actor, batch, groups, nodes, part, idx, kept, first, router, lens, temperature, calculate_entropy
+        )
         computed.append(int(rmask[idx].sum()))
         if loss_fn is not None:  # None: a log-prob pass (prompt_once_logprobs)
             loss = loss_fn(out, idx)
@@ -290,32 +340,49 @@ def _step(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy, o
                 raise ValueError("loss_fn returned a loss that does not require grad")
             loss.backward()
             total += float(loss.detach())
+        if out.aux_loss is not None:
+            aux_losses.append(float(out.aux_loss.detach()))
         log_probs[idx] = out.log_probs.detach().to(log_probs.dtype)
         if entropy is not None and out.entropy is not None:
             entropy[idx] = out.entropy.detach().to(entropy.dtype)
 
-    # Phase 3: the prompts' backward, once, from the accumulated leaf gradients.
+    # Phase 3: the prompts' backward, once, from the accumulated leaf gradients (the first-token
+    # hidden states' and the router logits'; the keys' and values' through each layer's InjectGrad).
     if loss_fn is not None:  # None: a log-prob pass (prompt_once_logprobs)
-        grad_first = first.grad if first.grad is not None else torch.zeros_like(first)
+        roots, grads = _phase3_roots(first_graph, first, router_graph, router)
         if on_prompts_backward is not None:
             on_prompts_backward()
         if first_graph.requires_grad:
-            torch.autograd.backward([first_graph], grad_tensors=[grad_first])
+            torch.autograd.backward(roots, grad_tensors=grads)
     kept_bytes = kept.kept_bytes() + first.numel() * first.element_size()
+    kept_bytes += sum(x.numel() * x.element_size() for x in router)
     return ScheduleOutput(
         log_probs,
         entropy,
         total,
         rows,
-        int(lens.sum()),
+        int(nodes.ids.numel()),
         computed,
         kept_bytes,
         sorted(g for g, s in spans.items() if len(s) > 1),
+        len(nodes.node_span),
+        aux_losses if aux else None,
     )
 
 
-def _forward(actor: Any, ids: torch.Tensor, positions: torch.Tensor, region: KeyRegion) -> torch.Tensor:
-    """The decoder stack over one packed row with the key region in the route: hidden [T, H]."""
+def _phase3_roots(first_graph, first, router_graph, router) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Phase 3's roots in the prompts' graph and their gradients: the first-token hidden states', then
+    each MoE layer's router logits' that phase 2 reached (the keys' and values' go by InjectGrad)."""
+    roots = [first_graph] + [g for g, leaf in zip(router_graph, router) if leaf.grad is not None]
+    grads = [first.grad if first.grad is not None else torch.zeros_like(first)]
+    return roots, grads + [leaf.grad for leaf in router if leaf.grad is not None]
+
+
+def _forward(
+    actor: Any, ids: torch.Tensor, positions: torch.Tensor, region: KeyRegion, aux: bool
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The decoder stack over one packed row with the key region in the route: hidden [T, H], and
+    each MoE layer's router logits [T, E] when `aux`."""
     route = Route(actor.route_spec, None)
     route.region = region
 
@@ -326,31 +393,42 @@ def _forward(actor: Any, ids: torch.Tensor, positions: torch.Tensor, region: Key
             attention_mask=route_mask(actor.device),
             use_cache=False,
             zorro_route=route,
-            **forward_kwargs(actor.parts, actor.model.config, False),
+            **forward_kwargs(actor.parts, actor.model.config, aux),
         )
-        return outputs.last_hidden_state[0]
+        return outputs.last_hidden_state[0], list(outputs.router_logits) if aux else []
 
-    hidden = as_root_forward(actor.model, run)
+    hidden, router = as_root_forward(actor.model, run)
     check_layers_served(actor.parts, route)
-    return hidden
+    return hidden, router
 
 
 def _responses(
-    actor, batch, groups, part, idx, kept, first, starts, lens, temperature, calculate_entropy
+    actor, batch, groups, nodes, part, idx, kept, first, router, lens, temperature, calculate_entropy
 ) -> ActorOutput:
     """Phase 2 for one micro-batch: its responses against their prompts' kept keys and values."""
     dev = actor.device
     rlens = batch.response_mask.bool()[idx].sum(1)
     g_of = torch.tensor([groups.group_of_row[row] for row in part], device=dev)
+    end_of = torch.tensor([nodes.end_node[groups.group_of_row[row]] for row in part], device=dev)
     ids = batch.responses[idx][batch.response_mask.bool()[idx]]
     seg = torch.repeat_interleave(torch.arange(len(part), device=dev), rlens)
     within = torch.arange(ids.numel(), device=dev) - torch.repeat_interleave(torch.cumsum(rlens, 0) - rlens, rlens)
-    prompt_of = g_of[seg]
-    positions = lens[prompt_of] + within
-    g0, g1 = int(g_of.min()), int(g_of.max())
-    span = (int(starts[g0]), int(starts[g1] + lens[g1]))
-    region = KeyRegion(kept, positions, seg, prompt_of, capture=False, prompt_span=span)
-    hidden = _forward(actor, ids, positions, region)
+    positions = lens[g_of][seg] + within
+    # The key region: the packed span of every node on the micro-batch's prompts' paths (a trie's
+    # span may hold other nodes too: the mask hides them).
+    needed = nodes.ancestors[:, end_of].any(1).nonzero().flatten().tolist()
+    span = (min(nodes.node_span[x][0] for x in needed), max(nodes.node_span[x][1] for x in needed))
+    region = KeyRegion(
+        kept,
+        positions,
+        seg,
+        end_of[seg],
+        capture=False,
+        prompt_span=span,
+        ancestors=nodes.ancestors if nodes.trie else None,
+        linear=KeptLinear,
+    )
+    hidden, resp_router = _forward(actor, ids, positions, region, bool(router))
     # Token j of a response is predicted by its token j-1's hidden state; token 0 by the prompt's
     # kept last hidden state (rows [0, n) of `states`).
     n = len(part)
@@ -361,4 +439,150 @@ def _responses(
     mask = batch.response_mask.bool()[idx]
     lp_out = lp.new_zeros(mask.shape).masked_scatter(mask, lp)
     ent_out = ent.new_zeros(mask.shape).masked_scatter(mask, ent) if ent is not None else None
-    return ActorOutput(lp_out, ent_out, None, None)
+    aux = _aux_loss(actor, nodes, span, end_of, router, resp_router) if router else None
+    return ActorOutput(lp_out, ent_out, None, aux)
+
+
+def _aux_loss(actor, nodes, span, end_of, router, resp_router) -> torch.Tensor:
+    """The micro-batch's MoE router aux loss at logical counts: what the plain computation of its
+    rows gives (transformers' load_balancing_loss_func over each row's prompt and response). A kept
+    prompt token counts once per row of the micro-batch whose path holds it ("multiplicity"), or
+    once if any does ("unique": the deduplicated token set, as the actor's option says); its router
+    logits are phase 1's leaves, whose gradients phase 3 hands to the prompts' graph."""
+    p0, p1 = span
+    rows_through = nodes.ancestors[nodes.token_node[p0:p1]][:, end_of].to(torch.float64).sum(1)
+    if actor.config.router_aux_weighting == "unique":
+        rows_through = (rows_through > 0).to(torch.float64)
+    weights = torch.cat([rows_through, rows_through.new_ones(resp_router[0].shape[0])])
+    logits = [torch.cat([kept[p0:p1].to(resp.dtype), resp]) for kept, resp in zip(router, resp_router)]
+    cfg = actor.model.config
+    return load_balancing_loss(logits, cfg.num_experts, cfg.num_experts_per_tok, weights)
+
+
+# ---------------------------------------------------------------- the self-check
+
+
+def self_check(actor: Any, batch: RolloutBatch, temperature: float) -> Optional[str]:
+    """The schedule's self-check (zorro_core.actor.self_check: on CUDA by default, ActorConfig.self_check),
+    once per (attention, dtype, sharing): the schedule on a slice of the batch, cut so that every
+    micro-batch boundary splits its group, against the plain computation on the reference backend,
+    by the self-check's rule (log-probs, and the gradient of a random projection of them for the
+    trainable vector parameters). The schedule's attention is its own masked SDPA call and its
+    phases are its own, which `forward`'s check does not run. None: the schedule runs; else why it
+    does not (it failed here: the step then runs each micro-batch on its own, warned once)."""
+    sc = actor.self_check
+    if not sc.enabled or sc.skipped is not None:
+        return None
+    key = _check_key(actor)
+    verdict = sc.verdicts.get(key)
+    if verdict is None:
+        why = sharded(actor.model)
+        if why:
+            sc.skipped = why
+            warnings.warn(f"zorro: the self-check is skipped: {why}", SelfCheckWarning, stacklevel=4)
+            return None
+        verdict = _check(actor, batch, temperature)
+        verdict = sc.verdicts[key] = agree(verdict, actor.device) if sc.exchange else verdict
+        if not verdict.passed:
+            sc.failed = sc.failed or verdict
+            warnings.warn(
+                f"zorro: self-check failed, the prompt-once schedule's {verdict.describe()}. Its steps run each "
+                "micro-batch on its own (each prompt once per micro-batch) for the rest of the run.",
+                SelfCheckWarning,
+                stacklevel=4,
+            )
+    return None if verdict.passed else f"the schedule's self-check failed: {verdict.describe()}"
+
+
+def schedule_verdict(actor: Any, batch: RolloutBatch, temperature: float = 1.0) -> SelfCheckVerdict:
+    """The schedule's self-check on `batch`, agreed over the ranks, without switching the actor (what
+    `zorro verify gradients --schedule prompt_once` reports beside its proof)."""
+    return agree(_check(actor, batch, temperature), actor.device)
+
+
+def _check_key(actor: Any) -> tuple[str, ...]:
+    dtype = str(compute_dtype(actor)).split(".")[-1]
+    return ("prompt_once", "masked sdpa", actor.attn_implementation, dtype, actor.config.sharing)
+
+
+def _check(actor: Any, batch: RolloutBatch, temperature: float) -> SelfCheckVerdict:
+    spec = RouteSpec("split", "reference", actor.attn_implementation)  # not run: `under_test` is
+    return check(
+        actor,
+        batch,
+        spec,
+        True,
+        temperature,
+        _check_key(actor),
+        lambda part, params: _checked_slice(actor, part, temperature, params),
+    )
+
+
+def _checked_slice(actor: Any, part: RolloutBatch, temperature: float, params) -> tuple[torch.Tensor, list]:
+    """The schedule's log-probs of the slice `part` and the gradients of `params` of the self-check's
+    projection, every boundary splitting the group. The other trainable parameters are frozen
+    meanwhile (no gradient memory for them) and every parameter's `.grad` is left as it was."""
+    checked = {id(p) for _, p in params}
+    frozen = [p for p in actor.model.parameters() if p.requires_grad and id(p) not in checked]
+    saved = [(p, p.grad) for _, p in params]
+    try:
+        for p in frozen:
+            p.requires_grad_(False)
+        for _, p in params:
+            p.grad = None
+        part = part.to(actor.device)
+        groups = Groups.of(part)
+        nodes = PromptNodes.of(groups.prompts, actor.config.sharing, actor.device)
+        g = torch.Generator().manual_seed(SEED)
+        w = torch.randn(part.responses.shape, generator=g, dtype=torch.float64).to(actor.device)
+        mask = part.response_mask.bool()
+
+        def loss_fn(out, idx):
+            return (out.log_probs * w[idx].to(out.log_probs.dtype) * mask[idx]).sum()
+
+        rows = cut_every_group(groups, nodes.rank)
+        res = _step(actor, part, loss_fn, groups, nodes, rows, temperature, False, False)
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for _, p in params]
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+        for p, grad in saved:
+            p.grad = grad
+    return res.log_probs, grads
+
+
+def _each_on_its_own(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy, aux, why) -> ScheduleOutput:
+    """The step's micro-batches each through actor.forward (its prompts computed in each, the
+    within-micro-batch path, itself self-checked): the fallback after the schedule's check failed."""
+    dev = actor.device
+    b, r = batch.responses.shape
+    log_probs = entropy = None
+    total, computed, prompt_tokens, aux_losses = 0.0, [], 0, []
+    spans: dict[int, set[int]] = {}
+    for i, part in enumerate(rows):
+        for row in part:
+            spans.setdefault(groups.group_of_row[row], set()).add(i)
+        idx = torch.tensor(part, dtype=torch.long, device=dev)
+        out = actor.forward(select_rows(batch, idx), temperature, calculate_entropy, router_aux_loss=aux)
+        if loss_fn is not None:  # None: a log-prob pass (prompt_once_logprobs)
+            loss = loss_fn(out, idx)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
+                raise ValueError("loss_fn must return a scalar tensor that requires grad")
+            loss.backward()
+            total += float(loss.detach())
+        n = int(batch.response_mask[idx].sum())
+        computed.append(n)
+        prompt_tokens += int(out.plan.num_tokens) - n
+        if out.aux_loss is not None:
+            aux_losses.append(float(out.aux_loss.detach()))
+        if log_probs is None:
+            log_probs = out.log_probs.new_zeros(b, r)
+            entropy = out.log_probs.new_zeros(b, r) if out.entropy is not None else None
+        log_probs[idx] = out.log_probs.detach()
+        if entropy is not None and out.entropy is not None:
+            entropy[idx] = out.entropy.detach()
+    assert log_probs is not None  # a validated batch has rows
+    split = sorted(g for g, s in spans.items() if len(s) > 1)
+    return ScheduleOutput(
+        log_probs, entropy, total, rows, prompt_tokens, computed, 0, split, 0, aux_losses if aux else None, why
+    )

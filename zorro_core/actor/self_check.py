@@ -37,7 +37,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, Optional, Protocol
+from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -270,20 +270,32 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check(
-    actor: _Actor, batch: RolloutBatch, spec: RouteSpec, dedup: bool, temperature: float, key: tuple[str, ...]
+    actor: _Actor,
+    batch: RolloutBatch,
+    spec: RouteSpec,
+    dedup: bool,
+    temperature: float,
+    key: tuple[str, ...],
+    under_test: Optional[Callable] = None,
 ) -> SelfCheckVerdict:
-    """This rank's comparison of `spec` against the plain computation on a slice of `batch` (module doc)."""
+    """This rank's comparison of `spec` against the plain computation on a slice of `batch` (module doc).
+
+    `under_test(part, params) -> (log-probs, grads)` replaces `spec`'s run as the path checked (the
+    prompt-once schedule's, zorro_core.actor.schedule): the same projection, loss and comparison."""
     start = time.perf_counter()
     dtype = compute_dtype(actor)
     with torch.inference_mode(False), torch.enable_grad(), _eval_mode(actor.model):
         part = slice_of(batch)
         params = _vectors(actor.model)
         try:
-            lp, grads = _run(actor, part, spec, dedup, temperature, params)
+            if under_test is not None:
+                lp, grads = under_test(part, params)
+            else:
+                lp, grads = _run(actor, part, spec, dedup, temperature, params)
         except torch.OutOfMemoryError:
             raise  # the device's memory, not the path: the fallback would meet it too
         except Exception as e:  # noqa: BLE001 - a kernel that cannot run here (its signature, this GPU) fails the check
-            if fallback_of(spec, dedup) is None:
+            if under_test is None and fallback_of(spec, dedup) is None:
                 raise  # the plain computation itself: nothing to fall back to, the trainer sees its error
             seconds = time.perf_counter() - start
             return SelfCheckVerdict(key, False, math.inf, 0.0, math.inf, 0.0, "", seconds, f"{type(e).__name__}: {e}")

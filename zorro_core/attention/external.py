@@ -23,7 +23,7 @@ the attention is one masked SDPA call over the key region: exact, dense in the r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +40,7 @@ class KeptPrefix:
     positions: torch.Tensor
     """[Tp] position of each token of the packed prompts row."""
     prompt_of: torch.Tensor
-    """[Tp] which unique prompt each token belongs to."""
+    """[Tp] which unique prompt (a trie node under prefix tries) each token belongs to."""
     keys: dict[nn.Module, torch.Tensor] = field(default_factory=dict)
     """Attention module -> its keys [1, Hkv, Tp, Dk], a leaf that takes gradients."""
     values: dict[nn.Module, torch.Tensor] = field(default_factory=dict)
@@ -93,15 +93,29 @@ class KeyRegion:
     """Attend: the slice [p0, p1) of the packed prompts row this forward's responses need."""
     sealed: bool = False
     """Set after the forward: later capture calls are checkpointing's recompute (in backward)."""
+    ancestors: Optional[torch.Tensor] = None
+    """Prefix tries: [N, N] bool, node a is an ancestor-or-self of node n. `prompt_of` and
+    `kept.prompt_of` are then trie nodes, and a token sees the kept tokens of its node's whole
+    root-to-node path. None: a token sees its own prompt's tokens only (nodes are prompts)."""
+    linear: Optional[Callable[..., Any]] = None
+    """Gated DeltaNet layers: (region, route, layer) -> the layer's forward under this region
+    (zorro_core.attention.external_linear.KeptLinear, set by the schedule). None: not served."""
     _masks: dict = field(default_factory=dict, repr=False)
     _varlen: dict = field(default_factory=dict, repr=False)
     """The kernel calls' layouts (region_varlen), built once per forward."""
+
+    def _sees(self, key_node: torch.Tensor, query_node: torch.Tensor) -> torch.Tensor:
+        """Whether a query of `query_node` sees a key of `key_node` (broadcasting)."""
+        if self.ancestors is None:
+            return key_node == query_node
+        return self.ancestors[key_node, query_node]
 
     def mask(self, window: Optional[int]) -> torch.Tensor:
         """[T, keys] bool: which keys each query sees, built once per window."""
         if window not in self._masks:
             pos, seg = self.positions, self.segment
-            own = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+            same = self._sees(seg[None, :], seg[:, None]) if self.capture else seg[:, None] == seg[None, :]
+            own = same & (pos[None, :] <= pos[:, None])
             if window is not None:
                 own &= pos[:, None] - pos[None, :] < window
             if self.capture:
@@ -109,7 +123,7 @@ class KeyRegion:
             else:
                 p0, p1 = self.prompt_span
                 kpos, kprompt = self.kept.positions[p0:p1], self.kept.prompt_of[p0:p1]
-                pre = self.prompt_of[:, None] == kprompt[None, :]
+                pre = self._sees(kprompt[None, :], self.prompt_of[:, None])
                 if window is not None:
                     pre &= pos[:, None] - kpos[None, :] < window
                 self._masks[window] = torch.cat([pre, own], dim=1)
@@ -127,7 +141,9 @@ class KeyRegion:
     ) -> torch.Tensor:
         """q [1, Hq, T, D], k [1, Hkv, T, D], v [1, Hkv, T, Dv] -> [1, T, Hq, Dv]. `backend`: the
         actor's varlen backend in split mode (its kernel pair, if any, runs the calls), else None."""
-        pair = region_pair(backend, query.dtype, self.positions, window)
+        # A prefix trie's nodes attend to their ancestors, not to one contiguous prompt: the kernel
+        # pair's calls (each prompt self-causal, each response against its own prompt) do not hold there.
+        pair = None if self.ancestors is not None else region_pair(backend, query.dtype, self.positions, window)
         if self.capture:
             if pair is None:
                 out = self._sdpa(query, key, value, scale, window)

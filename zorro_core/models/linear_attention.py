@@ -141,7 +141,7 @@ def delta_rule_kernel(module_kernel, x: torch.Tensor):
     return module_kernel, False
 
 
-def _delta_varlen(kernel, calls: Calls, x: tuple, init: Optional[torch.Tensor], chunk: int, final: bool, use_fla: bool):
+def delta_varlen(kernel, calls: Calls, x: tuple, init: Optional[torch.Tensor], chunk: int, final: bool, use_fla: bool):
     """Run the delta rule over the segments of `calls`; returns ([N, Hv, Dv] outputs in segment order, final states)."""
     if use_fla:
         args = [a[calls.index][None] for a in x]
@@ -222,7 +222,7 @@ def _dedup_delta_rule(
             zero = torch.zeros(1, hv, dk, dv, dtype=finals[0].dtype if finals else torch.float32, device=query.device)
             init = torch.cat([zero, *finals])[step.state]
         last = i == len(lay.steps) - 1
-        out, state = _delta_varlen(kernel, step.calls, x, init, chunk_size, not last, use_fla)
+        out, state = delta_varlen(kernel, step.calls, x, init, chunk_size, not last, use_fla)
         outs.append(out)
         if not last:
             finals.append(state)
@@ -458,14 +458,25 @@ def _layer_computation(self, hidden_states, attention_mask, choose, kwargs: dict
         z = self.in_proj_z(hidden_states).reshape(bsz, seq_len, -1, self.head_v_dim)
         b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
 
-    mixed_qkv = _dedup_conv(
-        layer_function(self, _CONV_FN),
-        mixed_qkv,
-        self.conv1d.weight.squeeze(1),
-        self.conv1d.bias,
-        activation=self.activation,
-        **kwargs,
-    )
+    route = kwargs.get("zorro_route")
+    kept = None
+    region = getattr(route, "region", None) if route is not None else None
+    if region is not None:  # the prompt-once schedule: the prompts' state and conv window kept
+        if region.linear is None:
+            raise UnsupportedModelError("a gated DeltaNet layer under a key region that does not serve it")
+        kept = region.linear(region, route, self)
+        conv_fn = layer_function(self, _CONV_FN)
+        weight = self.conv1d.weight.squeeze(1)
+        mixed_qkv = kept.conv(conv_fn, mixed_qkv, weight, self.conv1d.bias, self.activation)
+    else:
+        mixed_qkv = _dedup_conv(
+            layer_function(self, _CONV_FN),
+            mixed_qkv,
+            self.conv1d.weight.squeeze(1),
+            self.conv1d.bias,
+            activation=self.activation,
+            **kwargs,
+        )
     mixed_qkv = mixed_qkv.transpose(1, 2)
     query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     query = query.reshape(bsz, seq_len, -1, self.head_k_dim)
@@ -484,20 +495,24 @@ def _layer_computation(self, hidden_states, attention_mask, choose, kwargs: dict
     kernel = layer_function(self, _DELTA_FN)
     if choose is not None:
         kernel = choose(kernel, query)
-    core, _ = _dedup_delta_rule(
-        kernel,
-        query,
-        key,
-        value,
-        g=g,
-        beta=beta,
-        initial_state=None,
-        output_final_state=False,
-        use_qk_l2norm_in_kernel=True,
-        cu_seqlens=kwargs.pop("cu_seq_lens_q", None),
-        **kwargs,
-    )
+    if kept is not None:
+        core = kept.delta_rule(kernel, query, key, value, g, beta)
+    else:
+        core, _ = _dedup_delta_rule(
+            kernel,
+            query,
+            key,
+            value,
+            g=g,
+            beta=beta,
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=kwargs.pop("cu_seq_lens_q", None),
+            **kwargs,
+        )
     if split:
         core = torch.cat([core], dim=1)
     core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-    return self.out_proj(core.reshape(bsz, seq_len, -1))
+    out = self.out_proj(core.reshape(bsz, seq_len, -1))
+    return kept.finish(out) if kept is not None else out

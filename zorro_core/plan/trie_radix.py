@@ -54,6 +54,17 @@ def _radix_tree(canon: np.ndarray, lens: np.ndarray):
     return _radix_walk(order, lens, lcp)
 
 
+def radix_tree_of(rows: list[list[int]]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The radix tree of token lists (distinct, non-empty): each node's depth start, depth end and
+    parent (-1 for a root), and each list's end node; a list that is a prefix of another ends at a
+    node boundary. Nodes are numbered in no particular order (walk them by parent)."""
+    width = max(len(r) for r in rows)
+    canon = np.full((len(rows), width), -1, dtype=np.int64)
+    for i, r in enumerate(rows):
+        canon[i, : len(r)] = r
+    return _radix_tree(canon, np.array([len(r) for r in rows], dtype=np.int64))
+
+
 class SortedRows(NamedTuple):
     """A batch's rows in token order (the trie's depth-first order: every subtree is a run of them)."""
 

@@ -23,14 +23,25 @@ from transformers import PreTrainedModel
 
 from zorro_core.actor.actor import BaselineActor, DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
-from zorro_core.actor.schedule import Groups, cut_every_group, prompt_once_step, refusal_for, schedule_refusal
+from zorro_core.actor.schedule import (
+    Groups,
+    PromptNodes,
+    cut_every_group,
+    prompt_once_step,
+    refusal_for,
+    response_micro_batches,
+    schedule_refusal,
+    schedule_verdict,
+)
 from zorro_core.actor.self_check import verdict_of
 from zorro_core.attention.backends import backend_unavailable, default_backend
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.linear_attention import fla_available
+from zorro_core.models.moe import is_moe
 from zorro_core.models.parts import model_parts, unwrap_adapters
 from zorro_core.models.presets import PRESETS, build_model, preset_config, seeded_rng
 from zorro_core.models.registry import FAMILIES
+from zorro_core.plan.balance import select_rows
 from zorro_core.plan.batch import RolloutBatch, create_dummy_batch
 from zorro_core.stack.checkpointing import checkpointed
 from zorro_core.stack.lora import LoraSettings, apply_lora
@@ -42,6 +53,7 @@ from zorro_core.verify.reference import (
     loss_of,
     max_abs_error,
     per_sequence,
+    per_sequence_aux,
     rel_grad_errors,
     token_weights,
 )
@@ -63,6 +75,9 @@ from zorro_core.verify.rule import (  # noqa: F401 - the rule's names, importabl
     judge,
 )
 from zorro_core.verify.vision import IMAGES_LAYOUT, VISION_MODELS, run_verify_case
+
+AUX_COEF = 0.37
+"""The schedule mode's MoE cases: the loss adds this times each micro-batch's router aux loss."""
 
 
 def tiny_models() -> list[str]:
@@ -173,7 +188,7 @@ class Verifier:
         self.factor = factor
         self.bug = bug
         self._models: dict[tuple[str, str], Any] = {}  # causal LMs, or peft models around them
-        self._refs: dict[tuple[str, str, str], tuple] = {}
+        self._refs: dict[tuple, tuple] = {}
 
     def model(self, name: str, dtype: str) -> Any:  # a causal LM, or a peft model around one
         """Weights are drawn once in float32 and cast, so every dtype holds the same model."""
@@ -220,21 +235,69 @@ class Verifier:
         ref_lp, ref_ent, ref_grads = ref
         return Errors(max_abs_error(lp, ref_lp), max_abs_error(ent, ref_ent), rel_grad_errors(grads, ref_grads)), lp
 
-    def schedule_errors(self, actor, batch, w, ref) -> tuple[Errors, torch.Tensor]:
-        """The dedup actor's errors under the prompt-once schedule (loss_of's sum, split per micro-batch)."""
+    def schedule_parts(self, actor, batch) -> list[list[int]]:
+        """The schedule's micro-batches: `max_tokens` response tokens each, or (None) cut between every
+        two rows of a group, so that every boundary splits one; rows in the prompts' trie order."""
+        groups = Groups.of(batch)
+        rank = PromptNodes.of(groups.prompts, actor.config.sharing, torch.device("cpu")).rank
+        if self.max_tokens is None:
+            return cut_every_group(groups, rank)
+        return response_micro_batches(groups, self.max_tokens, rank)
+
+    def aux_reference(self, name: str, dtype: str, layout: str, parts: list[list[int]]):
+        """reference() for the schedule's MoE cases: the loss adds AUX_COEF x each micro-batch's router
+        aux loss, as the plain computation of its rows gives it (reference.per_sequence_aux)."""
+        batch, w, _ = self.reference(name, dtype, layout)
+        weights_of = "bfloat16" if dtype == "bfloat16" else "float32"
+        key = (name, weights_of, layout, "aux", tuple(map(tuple, parts)))
+        if key not in self._refs:
+            m64 = copy.deepcopy(self.model(name, weights_of)).to(torch.float64)
+            unwrap_adapters(m64).set_attn_implementation("eager")
+            with exact_delta_rule(m64):
+                self._refs[key] = per_sequence_aux(m64, batch, TEMPERATURE, w, parts, AUX_COEF)
+            del m64
+        return self._refs[key]
+
+    def schedule_errors(self, actor, batch, w, ref, parts, aux: bool) -> tuple[Errors, torch.Tensor]:
+        """The dedup actor's errors under the prompt-once schedule (loss_of's sum, split per micro-batch,
+        plus AUX_COEF x each micro-batch's aux loss when `aux`)."""
         w_lp, w_ent = w
 
         def loss_fn(out, rows):
-            return loss_of(out.log_probs, out.entropy, (w_lp[rows.cpu()], w_ent[rows.cpu()]))
+            loss = loss_of(out.log_probs, out.entropy, (w_lp[rows.cpu()], w_ent[rows.cpu()]))
+            return loss + AUX_COEF * out.aux_loss if aux else loss
 
         actor.model.zero_grad(set_to_none=True)
-        parts = None if self.max_tokens is not None else cut_every_group(Groups.of(batch))
-        res = prompt_once_step(actor, batch, loss_fn, self.max_tokens, TEMPERATURE, calculate_entropy=True, parts=parts)
+        res = prompt_once_step(
+            actor, batch, loss_fn, None, TEMPERATURE, calculate_entropy=True, parts=parts, router_aux_loss=aux
+        )
         grads = {n: p.grad.detach().clone() for n, p in actor.model.named_parameters() if p.grad is not None}
         actor.model.zero_grad(set_to_none=True)
         lp, ent = res.log_probs.cpu(), res.entropy.cpu() if res.entropy is not None else None
-        ref_lp, ref_ent, ref_grads = ref
-        return Errors(max_abs_error(lp, ref_lp), max_abs_error(ent, ref_ent), rel_grad_errors(grads, ref_grads)), lp
+        return self._against(ref, lp, ent, grads, res.aux_losses if aux else None), lp
+
+    def baseline_aux_errors(self, actor, batch, w, ref, parts) -> tuple[Errors, torch.Tensor]:
+        """The baseline actor on the schedule's micro-batches with the same aux term (the dtype's own error)."""
+        actor.model.zero_grad(set_to_none=True)
+        lp, ent, auxes = torch.zeros_like(ref[0]), torch.zeros_like(ref[1]), []
+        for part in parts:
+            idx = torch.tensor(part, dtype=torch.long, device=batch.device)
+            out = actor.forward(select_rows(batch, idx), TEMPERATURE, calculate_entropy=True, router_aux_loss=True)
+            rows = idx.cpu()
+            (loss_of(out.log_probs, out.entropy, (w[0][rows], w[1][rows])) + AUX_COEF * out.aux_loss).backward()
+            lp[rows], ent[rows] = out.log_probs.detach().cpu().to(lp.dtype), out.entropy.detach().cpu().to(ent.dtype)
+            auxes.append(float(out.aux_loss.detach()))
+        grads = {n: p.grad.detach().clone() for n, p in actor.model.named_parameters() if p.grad is not None}
+        actor.model.zero_grad(set_to_none=True)
+        return self._against(ref, lp, ent, grads, auxes), lp
+
+    @staticmethod
+    def _against(ref, lp, ent, grads, auxes) -> Errors:
+        ref_lp, ref_ent, ref_grads = ref[:3]
+        aux = None
+        if auxes is not None:
+            aux = max(abs(a - b) / abs(b) for a, b in zip(auxes, ref[3]))
+        return Errors(max_abs_error(lp, ref_lp), max_abs_error(ent, ref_ent), rel_grad_errors(grads, ref_grads), aux)
 
     def run(self, case: VerifyCase) -> CaseResult:
         why = case_unavailable(case, self.device)
@@ -263,11 +326,21 @@ class Verifier:
             if refusal:
                 return CaseResult(case, "skip", refusal)
             with checkpointed(model, self.checkpointing), self._float64_kernel(model, case.dtype):
-                base, base_lp = self.errors(BaselineActor(model=model, config=config), batch, w, ref)
+                baseline = BaselineActor(model=model, config=config)
                 if self.schedule:
-                    dedup, dedup_lp = self.schedule_errors(actor, batch, w, ref)
-                    checked = self.self_check(actor, batch)
+                    parts = self.schedule_parts(actor, batch)
+                    # MoE with the Switch aux loss: the loss carries each micro-batch's aux loss (not under
+                    # reentrant checkpointing, where the schedule refuses it: its routers get no gradient).
+                    aux = is_moe(model.config) and model_parts(model).moe and self.checkpointing != "reentrant"
+                    if aux:
+                        ref = self.aux_reference(case.model, case.dtype, case.layout, parts)
+                        base, base_lp = self.baseline_aux_errors(baseline, batch, w, ref, parts)
+                    else:
+                        base, base_lp = self.errors(baseline, batch, w, ref)
+                    dedup, dedup_lp = self.schedule_errors(actor, batch, w, ref, parts, aux)
+                    checked = self.self_check(actor, batch, schedule=True)
                 else:
+                    base, base_lp = self.errors(baseline, batch, w, ref)
                     with inject_bug(self.bug, actor):
                         dedup, dedup_lp = self.errors(actor, batch, w, ref)
                         checked = self.self_check(actor, batch)
@@ -296,16 +369,19 @@ class Verifier:
             return CaseResult(case, "skip", "the prompt-once schedule is not served with images")
         return run_verify_case(case, self.device, self.seed, self.factor, self.bug, self.checkpointing)
 
-    def self_check(self, actor, batch) -> str:
+    def self_check(self, actor, batch, schedule: bool = False) -> str:
         """The self-check's verdict on the case (CaseResult.self_check): run on CUDA, and on CPU for
-        the split-mode backends that run a kernel (flash_cpu, flash_cpu_gather)."""
+        the split-mode backends that run a kernel (flash_cpu, flash_cpu_gather); under the schedule
+        (`schedule`) its own check (its masked SDPA and its phases), on CUDA."""
         spec = actor.route_spec
-        if not self.device.startswith("cuda") and not (
-            spec.mode == "split" and spec.backend not in ("reference", "sdpa")
-        ):
+        kernel_here = not schedule and spec.mode == "split" and spec.backend not in ("reference", "sdpa")
+        if not self.device.startswith("cuda") and not kernel_here:
             return ""
         try:
-            verdict = verdict_of(actor, batch, TEMPERATURE)
+            if schedule:
+                verdict = schedule_verdict(actor, batch, TEMPERATURE)
+            else:
+                verdict = verdict_of(actor, batch, TEMPERATURE)
         except Exception as e:  # noqa: BLE001 - reported beside the proof, which stands on its own
             return f"error: {type(e).__name__}: {e}"
         return f"{'pass' if verdict.passed else 'fail'}: {verdict.describe()}"

@@ -7,7 +7,7 @@ against this.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -31,16 +31,17 @@ def loss_of(log_probs, entropy, weights) -> torch.Tensor:
     return loss
 
 
-def _sequence(model: nn.Module, prompt: list[int], response: list[int], temperature: float, device):
+def _sequence(model: nn.Module, prompt: list[int], response: list[int], temperature: float, device, router=False):
     ids = torch.tensor([prompt + response], device=device)
+    kwargs = {"output_router_logits": True} if router else {}
     with device_delta_rule(model):  # transformers' kernel choice, made by the device (fla on CPU)
-        out = model(input_ids=ids, use_cache=False)
+        out = model(input_ids=ids, use_cache=False, **kwargs)
     logits = out.logits[0, len(prompt) - 1 : len(prompt) - 1 + len(response)]
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logp = torch.log_softmax(logits.to(acc) / temperature, dim=-1)
     lp = logp.gather(-1, torch.tensor(response, device=device)[:, None]).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1)
-    return lp, ent
+    return (lp, ent, out.router_logits) if router else (lp, ent)
 
 
 def sequence_forward(model: nn.Module, batch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +83,38 @@ def per_sequence(model: nn.Module, batch, temperature: float = 1.0, weights=None
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return lp_out, ent_out, grads
+
+
+def per_sequence_aux(model: nn.Module, batch, temperature: float, weights, parts, aux_coef: float):
+    """per_sequence's three results, for a loss that adds `aux_coef` times each part's (a micro-batch's
+    rows) MoE router aux loss, as the plain computation of those rows gives it (transformers'
+    load_balancing_loss_func over every token of every row; zorro_core.models.moe.load_balancing_loss
+    computes the same, in float64); plus each part's aux loss. The whole loss is backpropagated at
+    once (the aux loss couples the rows): small batches only."""
+    from zorro_core.models.moe import load_balancing_loss
+
+    prompts, responses = batch.to_lists()
+    b, r = batch.responses.shape
+    acc = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
+    lp_out, ent_out = torch.zeros(b, r, dtype=acc), torch.zeros(b, r, dtype=acc)
+    model.zero_grad(set_to_none=True)
+    loss: torch.Tensor = torch.zeros((), dtype=acc, device=batch.device)
+    routers = []
+    for i, (p, resp) in enumerate(zip(prompts, responses)):
+        lp, ent, router = _sequence(model, p, resp, temperature, batch.device, router=True)
+        loss = loss + (weights[0][i, : len(resp)].to(lp) * lp).sum() + (weights[1][i, : len(resp)].to(ent) * ent).sum()
+        lp_out[i, : len(resp)], ent_out[i, : len(resp)] = lp.detach().cpu(), ent.detach().cpu()
+        routers.append(router)
+    cfg: Any = model.config
+    auxes = []
+    for part in parts:
+        layers = [torch.cat([routers[row][layer] for row in part]) for layer in range(len(routers[0]))]
+        auxes.append(load_balancing_loss(layers, cfg.num_experts, cfg.num_experts_per_tok))
+        loss = loss + aux_coef * auxes[-1]
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return lp_out, ent_out, grads, [float(a.detach()) for a in auxes]
 
 
 def actor_run(actor, batch, temperature: float = 1.0, weights=None, entropy: bool = True):

@@ -12,7 +12,7 @@ from typing import Optional
 
 from zorro_core.actor.config import ActorConfig
 from zorro_core.plan.dtypes import DTYPES as TORCH_DTYPES
-from zorro_core.verify.tolerances import GRAD_RTOL, LOGPROB_ATOL, LOW_PRECISION_FACTOR
+from zorro_core.verify.tolerances import AUX_RTOL, GRAD_RTOL, LOGPROB_ATOL, LOW_PRECISION_FACTOR
 
 # The float64 floors and the low-precision allowance (zorro_core.verify.tolerances), by the names
 # the pass rule uses.
@@ -79,6 +79,8 @@ class Errors:
     """max |entropy - ref| over real tokens."""
     grads: dict[str, float]
     """||grad - ref|| / ||ref|| per parameter."""
+    aux: Optional[float] = None
+    """The schedule mode's MoE cases: max |aux loss - ref| / ref over the micro-batches (None: not computed)."""
 
     @property
     def worst_param(self) -> tuple[str, float]:
@@ -137,6 +139,8 @@ class CaseResult:
                     "worst_param_rel_err": f(err),
                     "grad_rel_err": {k: f(v) for k, v in e.grads.items()},
                 }
+                if e.aux is not None:
+                    d[who]["aux_loss_rel_err"] = f(e.aux)  # type: ignore[index]
         return d
 
 
@@ -157,6 +161,8 @@ def judge(dtype: str, dedup: Errors, baseline: Errors, factor: float = FACTOR) -
         ("entropy", dedup.entropy, tol(baseline.entropy, LP_FLOOR)),
     ]
     checks += [(f"grad {n}", e, tol(baseline.grads.get(n, 0.0), GRAD_FLOOR)) for n, e in dedup.grads.items()]
+    if dedup.aux is not None:
+        checks.append(("aux loss", dedup.aux, tol(baseline.aux or 0.0, AUX_RTOL)))
     worst, worst_name, failing = 0.0, "", []
     for name, err, limit in checks:
         ratio = err / limit if math.isfinite(err) else math.inf

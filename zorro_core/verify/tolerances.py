@@ -13,6 +13,9 @@ LOGPROB_ATOL = 1e-6
 """float64: the largest |log-prob - ref64| and |entropy - ref64| on any token."""
 GRAD_RTOL = 1e-5
 """float64: the largest ||grad - ref64|| / ||ref64|| of any parameter."""
+AUX_RTOL = 1e-7
+"""float64: the largest |aux loss - ref64| / ref64 of an MoE router aux loss (transformers computes the
+router softmax in float32 whatever the dtype; measured <= 1e-9 relative)."""
 LOW_PRECISION_FACTOR = 4.0
 """float32/bfloat16: dedup's error against ref64 may be this many times the baseline actor's
 (the dtype's own noise), plus the float64 floor above."""
