@@ -50,6 +50,7 @@ from zorro_core.actor.self_check import (
     compute_dtype,
     sharded,
 )
+from zorro_core.attention.backends import BACKENDS
 from zorro_core.attention.external import KeptPrefix, KeyRegion
 from zorro_core.attention.external_linear import KeptLinear
 from zorro_core.attention.hook import Route, RouteSpec, route_mask
@@ -502,7 +503,12 @@ def schedule_verdict(actor: Any, batch: RolloutBatch, temperature: float = 1.0) 
 
 def _check_key(actor: Any) -> tuple[str, ...]:
     dtype = str(compute_dtype(actor)).split(".")[-1]
-    return ("prompt_once", "masked sdpa", actor.attn_implementation, dtype, actor.config.sharing)
+    # The attention the schedule's calls run (attention.region_varlen): the backend's kernel pair in split
+    # mode where it has one (a prefix trie and a window that cuts a prompt take the dense call), else dense.
+    spec = actor.route_spec
+    pair = spec.mode == "split" and BACKENDS[spec.backend].kernel_pair(compute_dtype(actor)) is not None
+    calls = f"{spec.backend} pair" if pair and actor.config.sharing == "prompt" else "masked sdpa"
+    return ("prompt_once", calls, actor.attn_implementation, dtype, actor.config.sharing)
 
 
 def _check(actor: Any, batch: RolloutBatch, temperature: float) -> SelfCheckVerdict:
