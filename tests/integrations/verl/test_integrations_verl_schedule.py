@@ -131,14 +131,32 @@ def single_process_case(path: str, seed: int) -> dict:
     results["checkpointing"] = _errors(ours, ref, mask)
     results["checkpointing"]["metrics"] = metrics
     del checkpointed
-    # Hand-back: prefix sharing is refused by the schedule; the within-micro-batch path serves, equal.
+    # Prefix sharing: the schedule serves its trie (phase 1 node by node), equal, no hand-back.
     _schedule_engine(zorro_engine, sharing="prefix")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(2):
-            ours, metrics = _run_with_metrics(
-                zorro_engine, padded, rows, True, **dict(MICRO_BATCHES["fixed"]), use_remove_padding=True
-            )
+        ours, metrics = _run_with_metrics(
+            zorro_engine, padded, rows, True, **dict(MICRO_BATCHES["fixed"]), use_remove_padding=True
+        )
+    results["prefix"] = _errors(ours, ref, mask)
+    results["prefix"]["metrics"] = metrics
+    results["prefix"]["warnings"] = [str(w.message) for w in caught if issubclass(w.category, DedupFallbackWarning)]
+    # Hand-back: a refusal of the schedule (planted: the library refuses nothing this engine sends now)
+    # gives the within-micro-batch path, equal, with one warning naming it.
+    import zorro_core.integrations.verl.schedule as verl_schedule
+
+    real_refusal = verl_schedule.schedule_refusal
+    verl_schedule.schedule_refusal = lambda actor: "a planted refusal of the schedule"
+    _schedule_engine(zorro_engine)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                ours, metrics = _run_with_metrics(
+                    zorro_engine, padded, rows, True, **dict(MICRO_BATCHES["fixed"]), use_remove_padding=True
+                )
+    finally:
+        verl_schedule.schedule_refusal = real_refusal
     results["handed_back"] = _errors(ours, ref, mask)
     results["handed_back"]["metrics"] = metrics
     results["handed_back"]["warnings"] = [
@@ -190,11 +208,18 @@ def test_a_dropped_kept_key_gradient_fails(single):
     assert r["lp"] <= LP_TOL and r["grad"] > 1e-3, r
 
 
+def test_prefix_sharing_is_served_by_the_schedule(single):
+    r = single["prefix"]
+    assert r["lp"] <= LP_TOL and r["ent"] <= LP_TOL and r["grad"] <= GRAD_TOL, r
+    assert not r["warnings"], r["warnings"]
+    assert r["metrics"]["zorro/prompt_once"] == [1.0], r
+
+
 def test_a_refused_schedule_hands_back_with_one_warning(single):
     r = single["handed_back"]
     assert r["lp"] <= LP_TOL and r["ent"] <= LP_TOL and r["grad"] <= GRAD_TOL, r
     notes = [w for w in r["warnings"] if "within-micro-batch" in w]
-    assert len(notes) == 1 and "sharing='prompt' only" in notes[0], r["warnings"]
+    assert len(notes) == 1 and "a planted refusal of the schedule" in notes[0], r["warnings"]
     assert r["metrics"]["zorro/prompt_once"] == [0.0] and "zorro/prompts_computed" not in r["metrics"], r
 
 
