@@ -228,3 +228,28 @@ def test_qwen3_5_planted_bugs_fail_by_orders_of_magnitude(monkeypatch):
         m.setattr(vision_actor, "mrope_positions", lambda plan, *a: plan.position_ids.expand(3, -1))
         lp_err, _, g_err = errors()
         assert lp_err > 1e2 * LOGPROB_ATOL or g_err > 1e2 * GRAD_RTOL, (lp_err, g_err)
+
+
+def test_qwen3_5_text_only_batches_through_the_composite(family):
+    """A RolloutBatch (no images) goes the text actor's way through the composite's decoder (its gated
+    DeltaNet layers routed), equal to each row alone through the composite."""
+    from zorro_core.verify.reference import loss_of, token_weights
+    from zorro_core.verify.vision_reference import vision_per_sequence
+
+    mm = long_batch()
+    text_row = next(i for i, r in enumerate(mm.images) if not r)
+    ps, rs = mm.batch.to_lists()
+    batch = RolloutBatch.from_lists([ps[text_row]] * 3, [rs[text_row] + [7] * k for k in (0, 1, 70)])
+    model = _model(family)
+    w = token_weights(batch)
+    with exact_delta_rule(model):
+        out = VisionLanguageActor(model=model)(batch, calculate_entropy=True)
+        loss_of(out.log_probs, out.entropy, w).backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        rlp, rent, rgrads = vision_per_sequence(model, MultimodalBatch(batch, ((),) * 3), weights=w)
+    assert out.plan.num_groups == 1
+    assert (out.log_probs.detach() - rlp).abs().max().item() < LOGPROB_ATOL
+    assert (out.entropy.detach() - rent).abs().max().item() < LOGPROB_ATOL
+    g_err, g_name = max_rel_grad_error(grads, rgrads)
+    assert g_err < GRAD_RTOL, f"gradient of {g_name} off by {g_err:.2e} relative"
