@@ -18,7 +18,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_vlm import IMAGE, START, END, _errors, prefix_batch, vision_batch
+from test_vlm import END, IMAGE, START, _errors, prefix_batch, vision_batch
 
 from zorro_core.actor.vision import BaselineVisionLanguageActor, VisionLanguageActor
 from zorro_core.models.vision import build_vision_model, tiny_config

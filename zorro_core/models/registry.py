@@ -340,8 +340,9 @@ VISION_LANGUAGE_FAMILIES = {
         ModelFamily(
             "qwen3_5",
             presets={},
-            support=lambda device: _linear_support(device, moe=False)
-            + " (images through zorro_core.models.vision; video refused)",
+            support=lambda device: (
+                _linear_support(device, moe=False) + " (images through zorro_core.models.vision; video refused)"
+            ),
             shape=_text_shape(_shape(_gated_gqa, _gated_delta_net)),
             layer_types=("full_attention",) + LINEAR_LAYER_TYPES,
             adapters=(install_linear_attention,),
@@ -349,7 +350,9 @@ VISION_LANGUAGE_FAMILIES = {
         ModelFamily(
             "qwen3_5_moe",
             presets={},
-            support=lambda device: _linear_support(device) + " (images through zorro_core.models.vision; video refused)",
+            support=lambda device: (
+                _linear_support(device) + " (images through zorro_core.models.vision; video refused)"
+            ),
             shape=_text_shape(_shape(_gated_gqa, _gated_delta_net, _qwen_moe)),
             layer_types=("full_attention",) + LINEAR_LAYER_TYPES,
             adapters=(install_linear_attention,),

@@ -206,7 +206,9 @@ def tiny_config(model_type: str, **overrides: Any):
             },
         )
         if model_type == "qwen3_5_moe":
-            text.update(moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+            text.update(
+                moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2
+            )
         else:
             text.update(intermediate_size=128)
         vision = dict(

@@ -30,12 +30,12 @@ import torch
 
 from zorro_core.actor.config import ActorConfig
 from zorro_core.actor.vision import BaselineVisionLanguageActor, VisionLanguageActor
+from zorro_core.models.linear_attention import fla_available
 from zorro_core.models.vision import VISION_FAMILIES, build_vision_model, tiny_config
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.dtypes import DTYPES as TORCH_DTYPES
 from zorro_core.plan.multimodal import Image, MultimodalBatch
 from zorro_core.stack.checkpointing import CHECKPOINTING, enable_checkpointing
-from zorro_core.models.linear_attention import fla_available
 from zorro_core.verify.delta_rule import exact_delta_rule
 from zorro_core.verify.reference import loss_of, max_abs_error, rel_grad_errors, token_weights
 from zorro_core.verify.rule import FACTOR, TEMPERATURE, CaseResult, Errors, VerifyCase, judge
