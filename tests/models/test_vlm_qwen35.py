@@ -24,7 +24,7 @@ from zorro_core.actor.vision import BaselineVisionLanguageActor, VisionLanguageA
 from zorro_core.models.vision import build_vision_model, tiny_config
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.multimodal import Image, MultimodalBatch
-from zorro_core.stack.checkpointing import enable_checkpointing
+from zorro_core.stack.checkpointing import CHECKPOINTING, enable_checkpointing
 from zorro_core.verify.delta_rule import exact_delta_rule
 from zorro_core.verify.reference import max_rel_grad_error
 from zorro_core.verify.tolerances import GRAD_RTOL, LOGPROB_ATOL
@@ -123,10 +123,11 @@ def test_qwen3_5_plain_vision_actor_equals_each_row_alone(family):
     _assert_exact(BaselineVisionLanguageActor(model=_model(family)), long_batch(1))
 
 
+@pytest.mark.parametrize("flavour", CHECKPOINTING)
 @pytest.mark.parametrize("sharing", ["prompt", "prefix"])
-def test_qwen3_5_checkpointing_and_a_frozen_vision_tower(family, sharing):
+def test_qwen3_5_checkpointing_and_a_frozen_vision_tower(family, sharing, flavour):
     model = _model(family)
-    enable_checkpointing(model, "non-reentrant")
+    enable_checkpointing(model, flavour)
     model.train()
     for p in model.model.visual.parameters():
         p.requires_grad_(False)
@@ -253,3 +254,17 @@ def test_qwen3_5_text_only_batches_through_the_composite(family):
     assert (out.entropy.detach() - rent).abs().max().item() < LOGPROB_ATOL
     g_err, g_name = max_rel_grad_error(grads, rgrads)
     assert g_err < GRAD_RTOL, f"gradient of {g_name} off by {g_err:.2e} relative"
+
+
+@pytest.mark.parametrize("grid", [(1, 4, 4), (1, 8, 12)])
+def test_qwen3_5_vision_flops_are_the_towers_own_count(grid):
+    """The tower's cost in the ideal (zorro_core.models.vision.vision_flops) against torch's FLOP counter."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from zorro_core.models.vision import vision_flops
+
+    model = build_vision_model(tiny_config("qwen3_5"), attn_implementation="eager")
+    n = grid[0] * grid[1] * grid[2]
+    with FlopCounterMode(display=False) as counter:
+        model.model.get_image_features(torch.randn(n, 24), torch.tensor([grid]))
+    assert vision_flops(model.model.visual, grid) == counter.get_total_flops()
