@@ -14,13 +14,14 @@ from zorro_core.verify.gradients import RULE
 from zorro_core.verify.vision import BUGS, DTYPES, FAMILIES, MODES, SHARINGS, run_vision_case, vision_cases
 
 HELP = (
-    "Qwen2.5-VL and Qwen3-VL (tiny random configs built in code) with images: several images per prompt, the "
+    "Qwen2.5-VL, Qwen3-VL and Qwen3.5 dense and MoE (tiny random configs built in code) with images: several images per prompt, the "
     "same text with another image, an image recurring across groups. The deduplicated vision actor (each unique "
     "prompt and each distinct image once) and the plain one against each row run alone through the unmodified "
     "model with its own pixel_values in float64: log-probs, entropy, every gradient (the vision tower's "
     "included). Both sharing modes: prompt (whole prompts, text and images) and prefix (rows share runs of "
     "text and images, diverging at a different image). The same cases run in `zorro verify gradients "
-    "--models tiny-qwen2.5-vl,tiny-qwen3-vl`. Exit code 1 on any failure.\n\n" + RULE
+    "--models tiny-qwen2.5-vl,tiny-qwen3-vl,tiny-qwen3.5-vl,tiny-qwen3.5-moe-vl`. Qwen3.5's gated DeltaNet "
+    "layers run the float64 delta rule in the reference and in float64 cases. Exit code 1 on any failure.\n\n" + RULE
 )
 
 

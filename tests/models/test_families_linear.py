@@ -7,7 +7,7 @@ gradient through it. The exactness tests therefore run both the reference and zo
 `chunk_gated_delta_rule_exact` (same algorithm, float64) installed as the family module's kernel;
 `test_unmodified_float32_kernel` runs transformers' own kernel at its measured floor.
 Prompts cover shorter than one chunk (40), exactly one (64), longer (100) and two chunks (128).
-Qwen3.5 also: text positions through its mRoPE, and the multimodal composite refused.
+Qwen3.5 also: text positions through its mRoPE, and the multimodal composite taken.
 """
 
 import os
@@ -418,18 +418,19 @@ def _tiny_composite(family: str):
 
 
 @pytest.mark.parametrize("family", ["tiny-qwen3.5", "tiny-qwen3.5-moe"])
-def test_multimodal_composite_is_refused_and_its_text_model_served(family):
-    """Qwen3.5's composite (image/video + text, ForConditionalGeneration) is refused, naming the text
-    model to load; AutoModelForCausalLM of the same config is that text model, which an actor takes."""
+def test_multimodal_composite_is_served_and_its_text_model_too(family):
+    """Qwen3.5's composite (image/video + text, ForConditionalGeneration) is taken by an actor (its images
+    through the vision actor: tests/models/test_vlm_qwen35.py); AutoModelForCausalLM of the same config
+    is the text model, which an actor takes too."""
     from transformers import AutoModelForImageTextToText
 
-    from zorro_core.errors import UnsupportedModelError
+    from zorro_core.models.parts import model_parts
     from zorro_core.models.presets import build_model
 
     config = _tiny_composite(family)
     composite = AutoModelForImageTextToText.from_config(config)
-    with pytest.raises(UnsupportedModelError, match="multimodal inputs are not served.*AutoModelForCausalLM"):
-        DeduplicatedActor(model=composite)
+    parts = model_parts(composite)
+    assert parts.num_linear_layers == 1 and parts.family.model_type == config.model_type
     text = build_model(config, dtype=torch.float64)
     assert text.config.model_type == f"{config.model_type}_text"
     assert DeduplicatedActor(model=text).forward(chunk_batch()).log_probs.isfinite().all()

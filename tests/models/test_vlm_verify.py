@@ -37,6 +37,18 @@ def test_a_clean_case_passes_and_the_planted_bug_fails():
     assert bad.status == "fail" and bad.worst_ratio > 100, (bad.status, bad.worst_ratio)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("sharing", ["prompt", "prefix"])
+def test_qwen3_5_cases_pass_and_the_planted_bug_fails(family, sharing):
+    """Qwen3.5 (gated DeltaNet layers) under verify's rule: float64 (the float64 delta rule in reference
+    and actors) and bfloat16 (within the plain computation's noise) pass; 1-D positions fail."""
+    for dtype, mode in (("float64", "split"), ("bfloat16", "mask")):
+        ok = run_vision_case(VisionCase(family, dtype, mode, sharing=sharing))
+        assert ok.status == "pass" and ok.worst_ratio <= 1.0, (dtype, ok.status, ok.reason, ok.worst_ratio)
+    bad = run_vision_case(VisionCase(family, sharing=sharing), bug="text_positions")
+    assert bad.status == "fail" and bad.worst_ratio > 100, (bad.status, bad.worst_ratio)
+
+
 def test_checkpointing_with_a_frozen_tower_passes():
     res = run_vision_case(VisionCase("qwen3_vl", checkpointing="reentrant", frozen_tower=True))
     assert res.status == "pass", res.reason
@@ -105,6 +117,6 @@ def test_the_default_models_include_the_vision_models():
         ("tiny-qwen3", "unpadded"),
         ("tiny-qwen3-vl", "images"),
     ]
-    assert set(vision_models()) == {"tiny-qwen2.5-vl", "tiny-qwen3-vl"}
+    assert set(vision_models()) == {"tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3.5-vl", "tiny-qwen3.5-moe-vl"}
     res = runner.invoke(app, ["verify", "gradients", "--help"])
     assert "tiny-qwen2.5-vl" in res.output

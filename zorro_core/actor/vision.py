@@ -23,7 +23,7 @@ from zorro_core.actor.output import ActorOutput
 from zorro_core.attention.hook import Route, route_mask
 from zorro_core.distributed.ulysses import SequenceParallel
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.models.families import forward_kwargs
+from zorro_core.models.families import aux_loss_of, forward_kwargs
 from zorro_core.models.parts import check_layers_served, check_trainable_state
 from zorro_core.models.vision import (
     VisionFamily,
@@ -128,7 +128,7 @@ class VisionLanguageActor(DeduplicatedActor):
             plan = build_prompt_plan(rows, dedup=self.dedup, vocab_size=self.vocab_size, group_of_row=groups)
             image_rows = self._prompt_image_rows(plan, distinct, image_ids, config)
         route = Route(self.route_spec, plan)
-        lp, ent = as_root_forward(
+        lp, ent, aux = as_root_forward(
             self.model,
             lambda: self._compute_images(
                 plan,
@@ -145,7 +145,9 @@ class VisionLanguageActor(DeduplicatedActor):
                 batch.positions,
             ),
         )
-        return ActorOutput(plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan)
+        return ActorOutput(
+            plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan, aux
+        )
 
     __call__ = forward
 
@@ -243,8 +245,13 @@ class VisionLanguageActor(DeduplicatedActor):
             **forward_kwargs(self.parts, self.model.config, router_aux_loss),
         )
         check_layers_served(self.parts, route)
+        # The MoE router aux loss over the packed row's tokens, weighted as for text (Qwen3.5-MoE).
+        aux = aux_loss_of(
+            self.parts, self.model.config, outputs, plan, self.config.router_aux_weighting, router_aux_loss
+        )
         hidden = outputs.last_hidden_state[0]
-        return self.logprobs_at(hidden, plan.logit_index, plan.labels, temperature, calculate_entropy)
+        lp, ent = self.logprobs_at(hidden, plan.logit_index, plan.labels, temperature, calculate_entropy)
+        return lp, ent, aux
 
 
 class BaselineVisionLanguageActor(VisionLanguageActor):

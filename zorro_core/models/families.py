@@ -42,7 +42,9 @@ def install_family_adapters(model: nn.Module, parts) -> None:
 def wants_router_logits(parts, config, requested: Optional[bool] = None) -> bool:
     """Whether the forward computes the router aux loss: MoE models whose call asks for it
     (`requested`), or, when the call does not say, whose config.output_router_logits is set
-    (transformers' switch: the router logits of every layer are kept until the loss is built)."""
+    (transformers' switch: the router logits of every layer are kept until the loss is built; a
+    vision-language composite's is its text config's, as its own forward reads it)."""
+    config = _text_config(config)
     on = getattr(config, "output_router_logits", False) if requested is None else requested
     return bool(parts.moe and on)
 
@@ -52,7 +54,7 @@ def forward_kwargs(parts, config, requested: Optional[bool] = None) -> dict[str,
     forward kwarg transformers' MoE models take, so that a call never writes the shared config."""
     if wants_router_logits(parts, config, requested):
         return {"output_router_logits": True}
-    if parts.moe and getattr(config, "output_router_logits", False):
+    if parts.moe and getattr(_text_config(config), "output_router_logits", False):
         return {"output_router_logits": False}  # the config would keep them; this call asks for none
     return {}
 
@@ -63,4 +65,9 @@ def aux_loss_of(
     """The router aux loss of a packed forward (None unless wants_router_logits)."""
     if not wants_router_logits(parts, config, requested):
         return None
-    return router_aux_loss(outputs.router_logits, config, plan, weighting)
+    return router_aux_loss(outputs.router_logits, _text_config(config), plan, weighting)
+
+
+def _text_config(config):
+    """The config holding the decoder's fields: a vision-language composite's text config, else itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -310,12 +310,6 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
 REFUSED_TYPES = {
     "gemma3": "Gemma3ForConditionalGeneration (the multimodal Gemma 3) runs vision tokens with bidirectional "
     "attention outside the causal plan; load the text model instead (model_type gemma3_text, Gemma3ForCausalLM)",
-    "qwen3_5": "Qwen3_5ForConditionalGeneration (the multimodal Qwen3.5): multimodal inputs are not served (its "
-    "vision tokens and 3-D mRoPE positions are outside the plan); load the text model instead (model_type "
-    "qwen3_5_text, Qwen3_5ForCausalLM: AutoModelForCausalLM loads it from the same checkpoint)",
-    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration (the multimodal Qwen3.5-MoE): multimodal inputs are not "
-    "served (its vision tokens and 3-D mRoPE positions are outside the plan); load the text model instead "
-    "(model_type qwen3_5_moe_text, Qwen3_5MoeForCausalLM: AutoModelForCausalLM loads it from the same checkpoint)",
 }
 
 
@@ -340,6 +334,29 @@ VISION_LANGUAGE_FAMILIES = {
             presets={},
             support=_line("ok (images and deepstack through zorro_core.models.vision; video refused)"),
             shape=_text_shape(_shape(_gqa)),
+        ),
+        # Qwen3.5's composites: the text families' layers and adapters (gated DeltaNet through the
+        # linear-attention adapter, the MoE router aux loss weighted as for text).
+        ModelFamily(
+            "qwen3_5",
+            presets={},
+            support=lambda device: (
+                _linear_support(device, moe=False) + " (images through zorro_core.models.vision; video refused)"
+            ),
+            shape=_text_shape(_shape(_gated_gqa, _gated_delta_net)),
+            layer_types=("full_attention",) + LINEAR_LAYER_TYPES,
+            adapters=(install_linear_attention,),
+        ),
+        ModelFamily(
+            "qwen3_5_moe",
+            presets={},
+            support=lambda device: (
+                _linear_support(device) + " (images through zorro_core.models.vision; video refused)"
+            ),
+            shape=_text_shape(_shape(_gated_gqa, _gated_delta_net, _qwen_moe)),
+            layer_types=("full_attention",) + LINEAR_LAYER_TYPES,
+            adapters=(install_linear_attention,),
+            router_aux_loss=True,
         ),
     )
 }

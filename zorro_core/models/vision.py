@@ -8,10 +8,11 @@ attention hook). Between them zorro only places rows: image embeddings into the 
 positions of each unique prompt (`masked_scatter`, as the model does) and, for Qwen3-VL, the
 deepstack features at the same positions.
 
-Served: Qwen2.5-VL and Qwen3-VL with images. Refused with the reason: video inputs (a video's
-temporal positions are spaced by its frame times, not served), image tokens inside a response,
-and every other vision-language family (Qwen3.5's composite, Gemma 3's bidirectional image
-attention, Qwen2-VL and Qwen3-VL-MoE untested).
+Served: Qwen2.5-VL, Qwen3-VL and Qwen3.5 (dense and MoE; their gated DeltaNet layers through the
+linear-attention adapter, as for text) with images. Refused with the reason: video inputs (a
+video's temporal positions are spaced by its frame times, not served), image tokens inside a
+response, and every other vision-language family (Gemma 3's bidirectional image attention,
+Qwen2-VL and Qwen3-VL-MoE untested).
 """
 
 from __future__ import annotations
@@ -39,13 +40,21 @@ class VisionFamily:
     at the image positions (Qwen3-VL's deepstack)."""
 
 
-VISION_FAMILIES = {f.model_type: f for f in (VisionFamily("qwen2_5_vl"), VisionFamily("qwen3_vl", deepstack=True))}
+VISION_FAMILIES = {
+    f.model_type: f
+    for f in (
+        VisionFamily("qwen2_5_vl"),
+        VisionFamily("qwen3_vl", deepstack=True),
+        # Qwen3.5 (dense, MoE): Qwen3-VL's tower without deepstack; the text decoder's gated DeltaNet
+        # layers take the route through the linear-attention adapter, as for text.
+        VisionFamily("qwen3_5"),
+        VisionFamily("qwen3_5_moe"),
+    )
+}
 
 REFUSED_VISION = {
     "qwen2_vl": "Qwen2-VL is not tested by zorro's vision path",
     "qwen3_vl_moe": "Qwen3-VL-MoE is not tested by zorro's vision path (its router aux loss is not weighted here)",
-    "qwen3_5": "Qwen3.5's composite runs gated DeltaNet layers whose state the vision path does not carry yet",
-    "qwen3_5_moe": "Qwen3.5-MoE's composite runs gated DeltaNet layers whose state the vision path does not carry yet",
     "gemma3": "Gemma 3 attends bidirectionally inside an image, outside the causal plan",
 }
 
@@ -168,6 +177,51 @@ def tiny_config(model_type: str, **overrides: Any):
             window_size=8,
             fullatt_block_indexes=[1],
         )
+    elif model_type in ("qwen3_5", "qwen3_5_moe"):
+        # Qwen3.5's tiny text preset (two layers: gated DeltaNet, then full attention), at the width of
+        # the other families' tiny decoders; the tower is Qwen3-VL's without deepstack.
+        text = dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            full_attention_interval=2,
+            vocab_size=256,
+            max_position_embeddings=4096,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+        )
+        if model_type == "qwen3_5_moe":
+            text.update(
+                moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2
+            )
+        else:
+            text.update(intermediate_size=128)
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=2,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=64,
+        )
     elif model_type == "qwen3_vl":
         text.update(head_dim=16)
         text["rope_parameters"] = {
@@ -204,13 +258,20 @@ def tiny_config(model_type: str, **overrides: Any):
 
 
 def build_vision_model(config, dtype: torch.dtype = torch.float32, seed: int = 0, attn_implementation: str = "sdpa"):
-    """A vision-language model from `config` with seeded random weights (the caller's RNG state kept)."""
+    """A vision-language model from `config` with seeded random weights (the caller's RNG state kept).
+    MoE experts run "eager" in float64, as build_model's (grouped_mm has no float64 kernel)."""
     from transformers import AutoModelForImageTextToText
 
+    from zorro_core.models.moe import routed_experts
     from zorro_core.models.presets import seeded_rng
 
+    extra = {}
+    if dtype == torch.float64 and routed_experts(config.get_text_config()):
+        extra["experts_implementation"] = "eager"
     with seeded_rng(seed):
-        return AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        return AutoModelForImageTextToText.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation, **extra
+        )
 
 
 def _linear_weights(module: Any) -> int:

@@ -19,6 +19,7 @@ different image of the same size.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import time
@@ -29,11 +30,13 @@ import torch
 
 from zorro_core.actor.config import ActorConfig
 from zorro_core.actor.vision import BaselineVisionLanguageActor, VisionLanguageActor
+from zorro_core.models.linear_attention import fla_available
 from zorro_core.models.vision import VISION_FAMILIES, build_vision_model, tiny_config
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.dtypes import DTYPES as TORCH_DTYPES
 from zorro_core.plan.multimodal import Image, MultimodalBatch
 from zorro_core.stack.checkpointing import CHECKPOINTING, enable_checkpointing
+from zorro_core.verify.delta_rule import exact_delta_rule
 from zorro_core.verify.reference import loss_of, max_abs_error, rel_grad_errors, token_weights
 from zorro_core.verify.rule import FACTOR, TEMPERATURE, CaseResult, Errors, VerifyCase, judge
 from zorro_core.verify.vision_reference import vision_per_sequence
@@ -44,7 +47,12 @@ MODES = ("split", "mask")
 SHARINGS = ("prompt", "prefix")
 BUGS = ("text_positions",)
 """Planted to prove the check fails: "text_positions" gives the packed row 1-D text positions."""
-VISION_MODELS = {"tiny-qwen2.5-vl": "qwen2_5_vl", "tiny-qwen3-vl": "qwen3_vl"}
+VISION_MODELS = {
+    "tiny-qwen2.5-vl": "qwen2_5_vl",
+    "tiny-qwen3-vl": "qwen3_vl",
+    "tiny-qwen3.5-vl": "qwen3_5",
+    "tiny-qwen3.5-moe-vl": "qwen3_5_moe",
+}
 """The names `zorro verify gradients --models` takes for the vision families (tiny configs built in code)."""
 IMAGES_LAYOUT = "images"
 """The layout of a vision model's VerifyCase: the batches above (several images per prompt, ...)."""
@@ -242,20 +250,25 @@ def run_vision_case(
                 p.requires_grad_(False)
         mm = (vision_prefix_batch if case.sharing == "prefix" else vision_verify_batch)(config, seed)
         weights = token_weights(mm.batch, seed)
-        ref = vision_per_sequence(model64, mm, TEMPERATURE, weights=weights)
+        # ref64 is float64 throughout: gated DeltaNet layers (Qwen3.5) get the dtype-preserving delta
+        # rule (transformers' computes in float32 whatever the dtype; a no-op for other families).
+        with exact_delta_rule(model64):
+            ref = vision_per_sequence(model64, mm, TEMPERATURE, weights=weights)
         model = copy.deepcopy(model64).to(device=device, dtype=TORCH_DTYPES[case.dtype])
         if attn != ref_attn:
             model.set_attn_implementation(attn)
         if case.checkpointing:
             enable_checkpointing(model, case.checkpointing)
             model.train()
-        baseline = _errors(BaselineVisionLanguageActor(model=model, config=options), mm, weights, ref)
-        dedup_actor = VisionLanguageActor(model=model, config=options)
-        if bug == "text_positions":
-            with _text_positions():
+        # float64 cases: the actors' delta rule in float64 too, as verify gradients' (not where fla's
+        # kernel serves the device: it has no float64).
+        fla_here = torch.device(device).type == "cuda" and fla_available() is None
+        exact = case.dtype == "float64" and not fla_here
+        with exact_delta_rule(model) if exact else contextlib.nullcontext():
+            baseline = _errors(BaselineVisionLanguageActor(model=model, config=options), mm, weights, ref)
+            dedup_actor = VisionLanguageActor(model=model, config=options)
+            with _text_positions() if bug == "text_positions" else contextlib.nullcontext():
                 dedup = _errors(dedup_actor, mm, weights, ref)
-        else:
-            dedup = _errors(dedup_actor, mm, weights, ref)
     except Exception as e:  # a case that cannot run counts as a failure, with its reason
         return VisionResult(case, "error", f"{type(e).__name__}: {e}", seconds=time.perf_counter() - start)
     worst, check, failing = judge(case.dtype, dedup, baseline, factor)

@@ -1,4 +1,5 @@
-"""DedupGRPOTrainer's vision inputs against the real trl.GRPOTrainer on CPU (tiny Qwen2.5-VL / Qwen3-VL).
+"""DedupGRPOTrainer's vision inputs against the real trl.GRPOTrainer on CPU (tiny Qwen2.5-VL, Qwen3-VL,
+Qwen3.5 dense and MoE).
 
 float64: `_get_per_token_logps_and_entropies` with TRL's vision kwargs (pixel_values,
 image_grid_thw, num_images, mm_token_type_ids) equals GRPOTrainer's own method on the same inputs
@@ -31,6 +32,7 @@ from zorro_core.integrations.trl import DedupFallbackWarning, DedupGRPOTrainer  
 from zorro_core.models.vision import build_vision_model, tiny_config, token_types  # noqa: E402
 from zorro_core.plan.batch import RolloutBatch  # noqa: E402
 from zorro_core.plan.multimodal import Image, MultimodalBatch  # noqa: E402
+from zorro_core.verify.delta_rule import exact_delta_rule  # noqa: E402
 from zorro_core.verify.gradients import GRAD_FLOOR, LP_FLOOR  # noqa: E402
 from zorro_core.verify.reference import rel_grad_errors  # noqa: E402
 from zorro_core.verify.vision_reference import vision_per_sequence  # noqa: E402
@@ -145,14 +147,22 @@ def _reference(model, ids, mask, keep, images, weights):
 @pytest.mark.parametrize(
     "family,batch_size,sharing",
     [(f, b, "prompt") for f in ("qwen2_5_vl", "qwen3_vl") for b in (None, 3)]
-    + [(f, None, "prefix") for f in ("qwen2_5_vl", "qwen3_vl")],
+    + [(f, None, "prefix") for f in ("qwen2_5_vl", "qwen3_vl")]
+    + [(f, None, s) for f in ("qwen3_5", "qwen3_5_moe") for s in ("prompt", "prefix")],
 )
 def test_vision_logps_equal_trl_float64(tmp_path, family, batch_size, sharing):
-    """sharing="prefix": rows share runs of text and images (zorro_core.plan.multimodal's image trie)."""
+    """sharing="prefix": rows share runs of text and images (zorro_core.plan.multimodal's image trie).
+    Qwen3.5 (gated DeltaNet layers): every forward of the model, TRL's, zorro's and the reference's, runs
+    the float64 delta rule (transformers' PyTorch kernel computes in float32 even in a float64 model)."""
     model = build_vision_model(tiny_config(family), torch.float64)
     trainer = _trainer(model, tmp_path, ActorConfig(sharing=sharing, min_shared_tokens=1))
     model = trainer.model
     model.train()
+    with exact_delta_rule(model):
+        _check_vision_logps(trainer, model, batch_size, sharing)
+
+
+def _check_vision_logps(trainer, model, batch_size, sharing):
     ids, mask, keep, vision, images = _joined_inputs()
     vision["mm_token_type_ids"] = token_types(ids, model.config)
     weights = torch.rand(ids.shape[0], keep, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) + 0.5

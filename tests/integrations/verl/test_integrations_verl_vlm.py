@@ -366,7 +366,7 @@ IMAGE_ROW = {"pixel_values": torch.zeros(16, 24), "image_grid_thw": torch.tensor
     "engine,row,reason",
     [
         (("gemma3", False), IMAGE_ROW, "Gemma 3 attends bidirectionally"),
-        (("qwen3_5", False), IMAGE_ROW, "gated DeltaNet"),
+        (("qwen3_5", False), IMAGE_ROW, "not tested through verl's engine"),
         (("qwen2_vl", False), IMAGE_ROW, "Qwen2-VL is not tested"),
         (("llama", False), IMAGE_ROW, "not a vision-language family"),
         (("qwen2_5_vl", True), IMAGE_ROW, "Ulysses"),

@@ -22,6 +22,12 @@ import torch
 from zorro_core.models.vision import REFUSED_VISION, VISION_FAMILIES, image_tokens
 from zorro_core.plan.multimodal import Image
 
+UNTESTED_HERE = {
+    t: f"{t} with images is served by VisionLanguageActor (and TRL's DedupGRPOTrainer) but not tested through OpenRLHF's actor"
+    for t in ("qwen3_5", "qwen3_5_moe")
+}
+"""Vision families the library serves whose images this integration falls back on, with the reason."""
+
 __all__ = ["SERVED_KEYS", "row_images", "vision_reason"]
 
 SERVED_KEYS = frozenset({"pixel_values", "image_grid_thw", "mm_token_type_ids"})
@@ -34,6 +40,8 @@ def vision_reason(config: Any, mm_inputs: dict) -> Optional[str]:
     if model_type not in VISION_FAMILIES:
         why = REFUSED_VISION.get(model_type or "", "not a vision-language family zorro serves")
         return f"images with model type {model_type!r}: {why} (served: {', '.join(sorted(VISION_FAMILIES))})"
+    if model_type in UNTESTED_HERE:
+        return f"images with model type {model_type!r}: {UNTESTED_HERE[model_type]}"
     keys = {k for k, v in mm_inputs.items() if v is not None}
     if any("video" in k for k in keys):
         return f"video inputs ({', '.join(sorted(k for k in keys if 'video' in k))}): a video's positions follow its frame times"

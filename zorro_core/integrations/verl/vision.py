@@ -36,6 +36,12 @@ import torch
 from zorro_core.models.vision import REFUSED_VISION, VISION_FAMILIES
 from zorro_core.plan.multimodal import Image
 
+UNTESTED_HERE = {
+    t: f"{t} with images is served by VisionLanguageActor (and TRL's DedupGRPOTrainer) but not tested through verl's engine"
+    for t in ("qwen3_5", "qwen3_5_moe")
+}
+"""Vision families the library serves whose images this integration falls back on, with the reason."""
+
 __all__ = [
     "SERVED_KEYS",
     "has_images",
@@ -102,6 +108,8 @@ def vision_reason(engine: Any, micro_batch) -> Optional[str]:
     if model_type not in VISION_FAMILIES:
         why = REFUSED_VISION.get(model_type or "", "not a vision-language family zorro serves")
         return f"images with model type {model_type!r}: {why} (served: {', '.join(sorted(VISION_FAMILIES))})"
+    if model_type in UNTESTED_HERE:
+        return f"images with model type {model_type!r}: {UNTESTED_HERE[model_type]}"
     if engine.use_ulysses_sp:
         return "images under Ulysses sequence parallelism (verl slices a VLM's sequence after its embedding)"
     for i, row in enumerate(_rows(micro_batch)):
