@@ -49,8 +49,7 @@ from torch import nn
 import zorro_core.integrations.verl.needs  # noqa: F401 -- first: refuses a missing or too old verl
 
 # isort: split
-from verl.utils.device import get_device_id, get_device_name
-from verl.workers.engine import utils as engine_utils
+from verl.utils.device import get_device_id
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithValueHead
 
 from zorro_core.actor.actor import DeduplicatedActor
@@ -172,19 +171,7 @@ class DedupValueEngine(DedupFSDPEngine, FSDPEngineWithValueHead):
             # Inside the FSDP2 root's forward: the root's own parameters (embeddings, norm, the head) gathered.
             values = as_root_forward(self.module, run)
             model_output = {"values": values_from_hidden(rows, plans[0], values)}
-            if loss_function is not None:
-                loss, metrics = loss_function(
-                    model_output=model_output, data=micro_batch, dp_group=self.get_data_parallel_group()
-                )
-            else:
-                assert forward_only, "forward_only must be True when loss_function is None"
-                loss = torch.tensor(1.0, device=get_device_name())
-                metrics = {}
-        return loss, {
-            "model_output": engine_utils.detach_tree(model_output),
-            "loss": loss.detach().item(),
-            "metrics": metrics,
-        }
+            return self._zorro_step_result(model_output, micro_batch, loss_function, forward_only)
 
 
 def install(device: Any = None, vendor: Any = None) -> type:

@@ -282,14 +282,20 @@ class DedupFSDPEngine(FSDPEngineWithLMHead):
             if calculate_entropy:
                 entropy = out.entropy if ent_dtype is None else out.entropy.to(ent_dtype)
                 model_output["entropy"] = rows.to_nested(entropy)
-            if loss_function is not None:
-                loss, metrics = loss_function(
-                    model_output=model_output, data=micro_batch, dp_group=self.get_data_parallel_group()
-                )
-            else:
-                assert forward_only, "forward_only must be True when loss_function is None"
-                loss = torch.tensor(1.0, device=get_device_name())
-                metrics = {}
+            return self._zorro_step_result(model_output, micro_batch, loss_function, forward_only)
+
+    def _zorro_step_result(self, model_output: dict, micro_batch, loss_function, forward_only):
+        """verl's forward_step tail on zorro's `model_output`: the loss (under the caller's autocast, as in
+        verl) and the (loss, {"model_output", "loss", "metrics"}) pair verl's engine returns. The critic's
+        step shares it."""
+        if loss_function is not None:
+            loss, metrics = loss_function(
+                model_output=model_output, data=micro_batch, dp_group=self.get_data_parallel_group()
+            )
+        else:
+            assert forward_only, "forward_only must be True when loss_function is None"
+            loss = torch.tensor(1.0, device=get_device_name())
+            metrics = {}
         return loss, {
             "model_output": engine_utils.detach_tree(model_output),
             "loss": loss.detach().item(),
