@@ -164,19 +164,19 @@ def tiny_config(model_type: str, **overrides: Any):
         pad_token_id=0,
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2]},
     )
+    # The vision tower's fields every family shares; each family adds its own below.
+    tower: dict[str, Any] = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=2,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
     if model_type == "qwen2_5_vl":
-        vision = dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            patch_size=2,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=8,
-            fullatt_block_indexes=[1],
-        )
+        vision = dict(tower, window_size=8, fullatt_block_indexes=[1])
     elif model_type in ("qwen3_5", "qwen3_5_moe"):
         # Qwen3.5's tiny text preset (two layers: gated DeltaNet, then full attention), at the width of
         # the other families' tiny decoders; the tower is Qwen3-VL's without deepstack.
@@ -211,17 +211,7 @@ def tiny_config(model_type: str, **overrides: Any):
             )
         else:
             text.update(intermediate_size=128)
-        vision = dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            patch_size=2,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=64,
-        )
+        vision = dict(tower, num_position_embeddings=64)
     elif model_type == "qwen3_vl":
         text.update(head_dim=16)
         text["rope_parameters"] = {
@@ -230,18 +220,7 @@ def tiny_config(model_type: str, **overrides: Any):
             "mrope_section": [4, 2, 2],
             "mrope_interleaved": True,
         }
-        vision = dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            patch_size=2,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=64,
-            deepstack_visual_indexes=[0, 1],
-        )
+        vision = dict(tower, num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
     else:
         raise ValueError(f"no tiny config for {model_type!r} (served: {', '.join(sorted(VISION_FAMILIES))})")
     fields: dict[str, Any] = dict(
