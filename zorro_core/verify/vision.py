@@ -24,7 +24,7 @@ import copy
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -109,10 +109,12 @@ class VisionResult:
     seconds: float = 0.0
 
 
-def vision_verify_batch(config, seed: int = 0, dtype: torch.dtype = torch.float64) -> MultimodalBatch:
-    """Groups {0, 1, 4} (row 4's image another tensor of the same content), {2} (row 0's text,
-    another image), {3, 5} (two images, the first recurring from group 0), {6} (text only).
-    Images have 2x2 patches of `config`'s tiny vision tower (24 values each)."""
+def _image_makers(
+    config, seed: int, dtype: torch.dtype
+) -> tuple[Callable[[int, int], Image], Callable[[Image], list[int]]]:
+    """(`image(h, w)`: a random image of h x w patches of `config`'s tiny vision tower, drawn in call order
+    from one generator seeded with `seed`; `placeholders(img)`: its tokens in a prompt, start, one image
+    token per merged patch, end)."""
     g = torch.Generator().manual_seed(seed)
     merge = config.vision_config.spatial_merge_size
     dim = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
@@ -125,6 +127,14 @@ def vision_verify_batch(config, seed: int = 0, dtype: torch.dtype = torch.float6
         n = t * h * w // (merge * merge)
         return [config.vision_start_token_id] + [config.image_token_id] * n + [config.vision_end_token_id]
 
+    return image, placeholders
+
+
+def vision_verify_batch(config, seed: int = 0, dtype: torch.dtype = torch.float64) -> MultimodalBatch:
+    """Groups {0, 1, 4} (row 4's image another tensor of the same content), {2} (row 0's text,
+    another image), {3, 5} (two images, the first recurring from group 0), {6} (text only).
+    Images have 2x2 patches of `config`'s tiny vision tower (24 values each)."""
+    image, placeholders = _image_makers(config, seed, dtype)
     a, b, c = image(4, 4), image(4, 6), image(2, 4)
     a_copy = Image(a.pixel_values.clone(), a.grid_thw)
     t1, t2 = [5, 6, 7], [9, 10]
@@ -147,18 +157,7 @@ def vision_prefix_batch(config, seed: int = 0, dtype: torch.dtype = torch.float6
     0's tokens with another image b of a's size (they diverge at the image); rows 3 and 4 share a
     prompt of two images (a recurring, then c); row 5 shares [t2, a] with them and diverges where c
     starts; row 7 is text only."""
-    g = torch.Generator().manual_seed(seed)
-    merge = config.vision_config.spatial_merge_size
-    dim = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
-
-    def image(h: int, w: int) -> Image:
-        return Image(torch.randn(h * w, dim, generator=g, dtype=torch.float64).to(dtype), (1, h, w))
-
-    def placeholders(img: Image) -> list[int]:
-        t, h, w = img.grid_thw
-        n = t * h * w // (merge * merge)
-        return [config.vision_start_token_id] + [config.image_token_id] * n + [config.vision_end_token_id]
-
+    image, placeholders = _image_makers(config, seed, dtype)
     a, b, c = image(4, 4), image(4, 4), image(2, 4)
     a_copy = Image(a.pixel_values.clone(), a.grid_thw)
     t1, t2 = [5, 6, 7], [9, 10]
