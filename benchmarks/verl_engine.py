@@ -58,6 +58,48 @@ def engine_step(engine, padded, rows: int, loss_fn, phase: str, use_remove_paddi
     return time.perf_counter() - t0
 
 
+def actor_checkpoint(args: argparse.Namespace, config) -> str:
+    """The actor's checkpoint of `args.preset` with seed-0 random weights, saved once under /tmp (the PPO
+    step benchmark reads the same one)."""
+    import torch
+
+    from zorro_core.integrations.verl.cpu import save_model
+    from zorro_core.models.presets import build_model
+
+    path = f"/tmp/zorro_verl_bench_{args.preset}"
+    if not os.path.isdir(path):
+        save_model(build_model(config, dtype=torch.float32, attn_implementation="sdpa", seed=0), path)
+    return path
+
+
+def rollout(args: argparse.Namespace, vocab: int, g) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, responses) drawn from generator `g`: `args.prompts` random prompts of `args.prompt_len`
+    tokens, each with `args.responses` responses of random lengths in [response_len / 2, response_len],
+    the rows shuffled as they arrive from a rollout."""
+    import torch
+
+    prompts, responses = [], []
+    for _ in range(args.prompts):
+        prompt = torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist()
+        for _ in range(args.responses):
+            n = int(torch.randint(args.response_len // 2, args.response_len + 1, (1,), generator=g))
+            prompts.append(prompt)
+            responses.append(torch.randint(2, vocab, (n,), generator=g).tolist())
+    order = torch.randperm(len(prompts), generator=g).tolist()
+    return [prompts[i] for i in order], [responses[i] for i in order]
+
+
+def workloads(args: argparse.Namespace, prompts: list[list[int]], responses: list[list[int]]):
+    """The cost model's (plain, deduplicated) workloads of a `rollout`, its rows grouped by prompt."""
+    from zorro_core.plan.cost import shape_workloads
+
+    return shape_workloads(
+        [args.prompt_len] * args.prompts,
+        [args.responses] * args.prompts,
+        [[len(r) for p, r in zip(prompts, responses) if tuple(p) == q] for q in dict.fromkeys(map(tuple, prompts))],
+    )
+
+
 def arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--preset", default="small-qwen3")
     ap.add_argument("--prompts", type=int, default=2)
@@ -82,7 +124,7 @@ def setup(args: argparse.Namespace, cases: list[Case]) -> dict[str, Any]:
 
     dist.init_process_group("gloo", rank=0, world_size=1)
 
-    from zorro_core.integrations.verl.cpu import build_engine, padded_batch, save_model, use_cpu_platform
+    from zorro_core.integrations.verl.cpu import build_engine, padded_batch, use_cpu_platform
 
     use_cpu_platform()
     from verl.workers.config import FSDPActorConfig
@@ -90,25 +132,14 @@ def setup(args: argparse.Namespace, cases: list[Case]) -> dict[str, Any]:
     from verl.workers.utils.losses import ppo_loss
 
     from zorro_core.integrations.verl.engine import DedupFSDPEngine
-    from zorro_core.models.presets import build_model, preset_config
+    from zorro_core.models.presets import preset_config
     from zorro_core.models.registry import model_shape
-    from zorro_core.plan.cost import ForwardWork, flops, shape_workloads
+    from zorro_core.plan.cost import ForwardWork, flops
 
     config = preset_config(args.preset)
-    path = f"/tmp/zorro_verl_bench_{args.preset}"
-    if not os.path.isdir(path):
-        save_model(build_model(config, dtype=torch.float32, attn_implementation="sdpa", seed=0), path)
+    path = actor_checkpoint(args, config)
     g = torch.Generator().manual_seed(args.seed)
-    vocab = config.vocab_size
-    prompts, responses = [], []
-    for _ in range(args.prompts):
-        prompt = torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist()
-        for _ in range(args.responses):
-            n = int(torch.randint(args.response_len // 2, args.response_len + 1, (1,), generator=g))
-            prompts.append(prompt)
-            responses.append(torch.randint(2, vocab, (n,), generator=g).tolist())
-    order = torch.randperm(len(prompts), generator=g).tolist()  # rows arrive shuffled
-    prompts, responses = [prompts[i] for i in order], [responses[i] for i in order]
+    prompts, responses = rollout(args, config.vocab_size, g)
     rows = len(prompts)
     engines = {
         "verl": build_engine(FSDPEngineWithLMHead, path, precision="fp32", use_remove_padding=False),
@@ -121,11 +152,7 @@ def setup(args: argparse.Namespace, cases: list[Case]) -> dict[str, Any]:
         ),
     )
     shape = model_shape(config)
-    base_w, dedup_w = shape_workloads(
-        [args.prompt_len] * args.prompts,
-        [args.responses] * args.prompts,
-        [[len(r) for p, r in zip(prompts, responses) if tuple(p) == q] for q in dict.fromkeys(map(tuple, prompts))],
-    )
+    base_w, dedup_w = workloads(args, prompts, responses)
     base_all = ForwardWork(base_w.tokens, base_w.attended_pairs, base_w.tokens)  # verl: logits at every token
     ideal = {
         "infer": flops(shape, base_all, "none").forward / flops(shape, dedup_w, "compute").forward,

@@ -41,8 +41,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# The run's metadata, printed summary and teardown are the actor engine benchmark's (its sibling script).
-from verl_engine import meta, report, teardown  # noqa: E402
+# The run's metadata, printed summary, teardown, actor checkpoint, rollout and workloads are the actor
+# engine benchmark's (its sibling script).
+from verl_engine import actor_checkpoint, meta, report, rollout, teardown, workloads  # noqa: E402
 
 from zorro_harness.bench.arms import PAIRED_COLUMNS, Benchmark, Case, Timings, Trial, main, paired_rows  # noqa: E402
 from zorro_harness.bench.measure import self_timed  # noqa: E402
@@ -73,11 +74,8 @@ def _models(args: argparse.Namespace, config) -> tuple[str, str]:
     from transformers import AutoModelForTokenClassification
 
     from zorro_core.integrations.verl.cpu import save_model
-    from zorro_core.models.presets import build_model
 
-    actor = f"/tmp/zorro_verl_bench_{args.preset}"
-    if not os.path.isdir(actor):
-        save_model(build_model(config, dtype=torch.float32, attn_implementation="sdpa", seed=0), actor)
+    actor = actor_checkpoint(args, config)
     critic = f"/tmp/zorro_verl_bench_{args.preset}_critic"
     if not os.path.isdir(critic):
         config.num_labels = 1
@@ -108,20 +106,12 @@ def setup(args: argparse.Namespace, cases: list[Case]) -> dict[str, Any]:
     from zorro_core.integrations.verl.engine import DedupFSDPEngine
     from zorro_core.models.presets import preset_config
     from zorro_core.models.registry import model_shape
-    from zorro_core.plan.cost import ForwardWork, flops, shape_workloads
+    from zorro_core.plan.cost import ForwardWork, flops
 
     config = preset_config(args.preset)
     actor_path, critic_path = _models(args, preset_config(args.preset))
     g = torch.Generator().manual_seed(args.seed)
-    prompts, responses = [], []
-    for _ in range(args.prompts):
-        prompt = torch.randint(2, config.vocab_size, (args.prompt_len,), generator=g).tolist()
-        for _ in range(args.responses):
-            n = int(torch.randint(args.response_len // 2, args.response_len + 1, (1,), generator=g))
-            prompts.append(prompt)
-            responses.append(torch.randint(2, config.vocab_size, (n,), generator=g).tolist())
-    order = torch.randperm(len(prompts), generator=g).tolist()  # rows arrive shuffled
-    prompts, responses = [prompts[i] for i in order], [responses[i] for i in order]
+    prompts, responses = rollout(args, config.vocab_size, g)
     rows = len(prompts)
     padded = padded_batch(prompts, responses, seed=args.seed)
     mask = padded["response_mask"]
@@ -156,11 +146,7 @@ def setup(args: argparse.Namespace, cases: list[Case]) -> dict[str, Any]:
         ),
     }
     shape = model_shape(config)
-    base_w, dedup_w = shape_workloads(
-        [args.prompt_len] * args.prompts,
-        [args.responses] * args.prompts,
-        [[len(r) for p, r in zip(prompts, responses) if tuple(p) == q] for q in dict.fromkeys(map(tuple, prompts))],
-    )
+    base_w, dedup_w = workloads(args, prompts, responses)
     actor_plain = flops(shape, ForwardWork(base_w.tokens, base_w.attended_pairs, base_w.tokens), "none")
     actor_dedup = flops(shape, dedup_w, "compute")
     critic_plain = flops(shape, ForwardWork(base_w.tokens, base_w.attended_pairs, 0), "none")
