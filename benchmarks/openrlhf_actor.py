@@ -49,6 +49,33 @@ PHASES = ("infer", "train")
 ARMS = ("openrlhf", "zorro")
 
 
+def rollout(args: argparse.Namespace, vocab: int) -> list[tuple[Any, Any]]:
+    """(prompt, response) token tensors from a generator seeded with `args.seed`: `args.prompts` random
+    prompts of `args.prompt_len` tokens, each with `args.responses` responses of random lengths in
+    [response_len / 2, response_len], siblings adjacent (as OpenRLHF's rollout delivers them)."""
+    import torch
+
+    g = torch.Generator().manual_seed(args.seed)
+    pairs = []
+    for _ in range(args.prompts):
+        prompt = torch.randint(2, vocab, (args.prompt_len,), generator=g)
+        for _ in range(args.responses):
+            n = int(torch.randint(args.response_len // 2, args.response_len + 1, (1,), generator=g))
+            pairs.append((prompt, torch.randint(2, vocab, (n,), generator=g)))
+    return pairs
+
+
+def workloads(args: argparse.Namespace, pairs: list[tuple[Any, Any]]):
+    """The cost model's (plain, deduplicated) workloads of a `rollout`."""
+    from zorro_core.plan.cost import shape_workloads
+
+    return shape_workloads(
+        [args.prompt_len] * args.prompts,
+        [args.responses] * args.prompts,
+        [[len(r) for _, r in pairs[i * args.responses : (i + 1) * args.responses]] for i in range(args.prompts)],
+    )
+
+
 def arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--preset", default="small-qwen3")
     ap.add_argument("--prompts", type=int, default=2)
@@ -75,17 +102,11 @@ def setup(args: argparse.Namespace, cases: list[Case]) -> dict[str, Any]:
     from zorro_core.integrations.openrlhf import DedupActor
     from zorro_core.models.presets import preset_config
     from zorro_core.models.registry import model_shape
-    from zorro_core.plan.cost import ForwardWork, flops, shape_workloads
+    from zorro_core.plan.cost import ForwardWork, flops
 
     path = openrlhf_setup.save_tiny(f"/tmp/zorro_openrlhf_bench_{args.preset}", preset=args.preset)
     config = preset_config(args.preset)
-    g = torch.Generator().manual_seed(args.seed)
-    pairs = []
-    for _ in range(args.prompts):
-        prompt = torch.randint(2, config.vocab_size, (args.prompt_len,), generator=g)
-        for _ in range(args.responses):
-            n = int(torch.randint(args.response_len // 2, args.response_len + 1, (1,), generator=g))
-            pairs.append((prompt, torch.randint(2, config.vocab_size, (n,), generator=g)))
+    pairs = rollout(args, config.vocab_size)
     seq, att, act = openrlhf_setup.right_padded(pairs)
     packed = args.packing == "on"
     actors = {
@@ -93,11 +114,7 @@ def setup(args: argparse.Namespace, cases: list[Case]) -> dict[str, Any]:
         "zorro": openrlhf_setup.make_actor(DedupActor, path, dtype=torch.float32, attn="sdpa", packing_samples=packed),
     }
     shape = model_shape(config)
-    base_w, dedup_w = shape_workloads(
-        [args.prompt_len] * args.prompts,
-        [args.responses] * args.prompts,
-        [[len(r) for _, r in pairs[i * args.responses : (i + 1) * args.responses]] for i in range(args.prompts)],
-    )
+    base_w, dedup_w = workloads(args, pairs)
     base_all = ForwardWork(base_w.tokens, base_w.attended_pairs, base_w.tokens)  # OpenRLHF: logits at every token
     ideal = {
         "infer": flops(shape, base_all, "none").forward / flops(shape, dedup_w, "compute").forward,

@@ -32,8 +32,9 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-# The run's metadata and printed summary are the actor benchmark's (its sibling script, on sys.path[0]).
-from openrlhf_actor import meta, report  # noqa: E402
+# The run's metadata, printed summary, rollout and workloads are the actor benchmark's (its sibling script,
+# on sys.path[0]).
+from openrlhf_actor import meta, report, rollout, workloads  # noqa: E402
 
 from zorro_harness.bench.arms import (  # noqa: E402
     PAIRED_COLUMNS,
@@ -76,7 +77,7 @@ def setup(args: argparse.Namespace, cases: list[Case]) -> dict[str, Any]:
     from zorro_core.integrations.openrlhf.critic import serve_critic
     from zorro_core.models.presets import preset_config
     from zorro_core.models.registry import model_shape
-    from zorro_core.plan.cost import ForwardWork, flops, shape_workloads
+    from zorro_core.plan.cost import ForwardWork, flops
 
     path = openrlhf_setup.save_tiny(f"/tmp/zorro_openrlhf_bench_{args.preset}", preset=args.preset)
 
@@ -88,22 +89,12 @@ def setup(args: argparse.Namespace, cases: list[Case]) -> dict[str, Any]:
         return model.to(torch.float32)
 
     config = preset_config(args.preset)
-    g = torch.Generator().manual_seed(args.seed)
-    pairs = []
-    for _ in range(args.prompts):
-        prompt = torch.randint(2, config.vocab_size, (args.prompt_len,), generator=g)
-        for _ in range(args.responses):
-            n = int(torch.randint(args.response_len // 2, args.response_len + 1, (1,), generator=g))
-            pairs.append((prompt, torch.randint(2, config.vocab_size, (n,), generator=g)))
+    pairs = rollout(args, config.vocab_size)
     seq, att, act = openrlhf_setup.right_padded(pairs)
     packed = args.packing == "on"
     actors = {"openrlhf": critic(packed), "zorro": serve_critic(critic(packed))}
     shape = model_shape(config)
-    base_w, dedup_w = shape_workloads(
-        [args.prompt_len] * args.prompts,
-        [args.responses] * args.prompts,
-        [[len(r) for _, r in pairs[i * args.responses : (i + 1) * args.responses]] for i in range(args.prompts)],
-    )
+    base_w, dedup_w = workloads(args, pairs)
     plain = ForwardWork(base_w.tokens, base_w.attended_pairs, 0)  # no logits on either side
     dedup = ForwardWork(dedup_w.tokens, dedup_w.attended_pairs, 0)
     ideal = {
