@@ -29,6 +29,8 @@ from packaging.version import Version  # noqa: E402
 if Version(verl.__version__) < Version("0.8"):
     pytest.skip(f"verl {verl.__version__} < 0.8 has the legacy workers, not the engines", allow_module_level=True)
 
+from test_integrations_verl_engine import groups  # noqa: E402
+
 from zorro_core.distributed.launch import launch  # noqa: E402
 from zorro_core.verify.tolerances import GRAD_RTOL as GRAD_TOL  # noqa: E402
 from zorro_core.verify.tolerances import LOGPROB_ATOL as VALUE_TOL  # noqa: E402
@@ -36,19 +38,6 @@ from zorro_core.verify.tolerances import LOGPROB_ATOL as VALUE_TOL  # noqa: E402
 PLANTED_MIN = 1e-3
 BUDGET = 48
 """Dynamic micro-batches' token budget (`max_token_len_per_gpu`): several micro-batches per pass."""
-
-
-def groups(seed: int, sizes=(3, 1, 5, 3), plens=(5, 3, 7, 4), max_resp: int = 6):
-    """Prompts with groups of different sizes, ragged responses, rows shuffled."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(2, 250, (n,), generator=g).tolist() for n in plens]
-    rows = [
-        (u, torch.randint(2, 250, (int(torch.randint(1, max_resp + 1, (1,), generator=g)),), generator=g).tolist())
-        for u, n in enumerate(sizes)
-        for _ in range(n)
-    ]
-    rows = [rows[i] for i in torch.randperm(len(rows), generator=g)]
-    return [prompts[u] for u, _ in rows], [r for _, r in rows]
 
 
 @functools.lru_cache(maxsize=None)
@@ -225,7 +214,7 @@ def _gae(values, padded):
 def critic_case(path: str, seed: int) -> dict:
     """Run in a fresh process: zorro's critic vs verl's, remove-padding on/off, fixed and dynamic micro-batches,
     inference and training; GAE on both; a planted off-by-one; a fallback pass."""
-    prompts, responses = groups(seed)
+    prompts, responses, _ = groups(seed)
     padded = _batch(prompts, responses, seed)
     mask = padded["response_mask"].bool()
     results: dict = {}
@@ -351,7 +340,7 @@ def two_rank_case(path: str, seed: int) -> dict:
     (every second one, groups split across the ranks), zorro's critic vs verl's, training and inference."""
     import torch.distributed as dist
 
-    prompts, responses = groups(seed)
+    prompts, responses, _ = groups(seed)
     padded = _batch(prompts, responses, seed)
     rows = torch.arange(dist.get_rank(), len(prompts), dist.get_world_size())
     from verl.utils import tensordict_utils as tu

@@ -321,21 +321,20 @@ def _place(parts, rows_per_rank, n):
     return t
 
 
-@pytest.fixture(scope="module")
-def distributed(saved_model):
-    """verl's own engine in one process on the whole batch; zorro's engine on two ranks."""
+def two_rank_errors(one: dict, two: list, keys: tuple[str, ...]) -> dict:
+    """Per key of `keys` ("<arm> train=<bool>"), the two ranks' outputs of `distributed_case` placed back in
+    row order against verl's one-process run `one`: log-prob and entropy max errors on response tokens, and
+    in training the largest relative gradient error and whether both ranks hold the same gradients."""
     from zorro_core.integrations.verl.cpu import padded_batch
     from zorro_core.verify.reference import rel_grad_errors
 
-    one = _torch(launch(distributed_case, 1, saved_model, 3, ("verl",), timeout_s=300)[0])
-    two = _torch(launch(distributed_case, 2, saved_model, 3, ("zorro",), threads=1, timeout_s=300))
     prompts, responses, _ = groups(3, sizes=(4, 2, 6, 4), plens=(6, 3, 8, 5))
     mask = padded_batch(prompts, responses, seed=3)["response_mask"].bool()
     n = len(prompts)
     rows = [two[0]["rows"], two[1]["rows"]]
     assert sorted(rows[0] + rows[1]) == list(range(n))
     errs = {}
-    for key in ("zorro train=False", "zorro train=True", "planted train=True"):
+    for key in keys:
         train = key.endswith("True")
         lp = _place([two[0][key][0], two[1][key][0]], rows, n)
         ent = _place([two[0][key][1], two[1][key][1]], rows, n)
@@ -352,7 +351,16 @@ def distributed(saved_model):
             e["grad"], e["n_grads"] = max(ge.values()), len(ge)
             e["ranks_agree"] = all(torch.equal(two[0][key][2][k], two[1][key][2][k]) for k in ref_grads)
         errs[key] = e
-    return errs, two[0]["dedup"]
+    return errs
+
+
+@pytest.fixture(scope="module")
+def distributed(saved_model):
+    """verl's own engine in one process on the whole batch; zorro's engine on two ranks."""
+    one = _torch(launch(distributed_case, 1, saved_model, 3, ("verl",), timeout_s=300)[0])
+    two = _torch(launch(distributed_case, 2, saved_model, 3, ("zorro",), threads=1, timeout_s=300))
+    keys = ("zorro train=False", "zorro train=True", "planted train=True")
+    return two_rank_errors(one, two, keys), two[0]["dedup"]
 
 
 def test_two_ranks_equal_one_process(distributed):

@@ -13,7 +13,6 @@ Rerun: `.ci/verl_tests -k schedule` (or this file in the verl venv).
 from __future__ import annotations
 
 import pytest
-import torch
 
 verl = pytest.importorskip("verl", reason="verl is not installed (run .ci/verl_tests for the verl suite)")
 from packaging.version import Version  # noqa: E402
@@ -25,11 +24,11 @@ from test_integrations_verl_engine import (  # noqa: E402
     _engines,
     _errors,
     _numpy,
-    _place,
     _run,
     _torch,
     groups,
     model_dir,
+    two_rank_errors,
     v1_partitions,
 )
 
@@ -272,34 +271,9 @@ def distributed_case(path: str, seed: int, which=("verl", "zorro")) -> dict:
 
 @pytest.fixture(scope="module")
 def distributed(saved_model):
-    from zorro_core.integrations.verl.cpu import padded_batch
-    from zorro_core.verify.reference import rel_grad_errors
-
     one = _torch(launch(distributed_case, 1, saved_model, 3, ("verl",), timeout_s=300)[0])
     two = _torch(launch(distributed_case, 2, saved_model, 3, ("zorro",), threads=1, timeout_s=300))
-    prompts, responses, _ = groups(3, sizes=(4, 2, 6, 4), plens=(6, 3, 8, 5))
-    mask = padded_batch(prompts, responses, seed=3)["response_mask"].bool()
-    n = len(prompts)
-    rows = [two[0]["rows"], two[1]["rows"]]
-    assert sorted(rows[0] + rows[1]) == list(range(n))
-    errs = {}
-    for key in ("zorro train=False", "zorro train=True"):
-        train = key.endswith("True")
-        lp = _place([two[0][key][0], two[1][key][0]], rows, n)
-        ent = _place([two[0][key][1], two[1][key][1]], rows, n)
-        ref_lp, ref_ent, ref_grads = one[f"verl train={train}"]
-        width = min(lp.shape[1], ref_lp.shape[1])
-        m = mask[:, :width]
-        e = {
-            "lp": float((lp[:, :width] - ref_lp[:, :width])[m].abs().max()),
-            "ent": float((ent[:, :width] - ref_ent[:, :width])[m].abs().max()),
-        }
-        if train:
-            ge = rel_grad_errors(two[0][key][2], ref_grads)
-            e["grad"], e["n_grads"] = max(ge.values()), len(ge)
-            e["ranks_agree"] = all(torch.equal(two[0][key][2][k], two[1][key][2][k]) for k in ref_grads)
-        errs[key] = e
-    return errs, two
+    return two_rank_errors(one, two, ("zorro train=False", "zorro train=True")), two
 
 
 def test_two_ranks_under_the_schedule_equal_verl_in_one_process(distributed):
