@@ -15,8 +15,9 @@ a rule reward (`reward.remote_url`: a Python file), policy, reference and critic
 policy, reference and critic call was served by zorro, and by more than one process (policy and
 reference), every call held whole prompt groups, no micro-batch computed more tokens than the budget
 (`max_tokens_per_gpu`, counted in the tokens each call actually computed); step 1 agrees with the plain arm
-on the same rollout (checked: the same rows, token for token; OpenRLHF's `train.full_determinism_enable`
-makes vLLM's CPU sampling repeat) in its losses (summed over the
+on the same rollout (checked: the same rows, token for token; the rollout is greedy, `TOP_P`, since vLLM's
+CPU sampling did not repeat across the two arms even with OpenRLHF's `train.full_determinism_enable`) in its
+losses (summed over the
 step's training micro-batches: `summed`). Timings per arm go to --csv.
 """
 
@@ -39,6 +40,10 @@ TOKENIZER = ROOT / "examples" / "analyze_tokenizer"
 STANDINS = ROOT / "tests" / "openrlhf_standins"  # flash-attn's padding helpers (tests/openrlhf_standins/README.md)
 SAMPLES = 4
 BUDGET = 64
+TOP_P = 1e-6
+"""Nucleus sampling that keeps only each step's top token: the rollout is greedy. vLLM's CPU sampling of this
+random tiny model (near-uniform logits) gave the two arms different rollouts on a quiet machine, so step 1 was not
+comparable; greedy decoding depends on no random draw, and the log-probs keep temperature 1."""
 AGREE = ("policy_loss", "critic_loss", "kl", "reward", "return")
 """Step-1 status entries both arms must agree on (same weights, same rollout); bf16 weights on both sides."""
 RTOL = 0.05
@@ -100,6 +105,7 @@ def launcher_args(work: Path, model: Path) -> list[str]:
         "--vllm.num_engines", "1", "--vllm.sync_backend", "gloo", "--vllm.enforce_eager",
         "--vllm.gpu_memory_utilization", "0.5",
         "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", str(SAMPLES), "--rollout.max_new_tokens", "8",
+        "--rollout.top_p", str(TOP_P),
         "--rollout.micro_batch_size", "4", "--train.micro_batch_size", "4", "--train.batch_size", "8",
         "--train.dynamic_batch_enable", "--rollout.max_tokens_per_gpu", str(BUDGET),
         "--train.max_tokens_per_gpu", str(BUDGET),
