@@ -76,7 +76,8 @@ def workloads(args: argparse.Namespace, pairs: list[tuple[Any, Any]]):
     )
 
 
-def arguments(ap: argparse.ArgumentParser) -> None:
+def arguments(ap: argparse.ArgumentParser, packing: str = "on") -> None:
+    """The shape and threads options (the critic benchmark takes them too, with packing off by default)."""
     ap.add_argument("--preset", default="small-qwen3")
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--responses", type=int, default=4)
@@ -84,7 +85,7 @@ def arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--response-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--packing", choices=["on", "off"], default="on", help="OpenRLHF's packing_samples")
+    ap.add_argument("--packing", choices=["on", "off"], default=packing, help="OpenRLHF's packing_samples")
 
 
 def cases(args: argparse.Namespace) -> list[Case]:

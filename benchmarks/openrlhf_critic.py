@@ -34,6 +34,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 # The run's metadata, printed summary, rollout and workloads are the actor benchmark's (its sibling script,
 # on sys.path[0]).
+import openrlhf_actor  # noqa: E402
 from openrlhf_actor import meta, report, rollout, workloads  # noqa: E402
 
 from zorro_harness.bench.arms import (  # noqa: E402
@@ -52,14 +53,7 @@ ARMS = ("openrlhf", "zorro")
 
 
 def arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--preset", default="small-qwen3")
-    ap.add_argument("--prompts", type=int, default=2)
-    ap.add_argument("--responses", type=int, default=4)
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--response-len", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--packing", choices=["on", "off"], default="off", help="OpenRLHF's packing_samples")
+    openrlhf_actor.arguments(ap, packing="off")
 
 
 def cases(args: argparse.Namespace) -> list[Case]:
