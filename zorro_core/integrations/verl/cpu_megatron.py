@@ -386,3 +386,54 @@ def use_cpu_megatron() -> None:
 
 
 use_cpu_megatron()
+
+
+# -- building verl's Megatron engine on CPU (tests, benchmarks) -------------------------------------
+
+
+def build_megatron_engine(
+    engine_cls: type,
+    model_path: str,
+    *,
+    tensor_parallel: int = 1,
+    precision: str = "float32",
+    sequence_parallel: bool = False,
+    forward_only: bool = False,
+    use_remove_padding: bool = True,
+) -> Any:
+    """`engine_cls(model_config, engine_config, optimizer_config, checkpoint_config)` initialised as
+    verl's TrainingWorker does, on CPU over the default process group (tensor parallel x data
+    parallel), mbridge's path (`vanilla_mbridge=True`). verl's config accepts bfloat16/float16 only;
+    `precision` ("float32", "float64") is set past that check for exact comparisons, with megatron's
+    gradient reduction in the same dtype."""
+    from types import SimpleNamespace
+
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+
+    from zorro_core.integrations.verl.cpu import allow_float64, use_cpu_platform
+
+    use_cpu_platform()
+    allow_float64()
+    use_cpu_megatron()
+    model_config = HFModelConfig(path=model_path, load_tokenizer=False)
+    model_config.tokenizer = SimpleNamespace(pad_token_id=0)  # verl's forward reads it; no tokenizer here
+    engine_config = McoreEngineConfig(
+        tensor_model_parallel_size=tensor_parallel,
+        vanilla_mbridge=True,
+        use_remove_padding=use_remove_padding,
+        sequence_parallel=sequence_parallel,
+        use_distributed_optimizer=False,
+        forward_only=forward_only,
+        override_transformer_config={"use_cpu_initialization": True, "sequence_parallel": sequence_parallel},
+        override_ddp_config={"grad_reduce_in_fp32": precision != "float64"},
+    )
+    object.__setattr__(engine_config, "dtype", precision)
+    engine = engine_cls(
+        model_config=model_config,
+        engine_config=engine_config,
+        optimizer_config=McoreOptimizerConfig(lr=1e-6, total_training_steps=1),
+        checkpoint_config=CheckpointConfig(),
+    )
+    engine.initialize()
+    return engine

@@ -1,0 +1,205 @@
+"""zorro's Megatron engine (zorro_core.integrations.verl.megatron_engine) against verl's own.
+
+Runs only where verl, megatron-core and mbridge are importable (its own venv:
+`.ci/verl_megatron_tests`); skips otherwise. Both engines are verl's `MegatronEngineWithLMHead`
+(zorro's the subclass) built by verl's own code on mbridge's path, on 2 gloo ranks
+(zorro_core.integrations.verl.cpu_megatron): tensor parallel 2, and tensor parallel 1 x data
+parallel 2. Batches are made by verl's functions, micro-batches by verl (fixed size and dynamic),
+outputs read back with `no_padding_2_padding`, the training loss is verl's `ppo_loss`; gradients are
+megatron's (`main_grad`, after its data-parallel reduction), compared shard by shard on each rank.
+verl's reference runs its packed (THD) forward with megatron's local layers and zorro's reference
+attention in place of TransformerEngine's kernel (each packed row causal over itself, no plan).
+verl's padded (BSHD) forward does not run on megatron's local attention (its padding mask has
+TransformerEngine's shape), so it is not a reference here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+pytest.importorskip("verl", reason="verl is not installed (run .ci/verl_megatron_tests)")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (run .ci/verl_megatron_tests)")
+pytest.importorskip("mbridge", reason="mbridge is not installed (run .ci/verl_megatron_tests)")
+
+from zorro_core.distributed.launch import launch  # noqa: E402
+from zorro_core.verify.tolerances import GRAD_RTOL, LOGPROB_ATOL  # noqa: E402
+
+TEMPERATURE = 0.7
+PLANTED_MIN = 1e-3
+PRECISION = "float64"
+
+
+def groups(seed: int, sizes=(3, 1, 4, 2, 3, 3), plens=(5, 3, 7, 4, 6, 2), max_resp: int = 6):
+    """Prompts with groups of different sizes, ragged responses, rows shuffled (16 rows)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, 250, (n,), generator=g).tolist() for n in plens]
+    rows = [
+        (u, torch.randint(2, 250, (int(torch.randint(1, max_resp + 1, (1,), generator=g)),), generator=g).tolist())
+        for u, n in enumerate(sizes)
+        for _ in range(n)
+    ]
+    rows = [rows[i] for i in torch.randperm(len(rows), generator=g)]
+    return [prompts[u] for u, _ in rows], [r for _, r in rows]
+
+
+@functools.lru_cache(maxsize=None)
+def model_dir(tmp: str, family: str) -> str:
+    from zorro_core.integrations.verl.cpu import save_model
+    from zorro_core.models.presets import build_model, preset_config
+
+    model = build_model(preset_config(f"tiny-{family}"), dtype=torch.float32, attn_implementation="sdpa", seed=0)
+    return save_model(model, tmp)
+
+
+def _loss_fn():
+    from verl.workers.config import McoreActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    config = McoreActorConfig(rollout_n=1, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=4, entropy_coeff=0.01)
+    return functools.partial(ppo_loss, config=config)
+
+
+def _grads(engine) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in engine.module[0].named_parameters():
+        g = getattr(p, "main_grad", None)
+        if g is not None:
+            out[name] = g.detach().clone().double()
+    return out
+
+
+def _run(engine, padded, rows, train: bool, **meta):
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from zorro_core.integrations.verl.cpu import engine_batch
+
+    sub = tu.index_select_tensor_dict(padded, torch.as_tensor(rows))
+    if train:
+        meta.setdefault("return_model_output", True)
+    data = engine_batch(sub, temperature=TEMPERATURE, calculate_entropy=True, **meta)
+    if train:
+        engine.optimizer_zero_grad()
+        with engine.train_mode(disable_auto_offload=True):
+            out = engine.forward_backward_batch(data, _loss_fn(), forward_only=False)
+            grads = _grads(engine)
+        engine.optimizer_zero_grad()
+    else:
+        with engine.eval_mode(disable_auto_offload=True):
+            out = engine.infer_batch(data)
+        grads = {}
+    mo = out["model_output"]
+    return no_padding_2_padding(mo["log_probs"], data), no_padding_2_padding(mo["entropy"], data), grads
+
+
+def _errors(ours, ref, mask) -> dict:
+    out = {
+        "lp": float((ours[0] - ref[0])[mask].abs().max()),
+        "ent": float((ours[1] - ref[1])[mask].abs().max()),
+    }
+    if ref[2]:
+        assert ours[2].keys() == ref[2].keys(), (sorted(ours[2]), sorted(ref[2]))
+        rel = {k: float((ours[2][k] - ref[2][k]).norm() / ref[2][k].norm().clamp_min(1e-30)) for k in ref[2]}
+        out["grad"], out["n_grads"] = max(rel.values()), len(rel)
+    return out
+
+
+def _plant(kind: str):
+    """A planted bug in zorro's engine: "positions" restarts each response's RoPE positions at 0;
+    "kv_shard" drops the prompt's keys and values on tensor-parallel rank 1 (its heads' shard)."""
+    from megatron.core import parallel_state as mpu
+
+    from zorro_core.integrations.verl import megatron_engine as me
+
+    if kind == "positions":
+        original = me.build_prompt_plan
+
+        def wrong_plan(batch):
+            plan = original(batch)
+            response = plan.token_segment >= plan.num_groups
+            plan.position_ids = torch.where(
+                response, plan.position_ids - plan.prompt_lens[plan.token_group], plan.position_ids
+            )
+            return plan
+
+        me.build_prompt_plan = wrong_plan
+        return lambda: setattr(me, "build_prompt_plan", original)
+    original_attention = me.split_attention
+
+    def dropped(plan, q, k, v, *args):
+        if mpu.get_tensor_model_parallel_rank() == mpu.get_tensor_model_parallel_world_size() - 1:
+            prompt = (plan.token_segment < plan.num_groups)[:, None, None]
+            k, v = k.masked_fill(prompt, 0.0), v.masked_fill(prompt, 0.0)
+        return original_attention(plan, q, k, v, *args)
+
+    me.split_attention = dropped
+    return lambda: setattr(me, "split_attention", original_attention)
+
+
+def rank_case(path: str, tp: int, seed: int) -> dict:
+    """Each rank: verl's engine and zorro's (TP = tp, DP = world / tp) on this rank's rows."""
+    import torch.distributed as dist
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    from zorro_core.integrations.verl.cpu import padded_batch
+    from zorro_core.integrations.verl.cpu_megatron import build_megatron_engine
+    from zorro_core.integrations.verl.megatron_engine import DedupMegatronEngine
+
+    prompts, responses = groups(seed)
+    padded = padded_batch(prompts, responses, seed=seed)
+    dp = dist.get_world_size() // tp
+    dp_rank = dist.get_rank() // tp
+    rows = list(range(len(prompts)))[dp_rank::dp] if dp > 1 else list(range(len(prompts)))
+    mask = padded["response_mask"][torch.as_tensor(rows)].bool()
+    verl = build_megatron_engine(MegatronEngineWithLMHead, path, tensor_parallel=tp, precision=PRECISION)
+    zorro = build_megatron_engine(DedupMegatronEngine, path, tensor_parallel=tp, precision=PRECISION)
+    results: dict = {}
+    for mb_name, mb in (
+        ("fixed", {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 4}),
+        ("dynamic", {"use_dynamic_bsz": True, "max_token_len_per_gpu": 48}),
+    ):
+        for train in (False, True):
+            key = f"{mb_name} train={train}"
+            ref = _run(verl, padded, rows, train, use_remove_padding=True, **mb)
+            ours = _run(zorro, padded, rows, train, use_remove_padding=True, **mb)
+            results[key] = _errors(ours, ref, mask)
+    for kind in ("positions", "kv_shard"):
+        restore = _plant(kind)
+        try:
+            meta = {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 4, "use_remove_padding": True}
+            ref = _run(verl, padded, rows, True, **meta)
+            ours = _run(zorro, padded, rows, True, **meta)
+            results[f"planted {kind}"] = _errors(ours, ref, mask)
+        finally:
+            restore()
+    results["calls"] = dict(zorro.zorro_calls)
+    return results
+
+
+@pytest.fixture(scope="module", params=[("qwen2", 2), ("qwen3", 2), ("qwen2", 1)], ids=["qwen2-tp2", "qwen3-tp2", "qwen2-tp1-dp2"])
+def ranks(request, tmp_path_factory):
+    family, tp = request.param
+    path = model_dir(str(tmp_path_factory.mktemp("megatron_model") / family), family)
+    return launch(rank_case, 2, path, tp, 3, threads=1, timeout_s=600)
+
+
+def test_equals_verls_engine(ranks):
+    for rank, r in enumerate(ranks):
+        for key in ("fixed train=False", "fixed train=True", "dynamic train=False", "dynamic train=True"):
+            e = r[key]
+            assert e["lp"] <= LOGPROB_ATOL and e["ent"] <= LOGPROB_ATOL, (rank, key, e)
+            if "grad" in e:
+                assert e["n_grads"] >= 10 and e["grad"] <= GRAD_RTOL, (rank, key, e)
+        assert r["calls"]["fallback"] == 0 and r["calls"]["dedup"] > 0, r["calls"]
+
+
+def test_planted_bugs_fail(ranks):
+    for r in ranks:
+        e = r["planted positions"]
+        assert e["lp"] > PLANTED_MIN and e["grad"] > PLANTED_MIN, e
+    # the dropped K/V shard is on the last TP rank; the TP all-reduce carries it to every rank's output
+    e = ranks[-1]["planted kv_shard"]
+    assert e["lp"] > PLANTED_MIN and e["grad"] > PLANTED_MIN, e
