@@ -179,7 +179,9 @@ def rank_case(path: str, tp: int, seed: int) -> dict:
     return results
 
 
-@pytest.fixture(scope="module", params=[("qwen2", 2), ("qwen3", 2), ("qwen2", 1)], ids=["qwen2-tp2", "qwen3-tp2", "qwen2-tp1-dp2"])
+@pytest.fixture(
+    scope="module", params=[("qwen2", 2), ("qwen3", 2), ("qwen2", 1)], ids=["qwen2-tp2", "qwen3-tp2", "qwen2-tp1-dp2"]
+)
 def ranks(request, tmp_path_factory):
     family, tp = request.param
     path = model_dir(str(tmp_path_factory.mktemp("megatron_model") / family), family)
@@ -203,3 +205,72 @@ def test_planted_bugs_fail(ranks):
     # the dropped K/V shard is on the last TP rank; the TP all-reduce carries it to every rank's output
     e = ranks[-1]["planted kv_shard"]
     assert e["lp"] > PLANTED_MIN and e["grad"] > PLANTED_MIN, e
+
+
+# -- fail closed: what is not served is refused before any compute -----------------------------------
+
+
+def _config(**engine):
+    from types import SimpleNamespace
+
+    base = dict(
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        context_parallel_size=1,
+        dynamic_context_parallel=False,
+        expert_model_parallel_size=1,
+    )
+    tf = dict(num_moe_experts=None, window_size=None, recompute_granularity=None, position_embedding_type="rope")
+    tf.update(engine.pop("tf", {}))
+    base.update(engine)
+    return SimpleNamespace(
+        engine_config=SimpleNamespace(**base), tf_config=SimpleNamespace(**tf), is_value_model=False, module=[]
+    )
+
+
+@pytest.mark.parametrize(
+    "engine, reason",
+    [
+        ({"pipeline_model_parallel_size": 2}, "pipeline parallelism"),
+        ({"context_parallel_size": 2}, "context parallelism"),
+        ({"dynamic_context_parallel": True}, "dynamic context parallelism"),
+        ({"expert_model_parallel_size": 2}, "expert parallelism"),
+        ({"tf": {"num_moe_experts": 8}}, "MoE layers"),
+        ({"tf": {"window_size": (4, 0)}}, "sliding-window attention"),
+        ({"tf": {"recompute_granularity": "full"}}, "activation recomputation"),
+        ({"tf": {"position_embedding_type": "yarn"}}, "position embeddings other than RoPE"),
+    ],
+)
+def test_unserved_configurations_are_refused_with_the_reason(engine, reason):
+    from zorro_core.integrations.verl.megatron_engine import refusal
+
+    assert refusal(_config()) is None
+    why = refusal(_config(**engine))
+    assert why is not None and reason in why, why
+
+
+def test_registry_picks_zorro_engine():
+    from zorro_core.integrations.verl.cpu import use_cpu_platform
+
+    use_cpu_platform()
+    from verl.workers.engine import EngineRegistry
+
+    from zorro_core.integrations.verl.megatron_engine import DedupMegatronEngine, install
+
+    # importing the module registered it under the platform of that moment; install() is idempotent
+    assert install() is DedupMegatronEngine
+    assert EngineRegistry.get_engine_cls("language_model", "megatron") is DedupMegatronEngine
+
+
+def test_cpu_workarounds_are_still_needed():
+    """Each CPU answer of zorro_core.integrations.verl.cpu_megatron is probed against the installed
+    megatron-core and mbridge; when one is no longer needed, this fails so that it is removed."""
+    import torch as _torch
+
+    from zorro_core.integrations.verl import cpu_megatron
+
+    if _torch.cuda.is_available():
+        pytest.skip("the CPU answers are inactive with CUDA")
+    needed = cpu_megatron.needed()
+    assert set(needed) == set(cpu_megatron.WORKAROUNDS)
+    assert all(needed.values()), needed

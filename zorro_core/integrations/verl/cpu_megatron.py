@@ -333,7 +333,10 @@ def _mbridge_local_spec() -> None:
                 mcore_weights_name = mcore_weights_name[: -len(local)] + te
         return original_names(self, mcore_weights_name)
 
-    for function, original in ((_get_transformer_layer_spec, original_spec), (_weight_name_mapping_mcore_to_hf, original_names)):
+    for function, original in (
+        (_get_transformer_layer_spec, original_spec),
+        (_weight_name_mapping_mcore_to_hf, original_names),
+    ):
         marked: Any = function
         marked._zorro_cpu = True
         marked._zorro_original = original

@@ -150,8 +150,8 @@ def install_core_attention(chunks: list[torch.nn.Module]) -> int:
     count = 0
     for chunk in chunks:
         for layer in _layers(chunk):
-            attention = layer.self_attention
-            inner = attention.core_attention
+            attention: Any = layer.self_attention
+            inner: Any = attention.core_attention
             if not isinstance(inner, DedupCoreAttention):
                 scale = getattr(inner, "softmax_scale", None)
                 if scale is None:
