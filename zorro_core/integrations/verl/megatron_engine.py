@@ -34,7 +34,8 @@ what the FSDP engine hands back (`unserved_reason`'s reasons that apply here: fu
 `pad_to_length`.
 
 Turning it on: `actor_rollout_ref.model.external_lib=zorro_core.integrations.verl.megatron_engine`
-with `actor_rollout_ref.actor.strategy=megatron` (verl imports `external_lib` in each worker
+with verl's Megatron trainer config (`--config-name ppo_megatron_trainer`,
+`actor_rollout_ref.actor.megatron.vanilla_mbridge=True`) (verl imports `external_lib` in each worker
 before building its engine; importing this module registers `DedupMegatronEngine` for
 `language_model` x `megatron` under this platform's device and vendor, which verl's registry
 looks up before verl's own engine).
