@@ -14,6 +14,8 @@ removed):
   `inv_freq`, DDP's gradient buffers), which raises without CUDA; here it answers "cpu" (where it
   would have raised; with `use_cpu_initialization=True` in verl's `override_transformer_config`,
   megatron's own option, the parameters are built on the CPU too).
+- cuda_synchronize: megatron's pipeline p2p communication calls `torch.cuda.synchronize()` around
+  its shape exchange, which raises without CUDA; here it returns (no device streams to wait for).
 - cuda_factories: megatron's pipeline schedules and optimizers build their token counters and loss
   scales with `device="cuda"`; here, for the length of a schedule (verl's `get_forward_backward_func`)
   or of building the optimizer (verl's `get_megatron_optimizer`), such a factory builds on the CPU
@@ -50,7 +52,14 @@ __all__ = [
     "use_cpu_megatron",
 ]
 
-WORKAROUNDS = ("rng_tracker", "current_device", "cuda_factories", "mbridge_cuda", "mbridge_local_spec")
+WORKAROUNDS = (
+    "rng_tracker",
+    "current_device",
+    "cuda_synchronize",
+    "cuda_factories",
+    "mbridge_cuda",
+    "mbridge_local_spec",
+)
 """The gaps of megatron-core and mbridge on CPU this module answers (module doc); `needed()` probes each."""
 
 _TE_TO_LOCAL = {
@@ -148,6 +157,22 @@ def _current_device() -> None:
     marked._zorro_cpu = True
     marked._zorro_original = original
     torch.cuda.current_device = marked
+
+
+def _cuda_synchronize() -> None:
+    original = torch.cuda.synchronize
+    if getattr(original, "_zorro_cpu", False):
+        return
+
+    def synchronize(device: Any = None) -> None:
+        if not _on_cpu():
+            return original(device)
+        return None  # no device streams to wait for
+
+    marked: Any = synchronize
+    marked._zorro_cpu = True
+    marked._zorro_original = original
+    torch.cuda.synchronize = marked
 
 
 def rotary_emb(rope: Any, positions: torch.Tensor) -> torch.Tensor:
@@ -352,8 +377,10 @@ def _source(function: Any) -> str:
 
 
 def _raises(function: Any) -> bool:
+    if function is None:
+        return False
     try:
-        (function or torch.cuda.current_device)()
+        function()
     except (RuntimeError, AssertionError):
         return True
     return False
@@ -364,13 +391,16 @@ def needed() -> dict[str, bool]:
     needed. A False means upstream answers it now (or CUDA is here): remove the workaround."""
     from mbridge.core import util as mbridge_util
     from mbridge.core.llm_bridge import LLMBridge
-    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
     from megatron.core.tensor_parallel import random as mrandom
 
     cpu = _on_cpu()
     return {
         "rng_tracker": cpu and "torch.cuda.manual_seed" in _source(mrandom.model_parallel_cuda_manual_seed),
         "current_device": cpu and _raises(getattr(torch.cuda.current_device, "_zorro_original", None)),
+        "cuda_synchronize": cpu
+        and _raises(getattr(torch.cuda.synchronize, "_zorro_original", None))
+        and "torch.cuda.synchronize()" in inspect.getsource(p2p_communication),
         "cuda_factories": cpu and 'device="cuda"' in inspect.getsource(schedules),
         "mbridge_cuda": cpu and ".cuda(torch.cuda.current_device())" in inspect.getsource(mbridge_util.get_model),
         "mbridge_local_spec": cpu
@@ -383,6 +413,7 @@ def use_cpu_megatron() -> None:
     """Install the four answers (idempotent; each is active only without CUDA)."""
     _rng_tracker()
     _current_device()
+    _cuda_synchronize()
     _mbridge_cuda()
     _mbridge_local_spec()
     _cuda_factories()
@@ -399,6 +430,7 @@ def build_megatron_engine(
     model_path: str,
     *,
     tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
     precision: str = "float32",
     sequence_parallel: bool = False,
     forward_only: bool = False,
@@ -423,6 +455,7 @@ def build_megatron_engine(
     model_config.tokenizer = SimpleNamespace(pad_token_id=0)  # verl's forward reads it; no tokenizer here
     engine_config = McoreEngineConfig(
         tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
         vanilla_mbridge=True,
         use_remove_padding=use_remove_padding,
         sequence_parallel=sequence_parallel,

@@ -24,8 +24,11 @@ Fixed-size micro-batches: rows with the same prompt are first put next to each o
 verl chunks them, the outputs go back to verl's order (as the FSDP engine does). Dynamic
 micro-batches are verl's own (each one deduplicated within itself).
 
-Refused before any compute, the reason in the error (fail closed): pipeline parallelism > 1,
-context parallelism > 1 (static or dynamic), expert parallelism > 1, virtual pipelines, MoE
+Pipeline parallelism: every stage builds the same plan from the same micro-batch; the first stage
+embeds the packed row, each stage runs its layers over it, the last computes the log-probs; megatron's
+schedule sends the packed hidden states between stages as it sends verl's.
+
+Refused before any compute, the reason in the error (fail closed): context parallelism > 1 (static or dynamic), expert parallelism > 1, virtual pipelines, MoE
 layers, multi-latent attention, sliding windows, attention output gates, rotary embeddings other
 than megatron's plain `RotaryEmbedding` (YaRN, mRoPE), activation recomputation, multi-token
 prediction. Served by verl's own forward with a one-time `DedupFallbackWarning` naming the reason:
@@ -166,7 +169,6 @@ def refusal(engine: MegatronEngineWithLMHead) -> Optional[str]:
     """Why zorro cannot serve this engine's configuration (None: it can), read before any compute."""
     ec, tf = engine.engine_config, engine.tf_config
     checks = [
-        (ec.pipeline_model_parallel_size > 1, "pipeline parallelism (pipeline_model_parallel_size > 1)"),
         (ec.virtual_pipeline_model_parallel_size not in (None, 1), "virtual pipeline parallelism"),
         (ec.context_parallel_size > 1, "context parallelism (context_parallel_size > 1)"),
         (ec.dynamic_context_parallel, "dynamic context parallelism"),
@@ -284,7 +286,10 @@ class DedupMegatronEngine(MegatronEngineWithLMHead):
         self._zorro_fallback.served()
         return output, partial(postprocess_micro_batch_func, data=batch, local_cp_size=None)
 
-    def _dedup_forward(self, model, rows: VerlRows, temperature: float, calculate_entropy: bool) -> dict:
+    def _dedup_forward(self, model, rows: VerlRows, temperature: float, calculate_entropy: bool) -> Any:
+        """The micro-batch's packed plan through this pipeline stage: on the last stage verl's
+        model output (log-probs, entropy), on the others the hidden states the schedule sends on
+        (every stage builds the same plan from the same micro-batch)."""
         plan = build_prompt_plan(rows.batch)
         n = plan.num_tokens
         align = mpu.get_tensor_model_parallel_world_size()
@@ -293,6 +298,8 @@ class DedupMegatronEngine(MegatronEngineWithLMHead):
         positions = torch.nn.functional.pad(plan.position_ids, (0, t - n))
         with routed_plan(plan, self._zorro_backend()), _rope_at(model, positions):
             logits = model(input_ids=input_ids, position_ids=None, attention_mask=None)
+        if not unwrap_model(model).post_process:
+            return logits
         # logits [1, T, V / tp]: the response positions, scaled by verl's temperature (float32, cast).
         picked = logits[0, plan.logit_index]
         picked = picked / torch.tensor(temperature, dtype=torch.float32, device=picked.device).to(picked.dtype)
