@@ -170,6 +170,8 @@ def rank_case(path: str, tp: int, seed: int, pp: int = 1) -> dict:
             ref = _run(verl, padded, rows, train, use_remove_padding=True, **mb)
             ours = _run(zorro, padded, rows, train, use_remove_padding=True, **mb)
             results[key] = _errors(ours, ref, mask)
+            if mb_name == "dynamic":
+                results[f"{key} micro-batching"] = zorro._zorro_micro_batching
     for kind in ("positions", "kv_shard"):
         restore = _plant(kind)
         try:
@@ -202,6 +204,8 @@ def test_equals_verls_engine(ranks):
             if "grad" in e:
                 assert e["n_grads"] >= 10 and e["grad"] <= GRAD_RTOL, (rank, key, e)
         assert r["calls"]["fallback"] == 0 and r["calls"]["dedup"] > 0, r["calls"]
+        # dynamic micro-batches are zorro's: chosen by the tokens it computes, groups whole where they fit
+        assert r["dynamic train=False micro-batching"] == r["dynamic train=True micro-batching"] == "zorro", r
 
 
 def test_planted_bugs_fail(ranks):

@@ -22,7 +22,9 @@ replaces that step only:
 
 Fixed-size micro-batches: rows with the same prompt are first put next to each other (stable),
 verl chunks them, the outputs go back to verl's order (as the FSDP engine does). Dynamic
-micro-batches are verl's own (each one deduplicated within itself).
+micro-batches (`use_dynamic_bsz=True`): zorro chooses them under verl's token budget counted in the
+tokens it computes, groups whole where they fit (`zorro_core.integrations.verl.batching`, the FSDP
+engine's), the same count on every data-parallel rank; where a row is not served, verl's own.
 
 Pipeline parallelism: every stage builds the same plan from the same micro-batch; the first stage
 embeds the packed row, each stage runs its layers over it, the last computes the log-probs; megatron's
@@ -323,7 +325,12 @@ class DedupMegatronEngine(MegatronEngineWithLMHead):
         from zorro_core.integrations.verl.engine import _select_rows, prompt_order
 
         if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
-            return super().forward_backward_batch(data, loss_function, forward_only)
+            from verl.workers.engine.megatron import transformer_impl
+
+            from zorro_core.integrations.verl.batching import swap_prepare_micro_batches
+
+            with swap_prepare_micro_batches(self, transformer_impl, serves=_serves_whole_batch):
+                return super().forward_backward_batch(data, loss_function, forward_only)
         order = prompt_order(data)
         if order is None:
             return super().forward_backward_batch(data, loss_function, forward_only)
@@ -335,6 +342,18 @@ class DedupMegatronEngine(MegatronEngineWithLMHead):
             if isinstance(value, torch.Tensor) and value.shape[0] == order.numel():
                 model_output[key] = _select_rows(value, inverse)
         return output
+
+
+def _serves_whole_batch(engine: DedupMegatronEngine, data: Any) -> bool:
+    """Whether this engine's forward serves every row of `data` (then zorro chooses the dynamic
+    micro-batches by the tokens it computes; else verl's own micro-batching runs, on every rank)."""
+    if tu.get_non_tensor_data(data=data, key="force_group_size", default=1) != 1:
+        return False
+    if not data["input_ids"].is_nested or engine._unserved(data) is not None:
+        return False
+    if isinstance(rows_of(data), str):
+        return False
+    return "temperature" not in data.keys() or not isinstance(temperature_of(data), str)
 
 
 def install(device: Any = None, vendor: Any = None) -> type:
