@@ -25,7 +25,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (run
 pytest.importorskip("mbridge", reason="mbridge is not installed (run .ci/verl_megatron_tests)")
 
 from zorro_core.distributed.launch import launch  # noqa: E402
-from zorro_core.verify.tolerances import GRAD_RTOL, LOGPROB_ATOL  # noqa: E402
+from zorro_core.verify.tolerances import GRAD_RTOL, LOGPROB_ATOL, LOW_PRECISION_FACTOR  # noqa: E402
 
 TEMPERATURE = 0.7
 PLANTED_MIN = 1e-3
@@ -141,7 +141,7 @@ def _plant(kind: str):
     return lambda: setattr(me, "split_attention", original_attention)
 
 
-def rank_case(path: str, tp: int, seed: int, pp: int = 1) -> dict:
+def rank_case(path: str, tp: int, seed: int, pp: int = 1, precision: str = PRECISION) -> dict:
     """Each rank: verl's engine and zorro's (TP = tp, PP = pp, DP = world / (tp * pp)) on this rank's rows."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
@@ -153,7 +153,7 @@ def rank_case(path: str, tp: int, seed: int, pp: int = 1) -> dict:
 
     prompts, responses = groups(seed)
     padded = padded_batch(prompts, responses, seed=seed)
-    build = functools.partial(build_megatron_engine, tensor_parallel=tp, pipeline_parallel=pp, precision=PRECISION)
+    build = functools.partial(build_megatron_engine, tensor_parallel=tp, pipeline_parallel=pp, precision=precision)
     verl = build(MegatronEngineWithLMHead, path)
     zorro = build(DedupMegatronEngine, path)
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
@@ -161,17 +161,20 @@ def rank_case(path: str, tp: int, seed: int, pp: int = 1) -> dict:
     rows = list(range(len(prompts)))[dp_rank::dp]
     mask = padded["response_mask"][torch.as_tensor(rows)].bool()
     results: dict = {}
+    refs: dict = {}
     for mb_name, mb in (
         ("fixed", {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 4}),
         ("dynamic", {"use_dynamic_bsz": True, "max_token_len_per_gpu": 48}),
     ):
         for train in (False, True):
             key = f"{mb_name} train={train}"
-            ref = _run(verl, padded, rows, train, use_remove_padding=True, **mb)
+            ref = refs[key] = _run(verl, padded, rows, train, use_remove_padding=True, **mb)
             ours = _run(zorro, padded, rows, train, use_remove_padding=True, **mb)
             results[key] = _errors(ours, ref, mask)
             if mb_name == "dynamic":
                 results[f"{key} micro-batching"] = zorro._zorro_micro_batching
+    for train in (False, True):  # verl against itself: the same rows in other micro-batches
+        results[f"floor train={train}"] = _errors(refs[f"dynamic train={train}"], refs[f"fixed train={train}"], mask)
     for kind in ("positions", "kv_shard"):
         restore = _plant(kind)
         try:
@@ -186,23 +189,44 @@ def rank_case(path: str, tp: int, seed: int, pp: int = 1) -> dict:
     return results
 
 
-@pytest.fixture(
-    scope="module", params=[("qwen2", 2), ("qwen3", 2), ("qwen2", 1)], ids=["qwen2-tp2", "qwen3-tp2", "qwen2-tp1-dp2"]
-)
+CASES = {
+    "qwen2-tp2": ("qwen2", 2, 1, PRECISION),
+    "qwen3-tp2": ("qwen3", 2, 1, PRECISION),
+    "qwen2-dp2": ("qwen2", 1, 1, PRECISION),
+    "qwen3-pp2": ("qwen3", 1, 2, PRECISION),
+    "qwen2-tp2-float32": ("qwen2", 2, 1, "float32"),
+}
+"""(family, tensor parallel, pipeline parallel, precision) of each 2-rank run."""
+
+
+@pytest.fixture(scope="module", params=list(CASES.values()), ids=list(CASES))
 def ranks(request, tmp_path_factory):
-    family, tp = request.param
+    family, tp, pp, precision = request.param
     path = model_dir(str(tmp_path_factory.mktemp("megatron_model") / family), family)
-    return launch(rank_case, 2, path, tp, 3, threads=1, timeout_s=600)
+    results = launch(rank_case, 2, path, tp, 3, pp, precision, threads=1, timeout_s=900)
+    return [dict(r, precision=precision) for r in results]
+
+
+def _tolerances(r: dict) -> tuple[float, float]:
+    """(log-prob/entropy, gradient) tolerance: float64's, or in float32 the measured floor of verl's
+    engine against itself (the same rows in other micro-batches) times LOW_PRECISION_FACTOR, plus
+    float64's."""
+    if r["precision"] == "float64":
+        return LOGPROB_ATOL, GRAD_RTOL
+    floors = [r[f"floor train={t}"] for t in (False, True)]
+    floor_lp = max(max(f.get("lp", 0.0), f.get("ent", 0.0)) for f in floors)
+    return LOW_PRECISION_FACTOR * floor_lp + LOGPROB_ATOL, LOW_PRECISION_FACTOR * floors[1]["grad"] + GRAD_RTOL
 
 
 def test_equals_verls_engine(ranks):
     for rank, r in enumerate(ranks):
+        lp_tol, grad_tol = _tolerances(r)
         for key in ("fixed train=False", "fixed train=True", "dynamic train=False", "dynamic train=True"):
             e = r[key]
             if r["last_stage"]:
-                assert e["lp"] <= LOGPROB_ATOL and e["ent"] <= LOGPROB_ATOL, (rank, key, e)
+                assert e["lp"] <= lp_tol and e["ent"] <= lp_tol, (rank, key, e, lp_tol)
             if "grad" in e:
-                assert e["n_grads"] >= 10 and e["grad"] <= GRAD_RTOL, (rank, key, e)
+                assert e["n_grads"] >= 8 and e["grad"] <= grad_tol, (rank, key, e, grad_tol)
         assert r["calls"]["fallback"] == 0 and r["calls"]["dedup"] > 0, r["calls"]
         # dynamic micro-batches are zorro's: chosen by the tokens it computes, groups whole where they fit
         assert r["dynamic train=False micro-batching"] == r["dynamic train=True micro-batching"] == "zorro", r

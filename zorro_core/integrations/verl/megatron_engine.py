@@ -316,7 +316,8 @@ class DedupMegatronEngine(MegatronEngineWithLMHead):
             else:
                 entropy = vocab_parallel_entropy(picked)
             out["entropy"] = rows.to_nested(plan.scatter_responses(entropy))
-        log_probs = vocab_parallel_log_probs_from_logits(picked, plan.labels)
+        # megatron's cross entropy works in place on float32 logits: a copy where the entropy keeps them (as verl)
+        log_probs = vocab_parallel_log_probs_from_logits(picked.clone() if calculate_entropy else picked, plan.labels)
         out["log_probs"] = rows.to_nested(plan.scatter_responses(log_probs))
         return out
 
