@@ -310,3 +310,14 @@ def test_cpu_workarounds_are_still_needed():
     needed = cpu_megatron.needed()
     assert set(needed) == set(cpu_megatron.WORKAROUNDS)
     assert all(needed.values()), needed
+
+
+def test_unimplemented_actor_options_are_refused():
+    """The engine reads `varlen_backend` only; the prompt-once schedule, prefix sharing or another
+    option set away from its default is refused by name (never silently ignored)."""
+    from zorro_core.actor.config import ActorConfig
+    from zorro_core.integrations.verl.megatron_engine import _unserved_options
+
+    assert _unserved_options(ActorConfig()) == [] and _unserved_options(ActorConfig(varlen_backend="sdpa")) == []
+    assert _unserved_options(ActorConfig(schedule="prompt_once")) == ["schedule='prompt_once'"]
+    assert _unserved_options(ActorConfig(sharing="prefix")) == ["sharing='prefix'"]

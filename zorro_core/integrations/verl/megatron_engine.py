@@ -146,6 +146,23 @@ class DedupCoreAttention(torch.nn.Module):
         return out.reshape(t, 1, -1)
 
 
+_SERVED_OPTIONS = ("varlen_backend",)
+"""The ActorConfig fields this engine reads; any other set away from its default is refused."""
+
+
+def _unserved_options(config: ActorConfig) -> list[str]:
+    """The ActorConfig fields set away from their defaults that this engine does not implement
+    (e.g. schedule="prompt_once", sharing="prefix", logits modes): refused, never ignored."""
+    import dataclasses
+
+    default = ActorConfig()
+    return [
+        f"{f.name}={getattr(config, f.name)!r}"
+        for f in dataclasses.fields(config)
+        if f.name not in _SERVED_OPTIONS and getattr(config, f.name) != getattr(default, f.name)
+    ]
+
+
 def _layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     decoder = getattr(unwrap_model(module), "decoder", None)
     return list(decoder.layers) if decoder is not None else []
@@ -226,14 +243,24 @@ def _rope_at(model: torch.nn.Module, positions: torch.Tensor) -> Iterator[None]:
 class DedupMegatronEngine(MegatronEngineWithLMHead):
     """verl's Megatron language-model engine; its forward step runs each prompt once (module doc).
 
-    `zorro_config` (keyword only) sets the options (`varlen_backend`: the attention backend). `zorro_calls` counts the
+    `zorro_config` (keyword only), else the config a module named in `external_lib` installed
+    (`zorro_core.integrations.verl.engine.install(zorro_config=...)`, as for the FSDP engine), sets
+    the options: `varlen_backend` (the attention backend) is read; any other option set away from its
+    default (the prompt-once schedule, prefix sharing, logits modes) is refused with its name. `zorro_calls` counts the
     micro-batches served by zorro ("dedup") and by verl's own forward ("fallback")."""
 
     def __init__(self, *args: Any, zorro_config: Optional[ActorConfig] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if zorro_config is not None and not isinstance(zorro_config, ActorConfig):
             raise TypeError(f"zorro_config must be an ActorConfig, got {type(zorro_config).__name__}")
-        self.zorro_config: ActorConfig = zorro_config or ActorConfig()
+        if zorro_config is None:
+            from zorro_core.integrations.verl.engine import config_for
+
+            zorro_config = config_for(self.model_config.external_lib)
+        unserved = _unserved_options(zorro_config)
+        if unserved:
+            raise UnsupportedModelError(f"zorro's Megatron engine does not serve the ActorConfig options {unserved}")
+        self.zorro_config: ActorConfig = zorro_config
         self._zorro_fallback = Fallback("verl's own forward serves this micro-batch")
         self.zorro_calls = self._zorro_fallback.counts
 
