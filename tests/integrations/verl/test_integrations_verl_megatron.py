@@ -141,7 +141,7 @@ def _plant(kind: str):
     return lambda: setattr(me, "split_attention", original_attention)
 
 
-def rank_case(path: str, tp: int, seed: int, pp: int = 1, precision: str = PRECISION) -> dict:
+def rank_case(path: str, tp: int, seed: int, pp: int = 1, precision: str = PRECISION, sp: bool = False) -> dict:
     """Each rank: verl's engine and zorro's (TP = tp, PP = pp, DP = world / (tp * pp)) on this rank's rows."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
@@ -153,7 +153,9 @@ def rank_case(path: str, tp: int, seed: int, pp: int = 1, precision: str = PRECI
 
     prompts, responses = groups(seed)
     padded = padded_batch(prompts, responses, seed=seed)
-    build = functools.partial(build_megatron_engine, tensor_parallel=tp, pipeline_parallel=pp, precision=precision)
+    build = functools.partial(
+        build_megatron_engine, tensor_parallel=tp, pipeline_parallel=pp, precision=precision, sequence_parallel=sp
+    )
     verl = build(MegatronEngineWithLMHead, path)
     zorro = build(DedupMegatronEngine, path)
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
@@ -190,20 +192,20 @@ def rank_case(path: str, tp: int, seed: int, pp: int = 1, precision: str = PRECI
 
 
 CASES = {
-    "qwen2-tp2": ("qwen2", 2, 1, PRECISION),
-    "qwen3-tp2": ("qwen3", 2, 1, PRECISION),
-    "qwen2-dp2": ("qwen2", 1, 1, PRECISION),
-    "qwen3-pp2": ("qwen3", 1, 2, PRECISION),
-    "qwen2-tp2-float32": ("qwen2", 2, 1, "float32"),
+    "qwen2-tp2": ("qwen2", 2, 1, PRECISION, False),
+    "qwen3-tp2-sp": ("qwen3", 2, 1, PRECISION, True),
+    "qwen2-dp2": ("qwen2", 1, 1, PRECISION, False),
+    "qwen3-pp2": ("qwen3", 1, 2, PRECISION, False),
+    "qwen2-tp2-float32": ("qwen2", 2, 1, "float32", False),
 }
-"""(family, tensor parallel, pipeline parallel, precision) of each 2-rank run."""
+"""(family, tensor parallel, pipeline parallel, precision, sequence parallel) of each 2-rank run."""
 
 
 @pytest.fixture(scope="module", params=list(CASES.values()), ids=list(CASES))
 def ranks(request, tmp_path_factory):
-    family, tp, pp, precision = request.param
+    family, tp, pp, precision, sp = request.param
     path = model_dir(str(tmp_path_factory.mktemp("megatron_model") / family), family)
-    results = launch(rank_case, 2, path, tp, 3, pp, precision, threads=1, timeout_s=900)
+    results = launch(rank_case, 2, path, tp, 3, pp, precision, sp, threads=1, timeout_s=900)
     return [dict(r, precision=precision) for r in results]
 
 

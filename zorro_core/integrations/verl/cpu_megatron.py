@@ -25,7 +25,9 @@ removed):
 - mbridge_local_spec: mbridge asks for the TransformerEngine layer spec, which needs
   TransformerEngine; here it gets megatron's local spec, whose fused norms are separate modules
   (mbridge's weight names are translated: `input_layernorm` is TE's `linear_qkv.layer_norm_weight`,
-  `pre_mlp_layernorm` is `linear_fc1.layer_norm_weight`), and whose core attention is
+  `pre_mlp_layernorm` is `linear_fc1.layer_norm_weight`; under sequence parallelism, which megatron's
+  local norms refuse, torch's RMSNorm with its weight marked `sequence_parallel`, as TE's are), and
+  whose core attention is
   `thd_reference_attention_class()`: megatron's local `DotProductAttention`, which refuses packed (THD)
   sequences, with THD served by zorro's reference attention (explicit softmax, each packed sequence
   causal over itself), the stand-in for TransformerEngine's kernel that verl's packed forward calls.
@@ -323,15 +325,51 @@ def _accepts_vp_stage() -> bool:
     return "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters
 
 
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm under megatron's sequence parallelism (megatron's local `WrappedTorchNorm`
+    refuses it): the weight is marked `sequence_parallel`, so megatron sums its gradient over the
+    tensor-parallel ranks (each holds a slice of the sequence), as it does for TransformerEngine's."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any):
+        if config.normalization != "RMSNorm":
+            raise AssertionError(f"{config.normalization} under sequence parallelism on CPU")
+        super().__init__(hidden_size, eps=eps)  # as WrappedTorchNorm builds it
+        self.weight.sequence_parallel = True  # type: ignore[attr-defined]
+
+
 def _local_spec(config: Any, vp_stage: Optional[int]) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    extra = {"vp_stage": vp_stage} if _accepts_vp_stage() else {}
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, **extra)
+    sequence_parallel = bool(config.sequence_parallel)
+    config.sequence_parallel = False  # megatron's local spec asserts it while it builds the spec only
+    try:
+        extra = {"vp_stage": vp_stage} if _accepts_vp_stage() else {}
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, **extra)
+    finally:
+        config.sequence_parallel = sequence_parallel
     attention = thd_reference_attention_class()
     for layer in spec.layer_specs:
         layer.submodules.self_attention.submodules.core_attention = attention
+        if sequence_parallel:
+            for name in ("input_layernorm", "pre_mlp_layernorm"):
+                if getattr(layer.submodules, name) is WrappedTorchNorm:
+                    setattr(layer.submodules, name, SequenceParallelRMSNorm)
+            heads = layer.submodules.self_attention.submodules
+            for name in ("q_layernorm", "k_layernorm"):
+                if getattr(heads, name, None) is WrappedTorchNorm:
+                    setattr(heads, name, _HeadRMSNorm)
+    if sequence_parallel and spec.layer_norm is WrappedTorchNorm:
+        spec.layer_norm = SequenceParallelRMSNorm
     return spec
+
+
+class _HeadRMSNorm(torch.nn.RMSNorm):
+    """The per-head q/k RMSNorm under sequence parallelism (the heads are whole there; megatron
+    sums the gradients of `q_layernorm`/`k_layernorm` over tensor-parallel ranks by name)."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any):
+        super().__init__(hidden_size, eps=eps)  # as WrappedTorchNorm builds it
 
 
 def _mbridge_local_spec() -> None:

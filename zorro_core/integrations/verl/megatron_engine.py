@@ -8,7 +8,8 @@ replaces that step only:
 
 - the micro-batch's rows (`zorro_core.integrations.verl.rows.rows_of`, the FSDP engine's reading of
   verl's layout) become zorro's packed prompt plan (`build_prompt_plan`): each distinct prompt once,
-  each response after it, one packed row (padded to a multiple of the tensor-parallel size);
+  each response after it, one packed row (padded to a multiple of the tensor-parallel size, which
+  megatron's sequence parallelism splits; the padding attends to nothing and is never read);
 - every layer's core attention is `DedupCoreAttention` (installed on the built model, around the core
   attention of the layer spec): while a plan is routed it runs zorro's split attention over the
   plan (`split_attention`: the reference backend on CPU, the kernel pairs on GPU); otherwise it is
