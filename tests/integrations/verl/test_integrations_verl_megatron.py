@@ -92,9 +92,10 @@ def _run(engine, padded, rows, train: bool, **meta):
             out = engine.infer_batch(data)
         grads = {}
     if "model_output" not in out:  # not the last pipeline stage: its gradients only
-        return None, None, grads
+        return None, None, grads, {}
     mo = out["model_output"]
-    return no_padding_2_padding(mo["log_probs"], data), no_padding_2_padding(mo["entropy"], data), grads
+    metrics = {k: v for k, v in out.get("metrics", {}).items() if k.startswith("zorro/")}
+    return no_padding_2_padding(mo["log_probs"], data), no_padding_2_padding(mo["entropy"], data), grads, metrics
 
 
 def _errors(ours, ref, mask) -> dict:
@@ -175,6 +176,13 @@ def rank_case(path: str, tp: int, seed: int, pp: int = 1, precision: str = PRECI
             results[key] = _errors(ours, ref, mask)
             if mb_name == "dynamic":
                 results[f"{key} micro-batching"] = zorro._zorro_micro_batching
+    # one micro-batch holds the rank's rows: zorro's prompt dedup is the rows' own (1 - unique / all prompt tokens)
+    whole = _run(zorro, padded, rows, False, use_remove_padding=True, use_dynamic_bsz=True, max_token_len_per_gpu=4096)
+    mine = [tuple(prompts[i]) for i in rows]
+    results["prompt_dedup"] = (
+        float(whole[3]["zorro/prompt_dedup"][0]) if whole[3] else None,
+        1.0 - sum(map(len, set(mine))) / sum(map(len, mine)),
+    )
     for train in (False, True):  # verl against itself: the same rows in other micro-batches
         results[f"floor train={train}"] = _errors(refs[f"dynamic train={train}"], refs[f"fixed train={train}"], mask)
     for kind in ("positions", "kv_shard"):
@@ -232,6 +240,15 @@ def test_equals_verls_engine(ranks):
         assert r["calls"]["fallback"] == 0 and r["calls"]["dedup"] > 0, r["calls"]
         # dynamic micro-batches are zorro's: chosen by the tokens it computes, groups whole where they fit
         assert r["dynamic train=False micro-batching"] == r["dynamic train=True micro-batching"] == "zorro", r
+
+
+def test_each_call_logs_the_rows_prompt_dedup(ranks):
+    for r in ranks:
+        logged, expected = r["prompt_dedup"]
+        if r["last_stage"]:
+            assert expected > 0.3 and logged == pytest.approx(expected, abs=1e-12), r["prompt_dedup"]
+        else:
+            assert logged is None  # verl returns a pass's metrics on the last pipeline stage only
 
 
 def test_planted_bugs_fail(ranks):

@@ -308,12 +308,17 @@ class DedupMegatronEngine(MegatronEngineWithLMHead):
             rows = rows_of(batch)
             temperature = temperature_of(batch)
             reason = rows if isinstance(rows, str) else temperature if isinstance(temperature, str) else None
+        from zorro_core.integrations.verl.metrics import stats_of
+
+        stats = self.__dict__.setdefault("_zorro_stats", [])
         if reason is not None:
             self._zorro_fallback.fall_back(reason)
+            stats.append(stats_of(batch, None))
             return super().forward_step(iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
         assert isinstance(rows, VerlRows) and isinstance(temperature, float)
         output = self._dedup_forward(model, rows, temperature, flag(batch, "calculate_entropy"))
         self._zorro_fallback.served()
+        stats.append(stats_of(batch, rows))
         return output, partial(postprocess_micro_batch_func, data=batch, local_cp_size=None)
 
     def _dedup_forward(self, model, rows: VerlRows, temperature: float, calculate_entropy: bool) -> Any:
@@ -351,6 +356,17 @@ class DedupMegatronEngine(MegatronEngineWithLMHead):
 
     # -- fixed-size micro-batches: rows of a prompt next to each other ----------------------------
     def forward_backward_batch(self, data, loss_function, forward_only=False):
+        """verl's pass, with rows of a prompt together (module doc) and what zorro saved added to the
+        pass's metrics as "zorro/..." where verl returns them (the last pipeline stage)."""
+        from zorro_core.integrations.verl.metrics import add_metrics
+
+        self._zorro_stats = []
+        output = self._grouped_batch(data, loss_function, forward_only)
+        if isinstance(output, dict) and output:
+            output = add_metrics(output, self._zorro_stats)
+        return output
+
+    def _grouped_batch(self, data, loss_function, forward_only):
         from zorro_core.integrations.verl.engine import _select_rows, prompt_order
 
         if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
