@@ -31,10 +31,14 @@ Pipeline parallelism: every stage builds the same plan from the same micro-batch
 embeds the packed row, each stage runs its layers over it, the last computes the log-probs; megatron's
 schedule sends the packed hidden states between stages as it sends verl's.
 
-Refused before any compute, the reason in the error (fail closed): context parallelism > 1 (static or dynamic), expert parallelism > 1, virtual pipelines, MoE
-layers, multi-latent attention, sliding windows, attention output gates, rotary embeddings other
-than megatron's plain `RotaryEmbedding` (YaRN, mRoPE), activation recomputation, multi-token
-prediction. Served by verl's own forward with a one-time `DedupFallbackWarning` naming the reason:
+Tensor parallelism: each rank runs its heads over the same plan; megatron's sequence parallelism
+splits the padded packed row across the tensor-parallel ranks as it splits verl's.
+
+Refused before any compute, the reason in the error (fail closed): context parallelism > 1 (static
+or dynamic), expert parallelism > 1, virtual pipelines, MoE layers, multi-latent attention, sliding
+windows, attention output gates, rotary embeddings other than megatron's plain `RotaryEmbedding`
+(YaRN, mRoPE), activation recomputation, multi-token prediction, the value model, and `ActorConfig`
+options this engine does not implement (`_unserved_options`). Served by verl's own forward with a one-time `DedupFallbackWarning` naming the reason:
 what the FSDP engine hands back (`unserved_reason`'s reasons that apply here: fused kernels,
 `calculate_sum_pi_squared`, top-k distillation, routed-experts replay, SFT rows, images) and
 `pad_to_length`.
