@@ -340,3 +340,26 @@ def test_unimplemented_actor_options_are_refused():
     assert _unserved_options(ActorConfig()) == [] and _unserved_options(ActorConfig(varlen_backend="sdpa")) == []
     assert _unserved_options(ActorConfig(schedule="prompt_once")) == ["schedule='prompt_once'"]
     assert _unserved_options(ActorConfig(sharing="prefix")) == ["sharing='prefix'"]
+
+
+def test_a_missing_mbridge_is_refused_with_the_install_command():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "class Blocker:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'mbridge':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Blocker())\n"
+        "try:\n"
+        "    import zorro_core.integrations.verl.megatron_engine\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print(e.name, '|', e)\n"
+    )
+    root = Path(__file__).resolve().parents[3]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("mbridge |") and "pip install megatron-core==0.16.1 mbridge==0.15.1" in last, out

@@ -61,6 +61,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 import zorro_core.integrations.verl.needs  # noqa: F401 -- first: refuses a missing or too old verl
+import zorro_core.integrations.verl.needs_megatron  # noqa: F401 -- then megatron-core and mbridge
 
 # isort: split
 from megatron.core import parallel_state as mpu
