@@ -1,4 +1,4 @@
-"""verl's Megatron engine on CPU (gloo), for tests and CI: four narrow answers to CUDA-only calls.
+"""verl's Megatron engine on CPU (gloo), for tests and CI: six narrow answers to CUDA-only calls.
 
 verl 0.9.1's `MegatronEngineWithLMHead` with mbridge (`vanilla_mbridge=True`, the bridge the package
 registry serves) and megatron-core 0.16.1 build and run a GPTModel on CPU once these are answered,
@@ -27,10 +27,10 @@ removed):
   (mbridge's weight names are translated: `input_layernorm` is TE's `linear_qkv.layer_norm_weight`,
   `pre_mlp_layernorm` is `linear_fc1.layer_norm_weight`; under sequence parallelism, which megatron's
   local norms refuse, torch's RMSNorm with its weight marked `sequence_parallel`, as TE's are), and
-  whose core attention is
-  `thd_reference_attention_class()`: megatron's local `DotProductAttention`, which refuses packed (THD)
-  sequences, with THD served by zorro's reference attention (explicit softmax, each packed sequence
-  causal over itself), the stand-in for TransformerEngine's kernel that verl's packed forward calls.
+  whose core attention is `thd_reference_attention_class()`: megatron's local `DotProductAttention`,
+  which refuses packed (THD) sequences, with THD served by zorro's reference attention (explicit
+  softmax, each packed sequence causal over itself), the stand-in for TransformerEngine's kernel
+  that verl's packed forward calls. Only where TransformerEngine is not installed.
 
 Importing this module installs them (idempotent); `use_cpu_megatron()` is the same call.
 None of it changes what verl computes on a GPU: nothing is active while CUDA is available.
