@@ -3,8 +3,9 @@
 Runs only where verl, megatron-core and mbridge are importable (its own venv:
 `.ci/verl_megatron_tests`); skips otherwise. Both engines are verl's `MegatronEngineWithLMHead`
 (zorro's the subclass) built by verl's own code on mbridge's path, on 2 gloo ranks
-(zorro_core.integrations.verl.cpu_megatron): tensor parallel 2 (Qwen2, Qwen3), data parallel 2
-(Qwen2) and pipeline parallel 2 (Qwen3, verl's 1F1B schedule). Batches are made by verl's functions, micro-batches by verl (fixed size and dynamic),
+(zorro_core.integrations.verl.cpu_megatron): tensor parallel 2 (Qwen2; Qwen3 and Llama with
+megatron's sequence parallelism), data parallel 2 (Qwen2), pipeline parallel 2 (Qwen3, verl's 1F1B
+schedule), and tensor parallel 2 in float32 (Qwen2). Batches are made by verl's functions, micro-batches by verl (fixed size and dynamic),
 outputs read back with `no_padding_2_padding`, the training loss is verl's `ppo_loss`; gradients are
 megatron's (`main_grad`, after its data-parallel reduction), compared shard by shard on each rank.
 verl's reference runs its packed (THD) forward with megatron's local layers and zorro's reference
@@ -202,6 +203,7 @@ def rank_case(path: str, tp: int, seed: int, pp: int = 1, precision: str = PRECI
 CASES = {
     "qwen2-tp2": ("qwen2", 2, 1, PRECISION, False),
     "qwen3-tp2-sp": ("qwen3", 2, 1, PRECISION, True),
+    "llama-tp2-sp": ("llama", 2, 1, PRECISION, True),
     "qwen2-dp2": ("qwen2", 1, 1, PRECISION, False),
     "qwen3-pp2": ("qwen3", 1, 2, PRECISION, False),
     "qwen2-tp2-float32": ("qwen2", 2, 1, "float32", False),
