@@ -28,7 +28,12 @@ from zorro_core.attention.registration import install_attention
 from zorro_core.distributed.ulysses import SequenceParallel
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.families import aux_loss_of, forward_kwargs, install_family_adapters, wants_router_logits
-from zorro_core.models.parts import check_layers_served, check_trainable_state, model_parts
+from zorro_core.models.parts import (
+    check_layers_served,
+    check_trainable_state,
+    model_parts,
+    vocabulary_head_refusal,
+)
 from zorro_core.models.presets import load_model
 from zorro_core.plan.batch import RolloutBatch, check_batch
 from zorro_core.plan.build import build_dedup_plan
@@ -230,6 +235,7 @@ class _Actor:
         this with the same batch; each runs its slice of the packed row and all get every log-prob.
         `router_aux_loss`: whether this call computes an MoE model's router aux loss (None: as the
         model config's `output_router_logits` says); passed to the model as a forward kwarg."""
+        self.check_logprob_head()
         self.check_call(temperature, batch, calculate_entropy)
         check_trainable_state(self.model)
         if sequence_parallel is not None and sequence_parallel.size == 1:
@@ -248,6 +254,12 @@ class _Actor:
         return ActorOutput(
             plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan, aux
         )
+
+    def check_logprob_head(self) -> None:
+        """Refuse a log-prob call on a model without a vocabulary head (a critic's ValueModel), before any compute."""
+        why = vocabulary_head_refusal(self.parts)
+        if why is not None:
+            raise UnsupportedModelError(why)
 
     def run_route(self, batch: RolloutBatch, spec: RouteSpec, dedup: bool, temperature: float) -> torch.Tensor:
         """[B, R] log-probs of `batch` on another route (the self-check's comparisons): no checks, no aux loss."""
@@ -404,6 +416,7 @@ class BaselineActor(_Actor):
     ) -> ActorOutput:
         if not self.padded:
             return super().forward(batch, temperature, calculate_entropy, sequence_parallel, router_aux_loss)
+        self.check_logprob_head()
         if sequence_parallel is not None and sequence_parallel.size > 1:
             raise UnsupportedModelError("the padded baseline does not run under Ulysses sequence parallelism")
         return padded_forward(self, batch, temperature, calculate_entropy, router_aux_loss)

@@ -26,7 +26,8 @@ MLA), gated DeltaNet layers (each prompt's state at its end and its conv window 
 zorro_core.attention.external_linear), MoE with its router aux loss at logical counts (each micro-batch's
 equals the plain computation of its rows; the prompts' router logits kept as leaves). Self-checked
 like `forward` (`self_check`). Refused with the reason (fail closed): the baseline actor, the aux
-loss under reentrant checkpointing (its router logits carry no gradient).
+loss under reentrant checkpointing (its router logits carry no gradient), a critic (a value head, no
+lm_head: verl's and OpenRLHF's critics are served by the within-micro-batch path).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from zorro_core.attention.hook import Route, RouteSpec, route_mask
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.families import forward_kwargs, wants_router_logits
 from zorro_core.models.moe import load_balancing_loss
-from zorro_core.models.parts import check_layers_served, check_trainable_state
+from zorro_core.models.parts import check_layers_served, check_trainable_state, vocabulary_head_refusal
 from zorro_core.plan.balance import select_rows
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.prompt_nodes import PromptNodes
@@ -129,6 +130,9 @@ def refusal_for(
         return "the prompt-once schedule runs the deduplicated actor (the baseline computes every prompt per row)"
     if sharing not in ("prompt", "prefix"):
         return f"the prompt-once schedule serves sharing='prompt' or 'prefix', not {sharing!r}"
+    no_head = vocabulary_head_refusal(parts) if parts is not None else None
+    if no_head is not None:
+        return f"the prompt-once schedule computes log-probs through the lm_head; {no_head}"
     return None
 
 
