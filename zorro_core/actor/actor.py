@@ -309,7 +309,7 @@ class _Actor:
         # hooks again with the same route, and those calls are not part of this count.
         check_layers_served(self.parts, route)
         aux = aux_loss_of(
-            self.parts, self.model.config, outputs, plan, self.config.router_aux_weighting, router_aux_loss
+            self.parts, self.model.config, outputs, plan, self.config.router_aux_weighting, router_aux_loss, self
         )
         if sp is None:
             lp, ent = self.logprobs_at(hidden, plan.logit_index, plan.labels, temperature, calculate_entropy)

@@ -257,7 +257,7 @@ class VisionLanguageActor(DeduplicatedActor):
         check_layers_served(self.parts, route)
         # The MoE router aux loss over the packed row's tokens, weighted as for text (Qwen3.5-MoE).
         aux = aux_loss_of(
-            self.parts, self.model.config, outputs, plan, self.config.router_aux_weighting, router_aux_loss
+            self.parts, self.model.config, outputs, plan, self.config.router_aux_weighting, router_aux_loss, self
         )
         hidden = outputs.last_hidden_state[0]
         lp, ent = self.logprobs_at(hidden, plan.logit_index, plan.labels, temperature, calculate_entropy)
