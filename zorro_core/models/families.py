@@ -41,6 +41,12 @@ def install_family_adapters(model: nn.Module, parts) -> None:
         adapter(model)
 
 
+def check_router_aux_loss(requested: object) -> None:
+    """TypeError unless a call's `router_aux_loss` is None, True or False (a string "no" is no switch)."""
+    if requested is not None and not isinstance(requested, bool):
+        raise TypeError(f"router_aux_loss must be True, False or None, got {type(requested).__name__} {requested!r}")
+
+
 def wants_router_logits(parts, config, requested: Optional[bool] = None) -> bool:
     """Whether the forward computes the router aux loss: MoE models whose call asks for it
     (`requested`), or, when the call does not say, whose config.output_router_logits is set

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import numbers
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -47,9 +47,9 @@ anything is sized by it (the vision actor's checks, `zorro analyze --data`)."""
 def check_grid(grid: object) -> tuple[int, int, int]:
     """An image's (t, h, w) patch grid as three ints, refused (ValueError naming the grid) unless each is
     a positive integer (not a bool or a float: 1.5 frames is no grid) and t*h*w <= MAX_IMAGE_PATCHES."""
-    values = grid.tolist() if isinstance(grid, torch.Tensor) else grid
+    values: Any = grid.tolist() if isinstance(grid, torch.Tensor) else grid
     ok = isinstance(values, (list, tuple)) and len(values) == 3
-    ok = ok and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1 for x in values)
+    ok = ok and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and int(x) >= 1 for x in values)
     if not ok:
         raise ValueError(f"an image's grid_thw must be three positive ints (t, h, w), got {values!r}")
     t, h, w = (int(x) for x in values)
