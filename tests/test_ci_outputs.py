@@ -22,7 +22,7 @@ def _git(*args: str) -> subprocess.CompletedProcess:
 def test_e2e_jobs_write_to_an_untracked_folder_by_default(job):
     text = (ROOT / ".ci" / job).read_text()
     default = re.search(rf'^csv="\$\{{{E2E[job]}:-([^}}"]+)\}}"$', text, re.M)
-    assert default, f".ci/{job} names its CSV as csv=\"${{{E2E[job]}:-...}}\""
+    assert default, f'.ci/{job} names its CSV as csv="${{{E2E[job]}:-...}}"'
     path = default.group(1)
     assert path.startswith("results/mine/"), path
     assert re.findall(r"--csv\s+(\S+)", text) == ['"$csv"'], "every --csv the job passes is that path"
