@@ -13,7 +13,10 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+from zorro_core.models.presets import build_model, preset_config
 from zorro_harness.bench import gpu_time
 from zorro_harness.bench.gpu_time import SHAPES, HarnessConfig, build_on_device, seed_cases, select
 from zorro_harness.bench.results import read_rows
@@ -44,10 +47,28 @@ def test_seed_cases_in_order_of_value():
     assert [c.id for c in select(cases, "*p2048*")] == ids[10:15]
 
 
+class _Devices(TorchDispatchMode):
+    """The device of every tensor any op makes while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.seen |= {t.device.type for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+        return out
+
+
 def test_model_is_created_on_the_device_not_copied():
-    # meta has no storage: a weight initialised on the CPU and moved would have landed elsewhere first,
-    # and from_config under the device context puts every parameter and buffer on it
-    model = build_on_device("tiny-qwen3", torch.device("meta"), torch.bfloat16, "sdpa")
+    # every op of the build makes its tensors on the device (meta here): nothing is initialised on the
+    # CPU and copied (zorro_core.models.presets.build_model, which does, makes CPU tensors here)
+    with _Devices() as ops:
+        model = build_on_device("tiny-qwen3", torch.device("meta"), torch.bfloat16, "sdpa")
+    assert ops.seen == {"meta"}
+    with _Devices() as ops:
+        build_model(preset_config("tiny-qwen3"), dtype=torch.bfloat16, device="meta")
+    assert "cpu" in ops.seen  # the check sees a CPU build
     tensors = [*model.parameters(), *model.buffers()]
     assert tensors and all(t.device.type == "meta" for t in tensors)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
@@ -139,7 +160,8 @@ def test_watchdog_is_quiet_when_the_work_ends_in_time():
 HANG = textwrap.dedent(
     """
     import sys, time
-    from zorro_harness.bench import gpu_time
+    from zorro_core.models.presets import build_model, preset_config
+from zorro_harness.bench import gpu_time
     def hang_in_a_kernel(*a):
         time.sleep(600)
     gpu_time.time_case = hang_in_a_kernel
@@ -201,3 +223,9 @@ def test_cli_forwards_to_the_harness():
     assert res.output.split() == ["b16u2p64r8:schedule:budget88"]
     res = CliRunner().invoke(app, ["bench", "gpu-time", "--device", "cpu", "--shapes", "huge"])
     assert res.exit_code == 2
+
+
+def test_a_model_that_cannot_be_built_is_a_row_per_case(tmp_path):
+    rows = gpu_time.run_harness(_cfg(tmp_path, model="no-such-model"), lambda s: None)
+    assert [(r["case_id"], r["status"]) for r in rows] == [("b16u1p64r8:split", "error"), ("b16u2p64r8:split", "error")]
+    assert "could not be built" in rows[0]["error"] and "no-such-model" in rows[0]["error"]

@@ -575,12 +575,18 @@ class Harness:
         device = _device(cfg.device)
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         t = time.perf_counter()
-        model = build_on_device(cfg.model, device, DTYPES[cfg.dtype], cfg.attn_implementation, cfg.seed)
-        if cfg.checkpointing:
-            from zorro_core.stack.checkpointing import enable_checkpointing
+        try:
+            model = build_on_device(cfg.model, device, DTYPES[cfg.dtype], cfg.attn_implementation, cfg.seed)
+            if cfg.checkpointing:
+                from zorro_core.stack.checkpointing import enable_checkpointing
 
-            enable_checkpointing(model, "non-reentrant")
-            model.train()
+                enable_checkpointing(model, "non-reentrant")
+                model.train()
+        except Exception as e:  # noqa: BLE001 - every case's row says why nothing ran
+            why = f"the model could not be built on {device}: {type(e).__name__}: {str(e).strip()[:300]}"
+            for case in todo:
+                self.write(_base_row(cfg, case, "error", why))
+            return self.rows
         self.echo(
             f"model {cfg.model} built on {device} ({device_name}) in {cfg.dtype} in {time.perf_counter() - t:.2f} s; "
             f"{process_age_s():.1f} s since the process started"
