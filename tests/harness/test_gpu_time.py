@@ -113,6 +113,7 @@ def test_a_row_is_on_disk_when_its_case_ends(tmp_path):
     assert float(row["ideal_speedup"]) > 5 and float(row["speedup"]) > 0 and row["clock"] == "perf_counter"
     assert row["peak_mem_kind"].startswith("n/a") and row["baseline_kind"] == "packed_varlen_flash_cpu"
     assert row["dedup_kind"] == "split_flash_cpu" and float(row["process_s"]) > 0
+    assert float(row["baseline_plan_ms"]) > 0 and float(row["dedup_plan_ms"]) > 0
 
 
 def test_budget_stops_between_cases_with_a_row_status(tmp_path, monkeypatch):
@@ -160,8 +161,7 @@ def test_watchdog_is_quiet_when_the_work_ends_in_time():
 HANG = textwrap.dedent(
     """
     import sys, time
-    from zorro_core.models.presets import build_model, preset_config
-from zorro_harness.bench import gpu_time
+    from zorro_harness.bench import gpu_time
     def hang_in_a_kernel(*a):
         time.sleep(600)
     gpu_time.time_case = hang_in_a_kernel

@@ -174,7 +174,8 @@ COLUMNS = [
     "baseline_kind", "dedup_kind", "speedup_p20", "speedup_p80", "n", "warmup", "repeats", "logical_tokens",
     "unique_tokens", "baseline_gflops", "dedup_gflops", "seed", "checkpointing", "finished_utc",
     # the harness's own
-    "arm", "budget_tokens", "micro_batches_baseline", "micro_batches_dedup", "self_check", "clock", "case_s",
+    "arm", "budget_tokens", "micro_batches_baseline", "micro_batches_dedup", "baseline_plan_ms", "dedup_plan_ms",
+    "self_check", "clock", "case_s",
     "process_s", "device_name", "torch_version",
 ]  # fmt: skip
 """The CSV's columns; `dedup_*` hold the row's zorro arm (`arm`: dedup, micro_batch or prompt_once)."""
@@ -279,13 +280,23 @@ def make_arms(cfg: HarnessConfig, model: Any, case: TimeCase, device: torch.devi
     dedup = DeduplicatedActor(model=model, config=_actor_config(cfg, device, MASK if case.mode == MASK else SPLIT))
     n = batch.response_mask.sum()
     shape = model_shape(model.config)
-    base_plan, dedup_plan = baseline.plan(batch), dedup.plan(batch)
+    # each arm's plan, timed once (its forward builds it again every call: a host term beside the kernels)
+    plans, plan_ms = {}, {}
+    for name, actor in (("baseline", baseline), ("dedup", dedup)):
+        _synchronize(device)
+        t = time.perf_counter()
+        plans[name] = actor.plan(batch)
+        _synchronize(device)
+        plan_ms[name] = round((time.perf_counter() - t) * 1e3, 2)
+    base_plan, dedup_plan = plans["baseline"], plans["dedup"]
     cmp = compare_plans(shape, base_plan, dedup_plan, "compute")
     workload = {
         "prompt_dedup_ratio": round(1.0 - case.unique_prompts / case.batch_size, 6),
         "token_redundancy": round(dedup_plan.token_redundancy, 6),
         "logical_tokens": dedup_plan.logical_tokens,
         "unique_tokens": dedup_plan.num_tokens,
+        "baseline_plan_ms": plan_ms["baseline"],
+        "dedup_plan_ms": plan_ms["dedup"],
     }
     actors = {"baseline": baseline, "dedup": dedup}
     if case.mode != SCHEDULE:
@@ -342,6 +353,11 @@ def make_arms(cfg: HarnessConfig, model: Any, case: TimeCase, device: torch.devi
         workload,
         actors,
     )
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _is_oom(e: BaseException) -> bool:
