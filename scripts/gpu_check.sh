@@ -83,13 +83,13 @@ if want r; then
   EMU=""; [ "$CUDA" = 1 ] || EMU="--emulate"
   t=$(left 470)
   limit "$t" $PY scripts/region_calls_check.py $EMU --out "$RES/region_calls.json" --call-timeout-s 20 \
-    --timeout-s $(( t > 20 ? t - 5 : t )) 2>&1 | tee "$RES/region_calls.txt" | grep -v "^  step"
+    --timeout-s $(( t > 20 ? t - 5 : t )) 2>&1 | tee "$RES/region_calls.txt" | grep -v "^  "
   echo "region_calls exit code: ${PIPESTATUS[0]}"
   snap
   t=$(left 510)
   limit "$t" $PY scripts/region_calls_check.py $EMU --checkpointing --out "$RES/region_calls_ckpt.json" \
     --call-timeout-s 20 --timeout-s $(( t > 20 ? t - 5 : t )) > "$RES/region_calls_ckpt.txt" 2>&1
-  echo "region_calls --checkpointing exit code: $?"; grep -v "^  step" "$RES/region_calls_ckpt.txt" | tail -8
+  echo "region_calls --checkpointing exit code: $?"; grep -v "^  " "$RES/region_calls_ckpt.txt" | tail -8
   snap
 fi
 step0() {

@@ -53,6 +53,10 @@ class Syncs:
         self.cuda = cuda
         self.on = False
         self.count = 0
+        self.depth = 0
+        self.paused = False
+        self.last = 0
+        self._show: Callable[..., None] = warnings.showwarning
         self.emulated = 0
         self.sites: collections.Counter = collections.Counter()
         self._saved: dict[str, Any] = {}
@@ -68,7 +72,7 @@ class Syncs:
         return "outside zorro_core"
 
     def _hit(self) -> None:
-        if self.on and not self.cuda:  # on CUDA the sync-debug mode counts every sync once
+        if self.on and not self.paused and not self.cuda:  # on CUDA the sync-debug mode counts every sync once
             site = self._site()
             if site == EMULATED:
                 self.emulated += 1  # the CPU stand-in of the kernel reads its cu_seqlens; the CUDA kernel does not
@@ -95,29 +99,47 @@ class Syncs:
 
         torch.nonzero = nonzero  # type: ignore[assignment]
 
+    def _cuda_warning(self, message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+        """warnings.showwarning while counting on CUDA: torch's sync-debug warning, raised inside the
+        op that synchronizes, counted with the zorro line that called it; any other warning shown."""
+        if "synchroniz" not in str(message):
+            self._show(message, category, filename, lineno, *rest)
+        elif self.on and not self.paused:
+            self.count += 1
+            self.sites[self._site()] += 1
+
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
+        """Count within the block (nested blocks count into the outer one too); `self.last` is the block's."""
         before = self.count
-        self.on = True
-        if self.cuda:
-            torch.cuda.set_sync_debug_mode("warn")
-            with warnings.catch_warnings(record=True) as seen:
-                warnings.simplefilter("always")
-                try:
-                    yield
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
-                    self.on = False
-            for w in seen:
-                if "synchroniz" in str(w.message):
-                    self.count += 1
-                    self.sites[f"{Path(w.filename).name}:{w.lineno}"] += 1
-        else:
+        outer = self.depth == 0
+        self.depth += 1
+        with contextlib.ExitStack() as stack:
+            if outer:
+                self.on = True
+                if self.cuda:
+                    stack.enter_context(warnings.catch_warnings())
+                    warnings.simplefilter("always")
+                    self._show = warnings.showwarning
+                    warnings.showwarning = self._cuda_warning
+                    torch.cuda.set_sync_debug_mode("warn")
+                    stack.callback(torch.cuda.set_sync_debug_mode, 0)
             try:
                 yield
             finally:
-                self.on = False
+                self.depth -= 1
+                if outer:
+                    self.on = False
         self.last = self.count - before
+
+    @contextlib.contextmanager
+    def pausing(self) -> Iterator[None]:
+        """The script's own synchronize, not counted."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
 
 
 class Calls:
@@ -130,7 +152,8 @@ class Calls:
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            with self.syncs.pausing():
+                torch.cuda.synchronize(self.device)
 
     def wrap(self, kind: str, fn: Callable[..., Any], tokens: Callable[..., int]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -144,7 +167,7 @@ class Calls:
                 t = time.perf_counter()
                 with self.syncs.counting():
                     out = fn(*args, **kwargs)
-                    self._sync()
+                self._sync()
                 ms = (time.perf_counter() - t) * 1e3
             row = {"step": self.step, "kind": kind, "tokens": tokens(*args), "ms": round(ms, 3)}
             row["syncs"] = self.syncs.last
@@ -271,8 +294,7 @@ def _run(a: argparse.Namespace, device: torch.device, backend: str, echo: Callab
         t = time.perf_counter()
         with syncs.counting():
             res = actor.forward_backward(batch, loss_fn, 2 * r, schedule="prompt_once")
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+        calls._sync()
         steps[name] = {
             "prompt_len": p,
             "seconds": round(time.perf_counter() - t, 4),

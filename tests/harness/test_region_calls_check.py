@@ -42,5 +42,40 @@ def test_a_run_past_its_deadline_dumps_the_stacks(tmp_path):
     res = _run("--timeout-s", "1", "--out", str(tmp_path / "r.json"))
     assert res.returncode == 124, res.stdout[-2000:] + res.stderr[-2000:]
     assert "TIMEOUT: the run passed 1 s" in res.stdout
-    assert "most recent call first" in res.stderr and "region_calls_check.py" in res.stderr
+    assert "most recent call first" in res.stderr and "  File " in res.stderr  # every thread's stack
     assert not (tmp_path / "r.json").exists()
+
+
+def _script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("region_calls_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cuda_sync_warnings_are_counted_nested_and_others_shown(monkeypatch):
+    """On CUDA the syncs are torch's sync-debug warnings: counted in the innermost block and the outer
+    one, the script's own synchronize not counted, any other warning still shown."""
+    import warnings
+
+    import torch
+
+    mod = _script()
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    syncs = mod.Syncs(cuda=True)
+    shown = []
+    monkeypatch.setattr(warnings, "showwarning", lambda *a, **kw: shown.append(str(a[0])))
+    with syncs.counting():
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=2)
+        with syncs.counting():
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=2)
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=2)
+            with syncs.pausing():
+                warnings.warn("called a synchronizing CUDA operation", stacklevel=2)
+            warnings.warn("something else", stacklevel=2)
+        inner = syncs.last
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=2)
+    assert (inner, syncs.last, syncs.count) == (2, 4, 4)
+    assert shown == ["something else"]

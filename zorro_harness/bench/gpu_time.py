@@ -257,8 +257,12 @@ def _actor_config(cfg: HarnessConfig, device: torch.device, mode: str) -> Any:
     )
 
 
-def make_arms(cfg: HarnessConfig, model: Any, case: TimeCase, device: torch.device) -> _Arms:
-    """The batch (on the device), the actors and the callables of `case`, and its cost-model figures."""
+def make_arms(
+    cfg: HarnessConfig, model: Any, case: TimeCase, device: torch.device, cache: Optional[dict[str, Any]] = None
+) -> _Arms:
+    """The batch (on the device), the actors and the callables of `case`, and its cost-model figures.
+    `cache`: the run's actors by kind, reused from case to case as a trainer keeps its actor (the
+    self-check on CUDA then runs once per kind, in the first case's warm-up)."""
     from zorro_core.actor.actor import BaselineActor, DeduplicatedActor
     from zorro_core.actor.microbatch import micro_batch_partition
     from zorro_core.models.registry import model_shape
@@ -275,9 +279,13 @@ def make_arms(cfg: HarnessConfig, model: Any, case: TimeCase, device: torch.devi
         device=str(device),
         seed=cfg.seed,
     )
-    split = _actor_config(cfg, device, SPLIT)
-    baseline = BaselineActor(model=model, config=split)
-    dedup = DeduplicatedActor(model=model, config=_actor_config(cfg, device, MASK if case.mode == MASK else SPLIT))
+    cache = {} if cache is None else cache
+    if "baseline" not in cache:
+        cache["baseline"] = BaselineActor(model=model, config=_actor_config(cfg, device, SPLIT))
+    kind = MASK if case.mode == MASK else SPLIT
+    if kind not in cache:
+        cache[kind] = DeduplicatedActor(model=model, config=_actor_config(cfg, device, kind))
+    baseline, dedup = cache["baseline"], cache[kind]
     n = batch.response_mask.sum()
     shape = model_shape(model.config)
     # each arm's plan, timed once (its forward builds it again every call: a host term beside the kernels)
@@ -390,12 +398,14 @@ def _self_check(actor: Any) -> str:
     return "pass" if sc.verdicts else "not run"
 
 
-def time_case(cfg: HarnessConfig, model: Any, case: TimeCase, device: torch.device) -> list[dict[str, Any]]:
+def time_case(
+    cfg: HarnessConfig, model: Any, case: TimeCase, device: torch.device, cache: Optional[dict[str, Any]] = None
+) -> list[dict[str, Any]]:
     """The rows of one case (one per zorro arm): warm-up (each arm's first call is its peak), then
     the arms timed interleaved; an arm out of memory in its warm-up is dropped, the others timed."""
     from zorro_harness.bench.measure import speedup_columns, summarize, time_columns, time_interleaved
 
-    arms = make_arms(cfg, model, case, device)
+    arms = make_arms(cfg, model, case, device, cache)
     clock, clock_name = clock_for(device)
     peaks: dict[str, float] = {}
     errors: dict[str, str] = {}
@@ -607,6 +617,7 @@ class Harness:
             f"model {cfg.model} built on {device} ({device_name}) in {cfg.dtype} in {time.perf_counter() - t:.2f} s; "
             f"{process_age_s():.1f} s since the process started"
         )
+        actors: dict[str, Any] = {}
         for i, case in enumerate(todo):
             left = self.left()
             if left is not None:
@@ -626,7 +637,7 @@ class Harness:
             t0 = time.perf_counter()
             try:
                 with Watchdog(deadline, expired):
-                    rows = time_case(cfg, model, case, device)
+                    rows = time_case(cfg, model, case, device, actors)
             except Exception as e:  # noqa: BLE001 - a failed case is a row, the next case runs
                 text = str(e).strip()
                 rows = [
