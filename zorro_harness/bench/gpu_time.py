@@ -19,8 +19,9 @@ first timing. This harness runs every case in ONE process:
   case ends, so a run killed at any moment keeps every finished case; `resume` skips the cases whose
   last row is ok (or oom);
 - `budget_s` (counted from the harness's start) stops between cases: a case starts only when the time
-  its cost-model FLOPs need, at the rate the cases before it ran, fits in what is left; the cases not
-  run get a `status=budget` row saying so;
+  its cost-model FLOPs need, at the rate the cases before it ran, fits in what is left (a case too long
+  is passed over, a cheaper one after it may still run); every case not run gets a `status=budget` row
+  saying why;
 - each case has its own deadline (`case_timeout_s`, and never past the budget): a case still running
   then dumps every thread's stack (faulthandler) to stderr, gets a `status=timeout` row, and the
   process exits 124, so a hang says where it hung.
@@ -620,14 +621,18 @@ class Harness:
         actors: dict[str, Any] = {}
         for i, case in enumerate(todo):
             left = self.left()
-            if left is not None:
-                need = self.rate * _gflops_estimate(model, case, cfg) if self.rate is not None else 0.0
-                if left <= 0 or need > left:
-                    why = f"not run: {max(left, 0):.1f} s of the {cfg.budget_s:g} s budget left"
-                    why += f", the case needs ~{need:.1f} s (estimated)" if need else ""
-                    for rest in todo[i:]:
-                        self.write(_base_row(cfg, rest, "budget", why))
-                    break
+            if left is not None and left <= 0:
+                why = f"not run: the {cfg.budget_s:g} s budget is spent"
+                for rest in todo[i:]:
+                    self.write(_base_row(cfg, rest, "budget", why))
+                break
+            if left is not None and self.rate is not None:
+                # a case too long for what is left is passed over; a cheaper one after it may still fit
+                need = self.rate * _gflops_estimate(model, case, cfg)
+                if need > left:
+                    why = f"not run: {left:.1f} s of the {cfg.budget_s:g} s budget left, the case needs ~{need:.1f} s"
+                    self.write(_base_row(cfg, case, "budget", why + " (estimated from the cases before it)"))
+                    continue
             deadline = cfg.case_timeout_s if left is None else min(cfg.case_timeout_s, max(left, 1.0))
 
             def expired(case: TimeCase = case, deadline: float = deadline) -> None:
