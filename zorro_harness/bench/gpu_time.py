@@ -614,9 +614,13 @@ class Harness:
             for case in todo:
                 self.write(_base_row(cfg, case, "error", why))
             return self.rows
+        import transformers
+
+        cuda = f", CUDA {torch.version.cuda}" if device.type == "cuda" else ""
         self.echo(
             f"model {cfg.model} built on {device} ({device_name}) in {cfg.dtype} in {time.perf_counter() - t:.2f} s; "
-            f"{process_age_s():.1f} s since the process started"
+            f"{process_age_s():.1f} s since the process started (torch {torch.__version__}, transformers "
+            f"{transformers.__version__}{cuda})"
         )
         actors: dict[str, Any] = {}
         for i, case in enumerate(todo):
