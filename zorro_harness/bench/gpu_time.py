@@ -22,9 +22,10 @@ first timing. This harness runs every case in ONE process:
   its cost-model FLOPs need, at the rate the cases before it ran, fits in what is left (a case too long
   is passed over, a cheaper one after it may still run); every case not run gets a `status=budget` row
   saying why;
-- each case has its own deadline (`case_timeout_s`, and never past the budget): a case still running
-  then dumps every thread's stack (faulthandler) to stderr, gets a `status=timeout` row, and the
-  process exits 124, so a hang says where it hung.
+- each case has its own deadline (`case_timeout_s`, or three times its estimate when that is longer,
+  and never past the budget): a case still running then dumps every thread's stack (faulthandler) to
+  stderr, gets a `status=timeout` row, and the process exits 124, so a hang says where it hung (a
+  resumed run tries that case again: leave it out with `cases` to go past it).
 
 The case list is the seed's, in order of value (`seed_cases`): Qwen3-0.6B, B=16, P=8192, R=512, unique
 prompts 1, 2, 4, 8, 16 (the speedup against the dedup ratio) in split mode, then in mask mode
@@ -630,14 +631,16 @@ class Harness:
                 for rest in todo[i:]:
                     self.write(_base_row(cfg, rest, "budget", why))
                 break
+            need = self.rate * _gflops_estimate(model, case, cfg) if self.rate is not None else 0.0
             if left is not None and self.rate is not None:
                 # a case too long for what is left is passed over; a cheaper one after it may still fit
-                need = self.rate * _gflops_estimate(model, case, cfg)
                 if need > left:
                     why = f"not run: {left:.1f} s of the {cfg.budget_s:g} s budget left, the case needs ~{need:.1f} s"
                     self.write(_base_row(cfg, case, "budget", why + " (estimated from the cases before it)"))
                     continue
-            deadline = cfg.case_timeout_s if left is None else min(cfg.case_timeout_s, max(left, 1.0))
+            # the deadline catches a hang: a case the estimate says is long gets three times its estimate
+            deadline = max(cfg.case_timeout_s, 3 * need)
+            deadline = deadline if left is None else min(deadline, max(left, 1.0))
 
             def expired(case: TimeCase = case, deadline: float = deadline) -> None:
                 why = f"still running after {deadline:.0f} s: every thread's stack is on stderr above"
