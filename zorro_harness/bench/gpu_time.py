@@ -178,7 +178,7 @@ COLUMNS = [
     # the harness's own
     "arm", "budget_tokens", "micro_batches_baseline", "micro_batches_dedup", "baseline_plan_ms", "dedup_plan_ms",
     "self_check", "clock", "case_s",
-    "process_s", "device_name", "torch_version",
+    "process_s", "device_name", "torch_version", "transformers_version", "cuda_version",
 ]  # fmt: skip
 """The CSV's columns; `dedup_*` hold the row's zorro arm (`arm`: dedup, micro_batch or prompt_once)."""
 DONE = ("ok", "oom")
@@ -579,6 +579,8 @@ class Harness:
         row.setdefault("finished_utc", dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
         row.setdefault("process_s", round(process_age_s(), 2))
         row.setdefault("torch_version", torch.__version__)
+        row.setdefault("transformers_version", _transformers_version())
+        row.setdefault("cuda_version", torch.version.cuda or "")
         self.writer.append(row)
         self.rows.append(row)
         self.echo(_line(row))
@@ -615,13 +617,11 @@ class Harness:
             for case in todo:
                 self.write(_base_row(cfg, case, "error", why))
             return self.rows
-        import transformers
-
         cuda = f", CUDA {torch.version.cuda}" if device.type == "cuda" else ""
         self.echo(
             f"model {cfg.model} built on {device} ({device_name}) in {cfg.dtype} in {time.perf_counter() - t:.2f} s; "
             f"{process_age_s():.1f} s since the process started (torch {torch.__version__}, transformers "
-            f"{transformers.__version__}{cuda})"
+            f"{_transformers_version()}{cuda})"
         )
         actors: dict[str, Any] = {}
         for i, case in enumerate(todo):
@@ -663,6 +663,12 @@ class Harness:
             if all(r["status"] == "ok" for r in rows):
                 self.rate = took / max(_gflops_estimate(model, case, cfg), 1e-9)
         return self.rows
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
 
 
 def _line(row: dict[str, Any]) -> str:
