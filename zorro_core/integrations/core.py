@@ -161,7 +161,7 @@ def require_assigned(
 
 def refuse_schedule(config: Any, trainer: str) -> None:
     """Refuse `ActorConfig(schedule="prompt_once")` in a trainer whose own loop runs the step's
-    micro-batches (TRL, OpenRLHF): zorro sees one micro-batch per call there, so the schedule would
+    micro-batches (OpenRLHF, verl's legacy actor): zorro sees one micro-batch per call there, so the schedule would
     be silently ignored (docs/trainers.md, "The prompt-once schedule in TRL and OpenRLHF")."""
     if getattr(config, "schedule", "micro_batch") != "micro_batch":
         raise ValueError(

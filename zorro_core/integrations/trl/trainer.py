@@ -70,6 +70,7 @@ from packaging.version import Version
 
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
+from zorro_core.actor.schedule import Groups, prompt_once_logprobs
 from zorro_core.actor.vision import VisionLanguageActor
 from zorro_core.distributed.regroup import regroup
 from zorro_core.errors import UnsupportedModelError
@@ -77,12 +78,12 @@ from zorro_core.integrations.core import (
     DedupFallbackWarning,
     Fallback,
     prompt_dedup_ratio,
-    refuse_schedule,
     require_attributes,
 )
 from zorro_core.integrations.deprecated import renamed
-from zorro_core.integrations.layout import joined_logprobs, layout_problem
+from zorro_core.integrations.layout import grouped_order, joined_logprobs, layout_problem
 from zorro_core.integrations.requires import require_trainer
+from zorro_core.integrations.trl.window import HANDED_BACK, Window, local_refusal, run_window, window_slices
 from zorro_core.integrations.vision_layout import VISION_KEYS, joined_vision_logprobs, row_images, vision_refusal
 from zorro_core.integrations.wrappers import Wrapped, unwrap
 from zorro_core.models.parts import check_trainable_state, unwrap_adapters
@@ -167,7 +168,10 @@ class DedupGRPOTrainer(GRPOTrainer):
         if zorro_config is not None and not isinstance(zorro_config, ActorConfig):
             raise TypeError(f"zorro_config must be a zorro_core.ActorConfig, got {type(zorro_config).__name__}")
         self._zorro_config = zorro_config or ActorConfig()
-        refuse_schedule(self._zorro_config, "TRL's GRPOTrainer")
+        self._zorro_window: Optional[Window] = None
+        self._zorro_window_fallback = Fallback(HANDED_BACK)
+        self.zorro_windows = self._zorro_window_fallback.counts
+        """Gradient-accumulation windows run as one prompt-once step ("dedup") or handed back ("fallback")."""
         self._zorro_regroup = bool(zorro_regroup)
         self._actors: dict[int, tuple[torch.nn.Module, Any]] = {}  # id(model) -> (model, actor or refusal text)
         self._zorro_fallback = Fallback("TRL's own log-prob method serves this call")
@@ -259,6 +263,79 @@ class DedupGRPOTrainer(GRPOTrainer):
             )
         return reason
 
+    # -- the gradient-accumulation window as one prompt-once step (zorro_core.integrations.trl.window) ----
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        self._zorro_window = None  # a window cut short by an earlier train() is not resumed
+        return super().train(*args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's loss; under `schedule="prompt_once"` in training, a window of 2+ slices is computed
+        whole at its first call (its backward included) and each call returns its slice's loss as a
+        leaf, so `accelerator.backward` on it changes no gradient (zorro_core.integrations.trl.window)."""
+        if (
+            return_outputs
+            or self._zorro_config.schedule != "prompt_once"
+            or not self.model.training
+            or self.current_gradient_accumulation_steps == 1
+        ):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        window = self._zorro_window
+        if window is None or window.next >= window.size:
+            window = self._zorro_window = self._start_window(model, inputs)
+        j = window.next
+        if window.slices and inputs is not window.slices[j]:
+            self._zorro_window = None
+            raise RuntimeError(
+                f"DedupGRPOTrainer: call {j} of the gradient-accumulation window got another batch than the "
+                "slice TRL buffered for it; the window's losses would not be this call's"
+            )
+        window.next += 1
+        if window.losses is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return window.losses[j].clone().requires_grad_(True)
+
+    def _start_window(self, model, inputs) -> Window:
+        n = self.current_gradient_accumulation_steps
+        slices, reason = window_slices(self)
+        if reason is None and slices[0] is not inputs:
+            reason = "the window's first call did not get the first buffered slice"
+        if reason is None:
+            reason = local_refusal(self, model, slices)
+        reason = self._agree(reason)
+        if reason is None:
+            try:
+                losses, record = run_window(self, model, slices, self._window_loss(model, slices))
+            except UnsupportedModelError as e:
+                # Raised in phase 1, before any backward: this window goes to the per-slice path.
+                if self._world() > 1:  # the other ranks are inside the window's collectives
+                    raise
+                reason = f"the prompt-once schedule refuses this window: {e}"
+            else:
+                self.zorro_log.append(record)
+                self._zorro_window_fallback.served()
+                self._metrics["train"]["zorro/prompt_once"].append(1.0)
+                return Window(n, slices, losses)
+        self._zorro_window_fallback.fall_back(reason)
+        self._metrics["train"]["zorro/prompt_once"].append(0.0)
+        return Window(n, slices, None)
+
+    def _window_loss(self, model, slices):
+        """loss_of_slice for run_window: TRL's own compute_loss of slice j on the given log-probs, with
+        `sync_gradients` as TRL's loop has it at that call (True at the window's last slice only)."""
+        state = self.accelerator.gradient_state
+
+        def loss_of_slice(j: int, log_probs: torch.Tensor, entropy: Optional[torch.Tensor]) -> torch.Tensor:
+            sync = state.sync_gradients
+            self._zorro_injected = (log_probs, entropy)
+            state._set_sync_gradients(j == len(slices) - 1)
+            try:
+                return super(DedupGRPOTrainer, self).compute_loss(model, slices[j])
+            finally:
+                state._set_sync_gradients(sync)
+                self.__dict__.pop("_zorro_injected", None)
+
+        return loss_of_slice
+
     def _get_per_token_logps_and_entropies(
         self,
         model,
@@ -270,6 +347,16 @@ class DedupGRPOTrainer(GRPOTrainer):
         compute_aux_loss=False,
         **extra,
     ):
+        injected = self.__dict__.pop("_zorro_injected", None)
+        if injected is not None:  # the window's loss call of a slice (zorro_core.integrations.trl.window)
+            lp, ent = injected
+            if lp.shape != (input_ids.shape[0], logits_to_keep) or compute_aux_loss or not compute_entropy:
+                raise RuntimeError(
+                    f"the window's log-probs {tuple(lp.shape)} were handed to a call of {tuple(input_ids.shape)} "
+                    f"keeping {logits_to_keep} (aux loss {compute_aux_loss}, entropy {compute_entropy}): TRL's loss "
+                    "call changed"
+                )
+            return lp, ent, None
         reason = self._refusal(model, attention_mask, logits_to_keep, compute_aux_loss, extra)
         images = None
         if reason is None and any(extra.get(k) is not None for k in VISION_KEYS if k != "num_images"):

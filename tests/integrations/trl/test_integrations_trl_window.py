@@ -1,0 +1,221 @@
+"""DedupGRPOTrainer's gradient-accumulation window as one prompt-once step, against trl.GRPOTrainer.
+
+float64, one process: one window of TRL's own `training_step` calls (4 slices of 3 rows cut from a
+generation batch of 3 prompts x 4 completions by TRL's own shuffle, the same seed for both) on the same
+generation batch; every parameter's gradient after the window, each call's returned loss and TRL's
+logged metrics equal GRPOTrainer's (zorro's float64 tolerances; TRL's fused head computes in float32,
+so its own error is ~5e-7) and the per-slice dedup path's, for every loss type of TRL 1.16, with the KL
+term, importance sampling at token and sequence level with clipping, a fully masked completion,
+entropy masking, the entropy bonus (static and adaptive), the off-policy mask and two-sided clipping.
+Planted bugs fail: the prompts' first-token gradient dropped; one slice's normalisation taken from another.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+
+from test_integrations_trl import checkpoint, make_grpo_trainer  # noqa: E402, F401 (checkpoint: the fixture)
+from trl import GRPOTrainer  # noqa: E402
+
+import zorro_core.actor.schedule as schedule  # noqa: E402
+from zorro_core.actor.config import ActorConfig  # noqa: E402
+from zorro_core.integrations.trl import DedupGRPOTrainer  # noqa: E402
+from zorro_core.verify.gradients import GRAD_FLOOR, LP_FLOOR  # noqa: E402
+from zorro_core.verify.reference import rel_grad_errors  # noqa: E402
+
+GAS = 4
+"""Slices per window (= steps_per_generation): 3 rows each, so every group of 4 spans slices."""
+
+
+@pytest.fixture(scope="module")
+def trainers(checkpoint, tmp_path_factory):
+    """GRPOTrainer, DedupGRPOTrainer (per-slice path) and DedupGRPOTrainer (window), float64, built once."""
+    path, _ = checkpoint
+    out = {}
+    settings = dict(
+        per_device_train_batch_size=3,
+        steps_per_generation=GAS,
+        gradient_accumulation_steps=GAS,
+        num_generations=4,
+        beta=0.1,
+    )
+    for name, cls, config in (
+        ("trl", GRPOTrainer, None),
+        ("slice", DedupGRPOTrainer, ActorConfig()),
+        ("window", DedupGRPOTrainer, ActorConfig(schedule="prompt_once")),
+    ):
+        kwargs = {"trainer_kwargs": {"zorro_config": config}} if config is not None else {}
+        out[name] = make_grpo_trainer(
+            cls, path, tmp_path_factory.mktemp(name), torch.float64, **kwargs, **settings
+        )
+    return out
+
+
+def _generation_batch(trainer) -> dict:
+    """3 prompts x 4 completions in TRL's layout (left-padded prompts, right-padded completions), one
+    completion fully masked (mask_truncated_completions), advantages of both signs, old log-probs off
+    the current ones (ratios beyond the clip range) and reference log-probs."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [[5, 6, 7, 8, 9], [9, 10], [11, 12, 13, 14, 15, 16, 17]]
+    rows = [(p, int(torch.randint(1, 8, (1,), generator=g))) for p in range(3) for _ in range(4)]
+    width_p, width_c = max(map(len, prompts)), 8
+    n = len(rows)
+    pid, pmask = torch.zeros(n, width_p, dtype=torch.long), torch.zeros(n, width_p, dtype=torch.long)
+    cid, cmask = torch.zeros(n, width_c, dtype=torch.long), torch.zeros(n, width_c, dtype=torch.long)
+    for i, (p, length) in enumerate(rows):
+        pr = prompts[p]
+        pid[i, width_p - len(pr) :], pmask[i, width_p - len(pr) :] = torch.tensor(pr), 1
+        cid[i, :length] = torch.randint(40, 250, (length,), generator=g)
+        cmask[i, :length] = 1
+    cmask[5] = 0  # a truncated completion, masked
+    ids, mask = torch.cat([pid, cid], 1), torch.cat([pmask, cmask], 1)
+    with torch.no_grad():
+        lp, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask, width_c)
+        ref, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.ref_model, ids, mask, width_c)
+    old = (lp.double() + 0.3 * torch.randn(lp.shape, generator=g, dtype=torch.float64)) * cmask
+    return {
+        "prompt_ids": pid,
+        "prompt_mask": pmask,
+        "completion_ids": cid,
+        "completion_mask": cmask,
+        "advantages": torch.randn(n, generator=g, dtype=torch.float64),
+        "num_items_in_batch": cmask.sum(),
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref.double() * cmask,
+    }
+
+
+def _window(trainer, batch: dict, options: dict) -> dict:
+    """One window through TRL's own training_step (its _prepare_inputs, shuffle and split; the
+    generation replaced by `batch`): the losses each call returned, the gradients, the logged metrics."""
+    for key, value in options.items():
+        if key in ("delta",):
+            setattr(trainer.args, key, value)
+        else:
+            setattr(trainer, key, value)
+    trainer._entropy_bonus_enabled = trainer.entropy_coef != 0.0 or trainer.use_adaptive_entropy
+    trainer._generate_and_score_completions = lambda _: {k: v.clone() for k, v in batch.items()}
+    trainer._step, trainer._buffered_inputs = 0, None
+    trainer._metrics["train"].clear()
+    trainer.current_gradient_accumulation_steps = GAS
+    model = trainer.model
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(11)  # TRL's shuffle_sequence_dict
+    losses = []
+    for k in range(GAS):
+        trainer.accelerator.gradient_state._set_sync_gradients(k == GAS - 1)
+        losses.append(float(trainer.training_step(model, [{"prompt": "unused"}], None)))
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    metrics = {k: list(v) for k, v in trainer._metrics["train"].items() if k not in ("step_time",)}
+    return {"losses": losses, "grads": grads, "metrics": metrics, "coef": trainer.entropy_coef}
+
+
+DEFAULTS = dict(
+    loss_type="grpo",
+    beta=0.1,
+    importance_sampling_level="token",
+    top_entropy_quantile=1.0,
+    entropy_coef=0.0,
+    use_adaptive_entropy=False,
+    off_policy_mask_threshold=None,
+    delta=None,
+)
+CASES = {
+    **{lt: {"loss_type": lt} for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo")},
+    "luspo": {"loss_type": "luspo", "importance_sampling_level": "sequence"},
+    "grpo_sequence_no_kl": {"importance_sampling_level": "sequence", "beta": 0.0},
+    # A quantile that falls between two entropies: at 0.5 the median of an odd count is one of them,
+    # and TRL's float32 entropy of a float64 model ties with its float32 threshold where zorro's float64
+    # one may not (the same in the per-slice path: a dtype tie, not the window).
+    "bnpo_entropy_mask": {"loss_type": "bnpo", "top_entropy_quantile": 0.2929},
+    "dapo_entropy_bonus": {"loss_type": "dapo", "entropy_coef": 0.05},
+    "grpo_adaptive_entropy": {"use_adaptive_entropy": True, "entropy_coef": 0.01},
+    "grpo_off_policy_delta": {"off_policy_mask_threshold": 0.05, "delta": 1.5},
+}
+
+
+def _compare(ours: dict, theirs: dict) -> None:
+    assert max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"])) <= LP_FLOOR, (ours, theirs)
+    errs = rel_grad_errors(ours["grads"], theirs["grads"])
+    assert len(errs) == len(theirs["grads"]) > 0 and max(errs.values()) <= GRAD_FLOOR, errs
+    assert ours["metrics"].keys() - {"zorro/prompt_once"} == theirs["metrics"].keys()
+    for key, values in theirs["metrics"].items():
+        assert len(ours["metrics"][key]) == len(values), key
+        assert all(abs(a - b) <= 1e-5 for a, b in zip(ours["metrics"][key], values)), (key, ours["metrics"][key], values)
+    assert ours["coef"] == pytest.approx(theirs["coef"], abs=1e-12)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_window_equals_trl_float64(trainers, case):
+    options = {**DEFAULTS, **CASES[case]}
+    batch = _generation_batch(trainers["trl"])
+    runs = {}
+    for name in ("trl", "slice", "window"):
+        trainers[name].entropy_coef = options["entropy_coef"]
+        runs[name] = _window(trainers[name], batch, options)
+    window = trainers["window"]
+    assert window.zorro_windows["fallback"] == 0 and window.zorro_log[-1]["schedule"] == "prompt_once"
+    record = window.zorro_log[-1]
+    assert record["window"] == GAS and record["prompts"] == 3 and record["split_groups"] == 3
+    assert runs["window"]["metrics"]["zorro/prompt_once"] == [1.0]
+    _compare(runs["window"], runs["trl"])
+    _compare(runs["window"], runs["slice"])
+
+
+def test_planted_bugs_fail(trainers, monkeypatch):
+    """A dropped prompt gradient and one slice's normaliser taken from another are both caught."""
+    options = {**DEFAULTS, "loss_type": "bnpo"}
+    batch = _generation_batch(trainers["trl"])
+    theirs = _window(trainers["trl"], batch, options)
+    window = trainers["window"]
+
+    roots = schedule._phase3_roots
+
+    def drop_first_token(*args):
+        r, g = roots(*args)
+        return r, [torch.zeros_like(g[0])] + g[1:]
+
+    monkeypatch.setattr(schedule, "_phase3_roots", drop_first_token)
+    dropped = _window(window, batch, options)
+    monkeypatch.setattr(schedule, "_phase3_roots", roots)
+    assert max(rel_grad_errors(dropped["grads"], theirs["grads"]).values()) > 100 * GRAD_FLOOR
+
+    loss_of = DedupGRPOTrainer._window_loss
+
+    def other_slices_normaliser(self, model, slices):
+        inner = loss_of(self, model, slices)
+        sums = [float(s["completion_mask"].sum()) for s in slices]
+
+        def bugged(j, lp, ent):
+            return inner(j, lp, ent) * sums[j] / sums[(j + 1) % len(slices)]
+
+        return bugged
+
+    monkeypatch.setattr(DedupGRPOTrainer, "_window_loss", other_slices_normaliser)
+    swapped = _window(window, batch, options)
+    assert max(rel_grad_errors(swapped["grads"], theirs["grads"]).values()) > 100 * GRAD_FLOOR
+
+
+def test_window_hands_back_with_the_reason(trainers):
+    """A window whose slices are not all generated at its first call (here 3 calls from slice 2 of a
+    4-slice buffer) goes to the per-slice path, warned once, and its losses are TRL's."""
+    trainer = trainers["window"]
+    batch = _generation_batch(trainers["trl"])
+    try:
+        trainer._generate_and_score_completions = lambda _: {k: v.clone() for k, v in batch.items()}
+        trainer._step, trainer._buffered_inputs, trainer._zorro_window = 2, None, None
+        trainer.current_gradient_accumulation_steps = 3
+        before = dict(trainer.zorro_windows)
+        with pytest.warns(Warning, match="not all generated"):
+            for _ in range(3):
+                trainer.training_step(trainer.model, [{"prompt": "unused"}], None)
+        assert trainer.zorro_windows["fallback"] == before["fallback"] + 1
+        assert trainer.zorro_windows["dedup"] == before["dedup"]
+    finally:
+        trainer.model.zero_grad(set_to_none=True)
+        trainer._zorro_window = None
