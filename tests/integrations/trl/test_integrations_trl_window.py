@@ -31,9 +31,9 @@ GAS = 4
 
 
 @pytest.fixture(scope="module")
-def trainers(checkpoint, tmp_path_factory):
+def trainers(request, tmp_path_factory):
     """GRPOTrainer, DedupGRPOTrainer (per-slice path) and DedupGRPOTrainer (window), float64, built once."""
-    path, _ = checkpoint
+    path, _ = request.getfixturevalue("checkpoint")  # test_integrations_trl's tiny Qwen3 on disk
     out = {}
     settings = dict(
         per_device_train_batch_size=3,
@@ -48,9 +48,7 @@ def trainers(checkpoint, tmp_path_factory):
         ("window", DedupGRPOTrainer, ActorConfig(schedule="prompt_once")),
     ):
         kwargs = {"trainer_kwargs": {"zorro_config": config}} if config is not None else {}
-        out[name] = make_grpo_trainer(
-            cls, path, tmp_path_factory.mktemp(name), torch.float64, **kwargs, **settings
-        )
+        out[name] = make_grpo_trainer(cls, path, tmp_path_factory.mktemp(name), torch.float64, **kwargs, **settings)
     return out
 
 
@@ -146,7 +144,11 @@ def _compare(ours: dict, theirs: dict) -> None:
     assert ours["metrics"].keys() - {"zorro/prompt_once"} == theirs["metrics"].keys()
     for key, values in theirs["metrics"].items():
         assert len(ours["metrics"][key]) == len(values), key
-        assert all(abs(a - b) <= 1e-5 for a, b in zip(ours["metrics"][key], values)), (key, ours["metrics"][key], values)
+        assert all(abs(a - b) <= 1e-5 for a, b in zip(ours["metrics"][key], values)), (
+            key,
+            ours["metrics"][key],
+            values,
+        )
     assert ours["coef"] == pytest.approx(theirs["coef"], abs=1e-12)
 
 
@@ -219,3 +221,24 @@ def test_window_hands_back_with_the_reason(trainers):
     finally:
         trainer.model.zero_grad(set_to_none=True)
         trainer._zorro_window = None
+
+
+def test_the_generation_batch_log_prob_passes_compute_each_prompt_once(trainers):
+    """The old and reference log-prob passes (no grad, TRL's chunks of `batch_size` rows): each unique
+    prompt of the generation batch once, equal to TRL's; the per-slice config keeps TRL's chunks."""
+    batch = _generation_batch(trainers["trl"])
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    keep = batch["completion_ids"].shape[1]
+    for name, expected in (("window", "prompt_once"), ("slice", "chunks")):
+        trainer = trainers[name]
+        for model in (trainer.model, trainer.ref_model):
+            with torch.no_grad():
+                ours = trainer._get_per_token_logps_and_entropies(model, ids, mask, keep, batch_size=3)
+                theirs = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, mask, keep, batch_size=3)
+            assert (ours[0] - theirs[0]).abs().max() <= LP_FLOOR
+            assert bool((ours[0][mask[:, -keep:] == 0] == 0).all())
+            record = trainer.zorro_log[-1]
+            assert record["logprob_pass"] == expected and not record["grad"], record
+            if expected == "prompt_once":
+                assert record["prompt_tokens"] == 5 + 2 + 7  # each of the 3 prompts once, not once per chunk

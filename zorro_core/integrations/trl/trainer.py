@@ -459,16 +459,7 @@ class DedupGRPOTrainer(GRPOTrainer):
         if self._world() == 1 or not self._zorro_regroup:
             record["prompt_dedup"] = prompt_dedup_ratio(input_ids[live, :p], mask[live, :p])
             lp, ent = wrapped.run(
-                lambda: joined_logprobs(
-                    actor,
-                    input_ids,
-                    mask,
-                    keep,
-                    self.temperature,
-                    compute_entropy,
-                    rows_per_call,
-                    router_aux_loss=False,
-                )
+                lambda: self._logprobs(actor, input_ids, mask, keep, compute_entropy, rows_per_call, record)
             )
             return (lp, ent, None), record
         batch = RolloutBatch(input_ids[live, :p], mask[live, :p], input_ids[live, p:], mask[live, p:])
@@ -476,16 +467,7 @@ class DedupGRPOTrainer(GRPOTrainer):
         ids = torch.cat([local.prompts, local.responses], 1)
         lmask = torch.cat([local.prompt_mask, local.response_mask], 1)
         lp_local, ent_local = wrapped.run(
-            lambda: joined_logprobs(
-                actor,
-                ids,
-                lmask,
-                local.responses.shape[1],
-                self.temperature,
-                compute_entropy,
-                rows_per_call,
-                router_aux_loss=False,
-            )
+            lambda: self._logprobs(actor, ids, lmask, local.responses.shape[1], compute_entropy, rows_per_call, record)
         )
 
         def home(t: torch.Tensor) -> torch.Tensor:  # this rank's live rows back from their computing ranks
@@ -504,6 +486,36 @@ class DedupGRPOTrainer(GRPOTrainer):
             rows_sent=info.rows_sent,
         )
         return (home(lp_local), home(ent_local) if compute_entropy else None, None), record
+
+    def _logprobs(self, actor, ids, mask, keep, compute_entropy, rows_per_call, record):
+        """joined_logprobs; under `schedule="prompt_once"` a no-grad pass of more rows than TRL's chunk
+        (`batch_size`: the old and reference log-probs after generation) goes through
+        prompt_once_logprobs instead: each unique prompt of the whole call once, the responses in
+        micro-batches of TRL's chunk size. Only where the unique prompts' tokens are at most the prompt
+        tokens of one TRL chunk (rows x prompt width), so phase 1 computes no more than a chunk's prompts
+        do; else TRL's chunks, each prompt once per chunk (`record["logprob_pass"]` says which)."""
+        p = ids.shape[1] - keep
+        live = mask[:, p:].bool().any(1).nonzero().flatten()
+        chunked = rows_per_call is not None and rows_per_call < live.numel()
+        if self._zorro_config.schedule == "prompt_once" and chunked and not torch.is_grad_enabled():
+            order = live[grouped_order(ids[live, :p], mask[live, :p])]
+            batch = RolloutBatch(ids[order, :p], mask[order, :p], ids[order, p:], mask[order, p:])
+            if sum(map(len, Groups.of(batch).prompts)) <= rows_per_call * p:
+                n = int(order.numel())
+                parts = [list(range(s, min(s + rows_per_call, n))) for s in range(0, n, rows_per_call)]
+                res = prompt_once_logprobs(actor, batch, None, self.temperature, compute_entropy, parts)
+                record["logprob_pass"] = "prompt_once"
+                record["prompt_tokens"] = res.prompt_tokens
+
+                def place(values: torch.Tensor) -> torch.Tensor:
+                    return values.new_zeros((ids.shape[0], keep)).index_put((order,), values)
+
+                entropy = place(res.entropy) if compute_entropy and res.entropy is not None else None
+                return place(res.log_probs), entropy
+        record["logprob_pass"] = "chunks" if chunked else "one call"
+        return joined_logprobs(
+            actor, ids, mask, keep, self.temperature, compute_entropy, rows_per_call, router_aux_loss=False
+        )
 
     def _aux_call(self, wrapped, actor, input_ids, attention_mask, keep, batch_size, compute_entropy):
         """A call with the MoE aux loss: TRL's own chunks, every row counted (module doc), not regrouped."""
