@@ -427,3 +427,21 @@ if (
     if sys.argv[1:2] == ["floor"]:
         wrappers = tuple(sys.argv[4].split(",")) if len(sys.argv) > 4 else ("ddp", "fsdp2")
         measure_floor(tempfile.mkdtemp(prefix="zorro_floor_"), int(sys.argv[2]), sys.argv[3], wrappers)
+
+
+@pytest.mark.slow
+def test_window_two_ranks_ddp_and_fsdp2_equal_trl(tiny_checkpoint):
+    """float64, 2 gloo ranks, each with its own generation batch: the gradients after one gradient-accumulation
+    window run as one prompt-once step (DDP's average / FSDP2's reduce-scatter, once) equal GRPOTrainer's,
+    so do the losses and the logged metrics; a DDP window without its one reduction fails (~1 min)."""
+    from test_integrations_trl_window import window_rank
+
+    per_rank = spawn(window_rank, tiny_checkpoint, ["ddp", "fsdp2", "ddp+no_reduce"])
+    for results in per_rank:
+        by = {r["variant"]: r for r in results}
+        for variant in ("ddp", "fsdp2"):
+            r = by[variant]
+            assert r["wrapper"] == variant and r["windows"] == {"dedup": 1, "fallback": 0}, r
+            assert r["grads"] > 0 and r["grad_err"] <= GRAD_FLOOR and r["loss_err"] <= LP_FLOOR, r
+            assert r["metrics_equal"], r
+        assert by["ddp+no_reduce"]["grad_err"] > 100 * GRAD_FLOOR, by["ddp+no_reduce"]

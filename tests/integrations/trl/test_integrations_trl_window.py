@@ -12,12 +12,16 @@ Planted bugs fail: the prompts' first-token gradient dropped; one slice's normal
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import pytest
 import torch
 
 trl = pytest.importorskip("trl")
 
-from test_integrations_trl import checkpoint, make_grpo_trainer  # noqa: E402, F401 (checkpoint: the fixture)
+from test_integrations_trl import make_grpo_trainer  # noqa: E402
+from test_integrations_trl_dist import _grads, _rel, _use_wrapper, tiny_checkpoint  # noqa: E402, F401 (the fixture)
 from trl import GRPOTrainer  # noqa: E402
 
 import zorro_core.actor.schedule as schedule  # noqa: E402
@@ -33,7 +37,7 @@ GAS = 4
 @pytest.fixture(scope="module")
 def trainers(request, tmp_path_factory):
     """GRPOTrainer, DedupGRPOTrainer (per-slice path) and DedupGRPOTrainer (window), float64, built once."""
-    path, _ = request.getfixturevalue("checkpoint")  # test_integrations_trl's tiny Qwen3 on disk
+    path = request.getfixturevalue("tiny_checkpoint")  # the tiny Qwen3 on disk
     out = {}
     settings = dict(
         per_device_train_batch_size=3,
@@ -52,11 +56,11 @@ def trainers(request, tmp_path_factory):
     return out
 
 
-def _generation_batch(trainer) -> dict:
+def _generation_batch(trainer, seed: int = 3) -> dict:
     """3 prompts x 4 completions in TRL's layout (left-padded prompts, right-padded completions), one
     completion fully masked (mask_truncated_completions), advantages of both signs, old log-probs off
     the current ones (ratios beyond the clip range) and reference log-probs."""
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     prompts = [[5, 6, 7, 8, 9], [9, 10], [11, 12, 13, 14, 15, 16, 17]]
     rows = [(p, int(torch.randint(1, 8, (1,), generator=g))) for p in range(3) for _ in range(4)]
     width_p, width_c = max(map(len, prompts)), 8
@@ -86,9 +90,10 @@ def _generation_batch(trainer) -> dict:
     }
 
 
-def _window(trainer, batch: dict, options: dict) -> dict:
+def _window(trainer, batch: dict, options: dict, model=None) -> dict:
     """One window through TRL's own training_step (its _prepare_inputs, shuffle and split; the
-    generation replaced by `batch`): the losses each call returned, the gradients, the logged metrics."""
+    generation replaced by `batch`), each call but the last under `accelerator.no_sync` as Trainer's
+    loop runs them: the losses each call returned, the gradients, the logged metrics."""
     for key, value in options.items():
         if key in ("delta",):
             setattr(trainer.args, key, value)
@@ -99,15 +104,17 @@ def _window(trainer, batch: dict, options: dict) -> dict:
     trainer._step, trainer._buffered_inputs = 0, None
     trainer._metrics["train"].clear()
     trainer.current_gradient_accumulation_steps = GAS
-    model = trainer.model
+    model = trainer.model if model is None else model
     model.train()
     model.zero_grad(set_to_none=True)
     torch.manual_seed(11)  # TRL's shuffle_sequence_dict
     losses = []
     for k in range(GAS):
-        trainer.accelerator.gradient_state._set_sync_gradients(k == GAS - 1)
-        losses.append(float(trainer.training_step(model, [{"prompt": "unused"}], None)))
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        last = k == GAS - 1
+        trainer.accelerator.gradient_state._set_sync_gradients(last)
+        with contextlib.nullcontext() if last else trainer.accelerator.no_sync(model):
+            losses.append(float(trainer.training_step(model, [{"prompt": "unused"}], None)))
+    grads = _grads(model)
     model.zero_grad(set_to_none=True)
     metrics = {k: list(v) for k, v in trainer._metrics["train"].items() if k not in ("step_time",)}
     return {"losses": losses, "grads": grads, "metrics": metrics, "coef": trainer.entropy_coef}
@@ -242,3 +249,72 @@ def test_the_generation_batch_log_prob_passes_compute_each_prompt_once(trainers)
             assert record["logprob_pass"] == expected and not record["grad"], record
             if expected == "prompt_once":
                 assert record["prompt_tokens"] == 5 + 2 + 7  # each of the 3 prompts once, not once per chunk
+
+
+# ----------------------------------------------------------------------------- 2 gloo ranks
+
+
+def window_rank(path: str, variants: list[str]) -> list[dict]:
+    """On each of 2 ranks (its own generation batch): one window of GRPOTrainer and of the window path
+    behind DDP / FSDP2 (accelerate's), float64; the gradients after the window (full tensors), losses."""
+    import torch.distributed as dist
+
+    import zorro_core.integrations.trl.window as window_module
+
+    rank = int(os.environ["RANK"])
+    reduce = window_module.average_gradients
+    out = []
+    options = {**DEFAULTS, "loss_type": "bnpo", "top_entropy_quantile": 0.2929}
+    for variant in variants:
+        wrapper = variant.split("+")[0]
+        runs = {"trl": out[-1]["trl"]} if variant.endswith("+no_reduce") else {}  # the plain variant's, same batch
+        for name, config in (("trl", None), ("window", ActorConfig(schedule="prompt_once"))):
+            if name in runs:
+                continue
+            _use_wrapper(wrapper)
+            cls = GRPOTrainer if config is None else DedupGRPOTrainer
+            kwargs = {"trainer_kwargs": {"zorro_config": config}} if config is not None else {}
+            trainer = make_grpo_trainer(
+                cls,
+                path,
+                f"/tmp/zorro_window_{variant}_{name}_{rank}",
+                torch.float64,
+                per_device_train_batch_size=3,
+                steps_per_generation=GAS,
+                gradient_accumulation_steps=GAS,
+                **kwargs,
+            )
+            batch = _generation_batch(trainer, seed=3 + rank)
+            if wrapper == "fsdp2":
+                model, _ = trainer.accelerator.prepare(trainer.model, torch.optim.SGD(trainer.model.parameters(), lr=0))
+            else:
+                model = trainer.accelerator.prepare_model(trainer.model)
+            if variant.endswith("+no_reduce") and name == "window":
+                window_module.average_gradients = lambda module: None
+            try:
+                runs[name] = _window(trainer, batch, options, model)
+            finally:
+                window_module.average_gradients = reduce
+            if name == "window":
+                runs[name]["windows"] = dict(trainer.zorro_windows)
+                runs[name]["wrapper"] = trainer.zorro_log[-1]["wrapper"]
+            dist.barrier()
+        ours, theirs = runs["window"], runs["trl"]
+        out.append(
+            {
+                "trl": theirs,
+                "variant": variant,
+                "wrapper": ours["wrapper"],
+                "windows": ours["windows"],
+                "grad_err": _rel(ours["grads"], theirs["grads"]),
+                "grads": len(ours["grads"]),
+                "loss_err": max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"])),
+                "metrics_equal": all(
+                    len(ours["metrics"][k]) == len(v) and all(abs(a - b) <= 1e-5 for a, b in zip(ours["metrics"][k], v))
+                    for k, v in theirs["metrics"].items()
+                ),
+            }
+        )
+    for r in out:
+        del r["trl"]
+    return out

@@ -167,7 +167,8 @@ class DedupGRPOTrainer(GRPOTrainer):
             raise TypeError("DedupGRPOTrainer takes zorro_config=ActorConfig(...) instead of actor_kwargs={...}")
         if zorro_config is not None and not isinstance(zorro_config, ActorConfig):
             raise TypeError(f"zorro_config must be a zorro_core.ActorConfig, got {type(zorro_config).__name__}")
-        self._zorro_config = zorro_config or ActorConfig()
+        # The default: each prompt once per optimizer step (zorro_core.integrations.trl.window).
+        self._zorro_config = zorro_config or ActorConfig(schedule="prompt_once")
         self._zorro_window: Optional[Window] = None
         self._zorro_window_fallback = Fallback(HANDED_BACK)
         self.zorro_windows = self._zorro_window_fallback.counts
@@ -459,7 +460,7 @@ class DedupGRPOTrainer(GRPOTrainer):
         if self._world() == 1 or not self._zorro_regroup:
             record["prompt_dedup"] = prompt_dedup_ratio(input_ids[live, :p], mask[live, :p])
             lp, ent = wrapped.run(
-                lambda: self._logprobs(actor, input_ids, mask, keep, compute_entropy, rows_per_call, record)
+                lambda: self._logprobs(wrapped, actor, input_ids, mask, keep, compute_entropy, rows_per_call, record)
             )
             return (lp, ent, None), record
         batch = RolloutBatch(input_ids[live, :p], mask[live, :p], input_ids[live, p:], mask[live, p:])
@@ -467,7 +468,9 @@ class DedupGRPOTrainer(GRPOTrainer):
         ids = torch.cat([local.prompts, local.responses], 1)
         lmask = torch.cat([local.prompt_mask, local.response_mask], 1)
         lp_local, ent_local = wrapped.run(
-            lambda: self._logprobs(actor, ids, lmask, local.responses.shape[1], compute_entropy, rows_per_call, record)
+            lambda: self._logprobs(
+                wrapped, actor, ids, lmask, local.responses.shape[1], compute_entropy, rows_per_call, record
+            )
         )
 
         def home(t: torch.Tensor) -> torch.Tensor:  # this rank's live rows back from their computing ranks
@@ -487,17 +490,20 @@ class DedupGRPOTrainer(GRPOTrainer):
         )
         return (home(lp_local), home(ent_local) if compute_entropy else None, None), record
 
-    def _logprobs(self, actor, ids, mask, keep, compute_entropy, rows_per_call, record):
+    def _logprobs(self, wrapped, actor, ids, mask, keep, compute_entropy, rows_per_call, record):
         """joined_logprobs; under `schedule="prompt_once"` a no-grad pass of more rows than TRL's chunk
         (`batch_size`: the old and reference log-probs after generation) goes through
         prompt_once_logprobs instead: each unique prompt of the whole call once, the responses in
         micro-batches of TRL's chunk size. Only where the unique prompts' tokens are at most the prompt
         tokens of one TRL chunk (rows x prompt width), so phase 1 computes no more than a chunk's prompts
-        do; else TRL's chunks, each prompt once per chunk (`record["logprob_pass"]` says which)."""
+        do, and without a wrapper or behind DDP (DeepSpeed's engine keeps TRL's chunks: untested there;
+        sharded models run one forward per call anyway); else TRL's chunks, each prompt once per chunk
+        (`record["logprob_pass"]` says which)."""
         p = ids.shape[1] - keep
         live = mask[:, p:].bool().any(1).nonzero().flatten()
         chunked = rows_per_call is not None and rows_per_call < live.numel()
-        if self._zorro_config.schedule == "prompt_once" and chunked and not torch.is_grad_enabled():
+        wanted = self._zorro_config.schedule == "prompt_once" and wrapped.kind in ("plain", "ddp")
+        if wanted and chunked and not torch.is_grad_enabled():
             order = live[grouped_order(ids[live, :p], mask[live, :p])]
             batch = RolloutBatch(ids[order, :p], mask[order, :p], ids[order, p:], mask[order, p:])
             if sum(map(len, Groups.of(batch).prompts)) <= rows_per_call * p:
