@@ -211,7 +211,10 @@ def average_gradients(module: torch.nn.Module) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
+    grads: list[torch.Tensor] = []
+    for p in params:
+        assert p.grad is not None  # zero-filled above
+        grads.append(p.grad)
     flat = torch.cat([g.reshape(-1) for g in grads]).div_(dist.get_world_size())
     dist.all_reduce(flat)
     offset = 0
