@@ -10,6 +10,13 @@ generation) runs the deduplicated actor: one `DeduplicatedActor` per model, buil
 cached. TRL repeats each prompt `num_generations` times, then shuffles and splits the generation
 batch, so a call holds parts of groups: the actor groups rows by prompt content.
 
+Under `ActorConfig(schedule="prompt_once")`, the default when no `zorro_config` is given: a
+gradient-accumulation window of 2+ slices is computed whole at its first `compute_loss` call, as
+one prompt-once step, each slice's loss TRL's own (zorro_core.integrations.trl.window; what is
+handed back to the per-slice path is listed there); the no-grad log-prob passes of more rows than
+TRL's chunk run through `prompt_once_logprobs` (`_logprobs`). `ActorConfig(schedule="micro_batch")`:
+each call on its own, as above.
+
 Many processes (`accelerate launch` / `torchrun`, 2+ ranks): served behind DDP, FSDP2 (accelerate's
 FSDP plugin, `fsdp_version: 2`) and DeepSpeed (the engine; ZeRO-3 modules through their hooks),
 always through the wrapper's forward (zorro_core.integrations.wrappers). With `zorro_regroup=True`
@@ -150,10 +157,12 @@ class DedupGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` computing per-token log-probs and entropies with prompt deduplication.
 
     Same constructor as `GRPOTrainer`, plus (keyword only) `zorro_config`, the `ActorConfig` of the
-    `DeduplicatedActor` built for each model, and `zorro_regroup` (default True): with 2+
+    `DeduplicatedActor` built for each model (default: `ActorConfig(schedule="prompt_once")`, each
+    optimizer step's window as one prompt-once step), and `zorro_regroup` (default True): with 2+
     processes, regroup each call's rows across the data-parallel group so that every prompt is
     computed once in the whole group (module doc). `zorro_calls` counts the calls served by zorro
-    ("dedup") and by TRL ("fallback"); `zorro_log` holds one record per served call.
+    ("dedup") and by TRL ("fallback"); `zorro_windows` the windows run as one prompt-once step
+    ("dedup") and handed back ("fallback"); `zorro_log` holds one record per served call or window.
     """
 
     def __init__(

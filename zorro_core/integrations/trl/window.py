@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -115,7 +115,12 @@ def joined(slices: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, in
     return ids, mask, slices[0]["completion_ids"].shape[1]
 
 
-def run_window(trainer: Any, model: Any, slices: list[dict[str, Any]], loss_of_slice) -> tuple[list, dict]:
+def run_window(
+    trainer: Any,
+    model: Any,
+    slices: list[dict[str, Any]],
+    loss_of_slice: Callable[[int, torch.Tensor, Optional[torch.Tensor]], torch.Tensor],
+) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """The window as one prompt-once step (module doc): each slice's loss (detached) and a record.
 
     `loss_of_slice(j, log_probs, entropy)` is the slice's TRL loss on those [b_j, C] tensors."""
