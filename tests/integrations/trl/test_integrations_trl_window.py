@@ -363,3 +363,27 @@ def window_rank(path: str, variants: list[str]) -> list[dict]:
     for r in out:
         del r["trl"]
     return out
+
+
+def test_window_under_gradient_checkpointing_equals_trl(request, tmp_path):
+    """Gradient checkpointing (GRPOConfig's default): the window's phase 1 keeps layer boundaries and
+    recomputes in phase 3; gradients and losses equal GRPOTrainer's under checkpointing too."""
+    path = request.getfixturevalue("tiny_checkpoint")
+    settings = dict(
+        per_device_train_batch_size=3,
+        steps_per_generation=GAS,
+        gradient_accumulation_steps=GAS,
+        num_generations=4,
+        gradient_checkpointing=True,
+    )
+    runs = {}
+    for name, cls in (("trl", GRPOTrainer), ("window", DedupGRPOTrainer)):
+        trainer = make_grpo_trainer(cls, path, tmp_path / name, torch.float64, **settings)
+        # What Trainer.train() does when the config asks for checkpointing.
+        trainer.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs
+        )
+        batch = _generation_batch(trainer)
+        runs[name] = _window(trainer, batch, {**DEFAULTS, "loss_type": "dapo"})
+    assert trainer.zorro_windows == {"dedup": 1, "fallback": 0}
+    _compare(runs["window"], runs["trl"])
