@@ -1,6 +1,7 @@
 """TRL's gradient-accumulation window: the policy's work per optimizer step through TRL's own train().
 
-    PYTHONPATH=. python benchmarks/trl_window.py work              # the work table (tiny Qwen3, ~2 min)
+    PYTHONPATH=. python benchmarks/trl_window.py work              # the work table (tiny Qwen3, ~15 s)
+    PYTHONPATH=. python benchmarks/trl_window.py work --nproc 2    # the same on 2 gloo ranks (DDP, ~1 min)
     PYTHONPATH=. python benchmarks/trl_window.py time --repeats 3  # train() time at 2 x 8 (small Qwen3)
 
 A model with random weights and a word-level tokenizer are built in code (nothing is downloaded);
@@ -161,25 +162,46 @@ def ideal_loss_speedup(config, windows, completion_width: int = 8) -> float:
     return flops(shape, trl_work).forward_backward / flops(shape, ours).forward_backward
 
 
+def rank_rows(path: str, tok, prompts, steps: int, generations: int) -> list[dict]:
+    """One rank's runs of every row and arm (under `--nproc`: accelerate joins the group from torchrun's
+    environment, the policy behind DDP): embedded tokens and the ideal of this rank's windows."""
+    torch.set_num_threads(1)
+    out = []
+    for bs, gas in ROWS:
+        got = {arm: run(arm, path, tok, prompts, bs, gas, steps, generations) for arm in ARMS}
+        out.append({arm: {k: got[arm][k] for k in ("embedded", "ideal", "zorro_windows")} for arm in ARMS})
+    return out
+
+
 def work(args) -> None:
+    from zorro_core.distributed.launch import launch
+
     path = tempfile.mkdtemp(prefix="zorro_trl_window_")
     try:
         _, tok, prompts = checkpoint(args.preset, path, args.prompt_len)
         print(
-            f"{args.preset}, {args.generations} generations, prompts {args.prompt_len} tokens, completions <= 8, {args.steps} steps"
+            f"{args.preset}, {args.generations} generations, prompts {args.prompt_len} tokens, completions <= 8, "
+            f"{args.steps} steps, {args.nproc} rank(s){' (DDP, gloo)' if args.nproc > 1 else ''}; sums over the ranks"
         )
         print(
             "| per_device x accumulation | TRL / ideal | per-slice / ideal | window / ideal | TRL / per-slice | TRL / window |"
         )
         print("|---|---|---|---|---|---|")
-        for bs, gas in ROWS:
-            got = {arm: run(arm, path, tok, prompts, bs, gas, args.steps, args.generations) for arm in ARMS}
+        if args.nproc > 1:
+            per_rank = launch(
+                rank_rows, args.nproc, path, tok, prompts, args.steps, args.generations, init_process_group=False
+            )
+        else:
+            per_rank = [rank_rows(path, tok, prompts, args.steps, args.generations)]
+        for i, (bs, gas) in enumerate(ROWS):
+            got = {arm: {k: sum(r[i][arm][k] for r in per_rank) for k in ("embedded", "ideal")} for arm in ARMS}
+            windows = [r[i]["window"]["zorro_windows"] for r in per_rank]
             ideal = got["trl"]["ideal"]
             assert all(g["ideal"] == ideal for g in got.values()), "the arms generated different batches"
             r = {arm: got[arm]["embedded"] / ideal for arm in ARMS}
             print(
                 f"| {bs} x {gas} | {r['trl']:.2f}x | {r['slice']:.2f}x | {r['window']:.2f}x | "
-                f"{r['trl'] / r['slice']:.2f}x | {r['trl'] / r['window']:.2f}x |  windows {got['window']['zorro_windows']}",
+                f"{r['trl'] / r['slice']:.2f}x | {r['trl'] / r['window']:.2f}x |  windows per rank {windows}",
                 flush=True,
             )
     finally:
@@ -234,6 +256,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--row", type=lambda s: tuple(int(x) for x in s.split("x")), default=(2, 8))
+    ap.add_argument("--nproc", type=int, default=1, help="work: ranks (gloo, DDP), each with its own batches")
     args = ap.parse_args()
     args.preset = args.preset or ("tiny-qwen3" if args.mode == "work" else "small-qwen3")
     (work if args.mode == "work" else timing)(args)
