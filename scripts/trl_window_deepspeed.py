@@ -20,11 +20,28 @@ import torch
 sys.path[:0] = ["tests/integrations/trl", "tests"]
 
 
+def _deepspeed_window(trainer, batch: dict, options: dict, model, gas: int) -> dict:
+    """test_integrations_trl_window._window under DeepSpeed: no no_sync (Trainer runs none under ZeRO-2/3),
+    the engine's own zero_grad; the engine steps the optimizer at the window's boundary."""
+    for key, value in options.items():
+        setattr(trainer.args if key == "delta" else trainer, key, value)
+    trainer._generate_and_score_completions = lambda _: {k: v.clone() for k, v in batch.items()}
+    trainer._step, trainer._buffered_inputs = 0, None
+    trainer.current_gradient_accumulation_steps = gas
+    model.train()
+    torch.manual_seed(11)  # TRL's shuffle_sequence_dict
+    losses = []
+    for k in range(gas):
+        trainer.accelerator.gradient_state._set_sync_gradients(k == gas - 1)
+        losses.append(float(trainer.training_step(model, [{"prompt": "unused"}], None)))
+    return {"losses": losses}
+
+
 def rank_main(path: str, stage: int) -> dict:
     from accelerate.state import AcceleratorState, GradientState
     from test_integrations_trl import make_grpo_trainer
     from test_integrations_trl_deepspeed import _cpu_deepspeed_backend, _deepspeed_env, _prepare
-    from test_integrations_trl_window import DEFAULTS, GAS, _generation_batch, _window
+    from test_integrations_trl_window import DEFAULTS, GAS, _generation_batch
     from trl import GRPOTrainer
 
     import zorro_core.integrations.trl.window as window
@@ -34,8 +51,10 @@ def rank_main(path: str, stage: int) -> dict:
     _deepspeed_env(stage)
     os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(GAS)
     _cpu_deepspeed_backend()
+    import zorro_core.integrations.trl.trainer as trainer_module
+
     refusal = window.local_refusal
-    window.local_refusal = lambda t, m, s: (
+    trainer_module.local_refusal = lambda t, m, s: (
         None if (r := refusal(t, m, s)) is not None and r.startswith("DeepSpeed") else r
     )
     rank = int(os.environ["RANK"])
@@ -57,7 +76,7 @@ def rank_main(path: str, stage: int) -> dict:
         model = _prepare(trainer)
         before = {n: p.detach().clone() for n, p in model.module.named_parameters()} if stage == 2 else None
         try:
-            res = _window(trainer, batch, {**DEFAULTS, "loss_type": "bnpo"}, model)
+            res = _deepspeed_window(trainer, batch, {**DEFAULTS, "loss_type": "bnpo"}, model, GAS)
             weights = {n: p.detach().clone() for n, p in model.module.named_parameters()} if stage == 2 else None
             out[name] = {
                 "losses": res["losses"],
