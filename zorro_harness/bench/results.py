@@ -388,9 +388,13 @@ def _write_whole(path: Path, data: bytes) -> None:
 
 
 class ResultWriter:
-    """Appends whole rows to a CSV, writing the header first if the file is new."""
+    """Appends whole rows to a CSV, writing the header first if the file is new. `columns`: the
+    file's columns (default the sweep's), `required`: those an existing file must have to be
+    appended to (default the sweep's required ones)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(
+        self, path: str | Path, columns: Sequence[str] = COLUMNS, required: Optional[Sequence[str]] = None
+    ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         refuse_link(self.path, "--out")
@@ -398,11 +402,13 @@ class ResultWriter:
             raise ValueError(f"{self.path} is a directory, not a results CSV")
         _drop_partial_line(self.path)
         header = _header(self.path)
+        columns = list(columns)
+        required = REQUIRED_COLUMNS if required is None else list(required)
         if header is not None:
-            missing = [c for c in REQUIRED_COLUMNS if c not in header]
+            missing = [c for c in required if c not in header]
             if missing:
                 raise ValueError(f"{self.path} exists but lacks the columns {missing}: write to a new file")
-            newer = [c for c in COLUMNS if c not in header]
+            newer = [c for c in columns if c not in header]
             if newer:
                 raise ValueError(
                     f"{self.path} was written by an older zorro: it lacks the columns {newer}, which new rows "
@@ -411,7 +417,7 @@ class ResultWriter:
                 )
             self.columns = header
         else:
-            self.columns = COLUMNS
+            self.columns = columns
             _write_whole(self.path, csv_line(self.columns))
 
     def append(self, row: dict[str, Any]) -> None:
