@@ -481,6 +481,14 @@ class TableOut:
         """The backup the first write made, if any."""
         self._lock: Optional[ResultsLock] = None
         self._written = False
+        self._mode = 0o644  # the replaced file's permissions, once it is known
+
+    def backup_name(self) -> Path:
+        """Where the first write keeps the file it replaces: the next free `<name>.N.bak`."""
+        n = 1
+        while os.path.lexists(self.path.with_name(f"{self.path.name}.{n}.bak")):
+            n += 1
+        return self.path.with_name(f"{self.path.name}.{n}.bak")
 
     def check(self, also: Sequence[Optional[str | Path]] = ()) -> None:
         out, flag = self.path, self.flag
@@ -504,6 +512,10 @@ class TableOut:
             raise ValueError(f"{flag} {short_name(out)}: cannot read it ({e.strerror})") from None
         if st is not None and not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{flag} {short_name(out)} is {_kind(st.st_mode)}; {flag} takes a file path")
+        if st is not None:  # the old file is kept under the next free .N.bak: that name must be possible too
+            why = name_too_long(self.backup_name(), f"{flag}'s backup of the file it replaces")
+            if why:
+                raise ValueError(why)
         _probe_folder(folder, flag)
         if st is None or st.st_size == 0:
             return
@@ -535,12 +547,12 @@ class TableOut:
         try:
             if not self._written and os.path.lexists(self.path):
                 # the file alone (a JSON of that name is not this command's, unlike a sweep's sidecar)
-                n = 1
-                while os.path.lexists(self.path.with_name(f"{self.path.name}.{n}.bak")):
-                    n += 1
-                self.kept = self.path.with_name(f"{self.path.name}.{n}.bak")
+                self.kept = self.backup_name()
+                before = os.lstat(self.path)
+                if stat.S_ISREG(before.st_mode):  # the new file keeps the old one's permissions (0600 stays)
+                    self._mode = stat.S_IMODE(before.st_mode)
                 self.path.replace(self.kept)
-            replace_atomically(self.path, lambda f: f.write(data))
+            replace_atomically(self.path, lambda f: f.write(data), self._mode)
         except OSError as e:
             raise ResultsWriteError(f"cannot write {short_name(self.path)}: {e.strerror or e}") from None
         self._written = True
