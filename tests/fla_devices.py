@@ -89,6 +89,17 @@ def simulate_fla(monkeypatch, preset: str = "tiny-qwen3-next") -> FakeFla:
     return fake
 
 
+def cpu_fallback_by_device(kernel) -> bool:
+    """Whether transformers' wrapper of the module kernel runs the PyTorch function for CPU tensors itself
+    (5.25's `use_kernel_func_from_hub_with_fallback` checks the inputs' device against fla's devices)."""
+    try:
+        from transformers.integrations import hub_kernels
+    except ImportError:
+        return False
+    devices = getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", {}).get("fla")
+    return devices is not None and "cpu" not in devices
+
+
 def assert_refuses_cpu(kernel) -> None:
     q = k = torch.zeros(1, 4, 1, 8)
     try:

@@ -29,6 +29,13 @@ def test_trl_example_checks_itself(tmp_path):
     assert "served by zorro/TRL: {'dedup': 3, 'fallback': 0}" in res.stdout
 
 
+def test_trl_example_with_accumulation_checks_itself(tmp_path):
+    """Two slices per optimizer step: each window one prompt-once step, the losses TRL's."""
+    res = _run([sys.executable, "examples/trl/grpo.py", "--tiny", "--accumulation", "2", "--check"], tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "windows (one prompt-once step each / handed back): {'dedup': 1, 'fallback': 0}" in res.stdout
+
+
 @pytest.mark.slow
 def test_trl_distributed_example_checks_itself(tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"

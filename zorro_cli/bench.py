@@ -373,5 +373,19 @@ def run(
 bench_app.command("memory")(bench_memory.memory)
 
 
+@bench_app.command(
+    "gpu-time",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+)
+def gpu_time(ctx: typer.Context) -> None:
+    """The seed's headline table in one process, its first row in the first minute (every option: --help).
+
+    The model is built on the device, both arms timed interleaved per case (CUDA events on a GPU), a
+    row appended per case, --budget-s stops between cases (zorro_harness.bench.gpu_time)."""
+    from zorro_harness.bench import gpu_time as harness
+
+    raise typer.Exit(harness.main(list(ctx.args), prog="zorro bench gpu-time"))
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(bench_app, name="bench")

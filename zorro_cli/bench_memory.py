@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from zorro_cli.console import console, escape, fail
+from zorro_cli.console import console, err_console, escape, fail
 from zorro_cli.signals import Interrupted, stopped_by_signals
 from zorro_core.models.presets import PRESETS
 from zorro_harness.bench.files import replace_atomically, short_name
@@ -143,6 +143,7 @@ def memory(
         if budget is not None:
             fail("--plot draws the unbudgeted paths; it does not go with --budget")
         _check_plot(plot, out)
+    err_console.print(size_note(len(modes) * len(uniques), batch, prompt_len, response_len, layers, narrow))
     if budget is not None:
         from zorro_cli import bench_schedule
 
@@ -218,6 +219,25 @@ def _columns(rows: list[dict]) -> list[str]:
     for r in rows:
         cols += [k for k in r if k not in cols]
     return cols
+
+
+LARGE_COUNT_TOKENS = 1 << 20
+"""Tokens of one count past which the size note says it may take long (CPU, every token computed)."""
+
+
+def size_note(cases: int, batch: int, prompt_len: int, response_len: int, layers: int, narrow: int) -> str:
+    """What the counts will run, said before the first: a count runs every token of the batch on CPU."""
+    tokens = batch * (prompt_len + response_len)
+    note = (
+        f"counting {cases} case(s), each two runs of B={batch} rows x {prompt_len + response_len:,} tokens "
+        f"({tokens:,} tokens) through {layers} layer(s) narrowed {narrow}x, on CPU"
+    )
+    if tokens > LARGE_COUNT_TOKENS:
+        note += (
+            f"; over {LARGE_COUNT_TOKENS:,} tokens a count can take many minutes and as many GiB of host memory "
+            "as the narrowed activations need: Ctrl-C keeps the rows counted"
+        )
+    return note
 
 
 def _count_all(

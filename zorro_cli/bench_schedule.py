@@ -12,6 +12,7 @@ from zorro_cli.console import console, escape, fail
 from zorro_cli.signals import Interrupted, stopped_by_signals
 from zorro_harness.bench.results import ResultsWriteError, TableOut
 from zorro_harness.bench.schedule_memory import (
+    LONGEST_PROMPT_CEILING,
     SCHEDULE_PATHS,
     ScheduleCase,
     count_schedule_isolated,
@@ -87,6 +88,11 @@ def _write(rows: list[dict], table_out: Optional[TableOut]) -> None:
     table_out.write(rows, cols)
 
 
+def _longest(p: int) -> str:
+    """A longest-prompt cell: the search's ceiling is a lower bound, said so."""
+    return f">= {p:,} (ceiling)" if p >= LONGEST_PROMPT_CEILING else f"{p:,}"
+
+
 def _print(rows: list[dict], gpu_gib: float, shards: int) -> None:
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
@@ -113,8 +119,8 @@ def _print(rows: list[dict], gpu_gib: float, shards: int) -> None:
             f"{r['peak_bytes'] / GIB:.1f}",
             f"{r['peak_checkpointed_bytes'] / GIB:.1f}",
             f"{r['flops_fwd_bwd'] / 1e15:.2f}",
-            f"{r.get('longest_prompt', 0):,}",
-            f"{r.get('longest_prompt_checkpointed', 0):,}",
+            _longest(r.get("longest_prompt", 0)),
+            _longest(r.get("longest_prompt_checkpointed", 0)),
         )
     console.print(table)
     speedups = sorted({r["ideal_speedup"] for r in ok if r["ideal_speedup"]})
@@ -122,6 +128,7 @@ def _print(rows: list[dict], gpu_gib: float, shards: int) -> None:
         "Counted on CPU (flash_cpu: what flash-attn 2 saves), a narrowed model scaled back. peak: saved bytes, "
         "plus the kept keys' and values' gradients for prompt_once; 'ckpt': every decoder layer checkpointed, "
         f"derived. Longest P: bisection over P on the same counts, {gpu_gib:g} GiB less weights, gradients and AdamW "
-        f"state over {shards} FSDP shards (0: not even P = 1 fits). Cost model: micro_batch / prompt_once FLOPs = "
+        f"state over {shards} FSDP shards (0: not even P = 1 fits; >= {LONGEST_PROMPT_CEILING:,}: the search's ceiling "
+        "fits, so longer may too). Cost model: micro_batch / prompt_once FLOPs = "
         f"{', '.join(f'{s:.2f}x' for s in speedups) or 'n/a'} (prompt_once is the ideal: each prompt once per step)."
     )

@@ -1,8 +1,9 @@
 """Run a callback right after a module executes: one finder on `sys.meta_path` for every watched module.
 
-The finder asks the other finders for the module's spec and wraps its loader. Another library's
-finder of the same shape (asking every other finder in turn) would ask this one back, which would
-ask it again: a per-thread set of the names being looked up here breaks that cycle (the inner
+The finder asks the finders after it on `sys.meta_path` for the module's spec and wraps its loader
+(those before it were asked already: asking them again would run another library's hook twice).
+Another library's finder of the same shape (asking every other finder in turn) after this one would
+ask this one back: a per-thread set of the names being looked up here breaks that cycle (the inner
 call returns None, as wrapt's post-import hooks do), so the import goes on through the others.
 Standard library only: this module is imported by the plugin entry points in every verl and vLLM
 process.
@@ -53,8 +54,8 @@ class AfterImport(importlib.abc.MetaPathFinder):
             return None
         busy.add(fullname)
         try:
-            for finder in list(sys.meta_path):
-                if finder is self or not hasattr(finder, "find_spec"):
+            for finder in _after(self, list(sys.meta_path)):
+                if not hasattr(finder, "find_spec"):
                     continue
                 spec = finder.find_spec(fullname, path, target)
                 if spec is not None:
@@ -64,6 +65,13 @@ class AfterImport(importlib.abc.MetaPathFinder):
             return None
         finally:
             busy.discard(fullname)
+
+
+def _after(me: object, finders: list) -> list:
+    """The finders after `me` on sys.meta_path: the import system (or a finder before `me` that asks every
+    other) asked those before already, and asking them again would run their hooks twice. Not on it: all."""
+    at = next((i for i, f in enumerate(finders) if f is me), None)
+    return finders[at + 1 :] if at is not None else [f for f in finders if f is not me]
 
 
 def after_import(module: str, callback: Callable[[], None]) -> None:

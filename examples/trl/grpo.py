@@ -4,6 +4,14 @@
     python examples/trl/grpo.py     # about a minute on 2 CPU cores
     python examples/trl/grpo.py --tiny --check   # CI's run (~20 s): exits 1 unless zorro served every call
                                                  # and each step's loss equals TRL's
+    python examples/trl/grpo.py --accumulation 4 # per-device batch 2, 4 slices per optimizer step
+    python examples/trl/grpo.py --tiny --accumulation 2 --check  # CI's run of the window (~20 s)
+
+With `--accumulation N` each optimizer step is N slices of `generations / N` rows (gradient
+accumulation, the usual set-up where memory forces a small per-device batch): TRL shuffles the
+generation batch and spreads each group over the slices. `DedupGRPOTrainer` then runs the whole
+window as one prompt-once step (its default; zorro_core.integrations.trl.window): each prompt once
+per optimizer step, however many slices hold its completions (`trainer.zorro_windows` counts them).
 
 A small Qwen3 (the `small-qwen3` preset: 4 layers, hidden 256, vocab 4096, random weights) and a
 word-level tokenizer are built in code; nothing is downloaded. Each prompt is long (256 tokens)
@@ -104,6 +112,9 @@ def main() -> None:
         "--tiny", action="store_true", help="1 step, 16-token prompts x 2 completions of 4, 1 run (where not given)"
     )
     parser.add_argument("--check", action="store_true", help="exit 1 unless zorro served every call and losses agree")
+    parser.add_argument(
+        "--accumulation", type=int, default=1, help="slices per optimizer step (gradient_accumulation_steps)"
+    )
     args = parser.parse_args()
     if args.tiny:  # its sizes where the command line gives none (a size given with --tiny wins)
         tiny = {"steps": 1, "prompt_len": 16, "generations": 2, "completion_len": 4, "repeats": 1}
@@ -111,6 +122,13 @@ def main() -> None:
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, value)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    if args.accumulation < 1 or args.generations % args.accumulation:
+        raise SystemExit(f"--accumulation {args.accumulation} must divide --generations {args.generations}")
+    # One optimizer step: 1 prompt x `generations` completions, in `accumulation` slices (steps_per_generation
+    # follows: one generation per step); without accumulation, 2 steps per generation as before.
+    per_device, steps_per_generation = args.generations // args.accumulation, max(2, args.accumulation)
+    if args.accumulation > 1:
+        steps_per_generation = args.accumulation
 
     config = preset_config("small-qwen3", eos_token_id=1, pad_token_id=0)
     path = tempfile.mkdtemp(prefix="zorro_trl_")
@@ -127,9 +145,10 @@ def main() -> None:
                 warnings.simplefilter("ignore", FutureWarning)  # transformers' gradient_checkpointing rename
                 grpo = GRPOConfig(
                     output_dir=f"{path}/out",
-                    per_device_train_batch_size=args.generations,
+                    per_device_train_batch_size=per_device,
+                    gradient_accumulation_steps=args.accumulation,
                     num_generations=args.generations,
-                    steps_per_generation=2,
+                    steps_per_generation=steps_per_generation,
                     max_completion_length=args.completion_len,
                     max_steps=args.steps,
                     beta=0.04,
@@ -145,12 +164,18 @@ def main() -> None:
                 )
                 trainer, total = train_timed(cls, path, grpo, prompts, tok)
             seconds = trainer.logprob_seconds
-            results[name].append(sum(seconds))
+            # With accumulation the window's forward and backward run in the loss step, not in the log-prob
+            # method (which then returns the window's log-probs): compare train() there.
+            results[name].append(sum(seconds) if args.accumulation == 1 else total)
             losses = [round(h["loss"], 5) for h in trainer.state.log_history if "loss" in h]
             served = f", served by zorro/TRL: {trainer.zorro_calls}" if hasattr(trainer, "zorro_calls") else ""
             if hasattr(trainer, "zorro_calls"):
                 if trainer.zorro_calls.get("fallback", 0) or not trainer.zorro_calls.get("dedup", 0):
                     problems.append(f"run {repeat + 1}: zorro did not serve every call: {trainer.zorro_calls}")
+                if args.accumulation > 1:  # every optimizer step's window as one prompt-once step
+                    served += f", windows (one prompt-once step each / handed back): {trainer.zorro_windows}"
+                    if trainer.zorro_windows != {"dedup": args.steps, "fallback": 0}:
+                        problems.append(f"run {repeat + 1}: not every window was one step: {trainer.zorro_windows}")
                 # Same seed, same generations: the losses agree to float32 rounding (tests/ prove the gradients).
                 if len(losses) != len(plain_losses) or any(abs(a - b) > 1e-4 for a, b in zip(losses, plain_losses)):
                     problems.append(f"run {repeat + 1}: losses {losses} differ from TRL's {plain_losses}")
@@ -162,7 +187,8 @@ def main() -> None:
             )
     base, dedup = (statistics.median(results[n][1:] or results[n]) for n in arms)
     print(
-        f"log-prob time (median over runs after the first): TRL {base:.2f} s, TRL + zorro {dedup:.2f} s: "
+        f"{'log-prob' if args.accumulation == 1 else 'train()'} time (median over runs after the first): "
+        f"TRL {base:.2f} s, TRL + zorro {dedup:.2f} s: "
         f"{f'{base / dedup:.2f}x less' if base >= dedup else f'{dedup / base:.2f}x more (zorro slower)'}; prompt {args.prompt_len} tokens x {args.generations} completions "
         f"of <= {args.completion_len} tokens"
     )

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from zorro_core import BaselineActor, DeduplicatedActor, create_dummy_batch
+from zorro_core.actor.schedule import prompt_once_step
 
 
 def _batch():
@@ -93,3 +94,32 @@ def test_reassigning_the_model_is_refused(tiny_models, cls):
     with pytest.raises(AttributeError, match="build a new actor"):
         a.model = tiny_models("tiny-llama")
     assert a.model is tiny_models("tiny-qwen3")
+
+
+def test_a_failing_micro_batch_of_the_schedule_says_what_earlier_gradients_hold(actor):
+    """Issue 60, defect 8: the prompt-once step failing in micro-batch 3 left the existing gradients holding
+    micro-batches 1-2's response share in silence; the error says so, as forward_backward's does."""
+    actor.forward_backward(_batch(), _loss)
+    calls = []
+
+    def loss_fn(out, rows):
+        calls.append(rows)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return _loss(out, rows)
+
+    parts = [[0, 1], [2, 3], [4], [5]]
+    with pytest.raises(RuntimeError, match="boom") as info:
+        prompt_once_step(actor, _batch(), loss_fn, parts=parts)
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "micro-batch 3 of 4" in notes and "1..2" in notes and "zero_grad" in notes, notes
+
+
+def test_a_failing_schedule_step_without_earlier_gradients_leaves_none(actor):
+    def loss_fn(out, rows):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom") as info:
+        prompt_once_step(actor, _batch(), loss_fn)
+    assert all(p.grad is None for p in actor.model.parameters())
+    assert not getattr(info.value, "__notes__", [])

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_checkpointing import checkpointing
 
-from zorro_core import BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
+from zorro_core import ActorConfig, BaselineActor, DeduplicatedActor, RolloutBatch, create_dummy_batch
 from zorro_core.actor.microbatch import micro_batch_partition
 from zorro_core.plan.balance import GroupedLengths, partition_micro_batches, select_rows
 from zorro_core.plan.trie import build_trie_plan
@@ -147,7 +147,8 @@ def test_prompt_mode_and_baseline_partition_by_prompt_group(tiny_models):
     prompt = partition_micro_batches(GroupedLengths.of(batch), 20, 0.01)
     assert micro_batch_partition(DeduplicatedActor(model=model), batch, 20, 0.01) == prompt
     baseline = partition_micro_batches(GroupedLengths.of(batch, dedup=False), 20)
-    assert micro_batch_partition(BaselineActor(model=model, sharing="prefix"), batch, 20) == baseline
+    shared = ActorConfig(sharing="prefix")  # a config given to both actors: the baseline reads no sharing
+    assert micro_batch_partition(BaselineActor(model=model, config=shared), batch, 20) == baseline
 
 
 # ---------------------------------------------------------------- the balancer on random tries

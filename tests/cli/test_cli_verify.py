@@ -161,3 +161,19 @@ def test_gradients_prefix_sharing_fail_on_a_broken_plan(bug):
 def test_gradients_unknown_sharing_is_an_error():
     res = invoke("gradients", *SMALL, "--sharing", "suffix")
     assert res.exit_code == 2 and "--sharing" in res.output and "suffix" in res.output
+
+
+def test_a_named_backend_that_never_ran_fails_the_run():
+    """Issue 60, defect 6: `--varlen-backend flash_attn` on a CPU machine passed on its mask-mode cases alone."""
+    args = [*cases(dtype="float64", attn="sdpa"), "--mode", "split,mask", "--varlen-backend", "flash_attn"]
+    res = invoke("gradients", *args, "--json")
+    assert res.exit_code == 1, res.output
+    out = json.loads(res.output)
+    assert out["summary"]["pass"] >= 1 and out["passed"] is False, out["summary"]
+    assert out["unverified_backends"] == ["flash_attn"], out
+    table = invoke("gradients", *args)
+    assert table.exit_code == 1
+    assert "flash_attn" in table.output and "never ran" in table.output, table.output
+    # a backend that ran passes as before
+    ok = invoke("gradients", *cases(dtype="float64"), "--mode", "split,mask", "--varlen-backend", "sdpa", "--json")
+    assert ok.exit_code == 0 and json.loads(ok.output)["unverified_backends"] == [], ok.output

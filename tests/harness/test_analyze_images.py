@@ -188,3 +188,32 @@ def test_chat_prompts_with_the_tokenizers_image_token(tmp_path):
     assert r["data"]["distinct_prompts"] == 2  # rows 0 and 1: the same text and the same image bytes
     assert im["image_tokens"] == {"baseline": 6 * 16, "prompt": 2 * 16}
     assert im["vision_tower_images"] == {"baseline": 6, "dedup": 2}
+
+
+@pytest.mark.parametrize("grid", [[1, 2**20, 2**20], [1, 2**31, 2], [2**40, 2**40, 2**40]])
+def test_a_grid_past_the_bound_is_refused_before_any_allocation(grid):
+    """Issue 60, defect 3: a grid of 2^40 patches reached `np.arange` (MemoryError, 2 TiB)."""
+    with pytest.raises(DatasetError, match=r"d\.jsonl: row 0 of column 'image_grid_thw': grid \[.*\] holds .* patches"):
+        expand_images("d.jsonl", Ragged.from_lists([[1, IMG]]), "image_grid_thw", [[grid]], None, None, IMG, 1000)
+
+
+def test_a_row_past_the_image_token_bound_is_refused():
+    from zorro_harness.analyze import images
+
+    n = images.MAX_ROW_IMAGE_TOKENS // (2**20 // 4) + 1  # images of the largest grid, one over the row's bound
+    grids = [[[1, 1024, 1024]] * n]
+    with pytest.raises(DatasetError, match=r"d\.jsonl: row 0: its .* images hold .* image tokens, over"):
+        expand_images("d.jsonl", Ragged.from_lists([[1] + [IMG] * n]), "image_grid_thw", grids, None, None, IMG, 1000)
+
+
+def test_cli_refuses_a_huge_grid_in_one_line_with_exit_2(tmp_path):
+    rows = [
+        {"prompt_ids": [1, IMG], "completion_ids": [3], "image_grid_thw": [[1, 4, 4]]},
+        {"prompt_ids": [1, IMG], "completion_ids": [3], "image_grid_thw": [[1, 2**20, 2**20]]},
+    ]
+    data = _write(tmp_path / "img.jsonl", rows)
+    res = runner.invoke(app, ["analyze", "--data", data, "--model", "tiny-qwen3", "--image-token-id", str(IMG)])
+    assert res.exit_code == 2, res.output
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "img.jsonl" in lines[0] and "row 1" in lines[0], res.output
+    assert "[1, 1048576, 1048576]" in lines[0], res.output

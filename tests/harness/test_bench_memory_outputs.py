@@ -169,3 +169,13 @@ def test_moe_and_mla_shapes_that_would_count_wrong_are_refused(model, extra, wha
     res = runner.invoke(app, ["bench", "memory", "--model", model, "--batch", "4", "--prompt-len", "16", *extra])
     assert res.exit_code == 2 and what in _said(res), res.output
     assert counted == []
+
+
+def test_the_size_of_the_counts_is_said_before_the_first():
+    """Issue 60: `zorro bench memory` gave no size or time estimate before a very large count."""
+    from zorro_cli.bench_memory import LARGE_COUNT_TOKENS, size_note
+
+    small = size_note(4, 4, 8, 2, 1, 8)
+    assert "4 case(s)" in small and "40 tokens" in small and "many minutes" not in small
+    big = size_note(2, 4096, 8192, 1024, 1, 8)
+    assert f"{4096 * 9216:,} tokens" in big and "many minutes" in big and str(f"{LARGE_COUNT_TOKENS:,}") in big

@@ -101,3 +101,21 @@ def test_a_schedule_off_the_kernel_pair_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match="kernel pair"):
         sm.count_schedule_case(dataclasses.replace(CASE, layers=1))
     assert torch.is_grad_enabled()
+
+
+def test_a_longest_prompt_at_the_search_ceiling_says_so(capsys):
+    """Issue 60: `--budget 1` reported a longest prompt of 4,194,304 without saying it is the search's ceiling."""
+    from zorro_cli import bench_schedule
+    from zorro_harness.bench.schedule_memory import LONGEST_PROMPT_CEILING
+
+    row = {
+        "status": "ok", "model": "m", "batch": 4, "prompt_len": 8, "response_len": 2, "budget": 1, "dtype": "bf16",
+        "logits_mode": "compute", "unique": 1, "path": "prompt_once", "micro_batches": 4, "step_tokens": 8,
+        "largest_tokens": 2, "saved_bytes": 0, "kept_bytes": 0, "peak_bytes": 0, "peak_checkpointed_bytes": 0,
+        "flops_fwd_bwd": 0, "ideal_speedup": "", "longest_prompt": LONGEST_PROMPT_CEILING,
+        "longest_prompt_checkpointed": 1000,
+    }  # fmt: skip
+    bench_schedule._print([row], 80.0, 1)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f">= {LONGEST_PROMPT_CEILING:,}" in out and "ceiling" in out, out
+    assert "1,000" in out

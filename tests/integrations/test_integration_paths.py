@@ -278,3 +278,42 @@ def test_the_renamed_verl_classes_answer_to_their_old_names():
     assert ZorroFSDPEngine is engine.DedupFSDPEngine
     # verl looks engines and trainers up by key and by the mode string, never by class name.
     assert trainer.TRAINER_NAME == "zorro_sync"
+
+
+def test_serve_critic_is_read_from_the_openrlhf_package_with_the_install_line_when_missing():
+    """Issue 60: `serve_critic` was not exported by the package the docs import OpenRLHF's names from."""
+    import zorro_core.integrations.openrlhf as package
+
+    assert "serve_critic" in package.__all__
+    code = (
+        "import sys\n"
+        "class Blocker:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'openrlhf':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Blocker())\n"
+        "try:\n"
+        "    from zorro_core.integrations.openrlhf import serve_critic\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print(e.name, '|', e)\n"
+    )
+    name, _, message = _run(code).partition(" | ")
+    assert name == "openrlhf" and 'pip install -e ".[openrlhf]"' in message, message
+
+
+def test_the_verl_schedule_module_without_verl_gives_the_install_line():
+    """Issue 60: `import zorro_core.integrations.verl.schedule` without verl was a bare ModuleNotFoundError."""
+    code = (
+        "import sys\n"
+        "class Blocker:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'verl':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Blocker())\n"
+        "try:\n"
+        "    import zorro_core.integrations.verl.schedule\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print(e.name, '|', e)\n"
+    )
+    name, _, message = _run(code).partition(" | ")
+    assert name == "verl" and "needs verl" in message and "pip install" in message, message

@@ -543,11 +543,15 @@ def test_adapter_calls_the_layers_own_kernel_copy(tiny_models, exact_references,
 
 
 @pytest.mark.parametrize("name", ["causal_conv1d_forward", "torch_chunk_gated_delta_rule"])
-def test_hub_kernel_the_adapter_cannot_follow_is_refused(name):
+def test_hub_kernel_the_adapter_cannot_follow_is_refused(name, monkeypatch):
     """A hub kernel in the layer's conv step (5.25's causal_conv1d_forward, which the adapter replaces)
-    or a hub delta rule on CPU (kernels-community's fla runs on CUDA only) is refused, never run wrong."""
+    or a hub delta rule on CPU (kernels-community's fla runs on CUDA only) is refused, never run wrong.
+    Against transformers' own module functions: the autouse fixture's CPU dispatcher (where fla is
+    installed) is a plain function the layers hold no kernels copy of (issue 60, defect 14)."""
     from zorro_core.errors import UnsupportedModelError
     from zorro_core.models.presets import build_model, preset_config
+
+    monkeypatch.undo()  # no actor-less forward runs here: nothing needs the PyTorch kernel on CPU
 
     model = build_model(preset_config("tiny-qwen3-next"), dtype=torch.float64, attn_implementation="eager")
     layers = _kernel_copies(model)

@@ -6,7 +6,15 @@ import inspect
 
 import pytest
 import torch
-from fla_devices import KERNEL, assert_refuses_cpu, device_aware, family_module, qwen3_next_module, simulate_fla
+from fla_devices import (
+    KERNEL,
+    assert_refuses_cpu,
+    cpu_fallback_by_device,
+    device_aware,
+    family_module,
+    qwen3_next_module,
+    simulate_fla,
+)
 from helpers import LP_ATOL
 from versions import skip_module_without_qwen3_next_adapter
 
@@ -91,7 +99,31 @@ def test_simulated_fla_cpu_runs_the_pytorch_kernel(tiny_models, references, monk
 @pytest.mark.parametrize("actor_cls", [DeduplicatedActor, BaselineActor])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_installed_fla_cpu_runs_the_pytorch_kernel(tiny_models, references, family, actor_cls):
-    """fla installed: transformers' module kernel is fla's (it fails on CPU tensors); the actors on
-    CPU run the PyTorch kernel and equal the reference."""
-    assert_refuses_cpu(getattr(family_module(family), KERNEL))
+    """fla installed: transformers' module kernel is fla's (before 5.25 it fails on CPU tensors; from 5.25
+    transformers' wrapper itself takes the PyTorch path for them); the actors on CPU run the PyTorch
+    kernel and equal the reference either way (issue 60, defect 14)."""
+    if not cpu_fallback_by_device(getattr(family_module(family), KERNEL)):
+        assert_refuses_cpu(getattr(family_module(family), KERNEL))
     _check(actor_cls(model=tiny_models(family)), references(family))
+
+
+def test_the_reference_keeps_an_exact_delta_rule_chosen_around_it(tiny_models, monkeypatch):
+    """Issue 60, defect 14: where fla is importable the per-sequence reference's device choice replaced an outer
+    exact_delta_rule, so the float64 references ran transformers' float32 kernel (A_log's gradient 8e-5 off,
+    49 float64 tests failing with fla installed). Simulated: fla importable, the exact rule chosen outside."""
+    from zorro_core.verify import delta_rule
+    from zorro_core.verify.delta_rule import device_delta_rule, exact_delta_rule
+
+    monkeypatch.setattr(delta_rule, "fla_available", lambda: None)
+    model = tiny_models("tiny-qwen3-next")
+    calls = []
+    real = delta_rule.chunk_gated_delta_rule_exact
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(delta_rule, "chunk_gated_delta_rule_exact", counted)
+    with exact_delta_rule(model), device_delta_rule(model):
+        model(input_ids=torch.ones(1, 5, dtype=torch.long), use_cache=False)
+    assert len(calls) == len(linear_attention.linear_layers(model)), calls

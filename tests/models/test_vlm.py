@@ -280,7 +280,7 @@ def test_low_precision_stays_within_the_plain_computations_noise(family, dtype):
 
 def test_micro_batching_an_image_batch_is_refused():
     actor = VisionLanguageActor(model=_model("qwen2_5_vl"))
-    with pytest.raises(TypeError, match="takes a zorro_core.RolloutBatch"):
+    with pytest.raises(TypeError, match="not served by forward_backward.*zorro_core.RolloutBatch"):
         actor.forward_backward(vision_batch(), lambda out, rows: out.log_probs.sum())
 
 

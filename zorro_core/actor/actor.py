@@ -27,13 +27,26 @@ from zorro_core.attention.hook import Route, RouteSpec, route_mask
 from zorro_core.attention.registration import install_attention
 from zorro_core.distributed.ulysses import SequenceParallel
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.models.families import aux_loss_of, forward_kwargs, install_family_adapters, wants_router_logits
-from zorro_core.models.parts import check_layers_served, check_trainable_state, model_parts
+from zorro_core.models.families import (
+    aux_loss_of,
+    check_router_aux_loss,
+    forward_kwargs,
+    install_family_adapters,
+    wants_router_logits,
+)
+from zorro_core.models.parts import (
+    check_layers_served,
+    check_trainable_state,
+    model_parts,
+    vocabulary_head_refusal,
+)
 from zorro_core.models.presets import load_model
+from zorro_core.plan.balance import check_attention_weight
 from zorro_core.plan.batch import RolloutBatch, check_batch
 from zorro_core.plan.build import build_dedup_plan
 from zorro_core.plan.dtypes import resolve_dtype
 from zorro_core.plan.protocol import Plan
+from zorro_core.plan.sharing import DEFAULT_MIN_SHARED_TOKENS
 from zorro_core.stack.auto import AUTO, AttentionChoice, choose_attention
 
 __all__ = ["ActorConfig", "ActorOutput", "BaselineActor", "DeduplicatedActor"]
@@ -230,6 +243,8 @@ class _Actor:
         this with the same batch; each runs its slice of the packed row and all get every log-prob.
         `router_aux_loss`: whether this call computes an MoE model's router aux loss (None: as the
         model config's `output_router_logits` says); passed to the model as a forward kwarg."""
+        self.check_logprob_head()
+        check_router_aux_loss(router_aux_loss)
         self.check_call(temperature, batch, calculate_entropy)
         check_trainable_state(self.model)
         if sequence_parallel is not None and sequence_parallel.size == 1:
@@ -248,6 +263,12 @@ class _Actor:
         return ActorOutput(
             plan.scatter_responses(lp), plan.scatter_responses(ent) if ent is not None else None, plan, aux
         )
+
+    def check_logprob_head(self) -> None:
+        """Refuse a log-prob call on a model without a vocabulary head (a critic's ValueModel), before any compute."""
+        why = vocabulary_head_refusal(self.parts)
+        if why is not None:
+            raise UnsupportedModelError(why)
 
     def run_route(self, batch: RolloutBatch, spec: RouteSpec, dedup: bool, temperature: float) -> torch.Tensor:
         """[B, R] log-probs of `batch` on another route (the self-check's comparisons): no checks, no aux loss."""
@@ -297,7 +318,7 @@ class _Actor:
         # hooks again with the same route, and those calls are not part of this count.
         check_layers_served(self.parts, route)
         aux = aux_loss_of(
-            self.parts, self.model.config, outputs, plan, self.config.router_aux_weighting, router_aux_loss
+            self.parts, self.model.config, outputs, plan, self.config.router_aux_weighting, router_aux_loss, self
         )
         if sp is None:
             lp, ent = self.logprobs_at(hidden, plan.logit_index, plan.labels, temperature, calculate_entropy)
@@ -372,6 +393,7 @@ class _Actor:
             schedule = self.config.schedule
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+        check_attention_weight(attention_weight)  # under either schedule (the prompt-once step reads none)
         if schedule == "prompt_once":
             return prompt_once_step(self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy)
         return microbatch.forward_backward(
@@ -385,12 +407,28 @@ class DeduplicatedActor(_Actor):
     dedup = True
 
 
+DEDUP_ONLY: dict[str, tuple[Any, ...]] = {
+    "sharing": ("prompt",),
+    "min_shared_tokens": (DEFAULT_MIN_SHARED_TOKENS, None),
+    "schedule": ("micro_batch",),
+    "self_check": (None, False),
+}
+"""Keyword options only the deduplicated actor reads, and the values that ask nothing of the baseline."""
+
+
 class BaselineActor(_Actor):
     """Every sequence computed on its own: packed without padding (default) or the padded HF forward."""
 
     dedup = False
 
     def __init__(self, *args, padded: bool = False, **kwargs) -> None:
+        for name, unset in DEDUP_ONLY.items():
+            if name in kwargs and kwargs[name] not in unset:
+                raise ValueError(
+                    f"BaselineActor({name}={kwargs[name]!r}): {name} is the deduplicated actor's option, which the "
+                    "baseline would record and ignore (it computes every row on its own, without a check); pass it "
+                    "to DeduplicatedActor, or give both actors one ActorConfig"
+                )
         super().__init__(*args, **kwargs)
         self.padded = padded
 
@@ -404,6 +442,7 @@ class BaselineActor(_Actor):
     ) -> ActorOutput:
         if not self.padded:
             return super().forward(batch, temperature, calculate_entropy, sequence_parallel, router_aux_loss)
+        self.check_logprob_head()
         if sequence_parallel is not None and sequence_parallel.size > 1:
             raise UnsupportedModelError("the padded baseline does not run under Ulysses sequence parallelism")
         return padded_forward(self, batch, temperature, calculate_entropy, router_aux_loss)

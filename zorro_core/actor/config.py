@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
+
 from zorro_core.actor.logprobs import LOGITS_MODES
 from zorro_core.models.moe import AUX_WEIGHTINGS
 from zorro_core.plan.sharing import DEFAULT_MIN_SHARED_TOKENS, SHARINGS, check_sharing
@@ -82,7 +84,12 @@ class ActorConfig:
     responses take (zorro_core.actor.schedule; docs/schedule.md)."""
 
     def __post_init__(self) -> None:
-        """Every field's type and choices, checked here once: ValueError naming the field and what it takes."""
+        """Every field's type and choices, checked here once: ValueError naming the field and what it takes.
+        numpy numbers are taken as the equal int or float (stored as plain ones, for results files)."""
+        for name in ("logits_chunk_size", "max_seq_len", "min_shared_tokens", "logits_memory_budget_mib"):
+            value = getattr(self, name)
+            if isinstance(value, np.generic):  # np.int64(4) -> 4, np.float32(8.0) -> 8.0, then checked below
+                object.__setattr__(self, name, value.item())
         if not isinstance(self.use_split_attention, bool):
             raise ValueError(
                 f"ActorConfig.use_split_attention must be True or False (split or mask mode); got "

@@ -36,6 +36,10 @@ def _lp_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float, 
     return lp, ent
 
 
+MAX_CHUNK_POSITIONS = 2**62
+"""The largest chunk size a budget gives (a budget past every batch: one chunk)."""
+
+
 def chunk_size_for_budget(vocab_size: int, budget_mib: float, dtype: torch.dtype = torch.float32) -> int:
     """Positions per chunk so that one chunk's temporaries fit `budget_mib` MiB.
 
@@ -51,7 +55,8 @@ def chunk_size_for_budget(vocab_size: int, budget_mib: float, dtype: torch.dtype
     model_bytes = torch.empty((), dtype=dtype).element_size()
     acc_bytes = torch.empty((), dtype=_acc_dtype(dtype)).element_size()
     per_position = vocab_size * (2 * model_bytes + 2 * acc_bytes)
-    return max(1, int(budget_mib * 2**20 // per_position))
+    # Divided first and capped: a huge finite budget (1e303 MiB) would overflow to inf in bytes.
+    return max(1, int(min(budget_mib * (2**20 / per_position), MAX_CHUNK_POSITIONS)))
 
 
 def _chunk_log_softmax(h, weight, bias, temperature, lse=None):

@@ -16,7 +16,7 @@ from zorro_core.actor.fsdp import is_fsdp_root
 from zorro_core.actor.output import ActorOutput
 from zorro_core.attention.hook import Route, RouteSpec, route_mask
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.models.families import forward_kwargs, load_balancing_loss, wants_router_logits
+from zorro_core.models.families import forward_kwargs, load_balancing_loss, wants_router_logits, warn_aux_gradient_lost
 from zorro_core.models.parts import ModelParts, check_trainable_state
 from zorro_core.plan.batch import RolloutBatch
 
@@ -88,6 +88,7 @@ def padded_forward(
     aux = None
     if wants_router_logits(actor.parts, actor.model.config, router_aux_loss):
         c = actor.model.config
+        warn_aux_gradient_lost(actor, hidden, outputs.router_logits)
         aux = load_balancing_loss(outputs.router_logits, c.num_experts, c.num_experts_per_tok, mask.flatten())
     b, p = batch.prompts.shape
     r = batch.responses.shape[1]

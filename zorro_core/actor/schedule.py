@@ -26,12 +26,14 @@ MLA), gated DeltaNet layers (each prompt's state at its end and its conv window 
 zorro_core.attention.external_linear), MoE with its router aux loss at logical counts (each micro-batch's
 equals the plain computation of its rows; the prompts' router logits kept as leaves). Self-checked
 like `forward` (`self_check`). Refused with the reason (fail closed): the baseline actor, the aux
-loss under reentrant checkpointing (its router logits carry no gradient).
+loss under reentrant checkpointing (its router logits carry no gradient), a critic (a value head, no
+lm_head: verl's and OpenRLHF's critics are served by the within-micro-batch path).
 """
 
 from __future__ import annotations
 
 import numbers
+import operator
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -55,9 +57,9 @@ from zorro_core.attention.external import KeptPrefix, KeyRegion
 from zorro_core.attention.external_linear import KeptLinear
 from zorro_core.attention.hook import Route, RouteSpec, route_mask
 from zorro_core.errors import UnsupportedModelError
-from zorro_core.models.families import forward_kwargs, wants_router_logits
+from zorro_core.models.families import check_router_aux_loss, forward_kwargs, wants_router_logits
 from zorro_core.models.moe import load_balancing_loss
-from zorro_core.models.parts import check_layers_served, check_trainable_state
+from zorro_core.models.parts import check_layers_served, check_trainable_state, vocabulary_head_refusal
 from zorro_core.plan.balance import select_rows
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.prompt_nodes import PromptNodes
@@ -129,6 +131,9 @@ def refusal_for(
         return "the prompt-once schedule runs the deduplicated actor (the baseline computes every prompt per row)"
     if sharing not in ("prompt", "prefix"):
         return f"the prompt-once schedule serves sharing='prompt' or 'prefix', not {sharing!r}"
+    no_head = vocabulary_head_refusal(parts) if parts is not None else None
+    if no_head is not None:
+        return f"the prompt-once schedule computes log-probs through the lm_head; {no_head}"
     return None
 
 
@@ -170,8 +175,18 @@ def cut_every_group(groups: Groups, rank: Optional[Sequence[int]] = None) -> lis
     return parts
 
 
+def _row_index(r: Any) -> int:
+    """A row index of `parts` as an int: ints, numpy and 0-d tensor integers; not floats or bools."""
+    if isinstance(r, bool) or (isinstance(r, torch.Tensor) and (r.dtype == torch.bool or r.is_floating_point())):
+        raise ValueError(f"parts must hold int row indices, got {type(r).__name__} {r!r}")
+    try:
+        return operator.index(r)
+    except TypeError:
+        raise ValueError(f"parts must hold int row indices, got {type(r).__name__} {r!r}") from None
+
+
 def _check_parts(parts: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
-    rows = [list(map(int, p)) for p in parts]
+    rows = [[_row_index(r) for r in p] for p in parts]
     flat = sorted(r for p in rows for r in p)
     if any(not p for p in rows) or flat != list(range(batch_size)):
         raise ValueError(f"parts must cover every row 0..{batch_size - 1} exactly once, in non-empty micro-batches")
@@ -204,6 +219,12 @@ def prompt_once_step(
     refusal = schedule_refusal(actor)
     if refusal:
         raise UnsupportedModelError(refusal)
+    if on_prompts_backward is not None and not callable(on_prompts_backward):
+        raise TypeError(
+            f"on_prompts_backward must be a callable or None, got {type(on_prompts_backward).__name__} "
+            f"{on_prompts_backward!r}"
+        )
+    check_router_aux_loss(router_aux_loss)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be a callable loss_fn(out, rows) -> scalar tensor, got {type(loss_fn).__name__}")
     if not torch.is_grad_enabled():
@@ -277,18 +298,45 @@ def _checked_step(
     )
     aux = wants_router_logits(actor.parts, actor.model.config, router_aux_loss)
     failed = self_check(actor, batch, temperature)
-    # Parameters without a gradient before the call get none back if the step fails (microbatch's rule).
+    # Parameters without a gradient before the call get none back if the step fails (microbatch's rule);
+    # the others cannot be restored without a copy as large as them: the error says what they hold.
     fresh = [p for p in actor.model.parameters() if p.grad is None]
+    asked = [0]  # micro-batches whose loss was asked for
+    if loss_fn is not None:
+        loss_fn = _counting(loss_fn, asked)
     try:
         if failed is not None:
             return _each_on_its_own(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy, aux, failed)
         return _step(
             actor, batch, loss_fn, groups, nodes, rows, temperature, calculate_entropy, aux, on_prompts_backward
         )
-    except BaseException:
+    except BaseException as e:
         for p in fresh:
             p.grad = None
+        _note_kept_gradients(e, actor, asked[0], len(rows))
         raise
+
+
+def _counting(loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], asked: list[int]) -> Callable:
+    """`loss_fn`, counting its calls into `asked[0]`."""
+
+    def counted(out: Any, idx: torch.Tensor) -> torch.Tensor:
+        asked[0] += 1
+        return loss_fn(out, idx)
+
+    return counted
+
+
+def _note_kept_gradients(error: BaseException, actor: Any, at: int, parts: int) -> None:
+    """After a failed step: the note on what the gradients that existed before the call now hold."""
+    if at < 2 or not any(p.grad is not None for p in actor.model.parameters()):
+        return
+    where = f"micro-batch {at} of {parts}" + (" or in the prompts' backward after it" if at == parts else "")
+    error.add_note(
+        f"zorro: the prompt-once step failed in {where}; the gradients that existed before the call now also "
+        f"hold micro-batch {'1' if at == 2 else f'1..{at - 1}'}'s responses' share (the prompts' share is added "
+        "in the step's last phase, which did not complete): model.zero_grad() before retrying"
+    )
 
 
 def _step(

@@ -151,6 +151,16 @@ class VisionLanguageActor(DeduplicatedActor):
 
     __call__ = forward
 
+    def forward_backward(self, batch: RolloutBatch, loss_fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """The text actor's forward_backward for a RolloutBatch; images are refused by name (TypeError)."""
+        if isinstance(batch, MultimodalBatch):
+            raise TypeError(
+                "images (a MultimodalBatch) are not served by forward_backward, which micro-batches text rows "
+                "(a zorro_core.RolloutBatch): call actor.forward(batch) on each micro-batch of images and "
+                "backward its loss"
+            )
+        return super().forward_backward(batch, loss_fn, *args, **kwargs)
+
     @staticmethod
     def _prompt_image_rows(plan: PromptPlan, distinct: list, image_ids: list[list[int]], config: Any) -> torch.Tensor:
         """The row of the distinct images' embeddings (concatenated) for each image placeholder of the
@@ -247,7 +257,7 @@ class VisionLanguageActor(DeduplicatedActor):
         check_layers_served(self.parts, route)
         # The MoE router aux loss over the packed row's tokens, weighted as for text (Qwen3.5-MoE).
         aux = aux_loss_of(
-            self.parts, self.model.config, outputs, plan, self.config.router_aux_weighting, router_aux_loss
+            self.parts, self.model.config, outputs, plan, self.config.router_aux_weighting, router_aux_loss, self
         )
         hidden = outputs.last_hidden_state[0]
         lp, ent = self.logprobs_at(hidden, plan.logit_index, plan.labels, temperature, calculate_entropy)

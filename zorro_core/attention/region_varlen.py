@@ -105,16 +105,17 @@ class KeptLayout:
     @classmethod
     def of(cls, region: Any) -> "KeptLayout":
         seg, prompt_of = region.segment, region.prompt_of
-        n = int(seg.max()) + 1
-        own = _lengths(seg, n)
         p0, p1 = region.prompt_span
         kept_of = region.kept.prompt_of[p0:p1]
-        g0 = int(kept_of.min())
-        m = int(kept_of.max()) - g0 + 1
+        # Two host syncs per micro-batch (once, not per layer): the sizes and the order, then the maxima.
+        sizes = torch.stack([seg.max() + 1, kept_of.min(), kept_of.max(), (prompt_of[1:] < prompt_of[:-1]).any()])
+        n, g0, g1, unordered = (int(x) for x in sizes.long().tolist())
+        m = g1 - g0 + 1
+        own = _lengths(seg, n)
         lens_k = _lengths(kept_of - g0, m)
         lens_q = _lengths(prompt_of - g0, m)
         perm = inv = None
-        if bool((prompt_of[1:] < prompt_of[:-1]).any()):
+        if unordered:
             perm = torch.sort(prompt_of, stable=True).indices
             inv = torch.empty_like(perm)
             inv[perm] = torch.arange(perm.numel(), device=perm.device)

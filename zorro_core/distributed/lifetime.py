@@ -27,16 +27,20 @@ def children_ignore_sigint() -> Iterator[None]:
     of the foreground group: the parent alone handles it (and ends its children), instead of each
     child printing a KeyboardInterrupt traceback from wherever it was (a fork server importing
     torch, a case computing). An ignored signal stays ignored across exec, and Python then
-    installs no KeyboardInterrupt handler. The parent ignores it only while it starts them (a
-    Ctrl-C in those milliseconds is lost); outside the main thread nothing is changed."""
+    installs no KeyboardInterrupt handler. The parent also blocks it while it starts them, so a
+    Ctrl-C in those milliseconds waits (a blocked signal is kept pending, not discarded, though its
+    disposition is "ignore") and reaches the parent's own handler after; outside the main thread
+    nothing is changed."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, old)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def die_with(sweep_pid: int) -> None:

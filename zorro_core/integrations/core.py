@@ -161,12 +161,12 @@ def require_assigned(
 
 def refuse_schedule(config: Any, trainer: str) -> None:
     """Refuse `ActorConfig(schedule="prompt_once")` in a trainer whose own loop runs the step's
-    micro-batches (TRL, OpenRLHF): zorro sees one micro-batch per call there, so the schedule would
-    be silently ignored (docs/trainers.md, "The prompt-once schedule in TRL and OpenRLHF")."""
+    micro-batches (OpenRLHF, verl's legacy actor): zorro sees one micro-batch per call there, so the schedule would
+    be silently ignored (docs/trainers.md, "The prompt-once schedule in OpenRLHF")."""
     if getattr(config, "schedule", "micro_batch") != "micro_batch":
         raise ValueError(
             f"ActorConfig(schedule={config.schedule!r}) is not served by {trainer}: its own loop runs the "
             "step's micro-batches one call at a time, so zorro never owns the step (docs/trainers.md, "
-            "'The prompt-once schedule in TRL and OpenRLHF'); use schedule='micro_batch' here, or verl's "
+            "'The prompt-once schedule in OpenRLHF'); use schedule='micro_batch' here, or verl's "
             "engine or actor.forward_backward for the schedule"
         )

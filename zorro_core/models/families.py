@@ -16,6 +16,7 @@ Which family needs which adapter is its entry in zorro_core.models.registry; the
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -25,6 +26,7 @@ from zorro_core.models.moe import AUX_WEIGHTINGS, load_balancing_loss, router_au
 
 __all__ = [
     "AUX_WEIGHTINGS",
+    "RouterAuxLossWarning",
     "install_family_adapters",
     "forward_kwargs",
     "load_balancing_loss",
@@ -37,6 +39,12 @@ def install_family_adapters(model: nn.Module, parts) -> None:
     """Install the adapters the model's layers need (its registry entry's), once; they act only on calls that carry a route."""
     for adapter in parts.family.adapters:
         adapter(model)
+
+
+def check_router_aux_loss(requested: object) -> None:
+    """TypeError unless a call's `router_aux_loss` is None, True or False (a string "no" is no switch)."""
+    if requested is not None and not isinstance(requested, bool):
+        raise TypeError(f"router_aux_loss must be True, False or None, got {type(requested).__name__} {requested!r}")
 
 
 def wants_router_logits(parts, config, requested: Optional[bool] = None) -> bool:
@@ -59,12 +67,39 @@ def forward_kwargs(parts, config, requested: Optional[bool] = None) -> dict[str,
     return {}
 
 
+class RouterAuxLossWarning(UserWarning):
+    """The MoE router aux loss is computed but its gradient cannot reach the routers (reentrant checkpointing)."""
+
+
+def warn_aux_gradient_lost(owner: Any, hidden: torch.Tensor, router_logits: Any) -> None:
+    """Once per `owner` (an actor), warn when the forward's output takes gradients but some router logits do
+    not: reentrant checkpointing runs the layers under no_grad in the forward, so the aux loss built from
+    them gives the routers no gradient (transformers' own aux loss loses it alike: zorro equals the plain
+    computation, and both train the routers without the loss)."""
+    if owner.__dict__.get("_aux_gradient_warned") or not hidden.requires_grad:
+        return
+    if all(r.requires_grad for r in router_logits):
+        return
+    owner._aux_gradient_warned = True
+    warnings.warn(
+        "zorro: the MoE router aux loss under reentrant gradient checkpointing gets no gradient (the layers run "
+        "under no_grad in the forward, so the router logits it is built from carry none; transformers' own "
+        "forward loses it alike): the routers train without the aux loss. Use non-reentrant checkpointing "
+        "(use_reentrant=False, transformers' default) or router_aux_loss=False.",
+        RouterAuxLossWarning,
+        stacklevel=4,
+    )
+
+
 def aux_loss_of(
-    parts, config, outputs, plan, weighting: str, requested: Optional[bool] = None
+    parts, config, outputs, plan, weighting: str, requested: Optional[bool] = None, owner: Any = None
 ) -> Optional[torch.Tensor]:
-    """The router aux loss of a packed forward (None unless wants_router_logits)."""
+    """The router aux loss of a packed forward (None unless wants_router_logits); warned once per `owner`
+    when its gradient is lost (warn_aux_gradient_lost)."""
     if not wants_router_logits(parts, config, requested):
         return None
+    if owner is not None:
+        warn_aux_gradient_lost(owner, outputs.last_hidden_state, outputs.router_logits)
     return router_aux_loss(outputs.router_logits, _text_config(config), plan, weighting)
 
 

@@ -390,6 +390,11 @@ def delta_rule_of(model: nn.Module, choose: Callable[[Callable, torch.Tensor], C
                 layer.__dict__[_CHOOSER] = before
 
 
+def delta_rule_chosen(model: nn.Module) -> bool:
+    """Whether a `delta_rule_of` block has chosen the delta rule of `model`'s gated DeltaNet layers."""
+    return any(_CHOOSER in layer.__dict__ for layer in linear_layers(model))
+
+
 def adapted_forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
     """A gated DeltaNet layer's forward: its class's forward (transformers' code) unless a route is
     in the kwargs or the layer has a delta-rule choice (`delta_rule_of`); then the same computation

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import cast
+from typing import Optional, cast
 
+import torch
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -37,6 +38,20 @@ class ModelParts:
     """Gated DeltaNet layers that must go through the linear-attention adapter once per forward."""
     moe: bool = False
     """Whether the model routes tokens to experts (has a router aux loss)."""
+
+
+NO_VOCABULARY_HEAD = (
+    "the model has no lm_head to compute log-probs with: a critic's value head (its base read through "
+    "zorro_core.integrations.value_model.ValueModel) is served by `response_hidden` only, not by the "
+    "log-prob paths (forward, forward_backward, the prompt-once schedule)"
+)
+
+
+def vocabulary_head_refusal(parts: ModelParts) -> Optional[str]:
+    """Why log-probs cannot be computed through `parts.lm_head` (None: they can). A critic's ValueModel
+    shows a stand-in head on the meta device (for the plan's token-id check): its outputs are no numbers."""
+    weight = getattr(parts.lm_head, "weight", None)
+    return NO_VOCABULARY_HEAD if isinstance(weight, torch.Tensor) and weight.is_meta else None
 
 
 def unwrap_adapters(model: nn.Module) -> PreTrainedModel:

@@ -95,9 +95,26 @@ def check_images(batch: RolloutBatch, images: Sequence[Sequence[Image]], config)
         )
     counts = (prompts == image_id).sum(1).tolist()
     for i, (n, row) in enumerate(zip(counts, images)):
-        want = sum(image_tokens(img, merge) for img in row)
-        if n != want:
-            raise ValueError(f"prompt of row {i} holds {n} image placeholder tokens, its {len(row)} images need {want}")
+        needs = [image_tokens(img, merge) for img in row]
+        if n != sum(needs):
+            raise ValueError(
+                f"prompt of row {i} holds {n} image placeholder tokens, its {len(row)} images need {sum(needs)}"
+            )
+        # The model numbers each run of placeholders as the next image (its get_rope_index): a run per
+        # image, of that image's tokens, else the positions (and transformers' iterator) go wrong.
+        runs = placeholder_runs(prompts[i] == image_id) if n else []
+        if runs != needs:
+            raise ValueError(
+                f"prompt of row {i}: its image placeholders come in runs of {runs} tokens, its {len(row)} images "
+                f"need one run each of {needs} (t*h*w / merge^2 of each image, in order)"
+            )
+
+
+def placeholder_runs(is_image: torch.Tensor) -> list[int]:
+    """The lengths of the runs of True in a 1-D bool row, in order."""
+    edges = torch.diff(torch.cat([is_image.new_zeros(1), is_image, is_image.new_zeros(1)]).to(torch.int8))
+    starts, ends = (edges == 1).nonzero().flatten(), (edges == -1).nonzero().flatten()
+    return (ends - starts).tolist()
 
 
 def token_types(ids: torch.Tensor, config) -> torch.Tensor:

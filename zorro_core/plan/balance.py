@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import numbers
 from dataclasses import dataclass, field
 from functools import reduce
 from typing import Optional, Sequence
@@ -215,7 +216,7 @@ def check_attention_weight(attention_weight: object) -> None:
     """ValueError unless `attention_weight` is a finite number >= 0 (not a bool, not a string)."""
     if (
         isinstance(attention_weight, bool)
-        or not isinstance(attention_weight, (int, float))
+        or not isinstance(attention_weight, numbers.Real)
         or not math.isfinite(attention_weight)
         or attention_weight < 0
     ):

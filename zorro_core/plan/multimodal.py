@@ -28,14 +28,37 @@ the same position (the model numbers a row causally, so they must; this is asser
 from __future__ import annotations
 
 import hashlib
+import numbers
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.prompt import PromptPlan, prompt_groups
 from zorro_core.plan.trie import TriePlan, build_trie_plan
+
+MAX_IMAGE_PATCHES = 2**20
+"""The most patches (t*h*w) one image's grid may hold: 16 times what the Qwen2.5-VL and Qwen3-VL
+processors give at their default largest size (65,536 patches); a grid past it is refused before
+anything is sized by it (the vision actor's checks, `zorro analyze --data`)."""
+
+
+def check_grid(grid: object) -> tuple[int, int, int]:
+    """An image's (t, h, w) patch grid as three ints, refused (ValueError naming the grid) unless each is
+    a positive integer (not a bool or a float: 1.5 frames is no grid) and t*h*w <= MAX_IMAGE_PATCHES."""
+    values: Any = grid.tolist() if isinstance(grid, torch.Tensor) else grid
+    ok = isinstance(values, (list, tuple)) and len(values) == 3
+    ok = ok and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and int(x) >= 1 for x in values)
+    if not ok:
+        raise ValueError(f"an image's grid_thw must be three positive ints (t, h, w), got {values!r}")
+    t, h, w = (int(x) for x in values)
+    if t * h * w > MAX_IMAGE_PATCHES:
+        raise ValueError(
+            f"an image's grid_thw {[t, h, w]} holds {t * h * w:,} patches, over the {MAX_IMAGE_PATCHES:,} zorro "
+            "takes for one image (zorro_core.plan.multimodal.MAX_IMAGE_PATCHES)"
+        )
+    return (t, h, w)
 
 
 @dataclass(frozen=True)
@@ -54,10 +77,7 @@ class Image:
                 "an image's pixel_values must be a 2-D floating-point tensor [patches, patch_dim], got "
                 + (f"{pv.dtype} of shape {tuple(pv.shape)}" if isinstance(pv, torch.Tensor) else type(pv).__name__)
             )
-        ints = tuple(int(x) for x in (grid.tolist() if isinstance(grid, torch.Tensor) else grid))
-        if len(ints) != 3 or min(ints) < 1:
-            raise ValueError(f"an image's grid_thw must be three positive ints (t, h, w), got {ints}")
-        grid = (ints[0], ints[1], ints[2])
+        grid = check_grid(grid)
         if grid[0] * grid[1] * grid[2] != pv.shape[0]:
             raise ValueError(f"grid_thw {grid} holds {grid[0] * grid[1] * grid[2]} patches, pixel_values {pv.shape[0]}")
         object.__setattr__(self, "grid_thw", grid)
@@ -154,18 +174,29 @@ class MultimodalBatch:
     ) -> "MultimodalBatch":
         """From a processor's batch layout: every image's patches concatenated ([sum patches, D]),
         one grid row per image ([n, 3]), row i holding the next `images_per_row[i]` images."""
+        if isinstance(image_grid_thw, torch.Tensor) and (
+            image_grid_thw.is_floating_point() or image_grid_thw.dtype == torch.bool
+        ):
+            raise ValueError(f"image_grid_thw must hold ints, got a {image_grid_thw.dtype} tensor")
+        if not isinstance(image_grid_thw, torch.Tensor):  # a list: each grid checked as given (1.5 is no int)
+            for g in image_grid_thw:
+                check_grid(g)
         grids = torch.as_tensor(image_grid_thw)
         if grids.dim() != 2 or grids.shape[1] != 3:
             raise ValueError(f"image_grid_thw must be [images, 3], got shape {tuple(grids.shape)}")
-        counts = [int(n) for n in images_per_row]
+        counts = list(images_per_row.tolist() if isinstance(images_per_row, torch.Tensor) else images_per_row)
+        if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in counts):
+            raise ValueError(f"images_per_row must hold ints (images per row), got {counts!r}")
+        counts = [int(n) for n in counts]
         if any(n < 0 for n in counts) or sum(counts) != grids.shape[0]:
             raise ValueError(
                 f"images_per_row {counts} does not add up to the {grids.shape[0]} images of image_grid_thw"
             )
-        sizes = grids.prod(-1).tolist()
+        checked = [check_grid(g) for g in grids.tolist()]  # before anything is sized by a grid
+        sizes = [t * h * w for t, h, w in checked]
         if sum(sizes) != pixel_values.shape[0]:
             raise ValueError(f"image_grid_thw holds {sum(sizes)} patches, pixel_values {pixel_values.shape[0]}")
-        images = [Image(pv, tuple(g)) for pv, g in zip(torch.split(pixel_values, sizes), grids.tolist())]
+        images = [Image(pv, g) for pv, g in zip(torch.split(pixel_values, sizes), checked)]
         rows, at = [], 0
         for n in counts:
             rows.append(tuple(images[at : at + n]))

@@ -27,6 +27,7 @@ from torch import nn
 
 from zorro_core.models.linear_attention import (
     LINEAR_LAYER_TYPES,
+    delta_rule_chosen,
     delta_rule_kernel,
     delta_rule_of,
     fla_available,
@@ -121,8 +122,12 @@ def device_delta_rule(model: nn.Module) -> Iterator[None]:
     device, and fla's Triton kernels cannot take CPU tensors; the reference then takes the PyTorch
     function transformers' wrapper keeps behind it (what transformers runs without fla), as zorro's
     adapter does (`delta_rule_kernel`), on this model only (`delta_rule_of`). Without fla, or
-    without such layers, nothing changes: the forward is transformers' own."""
+    without such layers, nothing changes: the forward is transformers' own. A delta rule already
+    chosen for the model's layers (an outer `exact_delta_rule`) is kept: the reference runs it."""
     if fla_available() is not None:  # fla is not importable: transformers' kernel is PyTorch's
+        yield
+        return
+    if delta_rule_chosen(model):
         yield
         return
     with delta_rule_of(model, lambda module_kernel, query: delta_rule_kernel(module_kernel, query)[0]):

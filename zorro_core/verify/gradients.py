@@ -36,6 +36,7 @@ from zorro_core.actor.schedule import (
 from zorro_core.actor.self_check import verdict_of
 from zorro_core.attention.backends import backend_unavailable, default_backend
 from zorro_core.errors import UnsupportedModelError
+from zorro_core.models.families import RouterAuxLossWarning
 from zorro_core.models.linear_attention import fla_available
 from zorro_core.models.moe import is_moe
 from zorro_core.models.parts import model_parts, unwrap_adapters
@@ -77,7 +78,14 @@ from zorro_core.verify.rule import (  # noqa: F401 - the rule's names, importabl
 from zorro_core.verify.vision import IMAGES_LAYOUT, VISION_MODELS, run_verify_case
 
 AUX_COEF = 0.37
-"""The schedule mode's MoE cases: the loss adds this times each micro-batch's router aux loss."""
+"""The MoE cases with the aux loss (the schedule mode's, and the default path's under --checkpointing): the
+loss adds this times each micro-batch's router aux loss."""
+REENTRANT_AUX_NOTE = (
+    "the MoE router aux loss gets no gradient under reentrant checkpointing (the layers run under no_grad in "
+    "the forward): the plain computation's routers get none either, so this case equals it; use "
+    "non-reentrant checkpointing to train the routers with the aux loss"
+)
+"""A passing reentrant MoE case's reason: what it proved equal is not the aux loss's gradient."""
 
 
 def tiny_models() -> list[str]:
@@ -244,16 +252,20 @@ class Verifier:
             return cut_every_group(groups, rank)
         return response_micro_batches(groups, self.max_tokens, rank)
 
-    def aux_reference(self, name: str, dtype: str, layout: str, parts: list[list[int]]):
-        """reference() for the schedule's MoE cases: the loss adds AUX_COEF x each micro-batch's router
-        aux loss, as the plain computation of its rows gives it (reference.per_sequence_aux)."""
+    def aux_reference(
+        self, name: str, dtype: str, layout: str, parts: list[list[int]], checkpointing: Optional[str] = None
+    ):
+        """reference() for the MoE cases with the aux loss: the loss adds AUX_COEF x each part's router
+        aux loss, as the plain computation of its rows gives it (reference.per_sequence_aux), with the
+        model's layers checkpointed as `checkpointing` says (None: not; the schedule's cases)."""
         batch, w, _ = self.reference(name, dtype, layout)
         weights_of = "bfloat16" if dtype == "bfloat16" else "float32"
-        key = (name, weights_of, layout, "aux", tuple(map(tuple, parts)))
+        key = (name, weights_of, layout, "aux", tuple(map(tuple, parts)), checkpointing)
         if key not in self._refs:
             m64 = copy.deepcopy(self.model(name, weights_of)).to(torch.float64)
             unwrap_adapters(m64).set_attn_implementation("eager")
-            with exact_delta_rule(m64):
+            with exact_delta_rule(m64), checkpointed(m64, checkpointing), warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch's reentrant "no input requires grad"
                 self._refs[key] = per_sequence_aux(m64, batch, TEMPERATURE, w, parts, AUX_COEF)
             del m64
         return self._refs[key]
@@ -277,7 +289,8 @@ class Verifier:
         return self._against(ref, lp, ent, grads, res.aux_losses if aux else None), lp
 
     def baseline_aux_errors(self, actor, batch, w, ref, parts) -> tuple[Errors, torch.Tensor]:
-        """The baseline actor on the schedule's micro-batches with the same aux term (the dtype's own error)."""
+        """`actor` through `forward` on each of `parts` with the aux term in the loss: the baseline on the
+        schedule's micro-batches (the dtype's own error), or either actor on the default path (one part)."""
         actor.model.zero_grad(set_to_none=True)
         lp, ent, auxes = torch.zeros_like(ref[0]), torch.zeros_like(ref[1]), []
         for part in parts:
@@ -306,6 +319,7 @@ class Verifier:
         if case.model in vision_models():
             return self.run_vision(case)
         t0 = time.perf_counter()
+        note = ""
         try:
             model = self.model(case.model, case.dtype)
             if self.schedule:  # a refused case is skipped before its per-sequence reference runs
@@ -339,6 +353,20 @@ class Verifier:
                         base, base_lp = self.errors(baseline, batch, w, ref)
                     dedup, dedup_lp = self.schedule_errors(actor, batch, w, ref, parts, aux)
                     checked = self.self_check(actor, batch, schedule=True)
+                elif self.checkpointing is not None and is_moe(model.config) and model_parts(model).moe:
+                    # MoE under checkpointing: the loss carries the router aux loss of the whole batch, judged
+                    # against the plain computation per sequence under the same checkpointing (reentrant
+                    # checkpointing loses the aux loss's gradient there too: said in the reason).
+                    whole = [list(range(batch.batch_size))]
+                    ref = self.aux_reference(case.model, case.dtype, case.layout, whole, self.checkpointing)
+                    with warnings.catch_warnings():  # RouterAuxLossWarning: said once, in the case's reason
+                        warnings.simplefilter("ignore", RouterAuxLossWarning)
+                        base, base_lp = self.baseline_aux_errors(baseline, batch, w, ref, whole)
+                        with inject_bug(self.bug, actor):
+                            dedup, dedup_lp = self.baseline_aux_errors(actor, batch, w, ref, whole)
+                            checked = self.self_check(actor, batch)
+                    if self.checkpointing == "reentrant":
+                        note = REENTRANT_AUX_NOTE
                 else:
                     base, base_lp = self.errors(baseline, batch, w, ref)
                     with inject_bug(self.bug, actor):
@@ -350,7 +378,7 @@ class Verifier:
         return CaseResult(
             case,
             "fail" if failing else "pass",
-            "; ".join(failing[:3]),
+            "; ".join(failing[:3] + ([note] if note else [])),
             dedup,
             base,
             max_abs_error(dedup_lp, base_lp),

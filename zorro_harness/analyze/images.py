@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from zorro_core.plan.multimodal import MAX_IMAGE_PATCHES
 from zorro_harness.analyze.ragged import Ragged
 from zorro_harness.analyze.readers import DatasetError
 
@@ -33,6 +34,11 @@ IMAGE_TOKEN = "<|image_pad|>"
 """The Qwen-VL image placeholder token, looked up in the tokenizer when no --image-token-id is given."""
 SPATIAL_MERGE = 2
 """Qwen2.5-VL's and Qwen3-VL's spatial merge (2x2 patches per token)."""
+MAX_ROW_IMAGE_TOKENS = 2**24
+"""The most image tokens one data row's images may hold (each image is bounded by MAX_IMAGE_PATCHES)."""
+MAX_DATA_IMAGE_TOKENS = 2**28
+"""The most image tokens the rows of one analysis may hold (2 GiB of int64 token ids), checked row by row
+before a row's tokens are made."""
 
 
 @dataclass
@@ -52,9 +58,15 @@ class DataImages:
 
 
 def _grid(path: str, column: str, row: int, g: Any, merge: int) -> int:
-    if not isinstance(g, (list, tuple)) or len(g) != 3 or not all(isinstance(x, int) and x >= 1 for x in g):
+    ints = isinstance(g, (list, tuple)) and len(g) == 3
+    if not (ints and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in g)):
         raise DatasetError(f"{path}: row {row} of column {column!r}: an image grid is three positive ints, got {g!r}")
     t, h, w = g
+    if t * h * w > MAX_IMAGE_PATCHES:  # python ints: checked before anything is sized by it
+        raise DatasetError(
+            f"{path}: row {row} of column {column!r}: grid {list(g)} holds {t * h * w:,} patches, over the "
+            f"{MAX_IMAGE_PATCHES:,} zorro takes for one image"
+        )
     if h % merge or w % merge:
         raise DatasetError(f"{path}: row {row} of column {column!r}: grid {list(g)} is not divisible by merge {merge}")
     return t * h * w // (merge * merge)
@@ -96,12 +108,24 @@ def expand_images(
     rows: list[np.ndarray] = []
     keys: list[list[int]] = []
     count, tokens = np.zeros(len(prompts), np.int64), np.zeros(len(prompts), np.int64)
+    fresh = 0
     for r in range(len(prompts)):
         ids = prompts.row(r)
         row_grids = grids[r] or []
         if not isinstance(row_grids, (list, tuple)):
             raise DatasetError(f"{path}: row {r} of column {grid_column!r} is not a list of [t, h, w] grids")
         sizes = [_grid(path, grid_column, r, list(g) if isinstance(g, tuple) else g, merge) for g in row_grids]
+        if sum(sizes) > MAX_ROW_IMAGE_TOKENS:
+            raise DatasetError(
+                f"{path}: row {r}: its {len(sizes)} images hold {sum(sizes):,} image tokens, over the "
+                f"{MAX_ROW_IMAGE_TOKENS:,} zorro takes in one row"
+            )
+        fresh += sum(sizes)  # an upper bound on the new keyed tokens (images seen before add none)
+        if fresh > MAX_DATA_IMAGE_TOKENS:
+            raise DatasetError(
+                f"{path}: row {r}: the data's images reach {fresh:,} image tokens, over the "
+                f"{MAX_DATA_IMAGE_TOKENS:,} zorro takes in one analysis"
+            )
         row_images = (images[r] or []) if images is not None else None
         if row_images is not None and len(row_images) != len(sizes):
             raise DatasetError(

@@ -10,12 +10,15 @@ there) and renamed over it: a rename replaces a link itself, never what it point
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import signal
 import stat
 import tempfile
+import threading
 from pathlib import Path
-from typing import IO, Any, Callable, Optional
+from typing import IO, Any, Callable, Iterator, Optional
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -96,12 +99,37 @@ def short_name(text: str | Path) -> str:
     return text if len(text) <= 60 else f"{text[:28]}...{text[-28:]} ({len(text)} characters)"
 
 
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held (blocked, kept pending) inside the block and delivered after it, in the main
+    thread: `zorro`'s Ctrl-C handler ends the process at once (zorro_cli.entry), which must not happen
+    between a temporary file's creation and its rename or removal."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def replace_atomically(path: str | Path, write: Callable[[IO[bytes]], Any], mode: int = 0o644) -> None:
     """Write `path` whole: `write(f)` fills a new temporary file with a random name in the same
     folder (O_EXCL: never an existing file or link), which is then synced and renamed over
     `path`. A kill leaves the old file or the new one; a link at `path` is replaced by the
     regular file, what it pointed to is left alone. The temporary file is removed on failure."""
     path = Path(path)
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode):  # a file replaced keeps its permissions (0600 stays 0600)
+            mode = stat.S_IMODE(st.st_mode)
+    with signals_held():
+        _replace(path, write, mode)
+
+
+def _replace(path: Path, write: Callable[[IO[bytes]], Any], mode: int) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:64]}.", suffix=".tmp")
     try:
         os.fchmod(fd, mode)  # mkstemp's 0o600 would hide a results file from its readers

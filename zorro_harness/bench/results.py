@@ -388,9 +388,13 @@ def _write_whole(path: Path, data: bytes) -> None:
 
 
 class ResultWriter:
-    """Appends whole rows to a CSV, writing the header first if the file is new."""
+    """Appends whole rows to a CSV, writing the header first if the file is new. `columns`: the
+    file's columns (default the sweep's), `required`: those an existing file must have to be
+    appended to (default the sweep's required ones)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(
+        self, path: str | Path, columns: Sequence[str] = COLUMNS, required: Optional[Sequence[str]] = None
+    ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         refuse_link(self.path, "--out")
@@ -398,11 +402,13 @@ class ResultWriter:
             raise ValueError(f"{self.path} is a directory, not a results CSV")
         _drop_partial_line(self.path)
         header = _header(self.path)
+        columns = list(columns)
+        required = REQUIRED_COLUMNS if required is None else list(required)
         if header is not None:
-            missing = [c for c in REQUIRED_COLUMNS if c not in header]
+            missing = [c for c in required if c not in header]
             if missing:
                 raise ValueError(f"{self.path} exists but lacks the columns {missing}: write to a new file")
-            newer = [c for c in COLUMNS if c not in header]
+            newer = [c for c in columns if c not in header]
             if newer:
                 raise ValueError(
                     f"{self.path} was written by an older zorro: it lacks the columns {newer}, which new rows "
@@ -411,7 +417,7 @@ class ResultWriter:
                 )
             self.columns = header
         else:
-            self.columns = COLUMNS
+            self.columns = columns
             _write_whole(self.path, csv_line(self.columns))
 
     def append(self, row: dict[str, Any]) -> None:
@@ -475,6 +481,14 @@ class TableOut:
         """The backup the first write made, if any."""
         self._lock: Optional[ResultsLock] = None
         self._written = False
+        self._mode = 0o644  # the replaced file's permissions, once it is known
+
+    def backup_name(self) -> Path:
+        """Where the first write keeps the file it replaces: the next free `<name>.N.bak`."""
+        n = 1
+        while os.path.lexists(self.path.with_name(f"{self.path.name}.{n}.bak")):
+            n += 1
+        return self.path.with_name(f"{self.path.name}.{n}.bak")
 
     def check(self, also: Sequence[Optional[str | Path]] = ()) -> None:
         out, flag = self.path, self.flag
@@ -498,6 +512,10 @@ class TableOut:
             raise ValueError(f"{flag} {short_name(out)}: cannot read it ({e.strerror})") from None
         if st is not None and not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{flag} {short_name(out)} is {_kind(st.st_mode)}; {flag} takes a file path")
+        if st is not None:  # the old file is kept under the next free .N.bak: that name must be possible too
+            why = name_too_long(self.backup_name(), f"{flag}'s backup of the file it replaces")
+            if why:
+                raise ValueError(why)
         _probe_folder(folder, flag)
         if st is None or st.st_size == 0:
             return
@@ -529,12 +547,12 @@ class TableOut:
         try:
             if not self._written and os.path.lexists(self.path):
                 # the file alone (a JSON of that name is not this command's, unlike a sweep's sidecar)
-                n = 1
-                while os.path.lexists(self.path.with_name(f"{self.path.name}.{n}.bak")):
-                    n += 1
-                self.kept = self.path.with_name(f"{self.path.name}.{n}.bak")
+                self.kept = self.backup_name()
+                before = os.lstat(self.path)
+                if stat.S_ISREG(before.st_mode):  # the new file keeps the old one's permissions (0600 stays)
+                    self._mode = stat.S_IMODE(before.st_mode)
                 self.path.replace(self.kept)
-            replace_atomically(self.path, lambda f: f.write(data))
+            replace_atomically(self.path, lambda f: f.write(data), self._mode)
         except OSError as e:
             raise ResultsWriteError(f"cannot write {short_name(self.path)}: {e.strerror or e}") from None
         self._written = True

@@ -397,15 +397,19 @@ def layout_at(case: ScheduleCase, path: str) -> tuple[int, int, int]:
     return len(part.parts), len(rows), len({owner[r] for r in rows})
 
 
+LONGEST_PROMPT_CEILING = 1 << 22
+"""The longest prompt the search tries: a result equal to it means "this long or longer"."""
+
+
 def longest_prompt_search(
     case: ScheduleCase,
     path: str,
     budget_bytes: float,
     checkpointed: bool,
     count: Callable[..., dict[str, PathCount]],
-    hi: int = 1 << 22,
+    hi: int = LONGEST_PROMPT_CEILING,
 ) -> int:
-    """The longest P in [1, hi] whose peak fits `budget_bytes` on `path` (0: not even P = 1), by
+    """The longest P in [1, hi] whose peak fits `budget_bytes` on `path` (0: not even P = 1; hi: hi or more), by
     bisection over P. Each probe's count is the line through two counts of the layout the library
     gives that P (counted at the layout's lowest P and one response length above it, within the
     layout; a layout of one P is counted there); `count(case, paths)` is `memoised`'s."""

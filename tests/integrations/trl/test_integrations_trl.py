@@ -357,13 +357,6 @@ def test_trl_versions():
         check_trl_version("2.0.0", changed)
 
 
-def test_the_prompt_once_schedule_is_refused():
-    """TRL's loop runs the step's micro-batches (docs/trl.md): ActorConfig(schedule="prompt_once")
-    would be ignored, so the trainer refuses it with the reason, before building anything."""
-    with pytest.raises(ValueError, match="not served by TRL's GRPOTrainer"):
-        DedupGRPOTrainer(zorro_config=ActorConfig(schedule="prompt_once"))
-
-
 def test_import_zorro_core_does_not_import_trl():
     import subprocess
     import sys

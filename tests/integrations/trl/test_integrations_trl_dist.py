@@ -427,3 +427,43 @@ if (
     if sys.argv[1:2] == ["floor"]:
         wrappers = tuple(sys.argv[4].split(",")) if len(sys.argv) > 4 else ("ddp", "fsdp2")
         measure_floor(tempfile.mkdtemp(prefix="zorro_floor_"), int(sys.argv[2]), sys.argv[3], wrappers)
+
+
+@pytest.mark.slow
+def test_window_two_ranks_ddp_and_fsdp2_equal_trl(tiny_checkpoint):
+    """float64, 2 gloo ranks, each with its own generation batch: the gradients after one gradient-accumulation
+    window run as one prompt-once step (DDP's average / FSDP2's reduce-scatter, once) equal GRPOTrainer's,
+    so do the losses and the logged metrics; a DDP window without its one reduction fails (~1 min)."""
+    from test_integrations_trl_window import window_rank
+
+    per_rank = spawn(window_rank, tiny_checkpoint, ["ddp", "fsdp2", "ddp+no_reduce"])
+    for results in per_rank:
+        by = {r["variant"]: r for r in results}
+        for variant in ("ddp", "fsdp2"):
+            r = by[variant]
+            assert r["wrapper"] == variant and r["windows"] == {"dedup": 1, "fallback": 0}, r
+            assert r["grads"] > 0 and r["grad_err"] <= GRAD_FLOOR and r["loss_err"] <= LP_FLOOR, r
+            assert r["metrics_equal"], r
+        assert by["ddp+no_reduce"]["grad_err"] > 100 * GRAD_FLOOR, by["ddp+no_reduce"]
+
+
+@pytest.mark.slow
+def test_float32_window_train_steps_two_ranks_match_trl(tiny_checkpoint):
+    """Three train() steps on 2 ranks, two slices per optimizer step (each window one prompt-once step, its
+    gradients reduced once), DDP and FSDP2: same completions, losses and weights as GRPOTrainer within the
+    one-process floor of this per-rank setup (test_integrations_trl_window.WINDOW_TRAIN_TOLERANCES) (~1.5 min)."""
+    from test_integrations_trl_window import WINDOW_TRAIN_TOLERANCES
+
+    init = _init_weights()
+    arms = [("trl", "sdpa"), ("zorro", "sdpa")]
+    per_rank = spawn(train_wrappers, tiny_checkpoint, ["ddp", "fsdp2"], arms, 0, {"gradient_accumulation_steps": 2})
+    for arms_by_wrapper in per_rank:
+        for wrapper, arms in arms_by_wrapper.items():
+            trl_run, ours = arms["trl"], arms["zorro"]
+            windows = [r for r in ours["log"] if r.get("schedule") == "prompt_once"]
+            assert len(windows) == 3 and all(r["wrapper"] == wrapper and r["split_groups"] > 0 for r in windows)
+            assert ours["calls"]["fallback"] == 0 and ours["seen"] == trl_run["seen"]
+            d = train_differences(ours, trl_run, init)
+            assert d["update"] > 0.05 and len(ours["losses"]) == len(trl_run["losses"]) == 3, d
+            for key, tol in WINDOW_TRAIN_TOLERANCES.items():
+                assert d[key] <= tol, (wrapper, key, d)

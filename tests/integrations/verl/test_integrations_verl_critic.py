@@ -507,3 +507,44 @@ def test_zorro_sync_runs_the_critic_with_a_worker_that_imports_its_external_lib(
     trainer._init_resource_pool_mgr()
     assert trainer.role_worker_mapping[Role.ActorRollout] == "actor"
     assert trainer.role_worker_mapping[Role.Critic].__ray_actor_class__ is DedupCriticWorker
+
+
+def schedule_critic_case(path: str, seed: int) -> dict:
+    """Run in a fresh process: zorro's critic engine under `ActorConfig(schedule="prompt_once")` (issue 60,
+    defect 1). The schedule computes log-probs through an lm_head, which a critic lacks: each mini-batch is
+    handed back to the within-micro-batch path with one warning naming the reason, before any compute, and
+    its values and gradients equal verl's critic's."""
+    from zorro_core.actor.config import ActorConfig
+    from zorro_core.integrations.core import DedupFallbackWarning
+
+    prompts, responses, _ = groups(seed)
+    padded = _batch(prompts, responses, seed)
+    mask = padded["response_mask"].bool()
+    verl_engine, zorro_engine = _engines(path, True)
+    zorro_engine.zorro_config = ActorConfig(schedule="prompt_once")
+    out: dict = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for train in (False, True):
+            meta = {"use_dynamic_bsz": True, "max_token_len_per_gpu": BUDGET, "use_remove_padding": True}
+            ref = _run(verl_engine, padded, train, **dict(meta))
+            ours = _run(zorro_engine, padded, train, **dict(meta))
+            out[f"train={train}"] = {
+                **_errors(ours, ref, mask),
+                "served": [s.served for s in ours["stats"]],
+                "prompt_once": ours["metrics"].get("zorro/prompt_once"),
+            }
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, DedupFallbackWarning)]
+    return out
+
+
+def test_critic_under_the_schedule_is_handed_back_with_the_reason_and_equals_verls(saved_critic):
+    r = launch(schedule_critic_case, 1, saved_critic, 0, timeout_s=400)[0]
+    for train in (False, True):
+        case = r[f"train={train}"]
+        assert case["served"] and all(case["served"]), case  # the within-micro-batch critic serves it
+        assert case["prompt_once"] == [0.0], case
+        assert case["values"] <= VALUE_TOL, case
+        if train:
+            assert case["n_grads"] > 20 and case["grad"] <= GRAD_TOL, case
+    assert len(r["warnings"]) == 1 and "value head" in r["warnings"][0] and "lm_head" in r["warnings"][0], r

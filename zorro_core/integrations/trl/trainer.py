@@ -10,6 +10,13 @@ generation) runs the deduplicated actor: one `DeduplicatedActor` per model, buil
 cached. TRL repeats each prompt `num_generations` times, then shuffles and splits the generation
 batch, so a call holds parts of groups: the actor groups rows by prompt content.
 
+Under `ActorConfig(schedule="prompt_once")`, the default when no `zorro_config` is given: a
+gradient-accumulation window of 2+ slices is computed whole at its first `compute_loss` call, as
+one prompt-once step, each slice's loss TRL's own (zorro_core.integrations.trl.window; what is
+handed back to the per-slice path is listed there); the no-grad log-prob passes of more rows than
+TRL's chunk run through `prompt_once_logprobs` (`_logprobs`). `ActorConfig(schedule="micro_batch")`:
+each call on its own, as above.
+
 Many processes (`accelerate launch` / `torchrun`, 2+ ranks): served behind DDP, FSDP2 (accelerate's
 FSDP plugin, `fsdp_version: 2`) and DeepSpeed (the engine; ZeRO-3 modules through their hooks),
 always through the wrapper's forward (zorro_core.integrations.wrappers). With `zorro_regroup=True`
@@ -70,6 +77,7 @@ from packaging.version import Version
 
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
+from zorro_core.actor.schedule import Groups, prompt_once_logprobs
 from zorro_core.actor.vision import VisionLanguageActor
 from zorro_core.distributed.regroup import regroup
 from zorro_core.errors import UnsupportedModelError
@@ -77,12 +85,12 @@ from zorro_core.integrations.core import (
     DedupFallbackWarning,
     Fallback,
     prompt_dedup_ratio,
-    refuse_schedule,
     require_attributes,
 )
 from zorro_core.integrations.deprecated import renamed
-from zorro_core.integrations.layout import joined_logprobs, layout_problem
+from zorro_core.integrations.layout import grouped_order, joined_logprobs, layout_problem
 from zorro_core.integrations.requires import require_trainer
+from zorro_core.integrations.trl.window import HANDED_BACK, Window, local_refusal, run_window, window_slices
 from zorro_core.integrations.vision_layout import VISION_KEYS, joined_vision_logprobs, row_images, vision_refusal
 from zorro_core.integrations.wrappers import Wrapped, unwrap
 from zorro_core.models.parts import check_trainable_state, unwrap_adapters
@@ -149,10 +157,12 @@ class DedupGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` computing per-token log-probs and entropies with prompt deduplication.
 
     Same constructor as `GRPOTrainer`, plus (keyword only) `zorro_config`, the `ActorConfig` of the
-    `DeduplicatedActor` built for each model, and `zorro_regroup` (default True): with 2+
+    `DeduplicatedActor` built for each model (default: `ActorConfig(schedule="prompt_once")`, each
+    optimizer step's window as one prompt-once step), and `zorro_regroup` (default True): with 2+
     processes, regroup each call's rows across the data-parallel group so that every prompt is
     computed once in the whole group (module doc). `zorro_calls` counts the calls served by zorro
-    ("dedup") and by TRL ("fallback"); `zorro_log` holds one record per served call.
+    ("dedup") and by TRL ("fallback"); `zorro_windows` the windows run as one prompt-once step
+    ("dedup") and handed back ("fallback"); `zorro_log` holds one record per served call or window.
     """
 
     def __init__(
@@ -166,8 +176,12 @@ class DedupGRPOTrainer(GRPOTrainer):
             raise TypeError("DedupGRPOTrainer takes zorro_config=ActorConfig(...) instead of actor_kwargs={...}")
         if zorro_config is not None and not isinstance(zorro_config, ActorConfig):
             raise TypeError(f"zorro_config must be a zorro_core.ActorConfig, got {type(zorro_config).__name__}")
-        self._zorro_config = zorro_config or ActorConfig()
-        refuse_schedule(self._zorro_config, "TRL's GRPOTrainer")
+        # The default: each prompt once per optimizer step (zorro_core.integrations.trl.window).
+        self._zorro_config = zorro_config or ActorConfig(schedule="prompt_once")
+        self._zorro_window: Optional[Window] = None
+        self._zorro_window_fallback = Fallback(HANDED_BACK)
+        self.zorro_windows = self._zorro_window_fallback.counts
+        """Gradient-accumulation windows run as one prompt-once step ("dedup") or handed back ("fallback")."""
         self._zorro_regroup = bool(zorro_regroup)
         self._actors: dict[int, tuple[torch.nn.Module, Any]] = {}  # id(model) -> (model, actor or refusal text)
         self._zorro_fallback = Fallback("TRL's own log-prob method serves this call")
@@ -259,6 +273,79 @@ class DedupGRPOTrainer(GRPOTrainer):
             )
         return reason
 
+    # -- the gradient-accumulation window as one prompt-once step (zorro_core.integrations.trl.window) ----
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        self._zorro_window = None  # a window cut short by an earlier train() is not resumed
+        return super().train(*args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's loss; under `schedule="prompt_once"` in training, a window of 2+ slices is computed
+        whole at its first call (its backward included) and each call returns its slice's loss as a
+        leaf, so `accelerator.backward` on it changes no gradient (zorro_core.integrations.trl.window)."""
+        if (
+            return_outputs
+            or self._zorro_config.schedule != "prompt_once"
+            or not self.model.training
+            or self.current_gradient_accumulation_steps == 1
+        ):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        window = self._zorro_window
+        if window is None or window.next >= window.size:
+            window = self._zorro_window = self._start_window(model, inputs)
+        j = window.next
+        if window.slices and inputs is not window.slices[j]:
+            self._zorro_window = None
+            raise RuntimeError(
+                f"DedupGRPOTrainer: call {j} of the gradient-accumulation window got another batch than the "
+                "slice TRL buffered for it; the window's losses would not be this call's"
+            )
+        window.next += 1
+        if window.losses is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return window.losses[j].clone().requires_grad_(True)
+
+    def _start_window(self, model, inputs) -> Window:
+        n = self.current_gradient_accumulation_steps
+        slices, reason = window_slices(self)
+        if reason is None and slices[0] is not inputs:
+            reason = "the window's first call did not get the first buffered slice"
+        if reason is None:
+            reason = local_refusal(self, model, slices)
+        reason = self._agree(reason)
+        if reason is None:
+            try:
+                losses, record = run_window(self, model, slices, self._window_loss(model, slices))
+            except UnsupportedModelError as e:
+                # Raised in phase 1, before any backward: this window goes to the per-slice path.
+                if self._world() > 1:  # the other ranks are inside the window's collectives
+                    raise
+                reason = f"the prompt-once schedule refuses this window: {e}"
+            else:
+                self.zorro_log.append(record)
+                self._zorro_window_fallback.served()
+                self._metrics["train"]["zorro/prompt_once"].append(1.0)
+                return Window(n, slices, losses)
+        self._zorro_window_fallback.fall_back(reason)
+        self._metrics["train"]["zorro/prompt_once"].append(0.0)
+        return Window(n, slices, None)
+
+    def _window_loss(self, model, slices):
+        """loss_of_slice for run_window: TRL's own compute_loss of slice j on the given log-probs, with
+        `sync_gradients` as TRL's loop has it at that call (True at the window's last slice only)."""
+        state = self.accelerator.gradient_state
+
+        def loss_of_slice(j: int, log_probs: torch.Tensor, entropy: Optional[torch.Tensor]) -> torch.Tensor:
+            sync = state.sync_gradients
+            self._zorro_injected = (log_probs, entropy)
+            state._set_sync_gradients(j == len(slices) - 1)
+            try:
+                return super(DedupGRPOTrainer, self).compute_loss(model, slices[j])
+            finally:
+                state._set_sync_gradients(sync)
+                self.__dict__.pop("_zorro_injected", None)
+
+        return loss_of_slice
+
     def _get_per_token_logps_and_entropies(
         self,
         model,
@@ -270,6 +357,16 @@ class DedupGRPOTrainer(GRPOTrainer):
         compute_aux_loss=False,
         **extra,
     ):
+        injected = self.__dict__.pop("_zorro_injected", None)
+        if injected is not None:  # the window's loss call of a slice (zorro_core.integrations.trl.window)
+            lp, ent = injected
+            if lp.shape != (input_ids.shape[0], logits_to_keep) or compute_aux_loss or not compute_entropy:
+                raise RuntimeError(
+                    f"the window's log-probs {tuple(lp.shape)} were handed to a call of {tuple(input_ids.shape)} "
+                    f"keeping {logits_to_keep} (aux loss {compute_aux_loss}, entropy {compute_entropy}): TRL's loss "
+                    "call changed"
+                )
+            return lp, ent, None
         reason = self._refusal(model, attention_mask, logits_to_keep, compute_aux_loss, extra)
         images = None
         if reason is None and any(extra.get(k) is not None for k in VISION_KEYS if k != "num_images"):
@@ -372,16 +469,7 @@ class DedupGRPOTrainer(GRPOTrainer):
         if self._world() == 1 or not self._zorro_regroup:
             record["prompt_dedup"] = prompt_dedup_ratio(input_ids[live, :p], mask[live, :p])
             lp, ent = wrapped.run(
-                lambda: joined_logprobs(
-                    actor,
-                    input_ids,
-                    mask,
-                    keep,
-                    self.temperature,
-                    compute_entropy,
-                    rows_per_call,
-                    router_aux_loss=False,
-                )
+                lambda: self._logprobs(wrapped, actor, input_ids, mask, keep, compute_entropy, rows_per_call, record)
             )
             return (lp, ent, None), record
         batch = RolloutBatch(input_ids[live, :p], mask[live, :p], input_ids[live, p:], mask[live, p:])
@@ -389,15 +477,8 @@ class DedupGRPOTrainer(GRPOTrainer):
         ids = torch.cat([local.prompts, local.responses], 1)
         lmask = torch.cat([local.prompt_mask, local.response_mask], 1)
         lp_local, ent_local = wrapped.run(
-            lambda: joined_logprobs(
-                actor,
-                ids,
-                lmask,
-                local.responses.shape[1],
-                self.temperature,
-                compute_entropy,
-                rows_per_call,
-                router_aux_loss=False,
+            lambda: self._logprobs(
+                wrapped, actor, ids, lmask, local.responses.shape[1], compute_entropy, rows_per_call, record
             )
         )
 
@@ -417,6 +498,39 @@ class DedupGRPOTrainer(GRPOTrainer):
             rows_sent=info.rows_sent,
         )
         return (home(lp_local), home(ent_local) if compute_entropy else None, None), record
+
+    def _logprobs(self, wrapped, actor, ids, mask, keep, compute_entropy, rows_per_call, record):
+        """joined_logprobs; under `schedule="prompt_once"` a no-grad pass of more rows than TRL's chunk
+        (`batch_size`: the old and reference log-probs after generation) goes through
+        prompt_once_logprobs instead: each unique prompt of the whole call once, the responses in
+        micro-batches of TRL's chunk size. Only where the unique prompts' tokens are at most the prompt
+        tokens of one TRL chunk (rows x prompt width), so phase 1 computes no more than a chunk's prompts
+        do, and without a wrapper or behind DDP (DeepSpeed's engine keeps TRL's chunks: untested there;
+        sharded models run one forward per call anyway); else TRL's chunks, each prompt once per chunk
+        (`record["logprob_pass"]` says which)."""
+        p = ids.shape[1] - keep
+        live = mask[:, p:].bool().any(1).nonzero().flatten()
+        chunked = rows_per_call is not None and rows_per_call < live.numel()
+        wanted = self._zorro_config.schedule == "prompt_once" and wrapped.kind in ("plain", "ddp")
+        if wanted and chunked and not torch.is_grad_enabled():
+            order = live[grouped_order(ids[live, :p], mask[live, :p])]
+            batch = RolloutBatch(ids[order, :p], mask[order, :p], ids[order, p:], mask[order, p:])
+            if sum(map(len, Groups.of(batch).prompts)) <= rows_per_call * p:
+                n = int(order.numel())
+                parts = [list(range(s, min(s + rows_per_call, n))) for s in range(0, n, rows_per_call)]
+                res = prompt_once_logprobs(actor, batch, None, self.temperature, compute_entropy, parts)
+                record["logprob_pass"] = "prompt_once"
+                record["prompt_tokens"] = res.prompt_tokens
+
+                def place(values: torch.Tensor) -> torch.Tensor:
+                    return values.new_zeros((ids.shape[0], keep)).index_put((order,), values)
+
+                entropy = place(res.entropy) if compute_entropy and res.entropy is not None else None
+                return place(res.log_probs), entropy
+        record["logprob_pass"] = "chunks" if chunked else "one call"
+        return joined_logprobs(
+            actor, ids, mask, keep, self.temperature, compute_entropy, rows_per_call, router_aux_loss=False
+        )
 
     def _aux_call(self, wrapped, actor, input_ids, attention_mask, keep, batch_size, compute_entropy):
         """A call with the MoE aux loss: TRL's own chunks, every row counted (module doc), not regrouped."""

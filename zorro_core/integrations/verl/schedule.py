@@ -39,6 +39,10 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+import zorro_core.integrations.verl.needs  # noqa: F401 -- first: refuses a missing or too old verl
+
+# isort: split
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
 from verl.utils.fsdp_utils import fsdp_version
