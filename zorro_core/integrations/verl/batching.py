@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -136,13 +136,16 @@ def zorro_micro_batches(
     same_micro_num_in_dp: bool = True,
     min_num_micro_batch: Optional[int] = None,
     use_dynamic_bsz_balance: bool = True,
+    serves: Optional[Callable[[Any, Any], bool]] = None,
 ) -> Optional[tuple[list, list[list[int]]]]:
     """(micro-batches, their row indices) under the budget in computed tokens, or None where verl's
-    own micro-batching must run (decided alike on every rank when the counts are synchronised)."""
+    own micro-batching must run (decided alike on every rank when the counts are synchronised).
+    `serves(engine, data)`: whether the engine's forward serves every row (default: the FSDP
+    engine's `serves_whole_batch`)."""
     sync = dist.is_initialized() and same_micro_num_in_dp and dp_group is not None
     sp_size = tu.get_non_tensor_data(data=data, key="sp_size", default=1)
     budget = int(data["max_token_len_per_gpu"]) * int(sp_size)
-    work = micro_batch_work(data) if serves_whole_batch(engine, data) else None
+    work = micro_batch_work(data) if (serves or serves_whole_batch)(engine, data) else None
     n = len(data)
     floor = max(1, min_num_micro_batch or 1)
     part = partition_micro_batches(work, budget, ATTENTION_WEIGHT, floor) if work is not None else None
@@ -169,7 +172,9 @@ def zorro_micro_batches(
 
 
 @contextmanager
-def swap_prepare_micro_batches(engine) -> Iterator[None]:
+def swap_prepare_micro_batches(
+    engine, module: Any = None, serves: Optional[Callable[[Any, Any], bool]] = None
+) -> Iterator[None]:
     """verl's FSDP `forward_backward_batch` with zorro's dynamic micro-batches: its module's
     `prepare_micro_batches` answers with `zorro_micro_batches` (verl's own where that declines)
     for the length of the call, and only to this engine's call (the context it runs in).
@@ -178,8 +183,10 @@ def swap_prepare_micro_batches(engine) -> Iterator[None]:
     `FSDPEngineWithValueHead`, which zorro does not serve, or a reference engine) that micro-batches
     while this call runs, in another thread or asyncio task, gets verl's own function: its
     micro-batches are sized by the tokens it computes (every row whole), never by zorro's count."""
-    from verl.workers.engine.fsdp import transformer_impl
-
+    if module is None:
+        from verl.workers.engine.fsdp import transformer_impl
+    else:
+        transformer_impl = module
     original = transformer_impl.prepare_micro_batches
     token = _SERVING.set(engine)
 
@@ -187,7 +194,7 @@ def swap_prepare_micro_batches(engine) -> Iterator[None]:
         if _SERVING.get() is not engine:
             return original(data, dp_group=dp_group, **kwargs)
         if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
-            chosen = zorro_micro_batches(engine, data, dp_group=dp_group, **kwargs)
+            chosen = zorro_micro_batches(engine, data, dp_group=dp_group, serves=serves, **kwargs)
             if chosen is not None:
                 engine._zorro_micro_batching = "zorro"
                 engine._zorro_parts = chosen[1]  # the engine warns once of a group split across them
