@@ -356,16 +356,25 @@ def _ranks_disagree() -> dict:
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, SelfCheckWarning)]
     out["spec"] = actor.self_check.spec.backend if actor.self_check.spec else None
     # Rank 1 built with self_check=False beside rank 0 with it on: before, rank 0 waited in the verdict
-    # exchange until rank 1's process ended; now both refuse at their first call, naming the setting.
+    # exchange until rank 1's process ended; now it refuses at once, naming the setting and the ranks.
+    # Rank 1 runs its call (it checks nothing, so it waits for nobody: it learns nothing either).
     mixed = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=rank == 0)
     try:
         mixed.forward(batch)
         out["mixed"] = "ran"
     except ValueError as e:
         out["mixed"] = str(e)
-    # The same setting on every rank (off): no exchange needed, the call runs.
-    off = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=False)
-    off.forward(batch)
+    # An actor one rank uses alone (as rank 0's evaluation), its exchange off as the error says: the
+    # ranks' later actors still meet in their exchanges.
+    if rank == 0:
+        alone = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=False)
+        alone.self_check.exchange = False
+        alone.forward(batch)
+    torch.distributed.barrier()
+    # The same setting on every rank, after that: the ranks still check together.
+    both = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=True)
+    both.forward(batch)
+    out["rank_alone"] = "ran" if both.self_check.metric() == 1.0 else both.self_check.metric()
     torch.distributed.barrier()
     return out
 
@@ -377,4 +386,7 @@ def test_ranks_agree_on_the_setting_and_report_each_others_failure_by_its_reason
         assert r["spec"] == "sdpa" and "self-check failed" in message
         assert "raised TypeError: fwd() takes 21 positional arguments" in message, message
         assert ("on rank 0" in message) == (rank == 1)
-        assert "self_check" in r["mixed"] and "on rank(s) [0]" in r["mixed"] and "off on rank(s) [1]" in r["mixed"]
+    mixed = ranks[0]["mixed"]
+    assert "ActorConfig.self_check" in mixed and "on on rank(s) [0] and off on rank(s) [1]" in mixed
+    assert ranks[1]["mixed"] == "ran"
+    assert all(r["rank_alone"] == "ran" for r in ranks)

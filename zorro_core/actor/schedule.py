@@ -474,7 +474,7 @@ def self_check(actor: Any, batch: RolloutBatch, temperature: float) -> Optional[
     model's own error (the plain computation raises it too) reaches the caller and NaN from the
     model's own weights judges nothing: no verdict then, the next step checks again."""
     sc = actor.self_check
-    sc.agree_setting(actor)
+    sc.register(actor)
     if not sc.enabled or sc.skipped is not None:
         return None
     key = _check_key(actor)

@@ -42,18 +42,20 @@ computation itself gives non-finite values (NaN in the model's weights): nothing
 warning says so, the call runs on the actor's path. Only a path that disagrees with the plain
 computation, or raises where it does not, falls back.
 
-Across data-parallel ranks (torch.distributed initialised) the ranks first compare their
-self_check settings (one all-gather at the first call of a deduplicating actor: a rank with it off
-beside one with it on is refused on both, naming the setting, where one would wait in the verdict
-exchange for the other); then the verdicts, their figures and reasons, are all-gathered and the
-worst taken, so every rank runs the same path. Models whose parameters are sharded (FSDP, FSDP2
-DTensors, DeepSpeed ZeRO-3) are not checked (said once): an extra backward would enter the
-wrapper's gradient reduction.
+Across data-parallel ranks (torch.distributed initialised): at its first call each rank writes
+its self_check setting to the process group's store (a write, not a collective), and a rank that
+checks reads every rank's before its first verdict exchange: a rank with the check off would never
+come to the exchange, so the rank that checks refuses with an error naming the setting and the
+ranks instead of waiting. Then the verdicts, their figures and reasons, are all-gathered and the
+worst taken, so every rank runs the same path (another rank's failure is reported by its reason
+and names that rank). Models whose parameters are sharded (FSDP, FSDP2 DTensors, DeepSpeed ZeRO-3)
+are not checked (said once): an extra backward would enter the wrapper's gradient reduction.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 import warnings
@@ -197,8 +199,12 @@ class SelfCheck:
         whether zorro serves it (OpenRLHF) turns it off: one rank handing a call back would leave the
         others waiting in the exchange, while two right paths on two ranks meet no collective in an
         unsharded forward (sharded models are not checked)."""
-        self.setting_agreed = False
-        """Whether the ranks' settings were compared (`agree_setting`, at the first call)."""
+        self.registered = False
+        """Whether this actor's first call was made (`register`)."""
+        self.slot: Optional[str] = None
+        """This actor's key in the process group's store (`register`), under torch.distributed."""
+        self.setting_checked = False
+        """Whether the ranks' settings were read (`_check_setting`, before the first verdict exchange)."""
         self.pending: Optional[BaseException] = None
         """This rank's model error to raise once the call's checks are made (`settle`)."""
 
@@ -208,26 +214,39 @@ class SelfCheck:
             return 0.0
         return 1.0 if self.verdicts else None
 
-    def agree_setting(self, actor: _Actor) -> None:
-        """At the first call of a deduplicating actor whose verdicts are exchanged: the ranks compare
-        `enabled` (one all-gather) and all refuse, naming the setting, when they differ: a rank with
-        the check on would otherwise wait in the verdict exchange for one that never checks."""
-        if self.setting_agreed or not self.exchange or not actor.dedup:
+    def register(self, actor: _Actor) -> None:
+        """At the first call of a deduplicating actor whose verdicts are exchanged, under torch.distributed:
+        this rank's setting (`enabled`) written to the process group's store, keyed by the order of such
+        actors in this process (ranks build theirs alike). A write, not a collective: an actor one rank
+        uses alone (e.g. rank 0's evaluation) waits for nobody. A rank that checks reads the others'
+        settings before its first verdict exchange (`_check_setting`)."""
+        if self.registered or not self.exchange or not actor.dedup:
             return
-        self.setting_agreed = True
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        self.registered = True
+        store = _store()
+        if store is not None:
+            self.slot = f"zorro/self_check/{next(_SLOTS)}"
+            store.set(f"{self.slot}/{dist.get_rank()}", "on" if self.enabled else "off")
+
+    def _check_setting(self) -> None:
+        """Before this rank's first verdict exchange: every rank's setting (`register`), waited for as
+        long as the exchange would wait; a rank with the check off would never come to the exchange,
+        so that is refused here, naming the setting and the ranks."""
+        store = _store()
+        if self.slot is None or self.setting_checked or store is None:
             return
-        on = actor.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        mine = torch.tensor([1.0 if self.enabled else 0.0], dtype=torch.float64, device=on)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
-        enabled = [i for i, t in enumerate(every) if t.item() > 0]
-        if 0 < len(enabled) < len(every):
-            disabled = [i for i in range(len(every)) if i not in enabled]
+        self.setting_checked = True
+        keys = [f"{self.slot}/{r}" for r in range(dist.get_world_size())]
+        store.wait(keys)
+        off = [r for r, k in enumerate(keys) if store.get(k) == b"off"]
+        if off:
+            on = [r for r in range(len(keys)) if r not in off]
             raise ValueError(
-                f"zorro: the self-check (ActorConfig.self_check) is on on rank(s) {enabled} and off on rank(s) "
-                f"{disabled}: every rank must take the same setting (its default, None, is on for CUDA and off for "
-                "CPU), or the ranks that check wait for the others in the verdict exchange"
+                f"zorro: the self-check (ActorConfig.self_check) is on on rank(s) {on} and off on rank(s) {off}: "
+                "every rank must take the same setting (its default, None, is on for CUDA and off for CPU), or the "
+                "ranks that check wait in the verdict exchange for ranks that never come. (The ranks' actors are "
+                "matched in the order of their first calls: an actor that only some ranks call, as rank 0's "
+                "evaluation, needs `actor.self_check.exchange = False`.)"
             )
 
     def settle(self, verdict: SelfCheckVerdict, device: torch.device) -> Optional[SelfCheckVerdict]:
@@ -235,6 +254,8 @@ class SelfCheck:
         when nothing was judged (warned; or this rank's own model error raised to the caller). When
         another rank failed while this one met its model's own error, the failure is recorded like on
         that rank and the error waits in `pending` (`raise_pending`, once the call's checks are made)."""
+        if self.exchange:
+            self._check_setting()
         agreed = agree(verdict, device) if self.exchange else verdict
         if not agreed.judged:
             if verdict.raised is not None:
@@ -260,7 +281,7 @@ class SelfCheck:
         self, actor: _Actor, batch: RolloutBatch, spec: RouteSpec, dedup: bool, temperature: float
     ) -> tuple[RouteSpec, bool]:
         """The (spec, dedup) the actor runs this call with: its own once checked right, else the fallback."""
-        self.agree_setting(actor)
+        self.register(actor)
         chosen = self._route(actor, batch, spec, dedup, temperature)
         self.raise_pending()
         return chosen
@@ -303,6 +324,21 @@ class SelfCheck:
                     stacklevel=4,
                 )
             spec, dedup = self.spec, self.dedup = nxt
+
+
+_SLOTS = itertools.count()
+"""The order of this process's registered self-checks (`SelfCheck.register`): their keys in the store."""
+
+
+def _store() -> Optional["dist.Store"]:
+    """The default process group's store, under torch.distributed with more than one rank (None otherwise,
+    or where this torch does not expose it: the settings are then not compared)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def sharded(model: torch.nn.Module) -> Optional[str]:
