@@ -205,6 +205,8 @@ class SelfCheck:
         """This actor's key in the process group's store (`register`), under torch.distributed."""
         self.setting_checked = False
         """Whether the ranks' settings were read (`_check_setting`, before the first verdict exchange)."""
+        self.setting_refused = ""
+        """Why the ranks' settings were refused (raised again at every later check)."""
         self.pending: Optional[BaseException] = None
         """This rank's model error to raise once the call's checks are made (`settle`)."""
 
@@ -232,6 +234,8 @@ class SelfCheck:
         """Before this rank's first verdict exchange: every rank's setting (`register`), waited for as
         long as the exchange would wait; a rank with the check off would never come to the exchange,
         so that is refused here, naming the setting and the ranks."""
+        if self.setting_refused:
+            raise ValueError(self.setting_refused)  # every later call too: the exchange would still wait
         store = _store()
         if self.slot is None or self.setting_checked or store is None:
             return
@@ -241,13 +245,14 @@ class SelfCheck:
         off = [r for r, k in enumerate(keys) if store.get(k) == b"off"]
         if off:
             on = [r for r in range(len(keys)) if r not in off]
-            raise ValueError(
+            self.setting_refused = (
                 f"zorro: the self-check (ActorConfig.self_check) is on on rank(s) {on} and off on rank(s) {off}: "
                 "every rank must take the same setting (its default, None, is on for CUDA and off for CPU), or the "
                 "ranks that check wait in the verdict exchange for ranks that never come. (The ranks' actors are "
                 "matched in the order of their first calls: an actor that only some ranks call, as rank 0's "
                 "evaluation, needs `actor.self_check.exchange = False`.)"
             )
+            raise ValueError(self.setting_refused)
 
     def settle(self, verdict: SelfCheckVerdict, device: torch.device) -> Optional[SelfCheckVerdict]:
         """This rank's `verdict`, agreed over the ranks (when exchanged): the verdict to record, or None
