@@ -27,9 +27,11 @@ Gated DeltaNet layers (Qwen3-Next, Qwen3.5): their delta rule (transformers' chu
 computes in float32 whatever the model's dtype, and zorro's paths start a response's chunks at its
 prompt's end, not where the plain computation's fall: a right path differs from the plain one by
 that kernel's float32 rounding. The reference is then the plain computation with the delta rule in
-float64 (`_float64_delta_rule`), and the second right answer the plain computation with the model's
-own kernel (in float64 models too): the allowance is FACTOR x its distance to the reference, the
-proof's "4x the baseline's own error" with the kernel's noise in it.
+float64 (`_float64_delta_rule`), and the second right answers the plain computation with the
+model's own kernel (in float64 models too), as called and with its chunks shifted (tokens of no
+effect before each segment, `_shifted_delta_rule`: a second sample of its rounding): the allowance
+is FACTOR x the larger distance to the reference, the proof's "4x the baseline's own error" with
+the kernel's noise in it.
 
 A mismatch switches the actor, for the rest of the run, to the next right path (a kernel pair or
 flex: `sdpa` split mode; `sdpa`/`reference` themselves: the plain computation), which is checked
