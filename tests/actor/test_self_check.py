@@ -262,13 +262,15 @@ def test_the_plain_computation_raising_is_the_trainers_error(monkeypatch):
 
 
 class RaisesOnce:
-    """A forward hook of the user's model that raises on its first `times` calls (then passes)."""
+    """A forward hook of the user's model that raises on `times` calls after its first `after` (then passes)."""
 
-    def __init__(self, times: int = 1) -> None:
-        self.left = times
+    def __init__(self, times: int = 1, after: int = 0) -> None:
+        self.left, self.after = times, after
 
     def __call__(self, module, args, output):
-        if self.left:
+        if self.after:
+            self.after -= 1
+        elif self.left:
             self.left -= 1
             raise RuntimeError("the model's own hook broke")
 
@@ -288,6 +290,20 @@ def test_the_models_transient_error_reaches_the_caller_and_the_check_runs_again(
         assert "not a fault of zorro's path" in "\n".join(getattr(raised.value, "__notes__", []))
         assert not actor.self_check.verdicts and actor.self_check.failed is None
         actor.forward(_batch(model))  # checked again: passes
+    assert actor.self_check.metric() == 1.0 and actor.self_check.spec is None
+
+
+def test_the_models_error_in_the_plain_computation_alone_reaches_the_caller():
+    """The hook raises in the check's plain computation (its second forward), not in zorro's path: the
+    caller's error too, with no verdict; the next call checks again and passes."""
+    model = _model()
+    actor = DeduplicatedActor(model=model, varlen_backend="flash_cpu", self_check=True)
+    model.model.layers[0].register_forward_hook(RaisesOnce(after=1))
+    with pytest.raises(RuntimeError, match="the model's own hook broke") as raised:
+        actor.forward(_batch(model))
+    assert "the plain computation raised it (zorro's path did not)" in "\n".join(raised.value.__notes__)
+    assert not actor.self_check.verdicts
+    actor.forward(_batch(model))
     assert actor.self_check.metric() == 1.0 and actor.self_check.spec is None
 
 
