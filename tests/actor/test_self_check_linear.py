@@ -79,12 +79,11 @@ def test_a_planted_wrong_gradient_still_fails(monkeypatch, name, bug, dtype):
     assert not verdict.passed and verdict.grad_error > 10 * verdict.grad_allowed, verdict.describe()
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_the_shifted_delta_rule_is_the_same_function(packed):
-    """The second sample of the kernel's rounding (`_shifted_delta_rule`: tokens of no effect before each
-    segment) computes the same outputs and final states, in both of the adapter's conventions (right-padded
-    rows; one packed row with cu_seqlens, fla's), here around the float64 delta rule."""
-    from zorro_core.actor.self_check import _float64_delta_rule, _shifted_delta_rule
+def test_the_float64_delta_rule_takes_fla_s_packed_calls():
+    """The check's float64 delta rule (`_float64_delta_rule`) in fla's convention (one packed row with
+    cu_seqlens, initial and final states per segment: what the adapter passes on CUDA with fla) equals it
+    row by row in transformers' (right-padded rows)."""
+    from zorro_core.actor.self_check import _float64_delta_rule
 
     gen = torch.Generator().manual_seed(0)
     lens, hk, hv, dk, dv = [5, 70, 9], 2, 4, 8, 6
@@ -92,15 +91,13 @@ def test_the_shifted_delta_rule_is_the_same_function(packed):
     def rand(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
-    t = sum(lens) if packed else max(lens)
-    b = 1 if packed else len(lens)
-    q, k, v = rand(b, t, hk, dk), rand(b, t, hk, dk), rand(b, t, hv, dv)
-    g, beta = -rand(b, t, hv).abs(), rand(b, t, hv).sigmoid()
+    q, k, v = rand(1, sum(lens), hk, dk), rand(1, sum(lens), hk, dk), rand(1, sum(lens), hv, dv)
+    g, beta = -rand(1, sum(lens), hv).abs(), rand(1, sum(lens), hv).sigmoid()
     init = rand(len(lens), hv, dk, dv)
-    kwargs = dict(g=g, beta=beta, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    if packed:
-        kwargs["cu_seqlens"] = torch.tensor([0, 5, 75, 84])
-    want, want_state = _float64_delta_rule(q, k, v, **kwargs)
-    got, got_state = _shifted_delta_rule(_float64_delta_rule, q)(q, k, v, **kwargs)
-    assert got.shape == want.shape and (got - want).abs().max() < 1e-10
-    assert (got_state - want_state).abs().max() < 1e-10
+    common = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    cu = torch.tensor([0, 5, 75, 84])
+    out, state = _float64_delta_rule(q, k, v, g=g, beta=beta, initial_state=init, cu_seqlens=cu, **common)
+    for i, (a, b) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
+        row = [x[:, a:b] for x in (q, k, v, g, beta)]
+        want, want_state = _float64_delta_rule(*row[:3], g=row[3], beta=row[4], initial_state=init[i : i + 1], **common)
+        assert (out[:, a:b] - want).abs().max() < 1e-12 and (state[i] - want_state[0]).abs().max() < 1e-12
