@@ -101,3 +101,21 @@ def test_the_float64_delta_rule_takes_fla_s_packed_calls():
         row = [x[:, a:b] for x in (q, k, v, g, beta)]
         want, want_state = _float64_delta_rule(*row[:3], g=row[3], beta=row[4], initial_state=init[i : i + 1], **common)
         assert (out[:, a:b] - want).abs().max() < 1e-12 and (state[i] - want_state[0]).abs().max() < 1e-12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("name", LINEAR)
+def test_right_paths_pass_on_32_seeds_with_margin(name, dtype, capsys):
+    """The measurement behind the rule (docs/correctness.md): 32 seeds, each check's err/allowed (the
+    larger of the log-prob's and the worst gradient's); printed with -s. Run: pytest -m slow -s <this>."""
+    ratios: dict[str, list[float]] = {"schedule": [], "forward": []}
+    for seed in range(32):
+        actor, batch = _actor(name, dtype, seed)
+        for which, v in (("schedule", schedule_verdict(actor, batch)), ("forward", verdict_of(actor, batch))):
+            assert v.passed, f"seed {seed}, {which}: {v.describe()}"
+            ratios[which].append(max(v.logprob_error / v.logprob_allowed, v.grad_error / v.grad_allowed))
+    with capsys.disabled():
+        for which, rs in ratios.items():
+            rs.sort()
+            print(f"\n{name} {dtype} {which}: 32 seeds, err/allowed median {rs[16]:.3f} max {rs[-1]:.3f}")

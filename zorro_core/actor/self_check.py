@@ -71,6 +71,7 @@ import torch.distributed as dist
 
 from zorro_core.actor.config import ActorConfig
 from zorro_core.attention.hook import RouteSpec
+from zorro_core.models.exact_delta_rule import chunk_gated_delta_rule_exact
 from zorro_core.models.linear_attention import delta_rule_of, linear_layers
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.plan.build import plan_type
@@ -429,10 +430,9 @@ def _float64_delta_rule(
     cu_seqlens: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The gated delta rule computed in float64 (zorro_core.verify.delta_rule's chunked form), with the
+    """The gated delta rule computed in float64 (zorro_core.models.exact_delta_rule), with the
     calls of transformers' PyTorch kernel and of fla's (`cu_seqlens`: each segment on its own): the
     reference of a check on a model with gated DeltaNet layers (module doc)."""
-    from zorro_core.verify.delta_rule import chunk_gated_delta_rule_exact
 
     def run(a: int, b: int, init: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         q, k, v, gg, bb = (x[:, a:b].to(torch.float64) for x in (query, key, value, g, beta))
