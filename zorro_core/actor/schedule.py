@@ -47,9 +47,9 @@ from zorro_core.actor.self_check import (
     SEED,
     SelfCheckVerdict,
     SelfCheckWarning,
-    agree,
     check,
     compute_dtype,
+    raise_own,
     sharded,
 )
 from zorro_core.attention.backends import BACKENDS
@@ -518,8 +518,11 @@ def self_check(actor: Any, batch: RolloutBatch, temperature: float) -> Optional[
     by the self-check's rule (log-probs, and the gradient of a random projection of them for the
     trainable vector parameters). The schedule's attention is its own masked SDPA call and its
     phases are its own, which `forward`'s check does not run. None: the schedule runs; else why it
-    does not (it failed here: the step then runs each micro-batch on its own, warned once)."""
+    does not (it failed here: the step then runs each micro-batch on its own, warned once). The
+    model's own error (the plain computation raises it too) reaches the caller and NaN from the
+    model's own weights judges nothing: no verdict then, the next step checks again."""
     sc = actor.self_check
+    sc.register(actor)
     if not sc.enabled or sc.skipped is not None:
         return None
     key = _check_key(actor)
@@ -530,8 +533,10 @@ def self_check(actor: Any, batch: RolloutBatch, temperature: float) -> Optional[
             sc.skipped = why
             warnings.warn(f"zorro: the self-check is skipped: {why}", SelfCheckWarning, stacklevel=4)
             return None
-        verdict = _check(actor, batch, temperature)
-        verdict = sc.verdicts[key] = agree(verdict, actor.device) if sc.exchange else verdict
+        settled = sc.settle(_check(actor, batch, temperature), actor.device)
+        if settled is None:
+            return None  # nothing judged (the plain computation is not finite): the next step checks again
+        verdict = sc.verdicts[key] = settled
         if not verdict.passed:
             sc.failed = sc.failed or verdict
             warnings.warn(
@@ -540,13 +545,14 @@ def self_check(actor: Any, batch: RolloutBatch, temperature: float) -> Optional[
                 SelfCheckWarning,
                 stacklevel=4,
             )
+        sc.raise_pending()  # this rank's own model error, when another rank's failure was recorded with it
     return None if verdict.passed else f"the schedule's self-check failed: {verdict.describe()}"
 
 
 def schedule_verdict(actor: Any, batch: RolloutBatch, temperature: float = 1.0) -> SelfCheckVerdict:
     """The schedule's self-check on `batch`, agreed over the ranks, without switching the actor (what
-    `zorro verify gradients --schedule prompt_once` reports beside its proof)."""
-    return agree(_check(actor, batch, temperature), actor.device)
+    `zorro verify gradients --schedule prompt_once` reports beside its proof). The model's own error is raised."""
+    return raise_own(_check(actor, batch, temperature), actor.device)
 
 
 def _check_key(actor: Any) -> tuple[str, ...]:
