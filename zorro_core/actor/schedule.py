@@ -95,6 +95,8 @@ class ScheduleOutput:
     """Tokens of each phase-1 call (all waves, in order): one per wave, or its chunks under the budget."""
     waves: list[Any] = field(default_factory=list)
     """Each wave's figures (zorro_core.actor.waves.WaveStats), in the order they ran."""
+    schedule_choice: Optional[Any] = None
+    """Under schedule="auto": the choice and its reason (zorro_core.actor.auto.ScheduleChoice)."""
     padded_micro_batches: int = 0
     """Zero-loss micro-batches (and waves' phase-1 calls) this rank ran so that every FSDP rank issues
     the same collectives (zorro_core.actor.waves.agree_plan)."""

@@ -88,7 +88,13 @@ class ScheduleStats:
     split_groups: int
     """Groups whose responses span more than one micro-batch."""
     kept_bytes: int
-    """Bytes of the kept keys and values (and first-token hidden states)."""
+    """Bytes of the kept keys and values (and first-token hidden states) of the largest wave."""
+    waves: int = 1
+    """Waves the pass ran (zorro_core.actor.waves): phases 1-3 per wave."""
+    oversize_waves: int = 0
+    """Waves of one group (or tied groups) whose prompt tokens alone exceed the wave bound."""
+    phase1_max_tokens: int = 0
+    """Tokens of the largest phase-1 call (at most the budget, but for gated DeltaNet layers)."""
 
 
 def _data_parallel(engine) -> Optional[Any]:
@@ -200,6 +206,13 @@ def _run(engine, data, loss_function, forward_only, rows: VerlRows, groups: Grou
     dp_group = engine.get_data_parallel_group()
     scaler = getattr(engine, "scaler", None)
     outputs: list[dict] = []
+    # The token budget (dynamic batch size): the micro-batches are `parts`; it bounds the waves'
+    # prompt tokens and phase 1's calls (zorro_core.actor.waves). A fixed micro-batch size has none.
+    budget = (
+        int(data["max_token_len_per_gpu"])
+        if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
+        else None
+    )
 
     def model_output_of(idx: torch.Tensor, log_probs, entropy):
         mb = tu.index_select_tensor_dict(data, idx.cpu())
@@ -228,7 +241,7 @@ def _run(engine, data, loss_function, forward_only, rows: VerlRows, groups: Grou
 
     with engine._autocast():
         if forward_only:
-            res = prompt_once_logprobs(actor, rows.batch, None, temperature, calculate_entropy, parts)
+            res = prompt_once_logprobs(actor, rows.batch, budget, temperature, calculate_entropy, parts)
             for part in res.parts:
                 idx = torch.as_tensor(part, dtype=torch.long, device=res.log_probs.device)
                 ent = res.entropy[idx] if res.entropy is not None else None
@@ -239,7 +252,7 @@ def _run(engine, data, loss_function, forward_only, rows: VerlRows, groups: Grou
                     loss, metrics = torch.tensor(1.0, device=get_device_name()), {}
                 record(mb, model_output, loss, metrics)
         else:
-            res = _train(engine, actor, rows, loss_fn, temperature, calculate_entropy, parts)
+            res = _train(engine, actor, rows, loss_fn, temperature, calculate_entropy, parts, budget)
 
     output = engine_utils.postprocess_batch_func(output_lst=outputs, indices=res.parts, data=data)
     if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
@@ -259,19 +272,21 @@ def _run(engine, data, loss_function, forward_only, rows: VerlRows, groups: Grou
     return output
 
 
-def _train(engine, actor, rows: VerlRows, loss_fn, temperature, calculate_entropy, parts) -> ScheduleOutput:
-    """prompt_once_step with FSDP2's gradient sync off through phase 2 and on for phase 3."""
+def _train(
+    engine, actor, rows: VerlRows, loss_fn, temperature, calculate_entropy, parts, budget: Optional[int]
+) -> ScheduleOutput:
+    """prompt_once_step with FSDP2's gradient sync off through phase 2 and on for the last wave's phase 3."""
     defer = getattr(engine.engine_config, "use_no_sync_for_gradient_accumulation", True)
     module = engine.module
     if not (defer and fsdp_version(module) == 2):
-        return prompt_once_step(actor, rows.batch, loss_fn, None, temperature, calculate_entropy, parts)
+        return prompt_once_step(actor, rows.batch, loss_fn, budget, temperature, calculate_entropy, parts)
     module.set_requires_gradient_sync(False)
     try:
         return prompt_once_step(
             actor,
             rows.batch,
             loss_fn,
-            None,
+            budget,
             temperature,
             calculate_entropy,
             parts,
@@ -310,6 +325,9 @@ def _stats(data, rows: VerlRows, groups: Groups, res: ScheduleOutput) -> tuple[l
         prompt_tokens_micro_batch=micro_batch_prompt,
         split_groups=len(res.split_groups),
         kept_bytes=res.kept_bytes,
+        waves=len(res.waves),
+        oversize_waves=sum(w.oversize for w in res.waves),
+        phase1_max_tokens=max(res.phase1_calls, default=0),
     )
     return per_part, schedule
 
@@ -332,6 +350,9 @@ def schedule_metrics(output: dict, schedule: Optional[ScheduleStats], configured
         "zorro/prompt_tokens_micro_batch": schedule.prompt_tokens_micro_batch,
         "zorro/split_groups": schedule.split_groups,
         "zorro/kept_bytes": schedule.kept_bytes,
+        "zorro/waves": schedule.waves,
+        "zorro/oversize_waves": schedule.oversize_waves,
+        "zorro/phase1_max_tokens": schedule.phase1_max_tokens,
     }
     for key, value in figures.items():
         metrics[key] = [float(value)]
