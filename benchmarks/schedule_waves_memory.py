@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import sys
 import time
 import warnings
@@ -86,6 +87,30 @@ def measure(fn):
     return out, tracker.peak
 
 
+def weighted_loss(w, n):
+    def loss_fn(out, rows):
+        return (w[rows].to(out.log_probs) * out.log_probs).sum() / n
+
+    return loss_fn
+
+
+def run_arm(name, actor, batch, loss_fn, budget, flavour, old_parts):
+    """One step of arm `name`: its output and the tokens of its largest single call."""
+    from zorro_core.actor.schedule import prompt_once_step
+    from zorro_core.stack.checkpointing import checkpointed
+
+    actor.model.zero_grad(set_to_none=True)
+    with checkpointed(actor.model, flavour):
+        if name == "micro_batch":
+            res = actor.forward_backward(batch, loss_fn, budget, schedule="micro_batch")
+            return res, max(res.partition.tokens)
+        if name == "one_wave":
+            res = prompt_once_step(actor, batch, loss_fn, None, parts=old_parts)
+        else:
+            res = prompt_once_step(actor, batch, loss_fn, budget)
+        return res, max(max(res.phase1_calls), max(res.response_tokens))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small-qwen3")
@@ -102,9 +127,8 @@ def main(argv=None) -> int:
     import torch
 
     from zorro_core import DeduplicatedActor, create_dummy_batch
-    from zorro_core.actor.schedule import Groups, prompt_once_step, response_micro_batches
+    from zorro_core.actor.schedule import Groups, response_micro_batches
     from zorro_core.models.presets import load_model
-    from zorro_core.stack.checkpointing import checkpointed
 
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
@@ -124,28 +148,14 @@ def main(argv=None) -> int:
         w = torch.randn(batch.responses.shape, generator=torch.Generator().manual_seed(0))
         n = float(batch.response_mask.sum())
 
-        def loss_fn(out, rows):
-            return (w[rows].to(out.log_probs) * out.log_probs).sum() / n
-
-        groups = Groups.of(batch)
-        old_parts = response_micro_batches(groups, args.budget)
-
-        def arm(name):
-            model.zero_grad(set_to_none=True)
-            with checkpointed(model, flavour):
-                if name == "micro_batch":
-                    res = actor.forward_backward(batch, loss_fn, args.budget, schedule="micro_batch")
-                    return res, max(res.partition.tokens)
-                if name == "one_wave":
-                    res = prompt_once_step(actor, batch, loss_fn, None, parts=old_parts)
-                else:
-                    res = prompt_once_step(actor, batch, loss_fn, args.budget)
-                return res, max(max(res.phase1_calls), max(res.response_tokens))
-
+        loss_fn = weighted_loss(w, n)
+        old_parts = response_micro_batches(Groups.of(batch), args.budget)
         lps = {}
         for name in ("micro_batch", "one_wave", "waves"):
             t0 = time.perf_counter()
-            (res, largest), peak = measure(lambda: arm(name))
+            (res, largest), peak = measure(
+                functools.partial(run_arm, name, actor, batch, loss_fn, args.budget, flavour, old_parts)
+            )
             secs = time.perf_counter() - t0
             lps[name] = res.log_probs.detach().clone()
             row = {
