@@ -8,8 +8,9 @@ or (here, checked by hand with agree_plan stubbed out) the ranks pair collective
 modules and gloo aborts on a size mismatch ("Is there a distributed collective mismatch"); either
 fails the test, whose launch has a short timeout. With it, both ranks run the same collectives
 (rank 1 pads with zero-loss work) and the log-probs, entropy and every full gradient equal the
-schedule run in one process on the whole batch. Gradient sync is off until the last wave's phase 3
-(the `on_prompts_backward` hook), as a trainer sets it. Where a rank cannot run the agreed counts
+schedule run in one process on the whole batch. Gradient sync is off until the step's last backward
+(the `on_prompts_backward` hook, before the last wave's last phase-3 chunk), as a trainer sets it, so
+each FSDP module reduce-scatters once per step, counted. Where a rank cannot run the agreed counts
 (a phase 1 shorter than the chunks asked of it), both ranks fail at once with the same cause.
 """
 
@@ -99,7 +100,24 @@ def unequal_case(seed: int) -> dict:
     _sum_reduction(model, explicit_sum=True)
     actor = DeduplicatedActor(model=model, attn_implementation="sdpa")
     options = {"budget": 2, "wave_tokens": 12} if rank == 0 else {"parts": [list(range(len(rows)))]}
-    out["mine"] = _run(model, actor, batch, w, rows, n, options, True)
+    # FSDP2 reduces a parameter group's gradients in foreach_reduce (one reduce-scatter each).
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    calls = []
+    real = _fsdp_param_group.foreach_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    _fsdp_param_group.foreach_reduce = counting
+    try:
+        out["mine"] = _run(model, actor, batch, w, rows, n, options, True)
+    finally:
+        _fsdp_param_group.foreach_reduce = real
+    out["reduce_scatters"] = len(calls)
+    out["fsdp_groups"] = sum(isinstance(m, FSDPModule) for m in model.modules())
     return out
 
 
@@ -145,6 +163,8 @@ def test_unequal_counts_finish_and_equal_one_process(unequal):
     # ... padded to rank 0's: a one-row wave per extra wave, zero-loss micro-batches up to rank 0's count
     assert pad1 == len(micro0) - 1 + sum(m - 1 for m in micro0) and pad0 == 0
     assert len(calls1) == len(calls0)  # the same phase-1 calls (rank 1's cut to match)
+    for r in unequal:  # sync on only for the last backward: each FSDP module reduces once per step
+        assert r["fsdp_groups"] >= 3 and r["reduce_scatters"] == r["fsdp_groups"], r["reduce_scatters"]
     for r in unequal:
         lp, ent = torch.as_tensor(r["mine"][0]), torch.as_tensor(r["mine"][1])
         assert (lp - lp1[r["rows"]]).abs().max().item() < LOGPROB_ATOL

@@ -208,9 +208,9 @@ def prompt_once_step(
     `router_aux_loss` (None: as config.output_router_logits says): each micro-batch's
     `out.aux_loss` is then the MoE router aux loss of its rows at logical counts (module doc).
 
-    `on_prompts_backward()` is called once, right before the last wave's phase 3: a trainer's hook,
-    e.g. to turn FSDP's gradient sync back on so that the step's only reduction follows the prompts'
-    backward (zorro_core.integrations.verl.engine).
+    `on_prompts_backward()` is called once, right before the step's last backward (the last wave's
+    phase 3; its first chunk's when phase 1 ran in chunks): a trainer's hook, e.g. to turn FSDP's
+    gradient sync back on so that the step's only reduction follows it (zorro_core.integrations.verl.engine).
 
     Waves (zorro_core.actor.waves): the step's groups run in waves of at most `wave_tokens` phase-1
     tokens each (None: `max_tokens_per_micro_batch`; one wave without a budget), phases 1-3 per wave.
@@ -507,9 +507,9 @@ def _step(
     # hidden states' and the router logits'; the keys' and values' through each layer's InjectGrad).
     # In chunks, the last first: its backward adds into the kept keys of the chunks before it.
     if loss_fn is not None:  # None: a log-prob pass (prompt_once_logprobs)
-        if on_prompts_backward is not None:
-            on_prompts_backward()
         for c in reversed(range(len(cuts))):
+            if c == 0 and on_prompts_backward is not None:
+                on_prompts_backward()  # before the step's last backward (e.g. FSDP's one gradient sync)
             if len(cuts) == 1:
                 roots, grads = _phase3_roots(first_graph, first, router_graph, router)
             else:

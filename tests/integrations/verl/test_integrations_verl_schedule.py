@@ -140,6 +140,22 @@ def single_process_case(path: str, seed: int) -> dict:
     results["prefix"] = _errors(ours, ref, mask)
     results["prefix"]["metrics"] = metrics
     results["prefix"]["warnings"] = [str(w.message) for w in caught if issubclass(w.category, DedupFallbackWarning)]
+    # schedule="auto": the choice and its figures in the metrics, the pass equal to verl either way
+    # (plain: the schedule's peak holds phase 1's whole graph, over the within path's; checkpointed: counted).
+    from zorro_core.actor.config import ActorConfig
+
+    dynamic = dict(MICRO_BATCHES["dynamic"], use_remove_padding=True)
+    ref_dynamic = _run(verl_engine, padded, rows, True, **dynamic)
+    for name, engine in (("auto", zorro_engine), ("auto checkpointing", None)):
+        if engine is None:
+            engine = build_engine(DedupFSDPEngine, path, gradient_checkpointing=True)
+        engine.zorro_config = ActorConfig(schedule="auto")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ours, metrics = _run_with_metrics(engine, padded, rows, True, **dynamic)
+        results[name] = _errors(ours, ref_dynamic, mask)
+        results[name]["metrics"] = metrics
+        results[name]["warnings"] = [str(w.message) for w in caught if issubclass(w.category, DedupFallbackWarning)]
     # Hand-back: a refusal of the schedule (planted: the library refuses nothing this engine sends now)
     # gives the within-micro-batch path, equal, with one warning naming it.
     import zorro_core.integrations.verl.schedule as verl_schedule
@@ -216,6 +232,18 @@ def test_prefix_sharing_is_served_by_the_schedule(single):
     assert r["lp"] <= LP_TOL and r["ent"] <= LP_TOL and r["grad"] <= GRAD_TOL, r
     assert not r["warnings"], r["warnings"]
     assert r["metrics"]["zorro/prompt_once"] == [1.0], r
+
+
+@pytest.mark.parametrize("name", ["auto", "auto checkpointing"])
+def test_auto_says_its_choice_and_equals_verl(single, name):
+    r = single[name]
+    assert r["lp"] <= LP_TOL and r["ent"] <= LP_TOL and r["n_grads"] > 20 and r["grad"] <= GRAD_TOL, r
+    m = r["metrics"]
+    assert m["zorro/auto_prompt_once"] in ([0.0], [1.0]) and m["zorro/auto_prompt_once"] == m["zorro/prompt_once"], m
+    assert 0 < m["zorro/auto_flops_ratio"][0] < 1.0 and m["zorro/auto_peak_ratio"][0] > 0, m  # groups are split
+    assert r["warnings"] == [], r["warnings"]  # a choice, not a fallback
+    if name == "auto":  # no checkpointing: phase 1's whole graph is held through phase 2
+        assert m["zorro/auto_peak_ratio"][0] > 1.0 and m["zorro/auto_prompt_once"] == [0.0], m
 
 
 def test_a_refused_schedule_hands_back_with_one_warning(single):

@@ -63,11 +63,13 @@ from zorro_core.integrations.verl.rows import (
     unserved_reason,
 )
 
-__all__ = ["HANDED_BACK", "ScheduleStats", "prompt_once_batch", "schedule_metrics", "schedule_parts"]
+__all__ = ["AUTO_WITHIN", "HANDED_BACK", "ScheduleStats", "prompt_once_batch", "schedule_metrics", "schedule_parts"]
 
 HANDED_BACK = "the within-micro-batch path serves this mini-batch"
 """What the engine's one-time warning says runs instead of the schedule."""
 OTHER_RANK = "another data-parallel rank cannot run the prompt-once schedule on its rows"
+AUTO_WITHIN = object()
+"""prompt_once_batch's answer where schedule="auto" chose the within-micro-batch path (a choice, not a fallback)."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,8 @@ def prompt_once_batch(engine, data, loss_function, forward_only: bool) -> dict |
         return f"a data-parallel rank has fewer rows ({-neg_rows}) than the agreed micro-batch count ({k})"
     assert groups is not None and isinstance(rows, VerlRows)
     parts = schedule_parts(groups, data, k)
+    if engine.zorro_config.schedule == "auto" and not _auto_takes_schedule(engine, data, rows, parts, group):
+        return AUTO_WITHIN
     try:
         return _run(engine, data, loss_function, forward_only, rows, groups, parts, group)
     except UnsupportedModelError as e:
@@ -186,6 +190,30 @@ def prompt_once_batch(engine, data, loss_function, forward_only: bool) -> dict |
         # backward; kept, so that later passes go to the within-micro-batch path straight away.
         engine._zorro_schedule_refused = f"the prompt-once schedule refuses the model: {e}"
         return engine._zorro_schedule_refused
+
+
+def _budget(data) -> Optional[int]:
+    """verl's token budget (dynamic batch size), or None (a fixed micro-batch size)."""
+    if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+        return int(data["max_token_len_per_gpu"])
+    return None
+
+
+def _auto_takes_schedule(engine, data, rows: VerlRows, parts, group) -> bool:
+    """schedule="auto" (zorro_core.actor.auto) on this rank's rows, agreed: the schedule only where every
+    rank's choice is the schedule. The within path's micro-batches: the library's partition at verl's
+    budget, or (a fixed micro-batch size) the same rows per micro-batch as the schedule's. The choice's
+    figures go to the pass's metrics (engine._zorro_auto_metrics)."""
+    from zorro_core.actor.auto import choose_schedule
+
+    budget = _budget(data)
+    within = None if budget is not None else parts
+    choice = choose_schedule(engine._zorro_actor(), rows.batch, budget, within_parts=within, schedule_parts=parts)
+    (not_all,) = _agree_max([int(choice.schedule != "prompt_once")], group)
+    metrics = choice.metrics()
+    metrics["zorro/auto_prompt_once"] = 0.0 if not_all else 1.0
+    engine._zorro_auto_metrics = metrics
+    return not not_all
 
 
 def _run(engine, data, loss_function, forward_only, rows: VerlRows, groups: Groups, parts, group) -> dict:
@@ -208,11 +236,7 @@ def _run(engine, data, loss_function, forward_only, rows: VerlRows, groups: Grou
     outputs: list[dict] = []
     # The token budget (dynamic batch size): the micro-batches are `parts`; it bounds the waves'
     # prompt tokens and phase 1's calls (zorro_core.actor.waves). A fixed micro-batch size has none.
-    budget = (
-        int(data["max_token_len_per_gpu"])
-        if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
-        else None
-    )
+    budget = _budget(data)
 
     def model_output_of(idx: torch.Tensor, log_probs, entropy):
         mb = tu.index_select_tensor_dict(data, idx.cpu())
