@@ -194,12 +194,43 @@ def test_log_prob_pass_in_waves_and_chunks(tiny_models):
     assert max(res.phase1_calls) <= 4 and len(res.waves) > 2
 
 
-def test_flash_cpu_kernel_path_with_chunks(tiny_models):
+def test_flash_cpu_kernel_path_with_chunks(tiny_models, monkeypatch):
+    """Through flash_cpu's kernel pair a later chunk runs two calls (its prompts causal; the prompt its
+    start cuts against that prompt's kept keys), never the dense masked call."""
+    from zorro_core.attention import region_varlen
+
     batch, w, ref = cached(tiny_models, "tiny-qwen3")
+    calls = {"chunk": 0, "cut": 0, "dense": 0}
+    real_chunk, real_sdpa = external.chunk_attention, external.KeyRegion._sdpa
+
+    def chunk(region, *args):
+        calls["chunk"] += 1
+        out = real_chunk(region, *args)
+        calls["cut"] += bool(region._varlen["chunk"].n_cont)
+        return out
+
+    def sdpa(self, *args):
+        calls["dense"] += 1
+        return real_sdpa(self, *args)
+
+    monkeypatch.setattr(external, "chunk_attention", chunk)
+    monkeypatch.setattr(external.KeyRegion, "_sdpa", sdpa)
     actor = DeduplicatedActor(model=tiny_models("tiny-qwen3"), varlen_backend="flash_cpu")
     res, grads = run(actor, batch, w, budget=5, wave_tokens=13)
     assert_exact(res, grads, ref)
     assert_once_under_budget(res, batch, 5)
+    assert calls["chunk"] > 0 and calls["cut"] > 0 and calls["dense"] == 0, calls
+    # planted bug: the cut prompt's kept keys dropped (call B never runs)
+    real_of = region_varlen.ChunkLayout.of
+
+    def without_cut(region):
+        lay = real_of(region)
+        lay.n_cont = 0
+        return lay
+
+    monkeypatch.setattr(region_varlen.ChunkLayout, "of", staticmethod(without_cut))
+    res, grads = run(actor, batch, w, budget=5, wave_tokens=13)
+    assert (res.log_probs - ref[0]).abs().max().item() > 1e-3
 
 
 @pytest.mark.parametrize("flavour", [None, "non-reentrant"])

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zorro_core.attention.region_varlen import attend_kept, capture_attention, region_pair
+from zorro_core.attention.region_varlen import attend_kept, capture_attention, chunk_attention, region_pair
 from zorro_core.errors import UnsupportedModelError
 
 
@@ -178,14 +178,19 @@ class KeyRegion:
         pair = None if self.ancestors is not None else region_pair(backend, query.dtype, self.positions, window)
         if self.capture:
             a = self.chunk[0] if self.chunk is not None else 0
-            if a:  # a later chunk of phase 1: [kept keys of [0, a) | its own], the dense masked call
+            if a:  # a later chunk of phase 1: [kept keys of [0, a) | its own]
                 if module not in self.kept.keys:
                     raise RuntimeError(
                         f"no kept keys for attention module {type(module).__name__}: an earlier chunk did not reach it"
                     )
-                k = torch.cat([self.kept.keys[module][:, :, :a].to(key.dtype), key], dim=2)
-                v = torch.cat([self.kept.values[module][:, :, :a].to(value.dtype), value], dim=2)
-                out = self._sdpa(query, k, v, scale, window)
+                kept_k = self.kept.keys[module][:, :, :a].to(key.dtype)
+                kept_v = self.kept.values[module][:, :, :a].to(value.dtype)
+                if pair is not None:  # the kernel pair: the cut prompt's kept tokens as a second call
+                    out = chunk_attention(self, query, key, value, kept_k, kept_v, scale, pair)
+                else:  # the dense masked call
+                    k = torch.cat([kept_k, key], dim=2)
+                    v = torch.cat([kept_v, value], dim=2)
+                    out = self._sdpa(query, k, v, scale, window)
             elif pair is None:
                 out = self._sdpa(query, key, value, scale, window)
             else:
