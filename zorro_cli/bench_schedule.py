@@ -96,7 +96,7 @@ def _print(rows: list[dict], gpu_gib: float, shards: int) -> None:
         title=f"the prompt-once schedule: {escape(r0['model'])}, B={r0['batch']}, P={r0['prompt_len']}, "
         f"R={r0['response_len']}, budget {r0['budget']:,} tokens, {r0['dtype']}"
     )
-    cols = ("logits", "U", "path", "micro-batches", "tokens/step", "largest", "saved GiB", "kept K/V GiB")
+    cols = ("logits", "U", "path", "waves", "micro-batches", "tokens/step", "largest", "saved GiB", "kept K/V GiB")
     cols += ("peak GiB", "peak ckpt GiB", "PFLOP fwd+bwd", f"longest P ({gpu_gib:g} GiB)", "longest P ckpt")
     for col in cols:
         table.add_column(col, justify="left" if col in ("logits", "path") else "right")
@@ -105,6 +105,7 @@ def _print(rows: list[dict], gpu_gib: float, shards: int) -> None:
             r["logits_mode"],
             str(r["unique"]),
             r["path"],
+            str(r["waves"] or "-"),
             str(r["micro_batches"]),
             f"{r['step_tokens']:,}",
             f"{r['largest_tokens']:,}",
@@ -119,8 +120,10 @@ def _print(rows: list[dict], gpu_gib: float, shards: int) -> None:
     console.print(table)
     speedups = sorted({r["ideal_speedup"] for r in ok if r["ideal_speedup"]})
     console.print(
-        "Counted on CPU (flash_cpu: what flash-attn 2 saves), a narrowed model scaled back. peak: saved bytes, "
-        "plus the kept keys' and values' gradients for prompt_once; 'ckpt': every decoder layer checkpointed, "
+        "Counted on CPU (flash_cpu: what flash-attn 2 saves), a narrowed model scaled back. prompt_once: every "
+        "prompt of the step in one phase 1; waves: as it runs at the budget, its first (largest) wave counted. "
+        "peak: saved bytes, plus the kept keys' and values' gradients for the schedule (device bytes; nothing "
+        "is offloaded to the host); 'ckpt': every decoder layer checkpointed, "
         f"derived. Longest P: bisection over P on the same counts, {gpu_gib:g} GiB less weights, gradients and AdamW "
         f"state over {shards} FSDP shards (0: not even P = 1 fits). Cost model: micro_batch / prompt_once FLOPs = "
         f"{', '.join(f'{s:.2f}x' for s in speedups) or 'n/a'} (prompt_once is the ideal: each prompt once per step)."
