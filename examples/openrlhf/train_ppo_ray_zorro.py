@@ -10,7 +10,7 @@ runs on CPU in CI with answers to those calls: examples/openrlhf/cpu_e2e.py (.ci
 
 zorro's one line is the Ray hook below: every Ray worker runs `install()` when it starts, which rebinds
 OpenRLHF's `Actor` to `DedupActor` and its batching to zorro's grouped batching (whole prompt groups per
-rank and micro-batch), and adds `zorro/...` entries to the status OpenRLHF logs (docs/trainers.md).
+rank and micro-batch), and adds `zorro/...` entries to the status OpenRLHF logs (docs/openrlhf.md).
 """
 
 import runpy

@@ -252,7 +252,7 @@ def test_zorro_config_type(ckpt):
 
 def test_the_prompt_once_schedule_is_refused(ckpt):
     """OpenRLHF's loop runs the step's micro-batches: ActorConfig(schedule="prompt_once") would be
-    ignored, so the actor and the critic refuse it with the reason (docs/trainers.md)."""
+    ignored, so the actor and the critic refuse it with the reason (docs/openrlhf.md)."""
     from zorro_core import ActorConfig
     from zorro_core.integrations.openrlhf import critic
 

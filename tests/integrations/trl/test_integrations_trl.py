@@ -358,7 +358,7 @@ def test_trl_versions():
 
 
 def test_the_prompt_once_schedule_is_refused():
-    """TRL's loop runs the step's micro-batches (docs/trainers.md): ActorConfig(schedule="prompt_once")
+    """TRL's loop runs the step's micro-batches (docs/trl.md): ActorConfig(schedule="prompt_once")
     would be ignored, so the trainer refuses it with the reason, before building anything."""
     with pytest.raises(ValueError, match="not served by TRL's GRPOTrainer"):
         DedupGRPOTrainer(zorro_config=ActorConfig(schedule="prompt_once"))

@@ -1,5 +1,5 @@
 """zorro's verl engine returns log-probs and entropy in the dtypes verl's own engine returns them
-(the dtype contract, docs/trainers.md), against the real verl 0.9.1 on CPU (`.ci/verl_tests`).
+(the dtype contract, docs/verl.md), against the real verl 0.9.1 on CPU (`.ci/verl_tests`).
 
 Under bf16 parameters verl's forward step autocasts to bf16 and, on its log-softmax path (CPU, or
 no flash-attn), returns bf16 log-probs and entropy; zorro computes them in float32 and rounds to

@@ -7,7 +7,7 @@ or, for OpenRLHF's own Ray launcher (`openrlhf.cli.train_ppo_ray`), `install()` 
 trainer modules build the policy and the reference model with (`trainer/ray/ppo_actor.py`, `trainer/ray/launcher.py`),
 and the names of its batching and its PPO trainer (whole prompt groups per rank and micro-batch:
 `batching`; "zorro/..." logger entries: `status`), in the process that calls it; it must
-run in every Ray worker (docs/trainers.md).
+run in every Ray worker (docs/openrlhf.md).
 
 OpenRLHF computes every policy, old and reference log-prob in `Actor.forward(sequences, action_mask,
 attention_mask, ...)`. In 0.11 a micro-batch holds one row per sample, prompt + response (or a multi-turn
@@ -318,7 +318,7 @@ def install() -> None:
       models then look `Actor` up in globals rebuilt in the worker from the driver's, where OpenRLHF's
       `Actor` travels by reference (module and name) and is resolved in the worker, after this hook ran.
     Ray workers are separate processes: pass this function as Ray's `worker_process_setup_hook`
-    (docs/trainers.md); the trainer itself (`PPOTrainer`) is a Ray actor too, so the hook reaches it.
+    (docs/openrlhf.md); the trainer itself (`PPOTrainer`) is a Ray actor too, so the hook reaches it.
     The driver needs no call. Each policy and reference model actor is checked to hold a `DedupActor`
     before zorro's batching first sizes their calls (`check_served`), and the policy's trainer checks its
     own actor when it is built: a plain `Actor` there fails loudly.
@@ -458,7 +458,7 @@ def grouped_experience_maker(base: type) -> type:
 _NOT_SERVED = (
     "zorro's batching sizes OpenRLHF's micro-batches by the tokens DedupActor computes (each prompt once), "
     "so a plain Actor here would compute up to several times the token budget. install() must run in the "
-    "process that builds the model: pass it as Ray's worker_process_setup_hook (docs/trainers.md)"
+    "process that builds the model: pass it as Ray's worker_process_setup_hook (docs/openrlhf.md)"
 )
 
 
