@@ -96,7 +96,17 @@ def _print(rows: list[dict], gpu_gib: float, shards: int) -> None:
         title=f"the prompt-once schedule: {escape(r0['model'])}, B={r0['batch']}, P={r0['prompt_len']}, "
         f"R={r0['response_len']}, budget {r0['budget']:,} tokens, {r0['dtype']}"
     )
-    cols = ("logits", "U", "path", "waves", "micro-batches", "tokens/step", "largest", "saved GiB", "kept K/V GiB")
+    cols: tuple[str, ...] = (
+        "logits",
+        "U",
+        "path",
+        "waves",
+        "micro-batches",
+        "tokens/step",
+        "largest",
+        "saved GiB",
+        "kept K/V GiB",
+    )
     cols += ("peak GiB", "peak ckpt GiB", "PFLOP fwd+bwd", f"longest P ({gpu_gib:g} GiB)", "longest P ckpt")
     for col in cols:
         table.add_column(col, justify="left" if col in ("logits", "path") else "right")

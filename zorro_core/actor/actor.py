@@ -381,6 +381,7 @@ class _Actor:
             microbatch.check_budget(max_tokens_per_micro_batch)
             choice = choose_schedule(self, batch, max_tokens_per_micro_batch)
             schedule = choice.schedule
+        out: Any
         if schedule == "prompt_once":
             out = prompt_once_step(self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy)
         else:

@@ -162,8 +162,8 @@ def choose_schedule(
     for part in within_parts:
         plan = actor.plan(select_rows(batch, part))
         within_tokens.append(int(plan.num_tokens))
-        responses = int(rmask[list(part)].sum())
-        within_logits.append(int(plan.num_tokens) if mode == "none" else responses)
+        n_responses = int(rmask[list(part)].sum())
+        within_logits.append(int(plan.num_tokens) if mode == "none" else n_responses)
     flops_mb = sum(cost(p) for p in within_parts)
     peak_mb = within_peak(tb, within_tokens, within_logits)
     if refusal is not None:

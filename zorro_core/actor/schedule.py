@@ -353,18 +353,7 @@ def _waves(
         sub_groups = Groups.of(sub)
         sub_nodes = PromptNodes.of(sub_groups.prompts, sharing, dev)
         rows_t = torch.tensor(wave_rows, dtype=torch.long, device=dev)
-        if loss_fn is None:
-            wave_loss = None
-        elif real:
-
-            def wave_loss(out, idx, rows_t=rows_t):  # the caller's loss sees the full batch's rows
-                return loss_fn(out, rows_t[idx])
-
-        else:
-
-            def wave_loss(out, idx):  # a padding wave: the same collectives, exact zeros added
-                return out.log_probs.sum() * 0.0
-
+        wave_loss = None if loss_fn is None else _wave_loss(loss_fn, rows_t if real else None)
         res = _step(
             actor,
             sub,
@@ -408,6 +397,14 @@ def _waves(
     merged.log_probs, merged.entropy = log_probs, entropy
     merged.split_groups.sort()
     return merged
+
+
+def _wave_loss(loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], rows: Optional[torch.Tensor]) -> Callable:
+    """A wave's loss: the caller's on the full batch's rows, or (rows None: a padding wave, which joins
+    the same collectives) exact zeros."""
+    if rows is None:
+        return lambda out, idx: out.log_probs.sum() * 0.0
+    return lambda out, idx: loss_fn(out, rows[idx])
 
 
 def _step(
@@ -518,7 +515,7 @@ def _step(
                 torch.autograd.backward(roots, grad_tensors=grads)
     kept_bytes = kept.kept_bytes() + first.numel() * first.element_size()
     kept_bytes += sum(x.numel() * x.element_size() for x in router)
-    out = ScheduleOutput(
+    result = ScheduleOutput(
         log_probs,
         entropy,
         total,
@@ -530,8 +527,8 @@ def _step(
         len(nodes.node_span),
         aux_losses if aux else None,
     )
-    out.phase1_calls = [b - a for a, b in cuts]
-    return out
+    result.phase1_calls = [b - a for a, b in cuts]
+    return result
 
 
 def phase1_cuts(

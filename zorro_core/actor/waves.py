@@ -85,7 +85,8 @@ class _Tokens:
     prefixes, a prompt adding its length less its longest common prefix with any earlier one."""
 
     def __init__(self, trie: bool) -> None:
-        self.trie, self.prompts, self.total = trie, [], 0
+        self.trie, self.total = trie, 0
+        self.prompts: list[Sequence[int]] = []
 
     def adding(self, prompts: Sequence[Sequence[int]]) -> int:
         total, seen = self.total, list(self.prompts)

@@ -161,9 +161,10 @@ def schedule_parts(groups: Groups, data, k: Optional[int] = None) -> list[list[i
     return parts
 
 
-def prompt_once_batch(engine, data, loss_function, forward_only: bool) -> dict | str:
+def prompt_once_batch(engine, data, loss_function, forward_only: bool) -> dict | str | object:
     """verl's `forward_backward_batch` under the prompt-once schedule (module doc): the pass's output,
-    or the reason it is handed back to the within-micro-batch path (the same on every rank)."""
+    or the reason it is handed back to the within-micro-batch path (the same on every rank), or
+    AUTO_WITHIN where schedule="auto" chose that path."""
     group = _data_parallel(engine)
     reason = _local_reason(engine, data)
     groups = local = rows = None
