@@ -31,6 +31,7 @@ loss under reentrant checkpointing (its router logits carry no gradient).
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import warnings
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ import torch
 
 from zorro_core.actor.config import SCHEDULES as SCHEDULES  # re-exported: forward_backward's schedules
 from zorro_core.actor.fsdp import as_root_forward
+from zorro_core.actor.offload import HostOffload, offload_by_count
 from zorro_core.actor.output import ActorOutput
 from zorro_core.actor.self_check import (
     SEED,
@@ -97,6 +99,8 @@ class ScheduleOutput:
     """Each wave's figures (zorro_core.actor.waves.WaveStats), in the order they ran."""
     schedule_choice: Optional[Any] = None
     """Under schedule="auto": the choice and its reason (zorro_core.actor.auto.ScheduleChoice)."""
+    host_bytes: int = 0
+    """Bytes of phase 1's graph held on the host (the largest wave's; zorro_core.actor.offload), 0: none."""
     padded_micro_batches: int = 0
     """Zero-loss micro-batches (and waves' phase-1 calls) this rank ran so that every FSDP rank issues
     the same collectives (zorro_core.actor.waves.agree_plan)."""
@@ -199,6 +203,7 @@ def prompt_once_step(
     on_prompts_backward: Optional[Callable[[], None]] = None,
     router_aux_loss: Optional[bool] = None,
     wave_tokens: Optional[int] = None,
+    offload: Optional[bool] = None,
 ) -> ScheduleOutput:
     """One step of the prompt-once schedule (module doc), accumulating into the parameters' `.grad`.
 
@@ -216,6 +221,9 @@ def prompt_once_step(
     tokens each (None: `max_tokens_per_micro_batch`; one wave without a budget), phases 1-3 per wave.
     A wave's phase 1 longer than `max_tokens_per_micro_batch` goes forward in chunks of at most that
     many tokens, each attending to the kept keys and values of the chunks before it.
+
+    `offload`: phase 1's graph held on the host until phase 3 (zorro_core.actor.offload); None: by
+    the count (on CUDA where that graph is larger than a response micro-batch's).
     """
     refusal = schedule_refusal(actor)
     if refusal:
@@ -235,6 +243,7 @@ def prompt_once_step(
         on_prompts_backward,
         router_aux_loss,
         wave_tokens,
+        offload,
     )
 
 
@@ -280,8 +289,11 @@ def _checked_step(
     on_prompts_backward: Optional[Callable[[], None]],
     router_aux_loss: Optional[bool],
     wave_tokens: Optional[int] = None,
+    offload: Optional[bool] = None,
 ) -> ScheduleOutput:
     """prompt_once_step / prompt_once_logprobs after their own checks (loss_fn None: a log-prob pass)."""
+    if offload is not None and not isinstance(offload, bool):
+        raise ValueError(f"offload must be True, False or None, got {offload!r}")
     for name, value in (("max_tokens_per_micro_batch", max_tokens_per_micro_batch), ("wave_tokens", wave_tokens)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
             raise ValueError(f"{name} must be an int >= 1 or None, got {type(value).__name__} {value!r}")
@@ -315,7 +327,17 @@ def _checked_step(
             rows = [p for plan in plans for p in plan.parts]
             return _each_on_its_own(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy, aux, failed)
         return _waves(
-            actor, batch, loss_fn, groups, plans, budget, temperature, calculate_entropy, aux, on_prompts_backward
+            actor,
+            batch,
+            loss_fn,
+            groups,
+            plans,
+            budget,
+            temperature,
+            calculate_entropy,
+            aux,
+            on_prompts_backward,
+            offload,
         )
     except BaseException:
         for p in fresh:
@@ -324,7 +346,7 @@ def _checked_step(
 
 
 def _waves(
-    actor, batch, loss_fn, groups, plans, budget, temperature, calculate_entropy, aux, on_prompts_backward
+    actor, batch, loss_fn, groups, plans, budget, temperature, calculate_entropy, aux, on_prompts_backward, offload=None
 ) -> ScheduleOutput:
     """Phases 1-3 per wave (zorro_core.actor.waves), gradients accumulating across them; under FSDP
     the ranks first agree on their waves' collectives (agree_plan), padding with zero-loss work."""
@@ -354,6 +376,13 @@ def _waves(
         sub_nodes = PromptNodes.of(sub_groups.prompts, sharing, dev)
         rows_t = torch.tensor(wave_rows, dtype=torch.long, device=dev)
         wave_loss = None if loss_fn is None else _wave_loss(loss_fn, rows_t if real else None)
+        rlens = [sum(groups.response_lens[r] for r in p) for p in plan.parts] if plan is not None else [1]
+        tokens = plan.prompt_tokens if plan is not None else len(groups.prompts[groups.group_of_row[longest]])
+        host = (
+            HostOffload(actor.model)
+            if loss_fn is not None and offload_by_count(actor, tokens, rlens, offload)
+            else None
+        )
         res = _step(
             actor,
             sub,
@@ -368,8 +397,10 @@ def _waves(
             budget,
             agreed.micro_batches[i] if agreed is not None else 0,
             agreed.chunks[i] if agreed is not None else None,
+            host,
         )
         merged.phase1_calls.extend(res.phase1_calls)
+        merged.host_bytes = max(merged.host_bytes, host.bytes if host is not None else 0)
         merged.padded_micro_batches += max(0, (agreed.micro_batches[i] if agreed is not None else 0) - len(sub_parts))
         if not real:
             merged.padded_micro_batches += 1
@@ -391,7 +422,14 @@ def _waves(
         if merged.aux_losses is not None and res.aux_losses is not None:
             merged.aux_losses.extend(res.aux_losses)
         merged.waves.append(
-            WaveStats(res.prompt_tokens, list(res.phase1_calls), len(plan.parts), res.kept_bytes, plan.oversize)
+            WaveStats(
+                res.prompt_tokens,
+                list(res.phase1_calls),
+                len(plan.parts),
+                res.kept_bytes,
+                plan.oversize,
+                host.bytes if host is not None else 0,
+            )
         )
     assert log_probs is not None  # a validated batch has rows, so at least one real wave
     merged.log_probs, merged.entropy = log_probs, entropy
@@ -421,11 +459,13 @@ def _step(
     phase1_tokens: Optional[int] = None,
     pad_to: int = 0,
     chunks: Optional[int] = None,
+    host: Optional[HostOffload] = None,
 ) -> ScheduleOutput:
     """Phases 1-3 over `batch` (one wave). `phase1_tokens`: phase 1 goes forward in chunks of at most
     this many tokens of the packed prompts row (None: one call); `chunks` forces that many (equal
     cuts: ranks agreeing on their collectives). `pad_to`: micro-batches beyond `rows` up to this
-    count run with a zero loss and nothing recorded, so that ranks issue the same collectives."""
+    count run with a zero loss and nothing recorded, so that ranks issue the same collectives.
+    `host`: phase 1's saved tensors go to the host through it (zorro_core.actor.offload)."""
     dev = actor.device
     lens = torch.tensor([len(p) for p in groups.prompts], device=dev)
     last = torch.tensor([nodes.node_span[e][1] - 1 for e in nodes.end_node], device=dev)
@@ -448,7 +488,8 @@ def _step(
             linear=KeptLinear,
             chunk=None if len(cuts) == 1 else (a, b),
         )
-        h, r_graph = _forward(actor, nodes.ids[a:b], kept.positions[a:b], region, aux)
+        with host.hooks() if host is not None else contextlib.nullcontext():
+            h, r_graph = _forward(actor, nodes.ids[a:b], kept.positions[a:b], region, aux)
         region.sealed = True
         hiddens.append(h)
         routers.append(r_graph)

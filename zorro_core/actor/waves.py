@@ -70,6 +70,8 @@ class WaveStats:
     as many again from the first backward to phase 3)."""
     oversize: bool
     """Its kept state alone exceeds the wave bound."""
+    host_bytes: int = 0
+    """Bytes of its phase-1 graph held on the host (zorro_core.actor.offload); 0: offload off."""
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
