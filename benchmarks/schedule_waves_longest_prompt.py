@@ -21,13 +21,23 @@ BUDGET = 27306
 GIB = 1024**3
 
 
-def peak_at(a, b, p: int) -> float:
-    """The checkpointed peak at prompt length p on the line through counts a and b."""
+def peak_at(a, b, p: int, offload: bool = False) -> float:
+    """The checkpointed device peak at prompt length p on the line through counts a and b (offload: with
+    phase 1's offloadable saves on the host)."""
     from zorro_harness.bench import schedule_memory as sm
 
     c = sm.at_prompt_len(a, b, p)
     calls = -(-p // BUDGET)
-    return dataclasses.replace(c, chunk_tokens=-(-p // calls)).peak_checkpointed
+    c = dataclasses.replace(c, chunk_tokens=-(-p // calls))
+    return c.peak_checkpointed - (c.host_checkpointed if offload else 0.0)
+
+
+def longest(a, b, limit: float, offload: bool) -> int:
+    lo, hi = 1, 1 << 22
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if peak_at(a, b, mid, offload) <= limit else (lo, mid)
+    return lo
 
 
 def main() -> None:
@@ -43,17 +53,15 @@ def main() -> None:
             )[0]
             for p in (32768, 40960)
         )
-        lo, hi = 1, 1 << 22
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if peak_at(a, b, mid) <= limit else (lo, mid)
         row = {
             **a.as_dict(),
-            "longest_prompt_checkpointed_derived": lo,
+            "longest_prompt_checkpointed_derived": longest(a, b, limit, False),
+            "longest_prompt_checkpointed_offload_derived": longest(a, b, limit, True),
             "peak_ckpt_at_40960": round(b.peak_checkpointed),
         }
-        keys = ("logits_mode", "peak_checkpointed_bytes", "peak_ckpt_at_40960", "kept_bytes")
-        print(json.dumps({k: row[k] for k in (*keys, "longest_prompt_checkpointed_derived")}), flush=True)
+        keys = ("logits_mode", "peak_checkpointed_bytes", "peak_ckpt_at_40960", "kept_bytes", "offload_host_bytes")
+        keys += ("offload_peak_bytes", "offload_host_checkpointed_bytes", "longest_prompt_checkpointed_derived")
+        print(json.dumps({k: row[k] for k in (*keys, "longest_prompt_checkpointed_offload_derived")}), flush=True)
         out.append(row)
     with open(sys.argv[2], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(out[0]))

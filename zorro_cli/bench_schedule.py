@@ -132,8 +132,9 @@ def _print(rows: list[dict], gpu_gib: float, shards: int) -> None:
     console.print(
         "Counted on CPU (flash_cpu: what flash-attn 2 saves), a narrowed model scaled back. prompt_once: every "
         "prompt of the step in one phase 1; waves: as it runs at the budget, its first (largest) wave counted. "
-        "peak: saved bytes, plus the kept keys' and values' gradients for the schedule (device bytes; nothing "
-        "is offloaded to the host); 'ckpt': every decoder layer checkpointed, "
+        "peak: saved bytes, plus the kept keys' and values' gradients for the schedule (device bytes, offload "
+        "off; the CSV's offload_* columns give waves' host bytes and device peak with it on); 'ckpt': every "
+        "decoder layer checkpointed, "
         f"derived. Longest P: bisection over P on the same counts, {gpu_gib:g} GiB less weights, gradients and AdamW "
         f"state over {shards} FSDP shards (0: not even P = 1 fits). Cost model: micro_batch / prompt_once FLOPs = "
         f"{', '.join(f'{s:.2f}x' for s in speedups) or 'n/a'} (prompt_once is the ideal: each prompt once per step)."

@@ -118,3 +118,8 @@ def test_waves_hold_one_waves_prompts(count):
     assert four["prompt_once"].kept == 4 * one["prompt_once"].kept
     assert w4.peak_checkpointed < four["prompt_once"].peak_checkpointed and w4.peak < four["prompt_once"].peak
     assert w4.flops == four["prompt_once"].flops < four["micro_batch"].flops  # each prompt once either way
+    # offload: phase 1's saved bytes leave the device (all of them without checkpointing)
+    row = w4.as_dict()
+    assert row["offload_host_bytes"] == round(w4.full_layers * w4.prompt_layer + w4.prompt_outside) > 0
+    assert row["offload_peak_bytes"] == round(w4.peak - w4.host) < row["peak_bytes"]
+    assert 0 < row["offload_host_checkpointed_bytes"] < row["offload_host_bytes"]

@@ -153,6 +153,17 @@ class PathCount:
         chunk = self.prompt_layer * (self.chunk_tokens / self.prompt_tokens if self.prompt_tokens else 1.0)
         return max(resident + micro, resident + chunk)
 
+    @property
+    def host(self) -> float:
+        """waves with offload on (zorro_core.actor.offload): phase 1's saved bytes moved to the host
+        without checkpointing (every layer's and outside's). Under checkpointing only the outside
+        saves move: non-reentrant checkpoint keeps the layer inputs itself, not as saved tensors."""
+        return self.full_layers * self.prompt_layer + self.prompt_outside if self.path == "waves" else 0.0
+
+    @property
+    def host_checkpointed(self) -> float:
+        return self.prompt_outside if self.path == "waves" else 0.0
+
     def as_built(self) -> "PathCount":
         """The count of the model as built (its `layers`, its narrowed widths), not scaled to the
         preset's: what a device running that same small model holds."""
@@ -185,7 +196,11 @@ class PathCount:
             "flops_fwd_bwd": self.flops,
             "waves": self.waves,
             "phase1_call_tokens": self.chunk_tokens,
-            "host_bytes": 0,  # nothing is offloaded to the host (docs/schedule.md)
+            # waves with offload on: what moves to the host, and the device peak left (docs/schedule.md)
+            "offload_host_bytes": round(self.host),
+            "offload_peak_bytes": round(self.peak - self.host),
+            "offload_host_checkpointed_bytes": round(self.host_checkpointed),
+            "offload_peak_checkpointed_bytes": round(self.peak_checkpointed - self.host_checkpointed),
         }
 
 
