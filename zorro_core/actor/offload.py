@@ -64,8 +64,8 @@ def offload_by_count(actor: Any, wave_tokens: int, response_tokens: list[int], a
         return asked
     if actor.device.type != "cuda" or not torch.is_grad_enabled():
         return False
-    from zorro_core.actor.auto import TokenBytes, checkpointing_on
     from zorro_core.actor.self_check import compute_dtype
+    from zorro_core.actor.token_bytes import TokenBytes, checkpointing_on
     from zorro_core.models.registry import model_shape
 
     tb = TokenBytes.of(
