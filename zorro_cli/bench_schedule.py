@@ -102,7 +102,17 @@ def _print(rows: list[dict], gpu_gib: float, shards: int) -> None:
         title=f"the prompt-once schedule: {escape(r0['model'])}, B={r0['batch']}, P={r0['prompt_len']}, "
         f"R={r0['response_len']}, budget {r0['budget']:,} tokens, {r0['dtype']}"
     )
-    cols = ("logits", "U", "path", "micro-batches", "tokens/step", "largest", "saved GiB", "kept K/V GiB")
+    cols: tuple[str, ...] = (
+        "logits",
+        "U",
+        "path",
+        "waves",
+        "micro-batches",
+        "tokens/step",
+        "largest",
+        "saved GiB",
+        "kept K/V GiB",
+    )
     cols += ("peak GiB", "peak ckpt GiB", "PFLOP fwd+bwd", f"longest P ({gpu_gib:g} GiB)", "longest P ckpt")
     for col in cols:
         table.add_column(col, justify="left" if col in ("logits", "path") else "right")
@@ -111,6 +121,7 @@ def _print(rows: list[dict], gpu_gib: float, shards: int) -> None:
             r["logits_mode"],
             str(r["unique"]),
             r["path"],
+            str(r["waves"] or "-"),
             str(r["micro_batches"]),
             f"{r['step_tokens']:,}",
             f"{r['largest_tokens']:,}",
@@ -125,8 +136,11 @@ def _print(rows: list[dict], gpu_gib: float, shards: int) -> None:
     console.print(table)
     speedups = sorted({r["ideal_speedup"] for r in ok if r["ideal_speedup"]})
     console.print(
-        "Counted on CPU (flash_cpu: what flash-attn 2 saves), a narrowed model scaled back. peak: saved bytes, "
-        "plus the kept keys' and values' gradients for prompt_once; 'ckpt': every decoder layer checkpointed, "
+        "Counted on CPU (flash_cpu: what flash-attn 2 saves), a narrowed model scaled back. prompt_once: every "
+        "prompt of the step in one phase 1; waves: as it runs at the budget, its first (largest) wave counted. "
+        "peak: saved bytes, plus the kept keys' and values' gradients for the schedule (device bytes, offload "
+        "off; the CSV's offload_* columns give waves' host bytes and device peak with it on); 'ckpt': every "
+        "decoder layer checkpointed, "
         f"derived. Longest P: bisection over P on the same counts, {gpu_gib:g} GiB less weights, gradients and AdamW "
         f"state over {shards} FSDP shards (0: not even P = 1 fits; >= {LONGEST_PROMPT_CEILING:,}: the search's ceiling "
         "fits, so longer may too). Cost model: micro_batch / prompt_once FLOPs = "

@@ -55,11 +55,16 @@ def test_kept_bytes_are_the_schedules_own(count):
 
 
 def test_counts_are_affine_in_the_prompt_at_one_layout(count):
-    a, b, mid = (count(dataclasses.replace(CASE, prompt_len=p)) for p in (16, 40, 28))
     for path in sm.SCHEDULE_PATHS:
-        got = sm.at_prompt_len(a[path], b[path], 28)
+        # one layout each: waves' phase 1 in 2 calls of at most 20 tokens at every P here
+        ps = (22, 40, 31) if path == "waves" else (16, 40, 28)
+        a, b, mid = (count(dataclasses.replace(CASE, prompt_len=p)) for p in ps)
+        got = sm.at_prompt_len(a[path], b[path], ps[2])
         for field in ("prompt_layer", "prompt_outside", "kept", "layer", "outside", "peak", "peak_checkpointed"):
             assert getattr(got, field) == pytest.approx(getattr(mid[path], field), rel=1e-12), (path, field)
+    a, b = (count(dataclasses.replace(CASE, prompt_len=p)) for p in (16, 40))
+    with pytest.raises(ValueError, match="layouts"):  # waves: 1 phase-1 call at P = 16, 2 at 40
+        sm.at_prompt_len(a["waves"], b["waves"], 28)
     with pytest.raises(ValueError, match="layouts"):
         sm.at_prompt_len(a["prompt_once"], count(dataclasses.replace(CASE, budget=8))["prompt_once"], 28)
 
@@ -85,7 +90,7 @@ def test_cli_budget_writes_both_paths(tmp_path, monkeypatch):
     res = runner.invoke(app, [*args, "--out", str(out)])
     assert res.exit_code == 0, res.output
     rows = list(csv.DictReader(out.open()))
-    assert [r["path"] for r in rows] == ["micro_batch", "prompt_once"]
+    assert [r["path"] for r in rows] == ["micro_batch", "prompt_once", "waves"]
     assert all(r["status"] == "ok" and float(r["ideal_speedup"]) > 1 for r in rows)
     assert int(rows[1]["kept_bytes"]) > 0 and int(rows[0]["kept_bytes"]) == 0
     assert "prompt-once schedule" in res.output
@@ -119,3 +124,20 @@ def test_a_longest_prompt_at_the_search_ceiling_says_so(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert f">= {LONGEST_PROMPT_CEILING:,}" in out and "ceiling" in out, out
     assert "1,000" in out
+
+
+def test_waves_hold_one_waves_prompts(count):
+    """At the budget the schedule holds one wave's prompts (here one 24-token group per wave, phase 1 in
+    calls of at most 20), however many groups the step has; as one wave it holds all of them."""
+    one, four = (count(dataclasses.replace(CASE, batch=2 * u, unique=u)) for u in (1, 4))
+    w1, w4 = one["waves"], four["waves"]
+    assert (w4.waves, w4.prompt_tokens, w4.chunk_tokens) == (4, 24, 12) and w1.waves == 1
+    assert w4.kept == w1.kept and w4.peak_checkpointed == w1.peak_checkpointed and w4.peak == w1.peak
+    assert four["prompt_once"].kept == 4 * one["prompt_once"].kept
+    assert w4.peak_checkpointed < four["prompt_once"].peak_checkpointed and w4.peak < four["prompt_once"].peak
+    assert w4.flops == four["prompt_once"].flops < four["micro_batch"].flops  # each prompt once either way
+    # offload: phase 1's saved bytes leave the device (all of them without checkpointing)
+    row = w4.as_dict()
+    assert row["offload_host_bytes"] == round(w4.full_layers * w4.prompt_layer + w4.prompt_outside) > 0
+    assert row["offload_peak_bytes"] == round(w4.peak - w4.host) < row["peak_bytes"]
+    assert 0 < row["offload_host_checkpointed_bytes"] < row["offload_host_bytes"]

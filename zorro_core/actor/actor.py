@@ -388,17 +388,30 @@ class _Actor:
         `schedule`: "micro_batch" (default) runs each micro-batch on its own, a prompt computed once
         per micro-batch that holds its responses; "prompt_once" computes each unique prompt once
         per step however many micro-batches its responses take (zorro_core.actor.schedule: it
-        returns a ScheduleOutput; `attention_weight` does not apply). None: the config's `schedule`."""
+        returns a ScheduleOutput; `attention_weight` does not apply); "auto" the one of the two
+        zorro_core.actor.auto chooses for this step (the output's `schedule_choice` says which and
+        why). None: the config's `schedule`."""
         if schedule is None:
             schedule = self.config.schedule
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
         check_attention_weight(attention_weight)  # under either schedule (the prompt-once step reads none)
+        choice = None
+        if schedule == "auto":
+            from zorro_core.actor.auto import choose_schedule
+
+            microbatch.check_budget(max_tokens_per_micro_batch)
+            choice = choose_schedule(self, batch, max_tokens_per_micro_batch)
+            schedule = choice.schedule
+        out: Any
         if schedule == "prompt_once":
-            return prompt_once_step(self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy)
-        return microbatch.forward_backward(
-            self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy, attention_weight
-        )
+            out = prompt_once_step(self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy)
+        else:
+            out = microbatch.forward_backward(
+                self, batch, loss_fn, max_tokens_per_micro_batch, temperature, calculate_entropy, attention_weight
+            )
+        out.schedule_choice = choice
+        return out
 
 
 class DeduplicatedActor(_Actor):

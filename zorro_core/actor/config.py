@@ -23,8 +23,9 @@ VARLEN_BACKENDS = ("reference", "sdpa", "flash_cpu", "torch_varlen", "flash_attn
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "auto")
 """The names `attn_implementation` takes, besides any name registered in transformers' AttentionInterface."""
 
-SCHEDULES = ("micro_batch", "prompt_once")
-"""The actor's steps (zorro_core.actor.schedule): within micro-batches, or each prompt once per step."""
+SCHEDULES = ("micro_batch", "prompt_once", "auto")
+"""The actor's steps (zorro_core.actor.schedule): within micro-batches, each prompt once per step, or
+per step the one of the two zorro_core.actor.auto chooses."""
 
 
 def _registered_attention() -> list[str]:
@@ -81,7 +82,9 @@ class ActorConfig:
     """How a step's micro-batches run where zorro owns the step (`forward_backward` without its own
     `schedule=`, verl's engine): "micro_batch" shares a prompt within each micro-batch;
     "prompt_once" computes each unique prompt once per step however many micro-batches its
-    responses take (zorro_core.actor.schedule; docs/schedule.md)."""
+    responses take (zorro_core.actor.schedule; docs/schedule.md); "auto" takes "prompt_once" for a
+    step where it computes fewer FLOPs and its counted peak is at most the within path's at the same
+    budget, else "micro_batch" (zorro_core.actor.auto; the output's `schedule_choice` says why)."""
 
     def __post_init__(self) -> None:
         """Every field's type and choices, checked here once: ValueError naming the field and what it takes.

@@ -65,6 +65,8 @@ class MicroBatchOutput:
     """Sum of the micro-batch losses."""
     partition: Partition
     """The micro-batches (row indices), their tokens and costs, splits and imbalance."""
+    schedule_choice: Optional[Any] = None
+    """Under schedule="auto": the choice and its reason (zorro_core.actor.auto.ScheduleChoice)."""
 
 
 def forward_backward(

@@ -32,16 +32,18 @@ lm_head: verl's and OpenRLHF's critics are served by the within-micro-batch path
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import operator
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from zorro_core.actor.config import SCHEDULES as SCHEDULES  # re-exported: forward_backward's schedules
 from zorro_core.actor.fsdp import as_root_forward
+from zorro_core.actor.offload import HostOffload, offload_by_count
 from zorro_core.actor.output import ActorOutput
 from zorro_core.actor.self_check import (
     SEED,
@@ -52,6 +54,7 @@ from zorro_core.actor.self_check import (
     raise_own,
     sharded,
 )
+from zorro_core.actor.waves import WaveStats, agree_plan, plan_waves, warn_oversize
 from zorro_core.attention.backends import BACKENDS
 from zorro_core.attention.external import KeptPrefix, KeyRegion
 from zorro_core.attention.external_linear import KeptLinear
@@ -92,6 +95,17 @@ class ScheduleOutput:
     fallback: Optional[str] = None
     """Why the step ran its micro-batches each on its own (each prompt once per micro-batch, through
     actor.forward) instead: the schedule's self-check failed on this machine. None: it did not."""
+    phase1_calls: list[int] = field(default_factory=list)
+    """Tokens of each phase-1 call (all waves, in order): one per wave, or its chunks under the budget."""
+    waves: list[Any] = field(default_factory=list)
+    """Each wave's figures (zorro_core.actor.waves.WaveStats), in the order they ran."""
+    schedule_choice: Optional[Any] = None
+    """Under schedule="auto": the choice and its reason (zorro_core.actor.auto.ScheduleChoice)."""
+    host_bytes: int = 0
+    """Bytes of phase 1's graph held on the host (the largest wave's; zorro_core.actor.offload), 0: none."""
+    padded_micro_batches: int = 0
+    """Zero-loss micro-batches (and waves' phase-1 calls) this rank ran so that every FSDP rank issues
+    the same collectives (zorro_core.actor.waves.agree_plan)."""
 
 
 @dataclass(frozen=True)
@@ -203,6 +217,8 @@ def prompt_once_step(
     parts: Optional[Sequence[Sequence[int]]] = None,
     on_prompts_backward: Optional[Callable[[], None]] = None,
     router_aux_loss: Optional[bool] = None,
+    wave_tokens: Optional[int] = None,
+    offload: Optional[bool] = None,
 ) -> ScheduleOutput:
     """One step of the prompt-once schedule (module doc), accumulating into the parameters' `.grad`.
 
@@ -212,9 +228,17 @@ def prompt_once_step(
     `router_aux_loss` (None: as config.output_router_logits says): each micro-batch's
     `out.aux_loss` is then the MoE router aux loss of its rows at logical counts (module doc).
 
-    `on_prompts_backward()` is called once, right before phase 3: a trainer's hook, e.g. to turn
-    FSDP's gradient sync back on so that the step's only reduction follows the prompts' backward
-    (zorro_core.integrations.verl.engine).
+    `on_prompts_backward()` is called once, right before the step's last backward (the last wave's
+    phase 3; its first chunk's when phase 1 ran in chunks): a trainer's hook, e.g. to turn FSDP's
+    gradient sync back on so that the step's only reduction follows it (zorro_core.integrations.verl.engine).
+
+    Waves (zorro_core.actor.waves): the step's groups run in waves of at most `wave_tokens` phase-1
+    tokens each (None: `max_tokens_per_micro_batch`; one wave without a budget), phases 1-3 per wave.
+    A wave's phase 1 longer than `max_tokens_per_micro_batch` goes forward in chunks of at most that
+    many tokens, each attending to the kept keys and values of the chunks before it.
+
+    `offload`: phase 1's graph held on the host until phase 3 (zorro_core.actor.offload); None: by
+    the count (on CUDA where that graph is larger than a response micro-batch's).
     """
     refusal = schedule_refusal(actor)
     if refusal:
@@ -239,6 +263,8 @@ def prompt_once_step(
         parts,
         on_prompts_backward,
         router_aux_loss,
+        wave_tokens,
+        offload,
     )
 
 
@@ -249,6 +275,7 @@ def prompt_once_logprobs(
     temperature: float = 1.0,
     calculate_entropy: bool = False,
     parts: Optional[Sequence[Sequence[int]]] = None,
+    wave_tokens: Optional[int] = None,
 ) -> ScheduleOutput:
     """A log-prob pass (no loss, no gradient) of the prompt-once schedule: phases 1 and 2 under
     no_grad, the prompts once (their keys and values kept without a graph), the responses in
@@ -259,7 +286,16 @@ def prompt_once_logprobs(
     with torch.no_grad():
         # no loss, so no router aux loss either (router_aux_loss=False)
         return _checked_step(
-            actor, batch, None, max_tokens_per_micro_batch, temperature, calculate_entropy, parts, None, False
+            actor,
+            batch,
+            None,
+            max_tokens_per_micro_batch,
+            temperature,
+            calculate_entropy,
+            parts,
+            None,
+            False,
+            wave_tokens,
         )
 
 
@@ -273,17 +309,15 @@ def _checked_step(
     parts: Optional[Sequence[Sequence[int]]],
     on_prompts_backward: Optional[Callable[[], None]],
     router_aux_loss: Optional[bool],
+    wave_tokens: Optional[int] = None,
+    offload: Optional[bool] = None,
 ) -> ScheduleOutput:
     """prompt_once_step / prompt_once_logprobs after their own checks (loss_fn None: a log-prob pass)."""
-    if max_tokens_per_micro_batch is not None and (
-        isinstance(max_tokens_per_micro_batch, bool)
-        or not isinstance(max_tokens_per_micro_batch, numbers.Integral)
-        or max_tokens_per_micro_batch < 1
-    ):
-        raise ValueError(
-            "max_tokens_per_micro_batch must be an int >= 1 or None, got "
-            f"{type(max_tokens_per_micro_batch).__name__} {max_tokens_per_micro_batch!r}"
-        )
+    if offload is not None and not isinstance(offload, bool):
+        raise ValueError(f"offload must be True, False or None, got {offload!r}")
+    for name, value in (("max_tokens_per_micro_batch", max_tokens_per_micro_batch), ("wave_tokens", wave_tokens)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+            raise ValueError(f"{name} must be an int >= 1 or None, got {type(value).__name__} {value!r}")
     actor.check_call(temperature, batch, calculate_entropy)
     check_trainable_state(actor.model)
     actor.install_hooks()
@@ -291,11 +325,20 @@ def _checked_step(
     batch = batch.to(actor.device)
     groups = Groups.of(batch)
     nodes = PromptNodes.of(groups.prompts, actor.config.sharing, actor.device)
-    rows = (
-        _check_parts(parts, batch.batch_size)
-        if parts is not None
-        else response_micro_batches(groups, max_tokens_per_micro_batch, nodes.rank)
+    explicit = _check_parts(parts, batch.batch_size) if parts is not None else None
+    bound = int(wave_tokens) if wave_tokens is not None else max_tokens_per_micro_batch
+    budget = int(max_tokens_per_micro_batch) if max_tokens_per_micro_batch is not None else None
+    plans = plan_waves(
+        groups.prompts,
+        groups.group_of_row,
+        groups.response_lens,
+        _row_order(groups, nodes.rank),
+        budget,
+        None if bound is None else int(bound),
+        explicit,
+        nodes.trie,
     )
+    warn_oversize(plans, bound)
     aux = wants_router_logits(actor.parts, actor.model.config, router_aux_loss)
     failed = self_check(actor, batch, temperature)
     # Parameters without a gradient before the call get none back if the step fails (microbatch's rule);
@@ -304,16 +347,27 @@ def _checked_step(
     asked = [0]  # micro-batches whose loss was asked for
     if loss_fn is not None:
         loss_fn = _counting(loss_fn, asked)
+    rows = [p for plan in plans for p in plan.parts]
     try:
         if failed is not None:
             return _each_on_its_own(actor, batch, loss_fn, groups, rows, temperature, calculate_entropy, aux, failed)
-        return _step(
-            actor, batch, loss_fn, groups, nodes, rows, temperature, calculate_entropy, aux, on_prompts_backward
+        return _waves(
+            actor,
+            batch,
+            loss_fn,
+            groups,
+            plans,
+            budget,
+            temperature,
+            calculate_entropy,
+            aux,
+            on_prompts_backward,
+            offload,
         )
     except BaseException as e:
         for p in fresh:
             p.grad = None
-        _note_kept_gradients(e, actor, asked[0], len(rows))
+        _note_kept_gradients(e, actor, asked[0], len(rows), len(plans))
         raise
 
 
@@ -327,21 +381,145 @@ def _counting(loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], asked: list[
     return counted
 
 
-def _note_kept_gradients(error: BaseException, actor: Any, at: int, parts: int) -> None:
+def _note_kept_gradients(error: BaseException, actor: Any, at: int, parts: int, waves: int = 1) -> None:
     """After a failed step: the note on what the gradients that existed before the call now hold."""
     if at < 2 or not any(p.grad is not None for p in actor.model.parameters()):
         return
     where = f"micro-batch {at} of {parts}" + (" or in the prompts' backward after it" if at == parts else "")
     error.add_note(
         f"zorro: the prompt-once step failed in {where}; the gradients that existed before the call now also "
-        f"hold micro-batch {'1' if at == 2 else f'1..{at - 1}'}'s responses' share (the prompts' share is added "
-        "in the step's last phase, which did not complete): model.zero_grad() before retrying"
+        f"hold micro-batch {'1' if at == 2 else f'1..{at - 1}'}'s responses' share"
+        + (
+            " and the prompts' share of each wave that completed before it (a wave's prompts' share is added in its "
+            "last phase)"
+            if waves > 1
+            else " (the prompts' share is added in the step's last phase, which did not complete)"
+        )
+        + ": model.zero_grad() before retrying"
     )
 
 
-def _step(
-    actor, batch, loss_fn, groups, nodes, rows, temperature, calculate_entropy, aux, on_prompts_backward=None
+def _waves(
+    actor, batch, loss_fn, groups, plans, budget, temperature, calculate_entropy, aux, on_prompts_backward, offload=None
 ) -> ScheduleOutput:
+    """Phases 1-3 per wave (zorro_core.actor.waves), gradients accumulating across them; under FSDP
+    the ranks first agree on their waves' collectives (agree_plan), padding with zero-loss work."""
+    dev, sharing = actor.device, actor.config.sharing
+    linear = actor.parts.num_linear_layers > 0
+    own = [(len(phase1_cuts(p.prompt_tokens, budget, None, linear)), len(p.parts), p.prompt_tokens) for p in plans]
+    longest = max(range(batch.batch_size), key=lambda r: len(groups.prompts[groups.group_of_row[r]]))
+    agreed = (
+        agree_plan(own, len(groups.prompts[groups.group_of_row[longest]]), linear, dev)
+        if sharded(actor.model)
+        else None
+    )
+    n_waves = len(agreed.chunks) if agreed is not None else len(plans)
+    global_group = {tuple(p): g for g, p in enumerate(groups.prompts)}
+    b, r = batch.responses.shape
+    log_probs: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None
+    merged = ScheduleOutput(torch.empty(0), None, 0.0, [], 0, [], 0, [], 0, [] if aux else None)
+    for i in range(n_waves):
+        real = i < len(plans)
+        plan = plans[i] if real else None
+        wave_rows = plan.rows if plan is not None else [longest]
+        sub = select_rows(batch, wave_rows)
+        local = {row: j for j, row in enumerate(wave_rows)}
+        sub_parts = [[local[row] for row in p] for p in plan.parts] if plan is not None else [[0]]
+        sub_groups = Groups.of(sub)
+        sub_nodes = PromptNodes.of(sub_groups.prompts, sharing, dev)
+        rows_t = torch.tensor(wave_rows, dtype=torch.long, device=dev)
+        wave_loss = None if loss_fn is None else _wave_loss(loss_fn, rows_t if real else None)
+        rlens = [sum(groups.response_lens[r] for r in p) for p in plan.parts] if plan is not None else [1]
+        tokens = plan.prompt_tokens if plan is not None else len(groups.prompts[groups.group_of_row[longest]])
+        host = (
+            HostOffload(actor.model)
+            if loss_fn is not None and offload_by_count(actor, tokens, rlens, offload)
+            else None
+        )
+        res = _step(
+            actor,
+            sub,
+            wave_loss,
+            sub_groups,
+            sub_nodes,
+            sub_parts,
+            temperature,
+            calculate_entropy and real,
+            aux,
+            on_prompts_backward if i == n_waves - 1 else None,
+            budget,
+            agreed.micro_batches[i] if agreed is not None else 0,
+            agreed.chunks[i] if agreed is not None else None,
+            host,
+        )
+        merged.phase1_calls.extend(res.phase1_calls)
+        merged.host_bytes = max(merged.host_bytes, host.bytes if host is not None else 0)
+        merged.padded_micro_batches += max(0, (agreed.micro_batches[i] if agreed is not None else 0) - len(sub_parts))
+        if not real:
+            merged.padded_micro_batches += 1
+            continue
+        assert plan is not None
+        if log_probs is None:
+            log_probs = res.log_probs.new_zeros(b, r)
+            entropy = res.log_probs.new_zeros(b, r) if res.entropy is not None else None
+        log_probs[rows_t] = res.log_probs
+        if entropy is not None and res.entropy is not None:
+            entropy[rows_t] = res.entropy
+        merged.loss += res.loss
+        merged.parts.extend(plan.parts)
+        merged.prompt_tokens += res.prompt_tokens
+        merged.response_tokens.extend(res.response_tokens)
+        merged.kept_bytes = max(merged.kept_bytes, res.kept_bytes)
+        merged.split_groups.extend(global_group[tuple(sub_groups.prompts[g])] for g in res.split_groups)
+        merged.prompt_nodes += res.prompt_nodes
+        if merged.aux_losses is not None and res.aux_losses is not None:
+            merged.aux_losses.extend(res.aux_losses)
+        merged.waves.append(
+            WaveStats(
+                res.prompt_tokens,
+                list(res.phase1_calls),
+                len(plan.parts),
+                res.kept_bytes,
+                plan.oversize,
+                host.bytes if host is not None else 0,
+            )
+        )
+    assert log_probs is not None  # a validated batch has rows, so at least one real wave
+    merged.log_probs, merged.entropy = log_probs, entropy
+    merged.split_groups.sort()
+    return merged
+
+
+def _wave_loss(loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], rows: Optional[torch.Tensor]) -> Callable:
+    """A wave's loss: the caller's on the full batch's rows, or (rows None: a padding wave, which joins
+    the same collectives) exact zeros."""
+    if rows is None:
+        return lambda out, idx: out.log_probs.sum() * 0.0
+    return lambda out, idx: loss_fn(out, rows[idx])
+
+
+def _step(
+    actor,
+    batch,
+    loss_fn,
+    groups,
+    nodes,
+    rows,
+    temperature,
+    calculate_entropy,
+    aux,
+    on_prompts_backward=None,
+    phase1_tokens: Optional[int] = None,
+    pad_to: int = 0,
+    chunks: Optional[int] = None,
+    host: Optional[HostOffload] = None,
+) -> ScheduleOutput:
+    """Phases 1-3 over `batch` (one wave). `phase1_tokens`: phase 1 goes forward in chunks of at most
+    this many tokens of the packed prompts row (None: one call); `chunks` forces that many (equal
+    cuts: ranks agreeing on their collectives). `pad_to`: micro-batches beyond `rows` up to this
+    count run with a zero loss and nothing recorded, so that ranks issue the same collectives.
+    `host`: phase 1's saved tensors go to the host through it (zorro_core.actor.offload)."""
     dev = actor.device
     lens = torch.tensor([len(p) for p in groups.prompts], device=dev)
     last = torch.tensor([nodes.node_span[e][1] - 1 for e in nodes.end_node], device=dev)
@@ -349,16 +527,32 @@ def _step(
 
     # Phase 1: the prompts' nodes once; the graph is kept for phase 3 (layer boundaries only
     # under gradient checkpointing), the keys, values and first-token hidden states as leaves.
+    # Cut into chunks under the budget, each chunk attending to the kept keys of those before it.
     ancestors = nodes.ancestors if nodes.trie else None
-    region = KeyRegion(
-        kept, kept.positions, kept.prompt_of, kept.prompt_of, capture=True, ancestors=ancestors, linear=KeptLinear
-    )
-    hidden, router_graph = _forward(actor, nodes.ids, kept.positions, region, aux)
-    region.sealed = True
-    first_graph = hidden[last]
+    cuts = phase1_cuts(int(nodes.ids.numel()), phase1_tokens, chunks, actor.parts.num_linear_layers > 0)
+    hiddens, routers = [], []
+    for a, b in cuts:
+        region = KeyRegion(
+            kept,
+            kept.positions[a:b],
+            kept.prompt_of[a:b],
+            kept.prompt_of[a:b],
+            capture=True,
+            ancestors=ancestors,
+            linear=KeptLinear,
+            chunk=None if len(cuts) == 1 else (a, b),
+        )
+        with host.hooks() if host is not None else contextlib.nullcontext():
+            h, r_graph = _forward(actor, nodes.ids[a:b], kept.positions[a:b], region, aux)
+        region.sealed = True
+        hiddens.append(h)
+        routers.append(r_graph)
+    hidden_all = hiddens[0] if len(cuts) == 1 else torch.cat([h.detach() for h in hiddens])
+    first_graph = hidden_all[last]
     first = first_graph.detach().requires_grad_(loss_fn is not None)
+    router_graph = routers[0] if len(cuts) == 1 else [torch.cat(rs) for rs in zip(*routers)]
     router = [r.detach().requires_grad_(r.requires_grad) for r in router_graph]
-    if aux and hidden.requires_grad and not all(r.requires_grad for r in router_graph):
+    if aux and any(h.requires_grad for h in hiddens) and not all(r.requires_grad for rs in routers for r in rs):
         raise UnsupportedModelError(
             "the MoE router aux loss under the prompt-once schedule: the router logits carry no gradient "
             "(reentrant gradient checkpointing runs the layers under no_grad), so the loss's gradient would be "
@@ -394,18 +588,29 @@ def _step(
         log_probs[idx] = out.log_probs.detach().to(log_probs.dtype)
         if entropy is not None and out.entropy is not None:
             entropy[idx] = out.entropy.detach().to(entropy.dtype)
+    for _ in range(len(rows), pad_to):
+        # A rank with fewer micro-batches than another: the same forward (and backward), adding zeros.
+        idx = torch.tensor(rows[0][:1], dtype=torch.long, device=dev)
+        out = _responses(actor, batch, groups, nodes, rows[0][:1], idx, kept, first, router, lens, temperature, False)
+        if loss_fn is not None and out.log_probs.requires_grad:
+            (out.log_probs.sum() * 0.0).backward()
 
     # Phase 3: the prompts' backward, once, from the accumulated leaf gradients (the first-token
     # hidden states' and the router logits'; the keys' and values' through each layer's InjectGrad).
+    # In chunks, the last first: its backward adds into the kept keys of the chunks before it.
     if loss_fn is not None:  # None: a log-prob pass (prompt_once_logprobs)
-        roots, grads = _phase3_roots(first_graph, first, router_graph, router)
-        if on_prompts_backward is not None:
-            on_prompts_backward()
-        if first_graph.requires_grad:
-            torch.autograd.backward(roots, grad_tensors=grads)
+        for c in reversed(range(len(cuts))):
+            if c == 0 and on_prompts_backward is not None:
+                on_prompts_backward()  # before the step's last backward (e.g. FSDP's one gradient sync)
+            if len(cuts) == 1:
+                roots, grads = _phase3_roots(first_graph, first, router_graph, router)
+            else:
+                roots, grads = _chunk_roots(cuts[c], hiddens[c], last, first, routers[c], router)
+            if any(x.requires_grad for x in roots):
+                torch.autograd.backward(roots, grad_tensors=grads)
     kept_bytes = kept.kept_bytes() + first.numel() * first.element_size()
     kept_bytes += sum(x.numel() * x.element_size() for x in router)
-    return ScheduleOutput(
+    result = ScheduleOutput(
         log_probs,
         entropy,
         total,
@@ -417,6 +622,43 @@ def _step(
         len(nodes.node_span),
         aux_losses if aux else None,
     )
+    result.phase1_calls = [b - a for a, b in cuts]
+    return result
+
+
+def phase1_cuts(
+    tokens: int, budget: Optional[int], chunks: Optional[int] = None, linear: bool = False
+) -> list[tuple[int, int]]:
+    """Phase 1's calls as slices of the packed prompts row: one call, or (`budget` below `tokens`)
+    the fewest equal cuts of at most `budget` tokens, or `chunks` equal cuts. Gated DeltaNet layers
+    (`linear`) are not served in chunks: their phase 1 is one call over the budget (ScheduleOutput
+    says so in `phase1_calls`)."""
+    n = chunks if chunks is not None else (1 if budget is None or linear else -(-tokens // budget))
+    if linear and n > 1:
+        raise UnsupportedModelError(
+            "phase 1 in chunks does not serve gated DeltaNet layers (their kept state is per prompt end)"
+        )
+    if n > tokens:
+        raise ValueError(f"phase 1 of {tokens} tokens cannot be cut into {n} chunks")
+    edges = [tokens * i // n for i in range(n + 1)]
+    return list(zip(edges, edges[1:]))
+
+
+def _chunk_roots(cut, hidden, last, first, router_graph, router) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Phase 3's roots for one chunk of phase 1: its hidden states (the rows that predict a first
+    response token get that leaf's gradient, the rest zero: the root only carries InjectGrad's
+    gradients down) and its router logits (their leaves' gradients, sliced)."""
+    a, b = cut
+    grad = torch.zeros_like(hidden)
+    inside = ((last >= a) & (last < b)).nonzero().flatten()
+    if first.grad is not None and inside.numel():
+        grad[last[inside] - a] = first.grad[inside].to(grad.dtype)
+    roots, grads = [hidden], [grad]
+    for g, leaf in zip(router_graph, router):
+        if leaf.grad is not None and g.requires_grad:
+            roots.append(g)
+            grads.append(leaf.grad[a:b])
+    return roots, grads
 
 
 def _phase3_roots(first_graph, first, router_graph, router) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

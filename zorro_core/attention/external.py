@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zorro_core.attention.region_varlen import attend_kept, capture_attention, region_pair
+from zorro_core.attention.region_varlen import attend_kept, capture_attention, chunk_attention, region_pair
 from zorro_core.errors import UnsupportedModelError
 
 
@@ -53,12 +53,26 @@ class KeptPrefix:
         return sum(t.numel() * t.element_size() for t in self.leaves())
 
 
+@dataclass(frozen=True)
+class KeptChunk:
+    """What InjectGrad reads for one chunk of phase 1: the kept leaves (as long as the whole prompts
+    row) and the chunk's slice [a, b) of them."""
+
+    keys: dict
+    """KeptPrefix.keys."""
+    values: dict
+    """KeptPrefix.values."""
+    span: tuple[int, int]
+    """The chunk's tokens in the packed prompts row."""
+
+
 class InjectGrad(torch.autograd.Function):
     """Identity on a layer's output whose backward also hands the kept leaves' gradients to the
-    keys and values of the prompts' graph (read when the backward runs: after phase 2)."""
+    keys and values of the prompts' graph (read when the backward runs: after phase 2). `kept` is
+    the KeptPrefix, or a KeptChunk (a chunk of phase 1 gets its slice of the leaves' gradients)."""
 
     @staticmethod
-    def forward(ctx, out, key, value, kept: KeptPrefix, module: nn.Module):
+    def forward(ctx, out, key, value, kept: Any, module: nn.Module):
         ctx.kept, ctx.module = kept, module
         ctx.key_meta = (key.shape, key.dtype)
         ctx.value_meta = (value.shape, value.dtype)
@@ -66,9 +80,13 @@ class InjectGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        span = getattr(ctx.kept, "span", None)
+
         def grad(leaf: torch.Tensor, meta):
             g = leaf.grad
-            return torch.zeros(meta[0], dtype=meta[1], device=dout.device) if g is None else g.to(meta[1])
+            if g is None:
+                return torch.zeros(meta[0], dtype=meta[1], device=dout.device)
+            return (g if span is None else g[:, :, span[0] : span[1]]).to(meta[1])
 
         gk = grad(ctx.kept.keys[ctx.module], ctx.key_meta)
         gv = grad(ctx.kept.values[ctx.module], ctx.value_meta)
@@ -100,6 +118,12 @@ class KeyRegion:
     linear: Optional[Callable[..., Any]] = None
     """Gated DeltaNet layers: (region, route, layer) -> the layer's forward under this region
     (zorro_core.attention.external_linear.KeptLinear, set by the schedule). None: not served."""
+    chunk: Optional[tuple[int, int]] = None
+    """Capture in chunks (phase 1 under the budget): this forward is the slice [a, b) of the packed
+    prompts row; its tokens also attend to the kept keys and values of [0, a), and its own go into
+    that slice of leaves as long as the whole row. None: the whole row in one forward."""
+    _captured: set = field(default_factory=set, repr=False)
+    """Attention modules this forward captured (a second call of one is a shared layer: refused)."""
     _masks: dict = field(default_factory=dict, repr=False)
     _varlen: dict = field(default_factory=dict, repr=False)
     """The kernel calls' layouts (region_varlen), built once per forward."""
@@ -118,7 +142,15 @@ class KeyRegion:
             own = same & (pos[None, :] <= pos[:, None])
             if window is not None:
                 own &= pos[:, None] - pos[None, :] < window
-            if self.capture:
+            a = self.chunk[0] if self.capture and self.chunk is not None else 0
+            if self.capture and a:
+                # A later chunk: its tokens also see the kept tokens of [0, a) on their path (all earlier).
+                kpos, knode = self.kept.positions[:a], self.kept.prompt_of[:a]
+                pre = self._sees(knode[None, :], seg[:, None])
+                if window is not None:
+                    pre &= pos[:, None] - kpos[None, :] < window
+                self._masks[window] = torch.cat([pre, own], dim=1)
+            elif self.capture:
                 self._masks[window] = own
             else:
                 p0, p1 = self.prompt_span
@@ -145,20 +177,35 @@ class KeyRegion:
         # pair's calls (each prompt self-causal, each response against its own prompt) do not hold there.
         pair = None if self.ancestors is not None else region_pair(backend, query.dtype, self.positions, window)
         if self.capture:
-            if pair is None:
+            a = self.chunk[0] if self.chunk is not None else 0
+            if a:  # a later chunk of phase 1: [kept keys of [0, a) | its own]
+                if module not in self.kept.keys:
+                    raise RuntimeError(
+                        f"no kept keys for attention module {type(module).__name__}: an earlier chunk did not reach it"
+                    )
+                kept_k = self.kept.keys[module][:, :, :a].to(key.dtype)
+                kept_v = self.kept.values[module][:, :, :a].to(value.dtype)
+                if pair is not None:  # the kernel pair: the cut prompt's kept tokens as a second call
+                    out = chunk_attention(self, query, key, value, kept_k, kept_v, scale, pair)
+                else:  # the dense masked call
+                    k = torch.cat([kept_k, key], dim=2)
+                    v = torch.cat([kept_v, value], dim=2)
+                    out = self._sdpa(query, k, v, scale, window)
+            elif pair is None:
                 out = self._sdpa(query, key, value, scale, window)
             else:
                 out = capture_attention(self, query, key, value, scale, pair)
-            if module in self.kept.keys and not self.sealed:
+            if module in self._captured and not self.sealed:
                 raise UnsupportedModelError(
                     f"attention module {type(module).__name__} ran twice in one forward: its kept keys and "
                     "values would be one call's; the prompt-once schedule does not serve shared attention layers"
                 )
-            if module not in self.kept.keys:  # a checkpoint recompute keeps the first leaves
-                self.kept.keys[module] = key.detach().requires_grad_(True)
-                self.kept.values[module] = value.detach().requires_grad_(True)
+            self._captured.add(module)
+            if not self.sealed:  # a checkpoint recompute (sealed) keeps the first leaves
+                self._keep(module, key, value)
             if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):
-                out = InjectGrad.apply(out, key, value, self.kept, module)
+                kept = self.kept if self.chunk is None else KeptChunk(self.kept.keys, self.kept.values, self.chunk)
+                out = InjectGrad.apply(out, key, value, kept, module)
             return out
         if module not in self.kept.keys:
             raise RuntimeError(
@@ -172,6 +219,22 @@ class KeyRegion:
         k = torch.cat([kept_k, key], dim=2)
         v = torch.cat([kept_v, value], dim=2)
         return self._sdpa(query, k, v, scale, window)
+
+    def _keep(self, module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> None:
+        """This forward's keys and values into the kept leaves: the tensors themselves (one forward),
+        or their slice of leaves as long as the whole prompts row (a chunk; written without a graph)."""
+        if self.chunk is None:
+            self.kept.keys[module] = key.detach().requires_grad_(True)
+            self.kept.values[module] = value.detach().requires_grad_(True)
+            return
+        a, b = self.chunk
+        total = self.kept.positions.numel()
+        for store, x in ((self.kept.keys, key), (self.kept.values, value)):
+            if module not in store:
+                shape = (*x.shape[:2], total, *x.shape[3:])
+                store[module] = torch.zeros(shape, dtype=x.dtype, device=x.device).requires_grad_(True)
+            with torch.no_grad():
+                store[module][:, :, a:b].copy_(x)
 
     def _sdpa(self, q, k, v, scale: float, window: Optional[int]) -> torch.Tensor:
         mask = self.mask(window)

@@ -198,3 +198,105 @@ class KeptAttention(torch.autograd.Function):
         acc = lse_dtype(q.dtype)
         dq = (dq.to(acc) + gq.to(acc)).to(q.dtype)
         return dq, dk, dv, gkp.to(kp.dtype), gvp.to(vp.dtype), None, None, None
+
+
+@dataclass
+class ChunkLayout:
+    """A later chunk of phase 1 through the kernel pair (prompt sharing: nodes are whole prompts).
+    Call A: each prompt's tokens in the chunk causal over themselves. Call B: the chunk's first
+    `n_cont` tokens (the prompt the chunk's start cuts) against that prompt's kept tokens before the
+    chunk, [p0, a) of the packed row, every one visible (all earlier)."""
+
+    cu_own: torch.Tensor
+    max_own: int
+    n_cont: int
+    """Tokens of the cut prompt in this chunk (0: the chunk starts at a prompt's start)."""
+    p0: int
+    """The cut prompt's first token in the packed row."""
+    cache_own: dict = field(default_factory=dict, repr=False)
+    cache_cross: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, region: Any) -> "ChunkLayout":
+        a, _ = region.chunk
+        seg = region.segment
+        first = int(seg[0])
+        own = _lengths(seg - first, int(seg[-1]) - first + 1)
+        kept_of = region.kept.prompt_of
+        cut = bool(kept_of[a - 1] == first)
+        n_cont = int(own[0]) if cut else 0
+        p0 = int((kept_of[:a] == first).nonzero()[0]) if cut else a
+        mo = int(own.max())
+        return cls(cu_seqlens(own), mo, n_cont, p0)
+
+
+def chunk_attention(region: Any, q, k, v, kept_k, kept_v, scale: float, pair: KernelPair) -> torch.Tensor:
+    """A later chunk of phase 1 (ChunkLayout): q [1, Hq, T, D], k, v [1, Hkv, T, D*] of the chunk,
+    kept_k, kept_v [1, Hkv, a, D*] (the leaves before it) -> [1, T, Hq, Dv]."""
+    lay = region._varlen.get("chunk")
+    if lay is None:
+        lay = region._varlen["chunk"] = ChunkLayout.of(region)
+    a = region.chunk[0]
+    qs, ks, vs = (x[0].transpose(0, 1) for x in (q, k, v))
+    kp, vp = (x[0, :, lay.p0 : a].transpose(0, 1) for x in (kept_k, kept_v))
+    return ChunkAttention.apply(qs, ks, vs, kp, vp, lay, pair, scale).unsqueeze(0)
+
+
+class ChunkAttention(torch.autograd.Function):
+    """Calls A and B of ChunkLayout merged by log-sum-exp: q [T, Hq, D], k, v [T, Hkv, D*] (the
+    chunk), kp, vp [Tk, Hkv, D*] (the cut prompt's kept tokens) -> [T, Hq, Dv]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kp, vp, lay: ChunkLayout, pair: KernelPair, scale: float):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse = pair.forward(q, k, v, lay.cu_own, lay.cu_own, lay.max_own, lay.max_own, True, scale, lay.cache_own)
+        _keyless_as_inf(lse)
+        n = lay.n_cont
+        if n:
+            cu_q = torch.tensor([0, n], dtype=torch.int32, device=q.device)
+            cu_k = torch.tensor([0, kp.shape[0]], dtype=torch.int32, device=q.device)
+            ctx.cross = (cu_q, cu_k)
+            ob, sb = pair.forward(
+                q[:n], kp.contiguous(), vp.contiguous(), cu_q, cu_k, n, kp.shape[0], False, scale, lay.cache_cross
+            )
+            _merge_into(out[:n], lse[:, :n], ob, sb)
+        ctx.save_for_backward(q, k, v, out, lse)
+        # The kept keys are views of leaves the later chunks write into (their own slices, after this
+        # one's): referenced, not saved (a saved view would fail autograd's version check), not copied.
+        ctx.kept = (kp, vp)
+        ctx.lay, ctx.pair, ctx.scale = lay, pair, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        kp, vp = ctx.kept
+        lay, pair, scale = ctx.lay, ctx.pair, ctx.scale
+        dout = dout.contiguous()
+        dq, dk, dv = pair.backward(
+            dout, q, k, v, out, lse, lay.cu_own, lay.cu_own, lay.max_own, lay.max_own, True, scale, lay.cache_own
+        )
+        n = lay.n_cont
+        if not n:
+            return dq, dk, dv, None, None, None, None, None
+        cu_q, cu_k = ctx.cross
+        gq, gkp, gvp = pair.backward(
+            dout[:n],
+            q[:n],
+            kp.contiguous(),
+            vp.contiguous(),
+            out[:n],
+            lse[:, :n].contiguous(),
+            cu_q,
+            cu_k,
+            n,
+            kp.shape[0],
+            False,
+            scale,
+            lay.cache_cross,
+        )
+        # Summed in float32 (float64 for float64) and rounded once, as one kernel's accumulators are.
+        acc = lse_dtype(q.dtype)
+        dq = dq.to(acc)
+        dq[:n] += gq.to(acc)
+        return dq.to(q.dtype), dk, dv, gkp.to(kp.dtype), gvp.to(vp.dtype), None, None, None

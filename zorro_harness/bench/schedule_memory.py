@@ -41,7 +41,8 @@ import torch
 from zorro_core.actor.actor import DeduplicatedActor
 from zorro_core.actor.config import ActorConfig
 from zorro_core.actor.microbatch import micro_batch_partition
-from zorro_core.actor.schedule import Groups, prompt_once_step, response_micro_batches
+from zorro_core.actor.schedule import Groups, phase1_cuts, prompt_once_step, response_micro_batches
+from zorro_core.actor.waves import plan_waves
 from zorro_core.models.presets import build_model, preset_config
 from zorro_core.models.registry import model_shape
 from zorro_core.plan.balance import GroupedLengths, partition_micro_batches, select_rows
@@ -51,7 +52,11 @@ from zorro_core.plan.dtypes import DTYPES
 from zorro_harness.bench.isolation import run_isolated
 from zorro_harness.bench.memory import _layer_of, narrowed_config
 
-SCHEDULE_PATHS = ("micro_batch", "prompt_once")
+SCHEDULE_PATHS = ("micro_batch", "prompt_once", "waves")
+"""zorro today; the schedule with every prompt of the step in one phase 1 (one call, one wave: as it
+ran before waves, and as an explicit `parts` without a wave bound runs it); the schedule as it runs
+at the budget (zorro_core.actor.waves: waves of at most `budget` prompt tokens, phase 1 in calls of
+at most `budget` tokens)."""
 BACKEND = "flash_cpu"
 """The kernel pair both paths run on CPU (it saves what flash-attn 2 saves: q, k, v, out, lse)."""
 
@@ -117,6 +122,11 @@ class PathCount:
     """Bytes of one token's hidden state (the full model's width)."""
     flops: float
     """The cost model's forward+backward FLOPs of the step (zorro_core.plan.cost, the full model)."""
+    waves: int = 0
+    """waves: the step's waves (the counted one is the first, the largest); 1 for prompt_once."""
+    chunk_tokens: int = 0
+    """waves / prompt_once: tokens of the largest phase-1 call (the prompt re-made one layer at a
+    time of one call in phase 3 under checkpointing)."""
 
     @property
     def saved(self) -> float:
@@ -140,7 +150,19 @@ class PathCount:
         if self.path == "micro_batch":
             return micro
         resident = n * self.prompt_tokens * hb + self.prompt_outside + self.kept + self.kept_grad
-        return max(resident + micro, resident + self.prompt_layer)
+        chunk = self.prompt_layer * (self.chunk_tokens / self.prompt_tokens if self.prompt_tokens else 1.0)
+        return max(resident + micro, resident + chunk)
+
+    @property
+    def host(self) -> float:
+        """waves with offload on (zorro_core.actor.offload): phase 1's saved bytes moved to the host
+        without checkpointing (every layer's and outside's). Under checkpointing only the outside
+        saves move: non-reentrant checkpoint keeps the layer inputs itself, not as saved tensors."""
+        return self.full_layers * self.prompt_layer + self.prompt_outside if self.path == "waves" else 0.0
+
+    @property
+    def host_checkpointed(self) -> float:
+        return self.prompt_outside if self.path == "waves" else 0.0
 
     def as_built(self) -> "PathCount":
         """The count of the model as built (its `layers`, its narrowed widths), not scaled to the
@@ -172,6 +194,13 @@ class PathCount:
             "peak_bytes": round(self.peak),
             "peak_checkpointed_bytes": round(self.peak_checkpointed),
             "flops_fwd_bwd": self.flops,
+            "waves": self.waves,
+            "phase1_call_tokens": self.chunk_tokens,
+            # waves with offload on: what moves to the host, and the device peak left (docs/schedule.md)
+            "offload_host_bytes": round(self.host),
+            "offload_peak_bytes": round(self.peak - self.host),
+            "offload_host_checkpointed_bytes": round(self.host_checkpointed),
+            "offload_peak_checkpointed_bytes": round(self.peak_checkpointed - self.host_checkpointed),
         }
 
 
@@ -268,6 +297,8 @@ def count_schedule_case(case: ScheduleCase, seed: int = 0, paths: tuple[str, ...
         out.append(_count_micro_batch(case, actor, batch, params, built, full_layers, hidden_bytes, shape))
     if "prompt_once" in paths:
         out.append(_count_prompt_once(case, actor, batch, params, built, full_layers, hidden_bytes, shape))
+    if "waves" in paths:
+        out.append(_count_waves(case, actor, batch, params, built, full_layers, hidden_bytes, shape))
     return out
 
 
@@ -296,13 +327,61 @@ def _count_micro_batch(case, actor, batch, params, built, full_layers, hidden_by
 
 
 def _count_prompt_once(case, actor, batch, params, built, full_layers, hidden_bytes, shape) -> PathCount:
-    """The step for real, its largest response micro-batch first, stopped before that one's backward."""
-    model, scale = actor.model, case.narrow
+    """The step for real as one wave (explicit parts, no bound), its largest response micro-batch
+    first, stopped before that one's backward."""
     groups = Groups.of(batch)
     parts = response_micro_batches(groups, case.budget)
     sizes = [sum(groups.response_lens[r] for r in p) for p in parts]
     big = max(range(len(parts)), key=lambda i: sizes[i])
     ordered = [parts[big], *parts[:big], *parts[big + 1 :]]
+    prompt_tokens = sum(len(p) for p in groups.prompts)
+
+    def step(loss):
+        prompt_once_step(actor, batch, loss, parts=ordered)
+
+    counted = _count_step(actor, batch, params, built, step, 1)
+    return _schedule_count(
+        case, "prompt_once", counted, len(parts), prompt_tokens + sum(sizes), len(parts[big]), prompt_tokens,
+        full_layers, hidden_bytes,
+        _step_flops(actor, batch, [list(range(batch.batch_size))], shape, case.logits_mode), 1, prompt_tokens,
+    )  # fmt: skip
+
+
+def _count_waves(case, actor, batch, params, built, full_layers, hidden_bytes, shape) -> PathCount:
+    """The step for real at the budget (waves, phase 1 in calls under the budget), stopped before the
+    first response micro-batch's backward: the first wave (the largest: the case's groups are alike)
+    and its first micro-batch (its largest: cut greedily)."""
+    groups = Groups.of(batch)
+    plans = _wave_plans(groups, case.budget)
+    first = plans[0]
+    cuts = phase1_cuts(first.prompt_tokens, case.budget)
+    sizes = [sum(groups.response_lens[r] for r in p) for plan in plans for p in plan.parts]
+
+    def step(loss):
+        prompt_once_step(actor, batch, loss, case.budget)
+
+    counted = _count_step(actor, batch, params, built, step, len(cuts))
+    if counted[-1] != sum(groups.response_lens[r] for r in first.parts[0]):
+        raise RuntimeError("the counted micro-batch is not the first wave's first")
+    return _schedule_count(
+        case, "waves", counted, len(sizes), sum(p.prompt_tokens for p in plans) + sum(sizes), len(first.parts[0]),
+        first.prompt_tokens, full_layers, hidden_bytes,
+        sum(_step_flops(actor, batch, [p.rows], shape, case.logits_mode) for p in plans), len(plans),
+        max(b - a for a, b in cuts),
+    )  # fmt: skip
+
+
+def _wave_plans(groups: Groups, budget: int):
+    """The schedule's waves at the budget, as prompt_once_step plans them (rows in group order)."""
+    order = sorted(range(len(groups.group_of_row)), key=lambda r: (groups.group_of_row[r], r))
+    return plan_waves(groups.prompts, groups.group_of_row, groups.response_lens, order, budget, budget)
+
+
+def _count_step(actor, batch, params, built, step, phase1_calls: int):
+    """Run `step(loss)` under the counter until its first loss: (layer bytes of phase 1, outside bytes of
+    phase 1, kept bytes, kept bytes phase 1 did not save, layer bytes of the micro-batch, outside
+    bytes of the micro-batch, the micro-batch's response tokens), unscaled."""
+    model = actor.model
     counter = _PhaseCounter(model, params)
     hook = actor.parts.base.register_forward_pre_hook(counter.next_phase)
     micro_tokens = []
@@ -314,7 +393,7 @@ def _count_prompt_once(case, actor, batch, params, built, full_layers, hidden_by
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
             try:
-                prompt_once_step(actor, batch, stop, parts=ordered)
+                step(stop)
             except _Stop:
                 pass
             else:
@@ -323,20 +402,33 @@ def _count_prompt_once(case, actor, batch, params, built, full_layers, hidden_by
         hook.remove()
         counter.remove()
         model.zero_grad(set_to_none=True)
-    if counter.phase != 1:
-        raise RuntimeError(f"the prompt-once step ran {counter.phase + 1} forwards before its first loss, not 2")
+    if counter.phase != phase1_calls:
+        raise RuntimeError(
+            f"the prompt-once step ran {counter.phase + 1} forwards before its first loss, not {phase1_calls + 1}"
+        )
     if not counter.kept:
         raise RuntimeError(
             "no kept keys or values were seen in phase 2: the schedule's attention did not run through the kernel pair"
         )
-    kept = scale * sum(counter.kept.values()) / built * full_layers
-    unsaved = scale * sum(b for p, b in counter.kept.items() if not counter.kept_in_phase1[p]) / built * full_layers
-    prompt_tokens = sum(len(p) for p in groups.prompts)
+    p1 = range(phase1_calls)
+    kept = sum(counter.kept.values())
+    unsaved = sum(b for p, b in counter.kept.items() if not counter.kept_in_phase1[p])
+    return (
+        sum(sum(counter.layer_bytes[i]) for i in p1), sum(counter.outside[i] for i in p1), kept, unsaved,
+        sum(counter.layer_bytes[phase1_calls]), counter.outside[phase1_calls], micro_tokens[0],
+    )  # fmt: skip
+
+
+def _schedule_count(
+    case, path, counted, micro_batches, step_tokens, largest_rows, prompt_tokens, full_layers, hidden_bytes, flops,
+    waves, chunk_tokens,
+) -> PathCount:  # fmt: skip
+    p_layer, p_out, kept, unsaved, layer, outside, micro = counted
+    scale, built = case.narrow, case.layers
     return PathCount(
-        case, "prompt_once", len(parts), prompt_tokens + sum(sizes), len(parts[big]), 0, micro_tokens[0],
-        prompt_tokens, scale * sum(counter.layer_bytes[0]) / built, scale * counter.outside[0], kept, unsaved,
-        scale * sum(counter.layer_bytes[1]) / built, scale * counter.outside[1], full_layers, hidden_bytes,
-        _step_flops(actor, batch, [list(range(batch.batch_size))], shape, case.logits_mode),
+        case, path, micro_batches, step_tokens, largest_rows, 0, micro, prompt_tokens,
+        scale * p_layer / built, scale * p_out, scale * kept / built * full_layers, scale * unsaved / built * full_layers,
+        scale * layer / built, scale * outside, full_layers, hidden_bytes, flops, waves, chunk_tokens,
     )  # fmt: skip
 
 
@@ -359,8 +451,9 @@ def count_schedule_isolated(
     return result.payload["rows"]
 
 
-def _layout(count: PathCount) -> tuple[int, int, int]:
-    return count.micro_batches, count.largest_rows, count.largest_prompts
+def _layout(count: PathCount) -> tuple[int, int, int, int, int]:
+    calls = -(-count.prompt_tokens // count.chunk_tokens) if count.chunk_tokens else 0  # phase 1's calls
+    return count.micro_batches, count.largest_rows, count.largest_prompts, count.waves, calls
 
 
 def at_prompt_len(a: PathCount, b: PathCount, prompt_len: int) -> PathCount:
@@ -373,7 +466,7 @@ def at_prompt_len(a: PathCount, b: PathCount, prompt_len: int) -> PathCount:
     f = (prompt_len - p0) / (p1 - p0)
     lin = lambda x, y: x + f * (y - x)  # noqa: E731
     fields = ("prompt_layer", "prompt_outside", "kept", "kept_unsaved", "layer", "outside", "flops")
-    ints = ("step_tokens", "largest_tokens", "prompt_tokens")
+    ints = ("step_tokens", "largest_tokens", "prompt_tokens", "chunk_tokens")
     return dataclasses.replace(
         a,
         case=dataclasses.replace(a.case, prompt_len=prompt_len),
@@ -382,11 +475,19 @@ def at_prompt_len(a: PathCount, b: PathCount, prompt_len: int) -> PathCount:
     )
 
 
-def layout_at(case: ScheduleCase, path: str) -> tuple[int, int, int]:
+def layout_at(case: ScheduleCase, path: str) -> tuple[int, ...]:
     """The micro-batch layout the library gives `path` at `case`, from lengths alone (the dummy
-    batch's: row i holds prompt i mod U; nothing is built)."""
+    batch's: row i holds prompt i mod U; nothing is built). waves: also the first wave's groups and
+    phase-1 calls."""
     owner = [i % case.unique for i in range(case.batch)]
     rlens = [case.response_len] * case.batch
+    if path == "waves":
+        groups = Groups([[g] * case.prompt_len for g in range(case.unique)], owner, rlens)
+        plans = _wave_plans(groups, case.budget)
+        first = plans[0]
+        calls = len(phase1_cuts(first.prompt_tokens, case.budget))
+        wave_groups = len({owner[r] for r in first.rows})
+        return sum(len(p.parts) for p in plans), len(first.parts[0]), wave_groups, calls
     if path == "prompt_once":
         parts = response_micro_batches(Groups([[0]] * case.unique, owner, rlens), case.budget)
         return len(parts), max(len(p) for p in parts), 0

@@ -140,6 +140,22 @@ def single_process_case(path: str, seed: int) -> dict:
     results["prefix"] = _errors(ours, ref, mask)
     results["prefix"]["metrics"] = metrics
     results["prefix"]["warnings"] = [str(w.message) for w in caught if issubclass(w.category, DedupFallbackWarning)]
+    # schedule="auto": the choice and its figures in the metrics, the pass equal to verl either way
+    # (plain: the schedule's peak holds phase 1's whole graph, over the within path's; checkpointed: counted).
+    from zorro_core.actor.config import ActorConfig
+
+    dynamic = dict(MICRO_BATCHES["dynamic"], use_remove_padding=True)
+    ref_dynamic = _run(verl_engine, padded, rows, True, **dynamic)
+    for name, engine in (("auto", zorro_engine), ("auto checkpointing", None)):
+        if engine is None:
+            engine = build_engine(DedupFSDPEngine, path, gradient_checkpointing=True)
+        engine.zorro_config = ActorConfig(schedule="auto")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ours, metrics = _run_with_metrics(engine, padded, rows, True, **dynamic)
+        results[name] = _errors(ours, ref_dynamic, mask)
+        results[name]["metrics"] = metrics
+        results[name]["warnings"] = [str(w.message) for w in caught if issubclass(w.category, DedupFallbackWarning)]
     # Hand-back: a refusal of the schedule (planted: the library refuses nothing this engine sends now)
     # gives the within-micro-batch path, equal, with one warning naming it.
     import zorro_core.integrations.verl.schedule as verl_schedule
@@ -187,6 +203,10 @@ def test_schedule_equals_verl_with_groups_cut(single, mb, train):
     assert m["zorro/prompt_tokens_micro_batch"][0] > m["zorro/prompt_tokens_computed"][0], m
     assert m["zorro/prompt_tokens_plain"][0] > m["zorro/prompt_tokens_micro_batch"][0], m
     assert m["zorro/served_fraction"] == [1.0] and m["zorro/kept_bytes"][0] > 0, m
+    if mb == "dynamic":  # the budget (16 tokens) bounds the waves' prompt tokens and phase 1's calls
+        assert m["zorro/waves"][0] >= 2 and 0 < m["zorro/phase1_max_tokens"][0] <= 16, m
+    else:  # no token budget: one wave, phase 1 one call
+        assert m["zorro/waves"] == [1.0] and m["zorro/phase1_max_tokens"] == m["zorro/prompt_tokens_computed"], m
 
 
 def test_without_the_schedule_a_split_group_warns_once(single):
@@ -214,6 +234,18 @@ def test_prefix_sharing_is_served_by_the_schedule(single):
     assert r["metrics"]["zorro/prompt_once"] == [1.0], r
 
 
+@pytest.mark.parametrize("name", ["auto", "auto checkpointing"])
+def test_auto_says_its_choice_and_equals_verl(single, name):
+    r = single[name]
+    assert r["lp"] <= LP_TOL and r["ent"] <= LP_TOL and r["n_grads"] > 20 and r["grad"] <= GRAD_TOL, r
+    m = r["metrics"]
+    assert m["zorro/auto_prompt_once"] in ([0.0], [1.0]) and m["zorro/auto_prompt_once"] == m["zorro/prompt_once"], m
+    assert 0 < m["zorro/auto_flops_ratio"][0] < 1.0 and m["zorro/auto_peak_ratio"][0] > 0, m  # groups are split
+    assert r["warnings"] == [], r["warnings"]  # a choice, not a fallback
+    if name == "auto":  # no checkpointing: phase 1's whole graph is held through phase 2
+        assert m["zorro/auto_peak_ratio"][0] > 1.0 and m["zorro/auto_prompt_once"] == [0.0], m
+
+
 def test_a_refused_schedule_hands_back_with_one_warning(single):
     r = single["handed_back"]
     assert r["lp"] <= LP_TOL and r["ent"] <= LP_TOL and r["grad"] <= GRAD_TOL, r
@@ -225,7 +257,15 @@ def test_a_refused_schedule_hands_back_with_one_warning(single):
 # -- two gloo ranks, FSDP2: one gradient sync per mini-batch, equal to verl in one process -----------
 
 
-def distributed_case(path: str, seed: int, which=("verl", "zorro")) -> dict:
+# 2 rows per micro-batch (one wave); or 13 tokens, verl's least (its longest row): waves of at most 13
+# prompt tokens, phase 1's calls at most 13, the ranks' wave counts agreed by the library.
+RANK_MICRO_BATCHES = {
+    "fixed": {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 2},
+    "waves": {"use_dynamic_bsz": True, "max_token_len_per_gpu": 13},
+}
+
+
+def distributed_case(path: str, seed: int, which=("verl", "zorro"), mb: str = "fixed") -> dict:
     """Each rank: its V1-balanced rows; verl's plain engine, or zorro's under the schedule, counting
     FSDP2's gradient reduce-scatters in the training pass."""
     import torch.distributed as dist
@@ -238,7 +278,7 @@ def distributed_case(path: str, seed: int, which=("verl", "zorro")) -> dict:
     rows = v1_partitions(padded, world)[rank] if world > 1 else list(range(len(prompts)))
     verl_engine, zorro_engine = _engines(path, True, which)
     out = {"rows": rows}
-    meta = {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 2, "use_remove_padding": True}
+    meta = dict(RANK_MICRO_BATCHES[mb], use_remove_padding=True)
     if "verl" in which:
         for train in (False, True):
             out[f"verl train={train}"] = _run(verl_engine, padded, rows, train, **dict(meta))[:3]
@@ -269,28 +309,32 @@ def distributed_case(path: str, seed: int, which=("verl", "zorro")) -> dict:
     return _numpy(out)
 
 
-@pytest.fixture(scope="module")
-def distributed(saved_model):
-    one = _torch(launch(distributed_case, 1, saved_model, 3, ("verl",), timeout_s=300)[0])
-    two = _torch(launch(distributed_case, 2, saved_model, 3, ("zorro",), threads=1, timeout_s=300))
-    return two_rank_errors(one, two, ("zorro train=False", "zorro train=True")), two
+@pytest.fixture(scope="module", params=list(RANK_MICRO_BATCHES))
+def distributed(saved_model, request):
+    mb = request.param
+    one = _torch(launch(distributed_case, 1, saved_model, 3, ("verl",), mb, timeout_s=300)[0])
+    two = _torch(launch(distributed_case, 2, saved_model, 3, ("zorro",), mb, threads=1, timeout_s=300))
+    return two_rank_errors(one, two, ("zorro train=False", "zorro train=True")), two, mb
 
 
 def test_two_ranks_under_the_schedule_equal_verl_in_one_process(distributed):
-    errs, two = distributed
+    errs, two, mb = distributed
     for key, e in errs.items():
         assert e["lp"] <= LP_TOL and e["ent"] <= LP_TOL, (key, e)
         if "grad" in e:
             assert e["n_grads"] > 20 and e["grad"] <= GRAD_TOL and e["ranks_agree"], (key, e)
     for rank in two:
         assert rank["metrics"]["zorro/prompt_once"] == [1.0], rank["metrics"]
+    if mb == "waves":
+        assert max(rank["metrics"]["zorro/waves"][0] for rank in two) >= 2, [r["metrics"] for r in two]
+        assert all(0 < rank["metrics"]["zorro/phase1_max_tokens"][0] <= 13 for rank in two)
 
 
 def test_two_ranks_sync_gradients_once_after_the_prompts_backward(distributed):
     """FSDP2 reduce-scatters each parameter group once per mini-batch (phase 3), not once per
     micro-batch: the count equals the number of FSDP modules (verl shards the decoder layers, the
     embedding, lm_head and the root)."""
-    _, two = distributed
+    _, two, _ = distributed
     for rank in two:
         micro_batches = rank["metrics"]["zorro/micro_batches"][0]
         assert micro_batches >= 2, rank["metrics"]

@@ -134,7 +134,7 @@ from zorro_core.integrations.verl.rows import (
     temperature_of,
     unserved_reason,
 )
-from zorro_core.integrations.verl.schedule import HANDED_BACK, prompt_once_batch, schedule_metrics
+from zorro_core.integrations.verl.schedule import AUTO_WITHIN, HANDED_BACK, prompt_once_batch, schedule_metrics
 
 __all__ = [
     "DedupFSDPEngine",
@@ -319,21 +319,26 @@ class DedupFSDPEngine(FSDPEngineWithLMHead):
             self._note_split_groups(data, self._zorro_parts)
         actor = self.__dict__.get("_zorro_actor_instance")
         output = add_metrics(output, self._zorro_stats, actor.self_check.metric() if actor is not None else None)
-        return schedule_metrics(
-            output, self.__dict__.pop("_zorro_schedule_stats", None), self.zorro_config.schedule == "prompt_once"
+        output = schedule_metrics(
+            output, self.__dict__.pop("_zorro_schedule_stats", None), self.zorro_config.schedule != "micro_batch"
         )
+        for key, value in self.__dict__.pop("_zorro_auto_metrics", {}).items():  # schedule="auto"'s choice
+            output.setdefault("metrics", {})[key] = [value]
+        return output
 
     # -- the prompt-once schedule (zorro_core.integrations.verl.schedule) ---------------------------
     def _prompt_once_batch(self, data, loss_function, forward_only):
         """The pass under the prompt-once schedule when the config asks for it; None: the
         within-micro-batch path serves it (not asked, or handed back with a one-time warning)."""
         self._zorro_schedule_stats = None
-        if self.zorro_config.schedule != "prompt_once":
+        if self.zorro_config.schedule == "micro_batch":
             return None
         fallback = self.__dict__.get("_zorro_schedule")
         if fallback is None:
             fallback = self._zorro_schedule = Fallback(HANDED_BACK)
         result = prompt_once_batch(self, data, loss_function, forward_only)
+        if result is AUTO_WITHIN:  # schedule="auto" chose the within path: a choice, said in the metrics
+            return None
         if isinstance(result, str):
             fallback.fall_back(result)
             return None

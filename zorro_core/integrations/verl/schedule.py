@@ -67,11 +67,13 @@ from zorro_core.integrations.verl.rows import (
     unserved_reason,
 )
 
-__all__ = ["HANDED_BACK", "ScheduleStats", "prompt_once_batch", "schedule_metrics", "schedule_parts"]
+__all__ = ["AUTO_WITHIN", "HANDED_BACK", "ScheduleStats", "prompt_once_batch", "schedule_metrics", "schedule_parts"]
 
 HANDED_BACK = "the within-micro-batch path serves this mini-batch"
 """What the engine's one-time warning says runs instead of the schedule."""
 OTHER_RANK = "another data-parallel rank cannot run the prompt-once schedule on its rows"
+AUTO_WITHIN = object()
+"""prompt_once_batch's answer where schedule="auto" chose the within-micro-batch path (a choice, not a fallback)."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,13 @@ class ScheduleStats:
     split_groups: int
     """Groups whose responses span more than one micro-batch."""
     kept_bytes: int
-    """Bytes of the kept keys and values (and first-token hidden states)."""
+    """Bytes of the kept keys and values (and first-token hidden states) of the largest wave."""
+    waves: int = 1
+    """Waves the pass ran (zorro_core.actor.waves): phases 1-3 per wave."""
+    oversize_waves: int = 0
+    """Waves of one group (or tied groups) whose prompt tokens alone exceed the wave bound."""
+    phase1_max_tokens: int = 0
+    """Tokens of the largest phase-1 call (at most the budget, but for gated DeltaNet layers)."""
 
 
 def _data_parallel(engine) -> Optional[Any]:
@@ -157,9 +165,10 @@ def schedule_parts(groups: Groups, data, k: Optional[int] = None) -> list[list[i
     return parts
 
 
-def prompt_once_batch(engine, data, loss_function, forward_only: bool) -> dict | str:
+def prompt_once_batch(engine, data, loss_function, forward_only: bool) -> dict | str | object:
     """verl's `forward_backward_batch` under the prompt-once schedule (module doc): the pass's output,
-    or the reason it is handed back to the within-micro-batch path (the same on every rank)."""
+    or the reason it is handed back to the within-micro-batch path (the same on every rank), or
+    AUTO_WITHIN where schedule="auto" chose that path."""
     group = _data_parallel(engine)
     reason = _local_reason(engine, data)
     groups = local = rows = None
@@ -177,6 +186,8 @@ def prompt_once_batch(engine, data, loss_function, forward_only: bool) -> dict |
         return f"a data-parallel rank has fewer rows ({-neg_rows}) than the agreed micro-batch count ({k})"
     assert groups is not None and isinstance(rows, VerlRows)
     parts = schedule_parts(groups, data, k)
+    if engine.zorro_config.schedule == "auto" and not _auto_takes_schedule(engine, data, rows, parts, group):
+        return AUTO_WITHIN
     try:
         return _run(engine, data, loss_function, forward_only, rows, groups, parts, group)
     except UnsupportedModelError as e:
@@ -184,6 +195,30 @@ def prompt_once_batch(engine, data, loss_function, forward_only: bool) -> dict |
         # backward; kept, so that later passes go to the within-micro-batch path straight away.
         engine._zorro_schedule_refused = f"the prompt-once schedule refuses the model: {e}"
         return engine._zorro_schedule_refused
+
+
+def _budget(data) -> Optional[int]:
+    """verl's token budget (dynamic batch size), or None (a fixed micro-batch size)."""
+    if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+        return int(data["max_token_len_per_gpu"])
+    return None
+
+
+def _auto_takes_schedule(engine, data, rows: VerlRows, parts, group) -> bool:
+    """schedule="auto" (zorro_core.actor.auto) on this rank's rows, agreed: the schedule only where every
+    rank's choice is the schedule. The within path's micro-batches: the library's partition at verl's
+    budget, or (a fixed micro-batch size) the same rows per micro-batch as the schedule's. The choice's
+    figures go to the pass's metrics (engine._zorro_auto_metrics)."""
+    from zorro_core.actor.auto import choose_schedule
+
+    budget = _budget(data)
+    within = None if budget is not None else parts
+    choice = choose_schedule(engine._zorro_actor(), rows.batch, budget, within_parts=within, schedule_parts=parts)
+    (not_all,) = _agree_max([int(choice.schedule != "prompt_once")], group)
+    metrics = choice.metrics()
+    metrics["zorro/auto_prompt_once"] = 0.0 if not_all else 1.0
+    engine._zorro_auto_metrics = metrics
+    return not not_all
 
 
 def _run(engine, data, loss_function, forward_only, rows: VerlRows, groups: Groups, parts, group) -> dict:
@@ -204,6 +239,9 @@ def _run(engine, data, loss_function, forward_only, rows: VerlRows, groups: Grou
     dp_group = engine.get_data_parallel_group()
     scaler = getattr(engine, "scaler", None)
     outputs: list[dict] = []
+    # The token budget (dynamic batch size): the micro-batches are `parts`; it bounds the waves'
+    # prompt tokens and phase 1's calls (zorro_core.actor.waves). A fixed micro-batch size has none.
+    budget = _budget(data)
 
     def model_output_of(idx: torch.Tensor, log_probs, entropy):
         mb = tu.index_select_tensor_dict(data, idx.cpu())
@@ -232,7 +270,7 @@ def _run(engine, data, loss_function, forward_only, rows: VerlRows, groups: Grou
 
     with engine._autocast():
         if forward_only:
-            res = prompt_once_logprobs(actor, rows.batch, None, temperature, calculate_entropy, parts)
+            res = prompt_once_logprobs(actor, rows.batch, budget, temperature, calculate_entropy, parts)
             for part in res.parts:
                 idx = torch.as_tensor(part, dtype=torch.long, device=res.log_probs.device)
                 ent = res.entropy[idx] if res.entropy is not None else None
@@ -243,7 +281,7 @@ def _run(engine, data, loss_function, forward_only, rows: VerlRows, groups: Grou
                     loss, metrics = torch.tensor(1.0, device=get_device_name()), {}
                 record(mb, model_output, loss, metrics)
         else:
-            res = _train(engine, actor, rows, loss_fn, temperature, calculate_entropy, parts)
+            res = _train(engine, actor, rows, loss_fn, temperature, calculate_entropy, parts, budget)
 
     output = engine_utils.postprocess_batch_func(output_lst=outputs, indices=res.parts, data=data)
     if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
@@ -263,19 +301,21 @@ def _run(engine, data, loss_function, forward_only, rows: VerlRows, groups: Grou
     return output
 
 
-def _train(engine, actor, rows: VerlRows, loss_fn, temperature, calculate_entropy, parts) -> ScheduleOutput:
-    """prompt_once_step with FSDP2's gradient sync off through phase 2 and on for phase 3."""
+def _train(
+    engine, actor, rows: VerlRows, loss_fn, temperature, calculate_entropy, parts, budget: Optional[int]
+) -> ScheduleOutput:
+    """prompt_once_step with FSDP2's gradient sync off through phase 2 and on for the last wave's phase 3."""
     defer = getattr(engine.engine_config, "use_no_sync_for_gradient_accumulation", True)
     module = engine.module
     if not (defer and fsdp_version(module) == 2):
-        return prompt_once_step(actor, rows.batch, loss_fn, None, temperature, calculate_entropy, parts)
+        return prompt_once_step(actor, rows.batch, loss_fn, budget, temperature, calculate_entropy, parts)
     module.set_requires_gradient_sync(False)
     try:
         return prompt_once_step(
             actor,
             rows.batch,
             loss_fn,
-            None,
+            budget,
             temperature,
             calculate_entropy,
             parts,
@@ -314,6 +354,9 @@ def _stats(data, rows: VerlRows, groups: Groups, res: ScheduleOutput) -> tuple[l
         prompt_tokens_micro_batch=micro_batch_prompt,
         split_groups=len(res.split_groups),
         kept_bytes=res.kept_bytes,
+        waves=len(res.waves),
+        oversize_waves=sum(w.oversize for w in res.waves),
+        phase1_max_tokens=max(res.phase1_calls, default=0),
     )
     return per_part, schedule
 
@@ -336,6 +379,9 @@ def schedule_metrics(output: dict, schedule: Optional[ScheduleStats], configured
         "zorro/prompt_tokens_micro_batch": schedule.prompt_tokens_micro_batch,
         "zorro/split_groups": schedule.split_groups,
         "zorro/kept_bytes": schedule.kept_bytes,
+        "zorro/waves": schedule.waves,
+        "zorro/oversize_waves": schedule.oversize_waves,
+        "zorro/phase1_max_tokens": schedule.phase1_max_tokens,
     }
     for key, value in figures.items():
         metrics[key] = [float(value)]
