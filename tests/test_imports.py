@@ -148,6 +148,10 @@ OPTIONAL = {
         )
         + ("verl_engine", "verl_cpu", "verl_rows", "verl_batching", "verl_trainer", "needs_verl")
     ),
+    # verl's Megatron engine: megatron-core and mbridge beside verl (.ci/verl_megatron_tests).
+    "megatron": tuple(
+        f"zorro_core.integrations.verl.{m}" for m in ("megatron_engine", "cpu_megatron", "needs_megatron")
+    ),
     "trl": ("zorro_core.integrations.trl", "zorro_core.integrations.trl.trainer"),
     "openrlhf": (
         "zorro_core.integrations.openrlhf.actor",

@@ -115,7 +115,7 @@ def test_a_longest_prompt_at_the_search_ceiling_says_so(capsys):
 
     row = {
         "status": "ok", "model": "m", "batch": 4, "prompt_len": 8, "response_len": 2, "budget": 1, "dtype": "bf16",
-        "logits_mode": "compute", "unique": 1, "path": "prompt_once", "micro_batches": 4, "step_tokens": 8,
+        "logits_mode": "compute", "unique": 1, "path": "prompt_once", "waves": "", "micro_batches": 4, "step_tokens": 8,
         "largest_tokens": 2, "saved_bytes": 0, "kept_bytes": 0, "peak_bytes": 0, "peak_checkpointed_bytes": 0,
         "flops_fwd_bwd": 0, "ideal_speedup": "", "longest_prompt": LONGEST_PROMPT_CEILING,
         "longest_prompt_checkpointed": 1000,

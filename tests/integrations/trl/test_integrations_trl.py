@@ -396,3 +396,12 @@ def test_the_self_check_reaches_trls_logged_metrics(checkpoint, tmp_path):
     logged = [h["zorro/self_check"] for h in trainer.state.log_history if "zorro/self_check" in h]
     assert logged == [1.0]
     assert trainer.zorro_calls["fallback"] == 0
+
+
+def test_schedule_auto_is_refused_by_name(checkpoint, tmp_path):
+    """ActorConfig(schedule="auto") would run TRL's window as "micro_batch" without a word: refused at construction."""
+    path, _ = checkpoint
+    with pytest.raises(ValueError, match='schedule="auto".*"prompt_once"'):
+        _trainer(
+            DedupGRPOTrainer, path, tmp_path, max_steps=1, trainer_kwargs={"zorro_config": ActorConfig(schedule="auto")}
+        )

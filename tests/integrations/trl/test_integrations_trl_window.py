@@ -335,7 +335,7 @@ def window_rank(path: str, variants: list[str]) -> list[dict]:
             else:
                 model = trainer.accelerator.prepare_model(trainer.model)
             if variant.endswith("+no_reduce") and name == "window":
-                window_module.average_gradients = lambda module: None
+                window_module.average_gradients = lambda module, group=None: None
             try:
                 runs[name] = _window(trainer, batch, options, model)
             finally:
@@ -387,3 +387,42 @@ def test_window_under_gradient_checkpointing_equals_trl(request, tmp_path):
         runs[name] = _window(trainer, batch, {**DEFAULTS, "loss_type": "dapo"})
     assert trainer.zorro_windows == {"dedup": 1, "fallback": 0}
     _compare(runs["window"], runs["trl"])
+
+
+def _average_rank(bucket_mib: int) -> dict:
+    """One rank's gradients after average_gradients: float64 and float32 parameters, one without a gradient."""
+    import torch.distributed as dist
+
+    from zorro_core.integrations.trl.window import average_gradients
+
+    rank = dist.get_rank()
+    module = torch.nn.ModuleDict(
+        {
+            "a": torch.nn.Linear(300, 300, dtype=torch.float64),
+            "b": torch.nn.Linear(200, 100, dtype=torch.float32),
+            "c": torch.nn.Linear(4, 4, dtype=torch.float64),
+        }
+    )
+    for name, p in module.named_parameters():
+        if not name.startswith("c"):  # c gets no gradient on rank 0 and one on rank 1
+            p.grad = torch.full_like(p, float(rank + 1)) * torch.arange(p.numel(), dtype=p.dtype).view_as(p)
+        elif rank == 1:
+            p.grad = torch.full_like(p, 4.0)
+    average_gradients(module, None, bucket_mib)
+    return {n: p.grad.numpy().copy() for n, p in module.named_parameters()}  # numpy: no shared-memory handle
+
+
+@pytest.mark.parametrize("bucket_mib", [0, 25])
+def test_average_gradients_equals_the_mean_over_ranks(bucket_mib):
+    """The window's DDP reduction, in buckets (0 MiB: one all-reduce per parameter) or one: every
+    gradient the mean over the ranks, per dtype, a missing gradient counted as zeros."""
+    from zorro_core.distributed.launch import launch
+
+    per_rank = launch(_average_rank, 2, bucket_mib, timeout_s=120.0)
+    for grads in per_rank:
+        for name, array in grads.items():
+            g = torch.from_numpy(array)
+            ramp = torch.arange(g.numel(), dtype=g.dtype).view_as(g)
+            want = torch.full_like(g, 2.0) if name.startswith("c") else 1.5 * ramp
+            assert g.dtype == (torch.float32 if name.startswith("b") else torch.float64)
+            torch.testing.assert_close(g, want, rtol=0, atol=0)

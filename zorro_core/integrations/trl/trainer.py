@@ -178,6 +178,13 @@ class DedupGRPOTrainer(GRPOTrainer):
             raise TypeError(f"zorro_config must be a zorro_core.ActorConfig, got {type(zorro_config).__name__}")
         # The default: each prompt once per optimizer step (zorro_core.integrations.trl.window).
         self._zorro_config = zorro_config or ActorConfig(schedule="prompt_once")
+        if self._zorro_config.schedule == "auto":
+            # auto chooses per actor step; TRL's window is a step zorro_core.actor.auto does not count:
+            # taken silently it would run as "micro_batch".
+            raise ValueError(
+                'DedupGRPOTrainer does not take ActorConfig(schedule="auto"): use "prompt_once" (the default: each '
+                'prompt once per optimizer step) or "micro_batch" (each prompt once per accumulation slice)'
+            )
         self._zorro_window: Optional[Window] = None
         self._zorro_window_fallback = Fallback(HANDED_BACK)
         self.zorro_windows = self._zorro_window_fallback.counts

@@ -201,27 +201,43 @@ def _synced_step(wrapped, actor, batch, loss_fn, parts, temperature) -> Schedule
     if wrapped.kind == "ddp":
         with wrapped.outer.no_sync():
             res = step()
-        average_gradients(wrapped.inner)
+        average_gradients(wrapped.inner, getattr(wrapped.outer, "process_group", None))
         return res
     return step()
 
 
-def average_gradients(module: torch.nn.Module) -> None:
+def average_gradients(module: torch.nn.Module, group: Optional[Any] = None, bucket_mib: int = 25) -> None:
     """DDP's reduction of the accumulated gradients, once: each divided by the world size, then
-    summed over the ranks (one all-reduce of them flattened). A trainable parameter without a
-    gradient gets zeros first, so that every rank's flat buffer has the same layout."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    summed over the ranks of `group` (DDP's process group; None: the default one), in flat buckets
+    of about `bucket_mib` MiB per dtype as DDP's reducer does, so the copy it takes stays small
+    beside the gradients. A trainable parameter without a gradient gets zeros first, so that every
+    rank's buckets have the same layout."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
+    world = dist.get_world_size(group)
     params = [p for p in module.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grads: list[torch.Tensor] = []
+    limit = bucket_mib * 2**20
+    buckets: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
-        assert p.grad is not None  # zero-filled above
-        grads.append(p.grad)
-    flat = torch.cat([g.reshape(-1) for g in grads]).div_(dist.get_world_size())
-    dist.all_reduce(flat)
+        grad = p.grad
+        assert grad is not None  # zero-filled above
+        bucket = buckets.setdefault(grad.dtype, [])
+        bucket.append(grad)
+        if sum(g.numel() for g in bucket) * grad.element_size() >= limit:
+            _all_reduce_mean(bucket, world, group)
+            bucket.clear()
+    for bucket in buckets.values():
+        if bucket:
+            _all_reduce_mean(bucket, world, group)
+
+
+def _all_reduce_mean(grads: list[torch.Tensor], world: int, group: Optional[Any]) -> None:
+    """One all-reduce of `grads` (one dtype) flattened, each divided by `world` first; written back in place."""
+    flat = torch.cat([g.reshape(-1) for g in grads]).div_(world)
+    dist.all_reduce(flat, group=group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
