@@ -5,7 +5,8 @@ Runs only where verl, megatron-core and mbridge are importable (its own venv:
 (zorro's the subclass) built by verl's own code on mbridge's path, on 2 gloo ranks
 (zorro_core.integrations.verl.cpu_megatron): tensor parallel 2 (Qwen2; Qwen3 and Llama with
 megatron's sequence parallelism), data parallel 2 (Qwen2), pipeline parallel 2 (Qwen3, verl's 1F1B
-schedule), and tensor parallel 2 in float32 (Qwen2). Batches are made by verl's functions, micro-batches by verl (fixed size and dynamic),
+schedule), and tensor parallel 2 in float32 (Qwen2); and on 4 gloo ranks data parallel 2 x tensor
+parallel 2 (Qwen2, each DP rank whole groups as verl's "zorro_sync" trainer dispatches them). Batches are made by verl's functions, micro-batches by verl (fixed size and dynamic),
 outputs read back with `no_padding_2_padding`, the training loss is verl's `ppo_loss`; gradients are
 megatron's (`main_grad`, after its data-parallel reduction), compared shard by shard on each rank.
 verl's reference runs its packed (THD) forward with megatron's local layers and zorro's reference
@@ -143,8 +144,24 @@ def _plant(kind: str):
     return lambda: setattr(me, "split_attention", original_attention)
 
 
-def rank_case(path: str, tp: int, seed: int, pp: int = 1, precision: str = PRECISION, sp: bool = False) -> dict:
-    """Each rank: verl's engine and zorro's (TP = tp, PP = pp, DP = world / (tp * pp)) on this rank's rows."""
+def dp_rows(prompts: list[list[int]], responses: list[list[int]], dp: int, whole_groups: bool) -> list[list[int]]:
+    """Each data-parallel rank's rows: whole groups balanced by zorro's cost, as verl's "zorro_sync"
+    trainer dispatches them (`balance_rows`); else verl's plain split, groups across ranks."""
+    if not whole_groups:
+        return [list(range(len(prompts)))[r::dp] for r in range(dp)]
+    from zorro_core.integrations.verl.balance import balance_rows, group_of_keys
+
+    keys = [f"row{i}" for i in range(len(prompts))]  # not verl's key format: grouped by prompt content
+    balance = balance_rows(group_of_keys(keys, prompts), list(map(len, prompts)), list(map(len, responses)), dp)
+    assert not balance.split, balance.split
+    return [sorted(rows) for rows in balance.ranks]
+
+
+def rank_case(
+    path: str, tp: int, seed: int, pp: int = 1, precision: str = PRECISION, sp: bool = False, whole_groups: bool = False
+) -> dict:
+    """Each rank: verl's engine and zorro's (TP = tp, PP = pp, DP = world / (tp * pp)) on this rank's
+    rows (`dp_rows`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
@@ -162,7 +179,7 @@ def rank_case(path: str, tp: int, seed: int, pp: int = 1, precision: str = PRECI
     zorro = build(DedupMegatronEngine, path)
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     assert dp * tp * pp == dist.get_world_size()
-    rows = list(range(len(prompts)))[dp_rank::dp]
+    rows = dp_rows(prompts, responses, dp, whole_groups)[dp_rank]
     mask = padded["response_mask"][torch.as_tensor(rows)].bool()
     results: dict = {}
     refs: dict = {}
@@ -201,21 +218,25 @@ def rank_case(path: str, tp: int, seed: int, pp: int = 1, precision: str = PRECI
 
 
 CASES = {
-    "qwen2-tp2": ("qwen2", 2, 1, PRECISION, False),
-    "qwen3-tp2-sp": ("qwen3", 2, 1, PRECISION, True),
-    "llama-tp2-sp": ("llama", 2, 1, PRECISION, True),
-    "qwen2-dp2": ("qwen2", 1, 1, PRECISION, False),
-    "qwen3-pp2": ("qwen3", 1, 2, PRECISION, False),
-    "qwen2-tp2-float32": ("qwen2", 2, 1, "float32", False),
+    "qwen2-tp2": ("qwen2", 2, 1, PRECISION, False, 2),
+    "qwen3-tp2-sp": ("qwen3", 2, 1, PRECISION, True, 2),
+    "llama-tp2-sp": ("llama", 2, 1, PRECISION, True, 2),
+    "qwen2-dp2": ("qwen2", 1, 1, PRECISION, False, 2),
+    "qwen3-pp2": ("qwen3", 1, 2, PRECISION, False, 2),
+    "qwen2-tp2-float32": ("qwen2", 2, 1, "float32", False, 2),
+    "qwen2-dp2-tp2": ("qwen2", 2, 1, PRECISION, False, 4),
 }
-"""(family, tensor parallel, pipeline parallel, precision, sequence parallel) of each 2-rank run."""
+"""(family, tensor parallel, pipeline parallel, precision, sequence parallel, ranks) of each run;
+data parallel is ranks / (tensor x pipeline). On 4 ranks each DP rank gets whole groups as verl's
+"zorro_sync" trainer dispatches them; "qwen2-dp2" keeps verl's plain split (groups across ranks)."""
 
 
 @pytest.fixture(scope="module", params=list(CASES.values()), ids=list(CASES))
 def ranks(request, tmp_path_factory):
-    family, tp, pp, precision, sp = request.param
+    family, tp, pp, precision, sp, world = request.param
     path = model_dir(str(tmp_path_factory.mktemp("megatron_model") / family), family)
-    results = launch(rank_case, 2, path, tp, 3, pp, precision, sp, threads=1, timeout_s=900)
+    whole_groups = world > 2
+    results = launch(rank_case, world, path, tp, 3, pp, precision, sp, whole_groups, threads=1, timeout_s=900)
     return [dict(r, precision=precision) for r in results]
 
 
