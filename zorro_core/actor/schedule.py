@@ -54,7 +54,7 @@ from zorro_core.actor.self_check import (
     raise_own,
     sharded,
 )
-from zorro_core.actor.waves import WaveStats, agree_plan, plan_waves, warn_oversize
+from zorro_core.actor.waves import WaveStats, agree_plan, cut_by_response_tokens, plan_waves, warn_oversize
 from zorro_core.attention.backends import BACKENDS
 from zorro_core.attention.external import KeptPrefix, KeyRegion
 from zorro_core.attention.external_linear import KeptLinear
@@ -162,19 +162,7 @@ def response_micro_batches(
     """Rows in group order (by `rank` of each group when given: a trie's depth-first order), cut
     greedily when the next row would pass `max_tokens` response tokens (a row longer than the
     budget alone is a micro-batch). None: one micro-batch."""
-    order = _row_order(groups, rank)
-    if max_tokens is None:
-        return [order]
-    parts: list[list[int]] = [[]]
-    used = 0
-    for r in order:
-        n = groups.response_lens[r]
-        if parts[-1] and used + n > max_tokens:
-            parts.append([])
-            used = 0
-        parts[-1].append(r)
-        used += n
-    return parts
+    return cut_by_response_tokens(_row_order(groups, rank), groups.response_lens, max_tokens)
 
 
 def cut_every_group(groups: Groups, rank: Optional[Sequence[int]] = None) -> list[list[int]]:
