@@ -11,7 +11,7 @@ from versions import QWEN3_NEXT_ADAPTABLE, QWEN3_NEXT_REASON
 
 from zorro_core import DeduplicatedActor
 from zorro_core.actor.schedule import prompt_once_logprobs, prompt_once_step
-from zorro_core.actor.waves import WaveWarning, plan_waves
+from zorro_core.actor.waves import WaveWarning
 from zorro_core.attention import external
 from zorro_core.models.moe import load_balancing_loss
 from zorro_core.plan.batch import RolloutBatch
@@ -248,20 +248,12 @@ def test_prefix_trie_in_waves_and_chunks(tiny_models, flavour):
 
 
 def _trie_plans(batch, budget, bound):
-    from zorro_core.actor.schedule import Groups, PromptNodes, _row_order
+    from zorro_core.actor.schedule import Groups, PromptNodes, plan_batch_waves
 
     groups = Groups.of(batch)
     nodes = PromptNodes.of(groups.prompts, "prefix", torch.device("cpu"))
-    plans = plan_waves(
-        groups.prompts,
-        groups.group_of_row,
-        groups.response_lens,
-        _row_order(groups, nodes.rank),
-        budget,
-        bound,
-        None,
-        True,
-    )
+    assert nodes.trie
+    plans = plan_batch_waves(groups, nodes, budget, bound)
     for plan in plans:  # the planner's count is the distinct prefixes of the wave's prompts
         prompts = {tuple(groups.prompts[groups.group_of_row[r]]) for r in plan.rows}
         assert plan.prompt_tokens == len({p[: i + 1] for p in prompts for i in range(len(p))})
