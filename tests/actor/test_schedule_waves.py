@@ -6,14 +6,13 @@ the next wave's prompts; a chunk's keys not seeing the chunks before it."""
 
 import pytest
 import torch
-from helpers import GRAD_RTOL, LP_ATOL
+from helpers import GRAD_RTOL, LP_ATOL, rows_alone_reference
 from versions import QWEN3_NEXT_ADAPTABLE, QWEN3_NEXT_REASON
 
 from zorro_core import DeduplicatedActor
 from zorro_core.actor.schedule import prompt_once_logprobs, prompt_once_step
 from zorro_core.actor.waves import WaveWarning
 from zorro_core.attention import external
-from zorro_core.models.moe import load_balancing_loss
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.stack.checkpointing import checkpointed
 from zorro_core.verify.delta_rule import exact_delta_rule
@@ -43,33 +42,6 @@ def wave_batch(prompts=PROMPTS, group_of_row=GROUP_OF_ROW) -> RolloutBatch:
     lens = [(3 * i) % 5 + 1 for i in range(len(group_of_row))]
     responses = [torch.randint(1, 60, (n,), generator=g).tolist() for n in lens]
     return RolloutBatch.from_lists([prompts[i] for i in group_of_row], responses)
-
-
-def reference(model, batch, weights, parts=None, aux_coef=None):
-    """Each row alone through the unmodified model: log-probs, entropy and the gradient of
-    sum(w * log-probs) + sum(w' * entropy) (+ aux_coef * each part's router aux loss over its rows)."""
-    prompts, responses = batch.to_lists()
-    b, r = batch.responses.shape
-    lp_out, ent_out = torch.zeros(b, r, dtype=torch.float64), torch.zeros(b, r, dtype=torch.float64)
-    model.zero_grad(set_to_none=True)
-    loss, routers = 0.0, []
-    for i, (p, resp) in enumerate(zip(prompts, responses)):
-        out = model(input_ids=torch.tensor([p + resp]), use_cache=False, output_router_logits=aux_coef is not None)
-        logp = torch.log_softmax(out.logits[0, len(p) - 1 : len(p) - 1 + len(resp)] / TEMPERATURE, -1)
-        lp = logp.gather(-1, torch.tensor(resp)[:, None]).squeeze(-1)
-        ent = -(logp.exp() * logp).sum(-1)
-        loss = loss + (weights[0][i, : len(resp)] * lp).sum() + (weights[1][i, : len(resp)] * ent).sum()
-        lp_out[i, : len(resp)], ent_out[i, : len(resp)] = lp.detach(), ent.detach()
-        routers.append(out.router_logits if aux_coef is not None else None)
-    if aux_coef is not None:
-        cfg = model.config
-        for part in parts:
-            layers = [torch.cat([routers[row][layer] for row in part]) for layer in range(len(routers[0]))]
-            loss = loss + aux_coef * load_balancing_loss(layers, cfg.num_experts, cfg.num_experts_per_tok)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return lp_out, ent_out, grads
 
 
 def run(actor, batch, weights, budget, flavour=None, parts=None, wave_tokens=None, aux_coef=None):
@@ -116,9 +88,9 @@ def cached(tiny_models, name, make=wave_batch, linear=False):
         w = token_weights(batch, seed=5)
         if linear:
             with exact_delta_rule(model):
-                _REFS[key] = (batch, w, reference(model, batch, w))
+                _REFS[key] = (batch, w, rows_alone_reference(model, batch, w, TEMPERATURE))
         else:
-            _REFS[key] = (batch, w, reference(model, batch, w))
+            _REFS[key] = (batch, w, rows_alone_reference(model, batch, w, TEMPERATURE))
     return _REFS[key]
 
 
@@ -266,7 +238,9 @@ def test_moe_aux_loss_in_waves_and_chunks(tiny_models, flavour):
     batch = wave_batch()
     w = token_weights(batch, seed=5)
     res, grads = run(DeduplicatedActor(model=model), batch, w, budget=5, flavour=flavour, wave_tokens=10, aux_coef=0.37)
-    ref = reference(model, batch, w, res.parts, aux_coef=0.37)  # the plain aux of the parts the schedule ran
+    ref = rows_alone_reference(
+        model, batch, w, TEMPERATURE, res.parts, aux_coef=0.37
+    )  # the plain aux of the parts the schedule ran
     assert_exact(res, grads, ref)
     assert max(res.phase1_calls) <= 5 and len(res.aux_losses) == len(res.parts)
 
