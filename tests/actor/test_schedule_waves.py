@@ -312,13 +312,9 @@ def test_bad_wave_bound_is_refused(tiny_models):
 # ---------------------------------------------------------------- phase 1's graph on the host
 
 
-@pytest.mark.parametrize("flavour", [None, "non-reentrant", "reentrant"])
-@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-deepseek-v3", "tiny-qwen3-moe"])
-def test_offloaded_phase1_graph_exact(tiny_models, name, flavour):
-    """Phase 1's saved tensors copied to the host (real copies on CPU) and back in phase 3, in waves
-    and chunks: exact; the copies happened (host bytes counted)."""
-    batch, w, ref = cached(tiny_models, name)
-    model = tiny_models(name)
+def offloaded_step(model, batch, w, flavour=None):
+    """A prompt-once step (budget 5, waves of 13 prompt tokens) with phase 1's graph offloaded to the
+    host: its result and the parameters' gradients."""
     model.zero_grad(set_to_none=True)
     with checkpointed(model, flavour):
         res = prompt_once_step(
@@ -333,6 +329,16 @@ def test_offloaded_phase1_graph_exact(tiny_models, name, flavour):
         )
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
+    return res, grads
+
+
+@pytest.mark.parametrize("flavour", [None, "non-reentrant", "reentrant"])
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-deepseek-v3", "tiny-qwen3-moe"])
+def test_offloaded_phase1_graph_exact(tiny_models, name, flavour):
+    """Phase 1's saved tensors copied to the host (real copies on CPU) and back in phase 3, in waves
+    and chunks: exact; the copies happened (host bytes counted)."""
+    batch, w, ref = cached(tiny_models, name)
+    res, grads = offloaded_step(tiny_models(name), batch, w, flavour)
     assert_exact(res, grads, ref)
     assert res.host_bytes > 0 and all(wv.host_bytes > 0 for wv in res.waves)
     assert max(res.phase1_calls) <= 5
@@ -370,20 +376,7 @@ def test_an_offloaded_tensor_restored_from_another_layer_is_caught(tiny_models, 
 
     monkeypatch.setattr(offload.HostOffload, "pack", pack)
     monkeypatch.setattr(offload.HostOffload, "unpack", unpack)
-    model = tiny_models("tiny-qwen3")
-    model.zero_grad(set_to_none=True)
-    res = prompt_once_step(
-        DeduplicatedActor(model=model),
-        batch,
-        lambda out, rows: (w[0][rows] * out.log_probs).sum() + (w[1][rows] * out.entropy).sum(),
-        5,
-        TEMPERATURE,
-        True,
-        wave_tokens=13,
-        offload=True,
-    )
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
+    res, grads = offloaded_step(tiny_models("tiny-qwen3"), batch, w)
     assert (res.log_probs - ref[0]).abs().max().item() < LP_ATOL  # the forward is untouched
     err, _ = max_rel_grad_error(grads, ref[2])
     assert err > 1e-2
