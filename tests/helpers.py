@@ -3,6 +3,9 @@
 Plain functions live here (test files import them); fixtures live in conftest.py.
 """
 
+import contextlib
+from typing import Iterator
+
 import pytest
 import torch
 from versions import QWEN3_NEXT_ADAPTABLE, QWEN3_NEXT_REASON
@@ -102,3 +105,23 @@ def rows_alone_reference(model, batch, weights, temperature, parts=None, aux_coe
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return lp_out, ent_out, grads, [float(a.detach()) for a in auxes]
+
+
+@contextlib.contextmanager
+def counting_reduce_scatters() -> Iterator[list[int]]:
+    """Within: each call of FSDP2's foreach_reduce (a parameter group's gradients in one
+    reduce-scatter) appends to the list yielded."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    calls: list[int] = []
+    real = _fsdp_param_group.foreach_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    _fsdp_param_group.foreach_reduce = counting
+    try:
+        yield calls
+    finally:
+        _fsdp_param_group.foreach_reduce = real
