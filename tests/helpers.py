@@ -11,10 +11,12 @@ import torch
 from versions import QWEN3_NEXT_ADAPTABLE, QWEN3_NEXT_REASON
 
 from zorro_core import RolloutBatch, create_dummy_batch
+from zorro_core.actor.schedule import prompt_once_step
 from zorro_core.models.linear_attention import LINEAR_LAYER_TYPES
 from zorro_core.models.moe import load_balancing_loss
 from zorro_core.models.presets import PRESETS
 from zorro_core.models.registry import FAMILIES
+from zorro_core.stack.checkpointing import checkpointed
 from zorro_core.verify.reference import actor_run, max_rel_grad_error
 from zorro_core.verify.tolerances import GRAD_RTOL
 from zorro_core.verify.tolerances import LOGPROB_ATOL as LP_ATOL
@@ -125,3 +127,33 @@ def counting_reduce_scatters() -> Iterator[list[int]]:
         yield calls
     finally:
         _fsdp_param_group.foreach_reduce = real
+
+
+def prompt_once_run(
+    actor, batch, weights, temperature, budget=None, flavour=None, parts=None, wave_tokens=None, aux_coef=None
+):
+    """One prompt_once_step of `actor` on the loss sum(w * log-probs) + sum(w' * entropy) (+ aux_coef *
+    the router aux loss), under checkpointing `flavour`: its result and the parameters' gradients."""
+    w_lp, w_ent = weights
+
+    def loss_fn(out, rows):
+        loss = (w_lp[rows] * out.log_probs).sum() + (w_ent[rows] * out.entropy).sum()
+        return loss + aux_coef * out.aux_loss if aux_coef is not None else loss
+
+    model = actor.model
+    model.zero_grad(set_to_none=True)
+    with checkpointed(model, flavour):
+        res = prompt_once_step(
+            actor,
+            batch,
+            loss_fn,
+            budget,
+            temperature,
+            True,
+            parts=parts,
+            router_aux_loss=aux_coef is not None,
+            wave_tokens=wave_tokens,
+        )
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return res, grads

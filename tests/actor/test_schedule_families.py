@@ -5,7 +5,7 @@ checkpointing off and on, and a planted bug that fails."""
 
 import pytest
 import torch
-from helpers import GRAD_RTOL, LP_ATOL, mixed_batch, rows_alone_reference
+from helpers import GRAD_RTOL, LP_ATOL, mixed_batch, prompt_once_run, rows_alone_reference
 from versions import QWEN3_NEXT_ADAPTABLE, QWEN3_NEXT_REASON
 
 from zorro_core import DeduplicatedActor
@@ -14,7 +14,6 @@ from zorro_core.actor.schedule import Groups, PromptNodes, cut_every_group, prom
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.moe import load_balancing_loss
 from zorro_core.plan.batch import RolloutBatch
-from zorro_core.stack.checkpointing import checkpointed
 from zorro_core.verify.delta_rule import exact_delta_rule
 from zorro_core.verify.reference import max_rel_grad_error, token_weights
 
@@ -44,21 +43,7 @@ def unique_prefixes(prompts) -> int:
 
 
 def run(actor, batch, weights, parts, flavour=None, aux_coef=None):
-    w_lp, w_ent = weights
-
-    def loss_fn(out, rows):
-        loss = (w_lp[rows] * out.log_probs).sum() + (w_ent[rows] * out.entropy).sum()
-        return loss + aux_coef * out.aux_loss if aux_coef is not None else loss
-
-    model = actor.model
-    model.zero_grad(set_to_none=True)
-    with checkpointed(model, flavour):
-        res = prompt_once_step(
-            actor, batch, loss_fn, None, TEMPERATURE, True, parts=parts, router_aux_loss=aux_coef is not None
-        )
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return res, grads
+    return prompt_once_run(actor, batch, weights, TEMPERATURE, None, flavour, parts, None, aux_coef)
 
 
 def errors(res, grads, ref):

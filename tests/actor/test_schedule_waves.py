@@ -6,7 +6,7 @@ the next wave's prompts; a chunk's keys not seeing the chunks before it."""
 
 import pytest
 import torch
-from helpers import GRAD_RTOL, LP_ATOL, rows_alone_reference
+from helpers import GRAD_RTOL, LP_ATOL, prompt_once_run, rows_alone_reference
 from versions import QWEN3_NEXT_ADAPTABLE, QWEN3_NEXT_REASON
 
 from zorro_core import DeduplicatedActor
@@ -45,29 +45,7 @@ def wave_batch(prompts=PROMPTS, group_of_row=GROUP_OF_ROW) -> RolloutBatch:
 
 
 def run(actor, batch, weights, budget, flavour=None, parts=None, wave_tokens=None, aux_coef=None):
-    w_lp, w_ent = weights
-
-    def loss_fn(out, rows):
-        loss = (w_lp[rows] * out.log_probs).sum() + (w_ent[rows] * out.entropy).sum()
-        return loss + aux_coef * out.aux_loss if aux_coef is not None else loss
-
-    model = actor.model
-    model.zero_grad(set_to_none=True)
-    with checkpointed(model, flavour):
-        res = prompt_once_step(
-            actor,
-            batch,
-            loss_fn,
-            budget,
-            TEMPERATURE,
-            True,
-            parts=parts,
-            router_aux_loss=aux_coef is not None,
-            wave_tokens=wave_tokens,
-        )
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return res, grads
+    return prompt_once_run(actor, batch, weights, TEMPERATURE, budget, flavour, parts, wave_tokens, aux_coef)
 
 
 def assert_exact(res, grads, ref):
