@@ -47,6 +47,12 @@ def engine_step(engine, padded, rows: int, loss_fn, phase: str, use_remove_paddi
         use_remove_padding=use_remove_padding,
         micro_batch_size_per_gpu=rows,
     )
+    return engine_pass(engine, data, loss_fn, phase)
+
+
+def engine_pass(engine, data, loss_fn, phase: str) -> float:
+    """Seconds of one verl engine pass over the engine batch `data`: "infer" (log-probs + entropy) or
+    "train" (forward, verl's loss, backward)."""
     t0 = time.perf_counter()
     if phase == "infer":
         with engine.eval_mode(disable_auto_offload=True):

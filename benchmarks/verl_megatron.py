@@ -28,7 +28,6 @@ import functools
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 PHASES = ("infer", "train")
@@ -47,7 +46,7 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     from zorro_core.models.presets import preset_config
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from verl_engine import actor_checkpoint, rollout
+    from verl_engine import actor_checkpoint, engine_pass, rollout
 
     torch.set_num_threads(args.threads)
     config = preset_config(args.preset)
@@ -68,15 +67,7 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
             padded, temperature=1.0, calculate_entropy=True, use_remove_padding=True, micro_batch_size_per_gpu=rows
         )
         dist.barrier()
-        t0 = time.perf_counter()
-        if phase == "infer":
-            with engine.eval_mode(disable_auto_offload=True):
-                engine.infer_batch(data)
-        else:
-            engine.optimizer_zero_grad()
-            with engine.train_mode(disable_auto_offload=True):
-                engine.forward_backward_batch(data, loss_fn, forward_only=False)
-        seconds = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+        seconds = torch.tensor(engine_pass(engine, data, loss_fn, phase), dtype=torch.float64)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         return float(seconds)
 

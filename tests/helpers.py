@@ -3,14 +3,20 @@
 Plain functions live here (test files import them); fixtures live in conftest.py.
 """
 
+import contextlib
+from typing import Iterator
+
 import pytest
 import torch
 from versions import QWEN3_NEXT_ADAPTABLE, QWEN3_NEXT_REASON
 
 from zorro_core import RolloutBatch, create_dummy_batch
+from zorro_core.actor.schedule import prompt_once_step
 from zorro_core.models.linear_attention import LINEAR_LAYER_TYPES
+from zorro_core.models.moe import load_balancing_loss
 from zorro_core.models.presets import PRESETS
 from zorro_core.models.registry import FAMILIES
+from zorro_core.stack.checkpointing import checkpointed
 from zorro_core.verify.reference import actor_run, max_rel_grad_error
 from zorro_core.verify.tolerances import GRAD_RTOL
 from zorro_core.verify.tolerances import LOGPROB_ATOL as LP_ATOL
@@ -70,3 +76,84 @@ def _tiny_preset(name: str):
 
 # Every test shape of every family the registry serves (a family added there is tested here too).
 TINY_PRESETS = [_tiny_preset(name) for name in PRESETS if name.startswith("tiny-")]
+
+
+def rows_alone_reference(model, batch, weights, temperature, parts=None, aux_coef=None):
+    """Each row alone through the unmodified model (float64 in the tests): log-probs, entropy, the
+    gradient of sum(w * log-probs) + sum(w' * entropy) (+ aux_coef * each part's router aux loss over
+    its rows' tokens, each row's prompt counted in full: the plain per-micro-batch computation's), and
+    each part's aux loss."""
+    prompts, responses = batch.to_lists()
+    b, r = batch.responses.shape
+    lp_out, ent_out = torch.zeros(b, r, dtype=torch.float64), torch.zeros(b, r, dtype=torch.float64)
+    model.zero_grad(set_to_none=True)
+    loss, routers = 0.0, []
+    for i, (p, resp) in enumerate(zip(prompts, responses)):
+        out = model(input_ids=torch.tensor([p + resp]), use_cache=False, output_router_logits=aux_coef is not None)
+        logp = torch.log_softmax(out.logits[0, len(p) - 1 : len(p) - 1 + len(resp)] / temperature, -1)
+        lp = logp.gather(-1, torch.tensor(resp)[:, None]).squeeze(-1)
+        ent = -(logp.exp() * logp).sum(-1)
+        loss = loss + (weights[0][i, : len(resp)] * lp).sum() + (weights[1][i, : len(resp)] * ent).sum()
+        lp_out[i, : len(resp)], ent_out[i, : len(resp)] = lp.detach(), ent.detach()
+        routers.append(out.router_logits if aux_coef is not None else None)
+    auxes = []
+    if aux_coef is not None:
+        cfg = model.config
+        for part in parts:
+            layers = [torch.cat([routers[row][layer] for row in part]) for layer in range(len(routers[0]))]
+            auxes.append(load_balancing_loss(layers, cfg.num_experts, cfg.num_experts_per_tok))
+            loss = loss + aux_coef * auxes[-1]
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return lp_out, ent_out, grads, [float(a.detach()) for a in auxes]
+
+
+@contextlib.contextmanager
+def counting_reduce_scatters() -> Iterator[list[int]]:
+    """Within: each call of FSDP2's foreach_reduce (a parameter group's gradients in one
+    reduce-scatter) appends to the list yielded."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    calls: list[int] = []
+    real = _fsdp_param_group.foreach_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    _fsdp_param_group.foreach_reduce = counting
+    try:
+        yield calls
+    finally:
+        _fsdp_param_group.foreach_reduce = real
+
+
+def prompt_once_run(
+    actor, batch, weights, temperature, budget=None, flavour=None, parts=None, wave_tokens=None, aux_coef=None
+):
+    """One prompt_once_step of `actor` on the loss sum(w * log-probs) + sum(w' * entropy) (+ aux_coef *
+    the router aux loss), under checkpointing `flavour`: its result and the parameters' gradients."""
+    w_lp, w_ent = weights
+
+    def loss_fn(out, rows):
+        loss = (w_lp[rows] * out.log_probs).sum() + (w_ent[rows] * out.entropy).sum()
+        return loss + aux_coef * out.aux_loss if aux_coef is not None else loss
+
+    model = actor.model
+    model.zero_grad(set_to_none=True)
+    with checkpointed(model, flavour):
+        res = prompt_once_step(
+            actor,
+            batch,
+            loss_fn,
+            budget,
+            temperature,
+            True,
+            parts=parts,
+            router_aux_loss=aux_coef is not None,
+            wave_tokens=wave_tokens,
+        )
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return res, grads

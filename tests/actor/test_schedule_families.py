@@ -5,7 +5,7 @@ checkpointing off and on, and a planted bug that fails."""
 
 import pytest
 import torch
-from helpers import GRAD_RTOL, LP_ATOL, mixed_batch
+from helpers import GRAD_RTOL, LP_ATOL, mixed_batch, prompt_once_run, rows_alone_reference
 from versions import QWEN3_NEXT_ADAPTABLE, QWEN3_NEXT_REASON
 
 from zorro_core import DeduplicatedActor
@@ -14,7 +14,6 @@ from zorro_core.actor.schedule import Groups, PromptNodes, cut_every_group, prom
 from zorro_core.errors import UnsupportedModelError
 from zorro_core.models.moe import load_balancing_loss
 from zorro_core.plan.batch import RolloutBatch
-from zorro_core.stack.checkpointing import checkpointed
 from zorro_core.verify.delta_rule import exact_delta_rule
 from zorro_core.verify.reference import max_rel_grad_error, token_weights
 
@@ -43,52 +42,8 @@ def unique_prefixes(prompts) -> int:
     return len({tuple(p[: i + 1]) for p in prompts for i in range(len(p))})
 
 
-def reference(model, batch, weights, parts, aux_coef=None):
-    """Each row alone through the unmodified model in float64: log-probs, entropy, and the gradient of
-    sum(w * log-probs) + sum(w' * entropy) (+ aux_coef * each part's router aux loss over its rows'
-    tokens, each row's prompt counted in full: the plain per-micro-batch computation's)."""
-    prompts, responses = batch.to_lists()
-    b, r = batch.responses.shape
-    lp_out, ent_out = torch.zeros(b, r, dtype=torch.float64), torch.zeros(b, r, dtype=torch.float64)
-    model.zero_grad(set_to_none=True)
-    loss, routers = 0.0, []
-    for i, (p, resp) in enumerate(zip(prompts, responses)):
-        out = model(input_ids=torch.tensor([p + resp]), use_cache=False, output_router_logits=aux_coef is not None)
-        logp = torch.log_softmax(out.logits[0, len(p) - 1 : len(p) - 1 + len(resp)] / TEMPERATURE, -1)
-        lp = logp.gather(-1, torch.tensor(resp)[:, None]).squeeze(-1)
-        ent = -(logp.exp() * logp).sum(-1)
-        loss = loss + (weights[0][i, : len(resp)] * lp).sum() + (weights[1][i, : len(resp)] * ent).sum()
-        lp_out[i, : len(resp)], ent_out[i, : len(resp)] = lp.detach(), ent.detach()
-        routers.append(out.router_logits if aux_coef is not None else None)
-    auxes = []
-    if aux_coef is not None:
-        cfg = model.config
-        for part in parts:
-            layers = [torch.cat([routers[row][layer] for row in part]) for layer in range(len(routers[0]))]
-            auxes.append(load_balancing_loss(layers, cfg.num_experts, cfg.num_experts_per_tok))
-            loss = loss + aux_coef * auxes[-1]
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return lp_out, ent_out, grads, [float(a.detach()) for a in auxes]
-
-
 def run(actor, batch, weights, parts, flavour=None, aux_coef=None):
-    w_lp, w_ent = weights
-
-    def loss_fn(out, rows):
-        loss = (w_lp[rows] * out.log_probs).sum() + (w_ent[rows] * out.entropy).sum()
-        return loss + aux_coef * out.aux_loss if aux_coef is not None else loss
-
-    model = actor.model
-    model.zero_grad(set_to_none=True)
-    with checkpointed(model, flavour):
-        res = prompt_once_step(
-            actor, batch, loss_fn, None, TEMPERATURE, True, parts=parts, router_aux_loss=aux_coef is not None
-        )
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return res, grads
+    return prompt_once_run(actor, batch, weights, TEMPERATURE, None, flavour, parts, None, aux_coef)
 
 
 def errors(res, grads, ref):
@@ -114,7 +69,7 @@ def cached_reference(tiny_models, name, aux_coef=None, **overrides):
         batch = trie_batch()
         w = token_weights(batch, seed=5)
         parts = cut(batch)
-        _REFS[key] = (batch, w, parts, reference(model, batch, w, parts, aux_coef))
+        _REFS[key] = (batch, w, parts, rows_alone_reference(model, batch, w, TEMPERATURE, parts, aux_coef))
     return _REFS[key]
 
 
@@ -133,7 +88,7 @@ def trie_reference(tiny_models, name):
         w = token_weights(batch, seed=5)
         parts = cut(batch)
         with exact_delta_rule(model):
-            _REFS[key] = (batch, w, parts, reference(model, batch, w, parts))
+            _REFS[key] = (batch, w, parts, rows_alone_reference(model, batch, w, TEMPERATURE, parts))
     return _REFS[key]
 
 
@@ -310,7 +265,7 @@ def linear_reference(tiny_models, name, aux_coef=None, **overrides):
         w = token_weights(batch, seed=5)
         parts = cut(batch)
         with exact_delta_rule(model):
-            _REFS[key] = (batch, w, parts, reference(model, batch, w, parts, aux_coef))
+            _REFS[key] = (batch, w, parts, rows_alone_reference(model, batch, w, TEMPERATURE, parts, aux_coef))
     return _REFS[key]
 
 

@@ -6,14 +6,13 @@ the next wave's prompts; a chunk's keys not seeing the chunks before it."""
 
 import pytest
 import torch
-from helpers import GRAD_RTOL, LP_ATOL
+from helpers import GRAD_RTOL, LP_ATOL, prompt_once_run, rows_alone_reference
 from versions import QWEN3_NEXT_ADAPTABLE, QWEN3_NEXT_REASON
 
 from zorro_core import DeduplicatedActor
 from zorro_core.actor.schedule import prompt_once_logprobs, prompt_once_step
-from zorro_core.actor.waves import WaveWarning, plan_waves
+from zorro_core.actor.waves import WaveWarning
 from zorro_core.attention import external
-from zorro_core.models.moe import load_balancing_loss
 from zorro_core.plan.batch import RolloutBatch
 from zorro_core.stack.checkpointing import checkpointed
 from zorro_core.verify.delta_rule import exact_delta_rule
@@ -45,57 +44,8 @@ def wave_batch(prompts=PROMPTS, group_of_row=GROUP_OF_ROW) -> RolloutBatch:
     return RolloutBatch.from_lists([prompts[i] for i in group_of_row], responses)
 
 
-def reference(model, batch, weights, parts=None, aux_coef=None):
-    """Each row alone through the unmodified model: log-probs, entropy and the gradient of
-    sum(w * log-probs) + sum(w' * entropy) (+ aux_coef * each part's router aux loss over its rows)."""
-    prompts, responses = batch.to_lists()
-    b, r = batch.responses.shape
-    lp_out, ent_out = torch.zeros(b, r, dtype=torch.float64), torch.zeros(b, r, dtype=torch.float64)
-    model.zero_grad(set_to_none=True)
-    loss, routers = 0.0, []
-    for i, (p, resp) in enumerate(zip(prompts, responses)):
-        out = model(input_ids=torch.tensor([p + resp]), use_cache=False, output_router_logits=aux_coef is not None)
-        logp = torch.log_softmax(out.logits[0, len(p) - 1 : len(p) - 1 + len(resp)] / TEMPERATURE, -1)
-        lp = logp.gather(-1, torch.tensor(resp)[:, None]).squeeze(-1)
-        ent = -(logp.exp() * logp).sum(-1)
-        loss = loss + (weights[0][i, : len(resp)] * lp).sum() + (weights[1][i, : len(resp)] * ent).sum()
-        lp_out[i, : len(resp)], ent_out[i, : len(resp)] = lp.detach(), ent.detach()
-        routers.append(out.router_logits if aux_coef is not None else None)
-    if aux_coef is not None:
-        cfg = model.config
-        for part in parts:
-            layers = [torch.cat([routers[row][layer] for row in part]) for layer in range(len(routers[0]))]
-            loss = loss + aux_coef * load_balancing_loss(layers, cfg.num_experts, cfg.num_experts_per_tok)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return lp_out, ent_out, grads
-
-
 def run(actor, batch, weights, budget, flavour=None, parts=None, wave_tokens=None, aux_coef=None):
-    w_lp, w_ent = weights
-
-    def loss_fn(out, rows):
-        loss = (w_lp[rows] * out.log_probs).sum() + (w_ent[rows] * out.entropy).sum()
-        return loss + aux_coef * out.aux_loss if aux_coef is not None else loss
-
-    model = actor.model
-    model.zero_grad(set_to_none=True)
-    with checkpointed(model, flavour):
-        res = prompt_once_step(
-            actor,
-            batch,
-            loss_fn,
-            budget,
-            TEMPERATURE,
-            True,
-            parts=parts,
-            router_aux_loss=aux_coef is not None,
-            wave_tokens=wave_tokens,
-        )
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return res, grads
+    return prompt_once_run(actor, batch, weights, TEMPERATURE, budget, flavour, parts, wave_tokens, aux_coef)
 
 
 def assert_exact(res, grads, ref):
@@ -116,9 +66,9 @@ def cached(tiny_models, name, make=wave_batch, linear=False):
         w = token_weights(batch, seed=5)
         if linear:
             with exact_delta_rule(model):
-                _REFS[key] = (batch, w, reference(model, batch, w))
+                _REFS[key] = (batch, w, rows_alone_reference(model, batch, w, TEMPERATURE))
         else:
-            _REFS[key] = (batch, w, reference(model, batch, w))
+            _REFS[key] = (batch, w, rows_alone_reference(model, batch, w, TEMPERATURE))
     return _REFS[key]
 
 
@@ -248,20 +198,12 @@ def test_prefix_trie_in_waves_and_chunks(tiny_models, flavour):
 
 
 def _trie_plans(batch, budget, bound):
-    from zorro_core.actor.schedule import Groups, PromptNodes, _row_order
+    from zorro_core.actor.schedule import Groups, PromptNodes, plan_batch_waves
 
     groups = Groups.of(batch)
     nodes = PromptNodes.of(groups.prompts, "prefix", torch.device("cpu"))
-    plans = plan_waves(
-        groups.prompts,
-        groups.group_of_row,
-        groups.response_lens,
-        _row_order(groups, nodes.rank),
-        budget,
-        bound,
-        None,
-        True,
-    )
+    assert nodes.trie
+    plans = plan_batch_waves(groups, nodes, budget, bound)
     for plan in plans:  # the planner's count is the distinct prefixes of the wave's prompts
         prompts = {tuple(groups.prompts[groups.group_of_row[r]]) for r in plan.rows}
         assert plan.prompt_tokens == len({p[: i + 1] for p in prompts for i in range(len(p))})
@@ -274,7 +216,9 @@ def test_moe_aux_loss_in_waves_and_chunks(tiny_models, flavour):
     batch = wave_batch()
     w = token_weights(batch, seed=5)
     res, grads = run(DeduplicatedActor(model=model), batch, w, budget=5, flavour=flavour, wave_tokens=10, aux_coef=0.37)
-    ref = reference(model, batch, w, res.parts, aux_coef=0.37)  # the plain aux of the parts the schedule ran
+    ref = rows_alone_reference(
+        model, batch, w, TEMPERATURE, res.parts, aux_coef=0.37
+    )  # the plain aux of the parts the schedule ran
     assert_exact(res, grads, ref)
     assert max(res.phase1_calls) <= 5 and len(res.aux_losses) == len(res.parts)
 
@@ -346,13 +290,9 @@ def test_bad_wave_bound_is_refused(tiny_models):
 # ---------------------------------------------------------------- phase 1's graph on the host
 
 
-@pytest.mark.parametrize("flavour", [None, "non-reentrant", "reentrant"])
-@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-deepseek-v3", "tiny-qwen3-moe"])
-def test_offloaded_phase1_graph_exact(tiny_models, name, flavour):
-    """Phase 1's saved tensors copied to the host (real copies on CPU) and back in phase 3, in waves
-    and chunks: exact; the copies happened (host bytes counted)."""
-    batch, w, ref = cached(tiny_models, name)
-    model = tiny_models(name)
+def offloaded_step(model, batch, w, flavour=None):
+    """A prompt-once step (budget 5, waves of 13 prompt tokens) with phase 1's graph offloaded to the
+    host: its result and the parameters' gradients."""
     model.zero_grad(set_to_none=True)
     with checkpointed(model, flavour):
         res = prompt_once_step(
@@ -367,6 +307,16 @@ def test_offloaded_phase1_graph_exact(tiny_models, name, flavour):
         )
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
+    return res, grads
+
+
+@pytest.mark.parametrize("flavour", [None, "non-reentrant", "reentrant"])
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-deepseek-v3", "tiny-qwen3-moe"])
+def test_offloaded_phase1_graph_exact(tiny_models, name, flavour):
+    """Phase 1's saved tensors copied to the host (real copies on CPU) and back in phase 3, in waves
+    and chunks: exact; the copies happened (host bytes counted)."""
+    batch, w, ref = cached(tiny_models, name)
+    res, grads = offloaded_step(tiny_models(name), batch, w, flavour)
     assert_exact(res, grads, ref)
     assert res.host_bytes > 0 and all(wv.host_bytes > 0 for wv in res.waves)
     assert max(res.phase1_calls) <= 5
@@ -404,20 +354,7 @@ def test_an_offloaded_tensor_restored_from_another_layer_is_caught(tiny_models, 
 
     monkeypatch.setattr(offload.HostOffload, "pack", pack)
     monkeypatch.setattr(offload.HostOffload, "unpack", unpack)
-    model = tiny_models("tiny-qwen3")
-    model.zero_grad(set_to_none=True)
-    res = prompt_once_step(
-        DeduplicatedActor(model=model),
-        batch,
-        lambda out, rows: (w[0][rows] * out.log_probs).sum() + (w[1][rows] * out.entropy).sum(),
-        5,
-        TEMPERATURE,
-        True,
-        wave_tokens=13,
-        offload=True,
-    )
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
+    res, grads = offloaded_step(tiny_models("tiny-qwen3"), batch, w)
     assert (res.log_probs - ref[0]).abs().max().item() < LP_ATOL  # the forward is untouched
     err, _ = max_rel_grad_error(grads, ref[2])
     assert err > 1e-2

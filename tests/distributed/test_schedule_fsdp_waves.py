@@ -100,22 +100,11 @@ def unequal_case(seed: int) -> dict:
     _sum_reduction(model, explicit_sum=True)
     actor = DeduplicatedActor(model=model, attn_implementation="sdpa")
     options = {"budget": 2, "wave_tokens": 12} if rank == 0 else {"parts": [list(range(len(rows)))]}
-    # FSDP2 reduces a parameter group's gradients in foreach_reduce (one reduce-scatter each).
+    from helpers import counting_reduce_scatters
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-    calls = []
-    real = _fsdp_param_group.foreach_reduce
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    _fsdp_param_group.foreach_reduce = counting
-    try:
+    with counting_reduce_scatters() as calls:
         out["mine"] = _run(model, actor, batch, w, rows, n, options, True)
-    finally:
-        _fsdp_param_group.foreach_reduce = real
     out["reduce_scatters"] = len(calls)
     out["fsdp_groups"] = sum(isinstance(m, FSDPModule) for m in model.modules())
     return out

@@ -46,6 +46,18 @@ def _run(code: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+def _without(package: str) -> str:
+    """Code that makes every import of `package` (and its submodules) fail as when it is not installed."""
+    return (
+        "import sys\n"
+        "class Blocker:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] == {package!r}:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Blocker())\n"
+    )
+
+
 def _module(name: str):
     """The module in sys.modules (tests/integrations/test_integration_import_guards.py reimports the integrations and
     puts sys.modules back, not the attributes of their parent packages: `from package import module`
@@ -186,13 +198,7 @@ def test_the_trainer_free_parts_import_without_their_trainers():
 
 def test_the_openrlhf_package_refuses_a_missing_openrlhf_when_its_actor_is_read():
     code = (
-        "import sys\n"
-        "class Blocker:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] == 'openrlhf':\n"
-        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-        "sys.meta_path.insert(0, Blocker())\n"
-        "import zorro_core.integrations.openrlhf\n"
+        _without("openrlhf") + "import zorro_core.integrations.openrlhf\n"
         "try:\n"
         "    from zorro_core.integrations.openrlhf import DedupActor\n"
         "except ModuleNotFoundError as e:\n"
@@ -286,13 +292,7 @@ def test_serve_critic_is_read_from_the_openrlhf_package_with_the_install_line_wh
 
     assert "serve_critic" in package.__all__
     code = (
-        "import sys\n"
-        "class Blocker:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] == 'openrlhf':\n"
-        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-        "sys.meta_path.insert(0, Blocker())\n"
-        "try:\n"
+        _without("openrlhf") + "try:\n"
         "    from zorro_core.integrations.openrlhf import serve_critic\n"
         "except ModuleNotFoundError as e:\n"
         "    print(e.name, '|', e)\n"
@@ -304,13 +304,7 @@ def test_serve_critic_is_read_from_the_openrlhf_package_with_the_install_line_wh
 def test_the_verl_schedule_module_without_verl_gives_the_install_line():
     """Issue 60: `import zorro_core.integrations.verl.schedule` without verl was a bare ModuleNotFoundError."""
     code = (
-        "import sys\n"
-        "class Blocker:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] == 'verl':\n"
-        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-        "sys.meta_path.insert(0, Blocker())\n"
-        "try:\n"
+        _without("verl") + "try:\n"
         "    import zorro_core.integrations.verl.schedule\n"
         "except ModuleNotFoundError as e:\n"
         "    print(e.name, '|', e)\n"

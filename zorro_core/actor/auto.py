@@ -71,9 +71,8 @@ def choose_schedule(
     `schedule_parts`: each path's micro-batches when the trainer fixes them (default: the library's
     at the budget)."""
     from zorro_core.actor.microbatch import micro_batch_partition
-    from zorro_core.actor.schedule import Groups, PromptNodes, _row_order, phase1_cuts, schedule_refusal
+    from zorro_core.actor.schedule import Groups, PromptNodes, phase1_cuts, plan_batch_waves, schedule_refusal
     from zorro_core.actor.self_check import compute_dtype
-    from zorro_core.actor.waves import plan_waves
     from zorro_core.models.registry import model_shape
     from zorro_core.plan.balance import select_rows
     from zorro_core.plan.cost import flops, plan_workload
@@ -105,16 +104,7 @@ def choose_schedule(
     groups = Groups.of(batch)
     nodes = PromptNodes.of(groups.prompts, actor.config.sharing, torch.device("cpu"))
     bound = wave_tokens if wave_tokens is not None else max_tokens
-    plans = plan_waves(
-        groups.prompts,
-        groups.group_of_row,
-        groups.response_lens,
-        _row_order(groups, nodes.rank),
-        max_tokens,
-        bound,
-        schedule_parts,
-        nodes.trie,
-    )
+    plans = plan_batch_waves(groups, nodes, max_tokens, bound, schedule_parts)
     linear = actor.parts.num_linear_layers > 0
     chunks = [b - a for p in plans for a, b in phase1_cuts(p.prompt_tokens, max_tokens, None, linear)]
     responses = [int(rmask[part].sum()) for p in plans for part in p.parts]

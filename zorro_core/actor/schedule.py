@@ -54,7 +54,14 @@ from zorro_core.actor.self_check import (
     raise_own,
     sharded,
 )
-from zorro_core.actor.waves import WaveStats, agree_plan, plan_waves, warn_oversize
+from zorro_core.actor.waves import (
+    WavePlan,
+    WaveStats,
+    agree_plan,
+    cut_by_response_tokens,
+    plan_waves,
+    warn_oversize,
+)
 from zorro_core.attention.backends import BACKENDS
 from zorro_core.attention.external import KeptPrefix, KeyRegion
 from zorro_core.attention.external_linear import KeptLinear
@@ -156,25 +163,34 @@ def _row_order(groups: Groups, rank: Optional[Sequence[int]]) -> list[int]:
     return sorted(range(len(groups.group_of_row)), key=lambda r: (key[groups.group_of_row[r]], r))
 
 
+def plan_batch_waves(
+    groups: Groups,
+    nodes: PromptNodes,
+    max_tokens: Optional[int],
+    wave_tokens: Optional[int],
+    parts: Optional[Sequence[Sequence[int]]] = None,
+) -> list[WavePlan]:
+    """`plan_waves` of a batch's `groups`, rows in `nodes`' order (a trie's depth-first order), the
+    trie's prefixes counted once where `nodes` is one."""
+    return plan_waves(
+        groups.prompts,
+        groups.group_of_row,
+        groups.response_lens,
+        _row_order(groups, nodes.rank),
+        max_tokens,
+        wave_tokens,
+        parts,
+        nodes.trie,
+    )
+
+
 def response_micro_batches(
     groups: Groups, max_tokens: Optional[int], rank: Optional[Sequence[int]] = None
 ) -> list[list[int]]:
     """Rows in group order (by `rank` of each group when given: a trie's depth-first order), cut
     greedily when the next row would pass `max_tokens` response tokens (a row longer than the
     budget alone is a micro-batch). None: one micro-batch."""
-    order = _row_order(groups, rank)
-    if max_tokens is None:
-        return [order]
-    parts: list[list[int]] = [[]]
-    used = 0
-    for r in order:
-        n = groups.response_lens[r]
-        if parts[-1] and used + n > max_tokens:
-            parts.append([])
-            used = 0
-        parts[-1].append(r)
-        used += n
-    return parts
+    return cut_by_response_tokens(_row_order(groups, rank), groups.response_lens, max_tokens)
 
 
 def cut_every_group(groups: Groups, rank: Optional[Sequence[int]] = None) -> list[list[int]]:
@@ -328,16 +344,7 @@ def _checked_step(
     explicit = _check_parts(parts, batch.batch_size) if parts is not None else None
     bound = int(wave_tokens) if wave_tokens is not None else max_tokens_per_micro_batch
     budget = int(max_tokens_per_micro_batch) if max_tokens_per_micro_batch is not None else None
-    plans = plan_waves(
-        groups.prompts,
-        groups.group_of_row,
-        groups.response_lens,
-        _row_order(groups, nodes.rank),
-        budget,
-        None if bound is None else int(bound),
-        explicit,
-        nodes.trie,
-    )
+    plans = plan_batch_waves(groups, nodes, budget, None if bound is None else int(bound), explicit)
     warn_oversize(plans, bound)
     aux = wants_router_logits(actor.parts, actor.model.config, router_aux_loss)
     failed = self_check(actor, batch, temperature)

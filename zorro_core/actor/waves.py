@@ -170,13 +170,16 @@ def plan_waves(
     for tokens, unit_parts, oversize in waves:
         if parts is None:  # the wave's rows, cut by the budget in response tokens
             rows = [r for p in unit_parts for r in p]
-            unit_parts = _cut(rows, response_lens, max_tokens)
+            unit_parts = cut_by_response_tokens(rows, response_lens, max_tokens)
         plans.append(WavePlan([r for p in unit_parts for r in p], unit_parts, tokens.total, oversize))
     return plans
 
 
-def _cut(rows: Sequence[int], response_lens: Sequence[int], max_tokens: Optional[int]) -> list[list[int]]:
-    """Rows cut greedily when the next would pass `max_tokens` response tokens (a longer row alone)."""
+def cut_by_response_tokens(
+    rows: Sequence[int], response_lens: Sequence[int], max_tokens: Optional[int]
+) -> list[list[int]]:
+    """`rows` in their order, cut greedily when the next would pass `max_tokens` response tokens (a
+    row longer than the budget alone is a micro-batch). None: one micro-batch."""
     if max_tokens is None:
         return [list(rows)]
     parts: list[list[int]] = [[]]

@@ -285,21 +285,10 @@ def distributed_case(path: str, seed: int, which=("verl", "zorro"), mb: str = "f
     if "zorro" in which:
         _schedule_engine(zorro_engine)
         out["zorro train=False"] = _run(zorro_engine, padded, rows, False, **dict(meta))[:3]
-        # FSDP2 reduces a parameter group's gradients in foreach_reduce (one reduce-scatter each).
-        from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+        from helpers import counting_reduce_scatters
 
-        calls = []
-        real = _fsdp_param_group.foreach_reduce
-
-        def counting(*args, **kwargs):
-            calls.append(1)
-            return real(*args, **kwargs)
-
-        _fsdp_param_group.foreach_reduce = counting
-        try:
+        with counting_reduce_scatters() as calls:
             (res, metrics) = _run_with_metrics(zorro_engine, padded, rows, True, **dict(meta))
-        finally:
-            _fsdp_param_group.foreach_reduce = real
         out["zorro train=True"] = res[:3]
         out["reduce_scatters"] = len(calls)
         out["metrics"] = metrics
