@@ -152,7 +152,7 @@ OPTIONAL = {
     "megatron": tuple(
         f"zorro_core.integrations.verl.{m}" for m in ("megatron_engine", "cpu_megatron", "needs_megatron")
     ),
-    "trl": ("zorro_core.integrations.trl", "zorro_core.integrations.trl.trainer"),
+    "trl": ("zorro_core.integrations.trl", "zorro_core.integrations.trl.trainer", "zorro_core.integrations.trl.window"),
     "openrlhf": (
         "zorro_core.integrations.openrlhf.actor",
         "zorro_core.integrations.openrlhf.batching",
