@@ -370,6 +370,7 @@ def _checked_step(
             aux,
             on_prompts_backward,
             offload,
+            nodes,
         )
     except BaseException as e:
         for p in fresh:
@@ -407,10 +408,22 @@ def _note_kept_gradients(error: BaseException, actor: Any, at: int, parts: int, 
 
 
 def _waves(
-    actor, batch, loss_fn, groups, plans, budget, temperature, calculate_entropy, aux, on_prompts_backward, offload=None
+    actor,
+    batch,
+    loss_fn,
+    groups,
+    plans,
+    budget,
+    temperature,
+    calculate_entropy,
+    aux,
+    on_prompts_backward,
+    offload=None,
+    nodes=None,
 ) -> ScheduleOutput:
     """Phases 1-3 per wave (zorro_core.actor.waves), gradients accumulating across them; under FSDP
-    the ranks first agree on their waves' collectives (agree_plan), padding with zero-loss work."""
+    the ranks first agree on their waves' collectives (agree_plan), padding with zero-loss work.
+    `nodes`: the batch's PromptNodes, reused (with `groups`) by a wave that is the whole batch in order."""
     dev, sharing = actor.device, actor.config.sharing
     linear = actor.parts.num_linear_layers > 0
     own = [(len(phase1_cuts(p.prompt_tokens, budget, None, linear)), len(p.parts), p.prompt_tokens) for p in plans]
@@ -430,11 +443,16 @@ def _waves(
         real = i < len(plans)
         plan = plans[i] if real else None
         wave_rows = plan.rows if plan is not None else [longest]
-        sub = select_rows(batch, wave_rows)
         local = {row: j for j, row in enumerate(wave_rows)}
         sub_parts = [[local[row] for row in p] for p in plan.parts] if plan is not None else [[0]]
-        sub_groups = Groups.of(sub)
-        sub_nodes = PromptNodes.of(sub_groups.prompts, sharing, dev)
+        if nodes is not None and list(wave_rows) == list(range(b)):
+            # One wave of the whole batch in its order (no budget, or all of it under the bound): the
+            # batch's groups and trie are this wave's; walking its rows again would only repeat them.
+            sub, sub_groups, sub_nodes = batch, groups, nodes
+        else:
+            sub = select_rows(batch, wave_rows)
+            sub_groups = Groups.of(sub)
+            sub_nodes = PromptNodes.of(sub_groups.prompts, sharing, dev)
         rows_t = torch.tensor(wave_rows, dtype=torch.long, device=dev)
         wave_loss = None if loss_fn is None else _wave_loss(loss_fn, rows_t if real else None)
         rlens = [sum(groups.response_lens[r] for r in p) for p in plan.parts] if plan is not None else [1]
